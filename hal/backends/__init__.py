@@ -1,0 +1,1 @@
+"""Built-in backends: cuda, ascend, mlu (vendor adapters) and fake (host memory)."""

@@ -1,0 +1,246 @@
+"""The ``fake`` backend plugin: host-memory VMM with real aliasing and a tape graph."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from typing import Any, ContextManager, Iterator
+
+from hal.api import AllocFn, FreeFn, hookimpl
+from hal.backends.fake import hostvm
+from hal.errors import DeviceOutOfMemoryError, DriverError, InvalidArgumentError
+from hal.types import MemInfo, fmt_bytes
+
+NAME = "fake"
+
+
+class FakeStream:
+    """A stand-in for a device stream: work on a CPU runs when it is issued."""
+
+    _ids = itertools.count()
+
+    def __init__(self) -> None:
+        self.id = next(self._ids)
+
+    def __repr__(self) -> str:
+        return f"<fake stream {self.id}>"
+
+
+class FakeBackend:
+    """Host memory made to behave like a device with virtual memory management.
+
+    Options:
+
+    * ``granularity`` -- bytes per physical chunk unit (default 2 MiB; any
+      multiple of the page size);
+    * ``capacity`` -- total physical bytes of the simulated device (default
+      16 GiB); creating past it raises :class:`hal.DeviceOutOfMemoryError`;
+    * ``device_count`` -- how many simulated devices there are (default 1).
+    """
+
+    def __init__(self, device: int = 0, *, granularity: int = 2 << 20,
+                 capacity: int = 16 << 30, device_count: int = 1) -> None:
+        def bad(arg: str, value: Any, why: str) -> InvalidArgumentError:
+            return InvalidArgumentError(f"{arg}={value!r} {why}", backend=NAME, call="get_backend")
+
+        if not isinstance(granularity, int) or granularity <= 0 or granularity % hostvm.PAGE_SIZE:
+            raise bad("granularity", granularity, f"must be a positive multiple of the page size {hostvm.PAGE_SIZE}")
+        if not isinstance(capacity, int) or capacity <= 0:
+            raise bad("capacity", capacity, "must be a positive int of bytes")
+        if not isinstance(device_count, int) or device_count < 1:
+            raise bad("device_count", device_count, "must be >= 1")
+        if device >= device_count:
+            raise bad("device", device, f"is out of range: this fake has {device_count} device(s)")
+        self.device = device
+        self._granularity = granularity
+        self._capacity = capacity
+        self._device_count = device_count
+        self._lock = threading.Lock()
+        self._used = 0
+        self._chunks: dict[int, tuple[int, int]] = {}  # handle -> (fd, size)
+        self._anon: dict[int, int] = {}  # own allocations: ptr -> size
+        self._handle_ids = itertools.count(1)
+
+    @classmethod
+    def probe(cls) -> str | None:
+        return hostvm.unavailable_reason()
+
+    # -- internal memory ---------------------------------------------------------
+
+    def _charge(self, call: str, size: int) -> None:
+        with self._lock:
+            if self._used + size > self._capacity:
+                raise DeviceOutOfMemoryError(
+                    f"{fmt_bytes(size)} requested, {fmt_bytes(self._capacity - self._used)} free "
+                    f"of capacity {fmt_bytes(self._capacity)}", backend=NAME, call=call)
+            self._used += size
+
+    def _refund(self, size: int) -> None:
+        with self._lock:
+            self._used -= size
+
+    def device_malloc(self, size: int) -> int:
+        """The fake device's own allocator (segments of non-custom pools); 0 when full."""
+        try:
+            self._charge("device_malloc", size)
+        except DeviceOutOfMemoryError:
+            return 0
+        ptr = hostvm.alloc_anonymous(size)
+        self._anon[ptr] = size
+        return ptr
+
+    def device_free(self, ptr: int, size: int) -> None:
+        hostvm.free(ptr, self._anon.pop(ptr))
+        self._refund(size)
+
+    @staticmethod
+    def _os_error(call: str, exc: OSError) -> DriverError:
+        return DriverError(exc.strerror or str(exc), backend=NAME, call=call, code=exc.errno,
+                           code_name=f"errno {exc.errno}")
+
+    # -- queries ---------------------------------------------------------------------
+
+    @hookimpl
+    def device_count(self) -> int:
+        return self._device_count
+
+    @hookimpl
+    def granularity(self, recommended: bool) -> int:
+        return self._granularity
+
+    @hookimpl
+    def mem_info(self) -> MemInfo:
+        with self._lock:
+            return MemInfo(free=self._capacity - self._used, total=self._capacity)
+
+    # -- vmm -------------------------------------------------------------------------
+
+    @hookimpl
+    def create_vir_ptr(self, size: int) -> int:
+        try:
+            return hostvm.reserve(size, self._granularity)
+        except OSError as exc:
+            raise DeviceOutOfMemoryError(f"cannot reserve {fmt_bytes(size)}: {exc.strerror}",
+                                         backend=NAME, call="create_vir_ptr") from exc
+
+    @hookimpl
+    def release_vir_ptr(self, ptr: int, size: int) -> None:
+        try:
+            hostvm.free(ptr, size)
+        except OSError as exc:
+            raise self._os_error("release_vir_ptr", exc) from exc
+
+    @hookimpl
+    def create_phy_mem_handle(self, size: int) -> int:
+        self._charge("create_phy_mem_handle", size)
+        try:
+            fd = hostvm.create_chunk(size)
+        except OSError as exc:
+            self._refund(size)
+            raise self._os_error("create_phy_mem_handle", exc) from exc
+        handle = next(self._handle_ids)
+        self._chunks[handle] = (fd, size)
+        return handle
+
+    @hookimpl
+    def release_phy_mem_handle(self, handle: int) -> None:
+        fd, size = self._chunks.pop(handle)
+        hostvm.release_chunk(fd)
+        self._refund(size)
+
+    @hookimpl
+    def map(self, ptr: int, size: int, handle: int) -> None:
+        fd, chunk_size = self._chunks[handle]
+        if size != chunk_size:  # the facade checks this too; real drivers refuse it
+            raise InvalidArgumentError(f"size={size} differs from the chunk's {chunk_size}", backend=NAME, call="map")
+        try:
+            hostvm.map_chunk(ptr, size, fd)
+        except OSError as exc:
+            raise self._os_error("map", exc) from exc
+
+    @hookimpl
+    def unmap(self, ptr: int, size: int) -> None:
+        try:
+            hostvm.unmap_chunk(ptr, size)
+        except OSError as exc:
+            raise self._os_error("unmap", exc) from exc
+
+    # -- graphs ------------------------------------------------------------------------
+
+    @hookimpl
+    def capabilities(self) -> frozenset[str]:
+        return frozenset({"graphs", "custom_pool"})
+
+    @hookimpl
+    def torch_device(self) -> Any:
+        import torch
+
+        return torch.device("cpu")
+
+    @hookimpl
+    def create_stream(self) -> FakeStream:
+        return FakeStream()
+
+    @hookimpl
+    def current_stream(self) -> FakeStream:
+        return _DEFAULT_STREAM
+
+    @hookimpl
+    def use_stream(self, stream: Any) -> ContextManager[Any]:
+        return contextlib.nullcontext(stream)
+
+    @hookimpl
+    def synchronize(self, stream: Any) -> bool:
+        return True  # CPU work is done when issued
+
+    @hookimpl
+    def create_pool(self, alloc: AllocFn | None, free: FreeFn | None) -> Any:
+        from hal.backends.fake.pool import BlockPool
+
+        if alloc is None:
+            return BlockPool(self.device_malloc, self.device_free, name="fake device pool")
+        return BlockPool(alloc, free, name="fake custom pool")  # type: ignore[arg-type]
+
+    @hookimpl
+    def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:
+        return pool.active_blocks()
+
+    @hookimpl
+    def release_pool(self, pool: Any) -> bool:
+        pool.release()
+        return True
+
+    @hookimpl
+    def create_graph(self) -> Any:
+        from hal.backends.fake.graph import FakeGraph
+
+        return FakeGraph()
+
+    @hookimpl
+    def capture(self, graph: Any, pool: Any, stream: Any, capture_error_mode: str) -> ContextManager[Any]:
+        from hal.backends.fake import graph as tape
+        from hal.backends.fake.pool import BlockPool
+
+        if pool is None:
+            pool = graph.own_pool = BlockPool(self.device_malloc, self.device_free, name="fake private pool")
+        return tape.capture(graph, pool)
+
+    @hookimpl
+    def replay(self, graph: Any) -> bool:
+        graph.replay()
+        return True
+
+    @hookimpl
+    def release_graph(self, graph: Any) -> bool:
+        graph.release()
+        return True
+
+    @hookimpl
+    def shutdown(self) -> bool:
+        for ptr, size in list(self._anon.items()):
+            self.device_free(ptr, size)
+        return True
+
+
+_DEFAULT_STREAM = FakeStream()

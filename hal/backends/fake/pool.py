@@ -1,0 +1,105 @@
+"""A caching block allocator over segments, the way torch's device pools work.
+
+Segments come from a source (the fake device's own memory, or allocator
+callbacks for a custom pool). Blocks freed go back to a free list and are
+reused by later allocations of the same pool: so a pool shared by several
+captures reuses the dead intermediates of earlier graphs, exactly the
+behaviour whose memory the benchmarks compare.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from typing import Callable
+
+from hal.errors import DeviceOutOfMemoryError, InvalidStateError
+from hal.types import fmt_bytes, round_up
+
+BLOCK_ROUND = 512
+"""Every block is a multiple of this (as in torch's caching allocator)."""
+
+
+class BlockPool:
+    """Best-fit caching allocator over segments obtained from ``source_alloc``."""
+
+    def __init__(
+        self,
+        source_alloc: Callable[[int], int],
+        source_free: Callable[[int, int], None],
+        segment_size: int = 2 << 20,
+        name: str = "pool",
+    ) -> None:
+        self._alloc = source_alloc
+        self._free = source_free
+        self.segment_size = segment_size
+        self.name = name
+        self._lock = threading.Lock()
+        self.segments: dict[int, int] = {}  # base -> size
+        self._free_blocks: list[tuple[int, int, int]] = []  # (size, ptr, segment base), sorted
+        self._used: dict[int, tuple[int, int]] = {}  # ptr -> (size, segment base)
+        self._released = False
+
+    # -- allocation ---------------------------------------------------------
+
+    def malloc(self, nbytes: int) -> int:
+        """Return the address of a block of at least ``nbytes`` bytes."""
+        size = round_up(max(nbytes, 1), BLOCK_ROUND)
+        with self._lock:
+            if self._released:
+                raise InvalidStateError(f"{self.name}: the pool was released", backend="fake", call="malloc")
+            i = bisect.bisect_left(self._free_blocks, (size, 0, 0))
+            if i == len(self._free_blocks):
+                seg_size = round_up(size, self.segment_size)
+                base = self._alloc(seg_size)
+                if not base:
+                    raise DeviceOutOfMemoryError(
+                        f"{self.name}: no memory for a segment of {fmt_bytes(seg_size)} "
+                        f"(block of {fmt_bytes(size)} requested)", backend="fake", call="malloc")
+                self.segments[base] = seg_size
+                bisect.insort(self._free_blocks, (seg_size, base, base))
+                i = bisect.bisect_left(self._free_blocks, (size, 0, 0))
+            bsize, ptr, seg = self._free_blocks.pop(i)
+            if bsize > size:
+                bisect.insort(self._free_blocks, (bsize - size, ptr + size, seg))
+            self._used[ptr] = (size, seg)
+            return ptr
+
+    def free(self, ptr: int) -> None:
+        """Give a block back; neighbours in the same segment coalesce."""
+        with self._lock:
+            if self._released:
+                return
+            size, seg = self._used.pop(ptr)
+            lo, hi = ptr, ptr + size
+            keep = []
+            for block in self._free_blocks:
+                bsize, bptr, bseg = block
+                if bseg == seg and (bptr + bsize == lo or bptr == hi):
+                    lo, hi = min(lo, bptr), max(hi, bptr + bsize)
+                else:
+                    keep.append(block)
+            bisect.insort(keep, (hi - lo, lo, seg))
+            self._free_blocks = keep
+
+    # -- queries ------------------------------------------------------------
+
+    def active_blocks(self) -> list[tuple[int, int]]:
+        with self._lock:
+            return sorted((p, s) for p, (s, _) in self._used.items())
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(self.segments.values())
+
+    def release(self) -> None:
+        """Return every segment to its source; idempotent."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            segments, self.segments = self.segments, {}
+            self._free_blocks.clear()
+            self._used.clear()
+        for base, size in segments.items():
+            self._free(base, size)

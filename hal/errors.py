@@ -1,0 +1,81 @@
+"""The one error hierarchy of hal.
+
+Every error names the backend and the contract call it came from; a
+:class:`DriverError` also keeps the native code (and its name when the
+vendor library gives one), so a user can look it up in the vendor's docs.
+"""
+
+from __future__ import annotations
+
+
+class HalError(Exception):
+    """Base class of every error raised by hal and its backends."""
+
+    def __init__(self, message: str, *, backend: str | None = None, call: str | None = None) -> None:
+        self.backend = backend
+        self.call = call
+        prefix = ".".join(p for p in (backend, call) if p)
+        super().__init__(f"{prefix}: {message}" if prefix else message)
+
+
+class InvalidArgumentError(HalError, ValueError):
+    """An argument was refused before (or by) the driver: wrong size, alignment, range."""
+
+
+class InvalidStateError(HalError):
+    """The call does not fit the object's state: double release, unmap of an unmapped range."""
+
+
+class DeviceOutOfMemoryError(HalError, MemoryError):
+    """The device (or the configured capacity of a simulated one) has no room left."""
+
+
+class BackendUnavailableError(HalError):
+    """The backend cannot be used on this machine; the message says why."""
+
+
+class PluginValidationError(HalError):
+    """A backend plugin does not fit the contract (e.g. it implements an unknown hook)."""
+
+
+class CaptureError(HalError):
+    """A graph capture failed (host synchronisation inside a capture, exhausted streams...)."""
+
+
+class DriverError(HalError):
+    """A native call failed; keeps the backend, the call and the native code."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        backend: str | None = None,
+        call: str | None = None,
+        code: int | None = None,
+        code_name: str | None = None,
+    ) -> None:
+        self.code = code
+        self.code_name = code_name
+        native = ""
+        if code is not None:
+            native = f" [{code_name} = {code}]" if code_name else f" [native code {code}]"
+        super().__init__(message + native, backend=backend, call=call)
+
+
+__all__ = [
+    "HalError",
+    "InvalidArgumentError",
+    "InvalidStateError",
+    "DeviceOutOfMemoryError",
+    "BackendUnavailableError",
+    "PluginValidationError",
+    "CaptureError",
+    "DriverError",
+]
+
+
+class UnsupportedError(HalError, NotImplementedError):
+    """The backend lacks the capability the call needs (see ``Backend.capabilities``)."""
+
+
+__all__.append("UnsupportedError")

@@ -1,0 +1,368 @@
+"""The typed facade over one backend plugin on one device."""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+import os
+import threading
+from typing import Any, ContextManager, Iterator
+
+import pluggy
+
+from hal import api
+from hal.errors import (
+    HalError,
+    InvalidArgumentError,
+    InvalidStateError,
+    PluginValidationError,
+    UnsupportedError,
+)
+from hal.types import Mapping, MemInfo, fmt_bytes
+from hal.wrappers import Accounting, FaultInjector, LiveCounts, install_tracing
+
+log = logging.getLogger("hal")
+
+
+class Backend:
+    """One backend on one device: typed, checked calls into the hal contract.
+
+    Obtain one with :func:`hal.get_backend`. Every vmm call is checked here
+    (sizes, alignment, reserved ranges, live handles, double release) before
+    the driver sees it, and the facade's bookkeeping changes only when the
+    call succeeds. ``close()`` releases whatever is still live; it is
+    idempotent, and the object is a context manager.
+    """
+
+    def __init__(self, name: str, plugin: Any, *, device: int = 0, origin: str = "built-in") -> None:
+        self.name = name
+        self.device = device
+        self.origin = origin
+        self.plugin = plugin
+        self._pm = pluggy.PluginManager("hal")
+        self._pm.add_hookspecs(api)
+        self.accounting = Accounting()
+        self.faults = FaultInjector(name)
+        self._pm.register(self.accounting, name="hal-accounting")
+        self._pm.register(self.faults, name="hal-faults")
+        try:
+            self._pm.register(plugin, name=name)
+            self._pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise PluginValidationError(f"plugin does not fit the hal contract: {exc}", backend=name) from exc
+        self._untrace = install_tracing(self._pm, name) if os.environ.get("HAL_TRACE") else None
+        self._hook = self._pm.hook
+        self._implemented = frozenset(
+            h for h in api.ALL_HOOKS
+            if any(not i.wrapper and not i.hookwrapper for i in getattr(self._hook, h).get_hookimpls())
+        )
+        self._lock = threading.RLock()
+        self._ranges: dict[int, int] = {}
+        self._range_starts: list[int] = []
+        self._handles: dict[Any, int] = {}
+        self._handle_maps: dict[Any, int] = {}
+        self._mappings: dict[int, Mapping] = {}
+        self._map_starts: list[int] = []
+        self._closed = False
+        self._granularity: int | None = None
+        self._capabilities: frozenset[str] | None = None
+
+    # -- helpers ----------------------------------------------------------
+
+    def _err(self, cls: type[HalError], call: str, message: str) -> HalError:
+        return cls(message, backend=self.name, call=call)
+
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise self._err(InvalidStateError, call, "the backend is closed")
+
+    def _check_size(self, call: str, size: Any, arg: str = "size") -> None:
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise self._err(InvalidArgumentError, call, f"{arg}={size!r} must be a positive int")
+        g = self.granularity
+        if size % g:
+            raise self._err(
+                InvalidArgumentError, call,
+                f"{arg}={size} is not a multiple of the granularity {g} ({fmt_bytes(g)})",
+            )
+
+    def _require(self, hook: str) -> None:
+        if hook not in self._implemented:
+            raise self._err(UnsupportedError, hook, "this backend does not implement it")
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<hal.Backend {self.name} device={self.device} {state}>"
+
+    def __enter__(self) -> "Backend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- queries ----------------------------------------------------------
+
+    @property
+    def granularity(self) -> int:
+        """Minimum physical granularity in bytes; every vmm size is a multiple of it."""
+        if self._granularity is None:
+            g = self._hook.granularity(recommended=False)
+            if not isinstance(g, int) or g <= 0:
+                raise self._err(HalError, "granularity", f"backend returned {g!r}")
+            self._granularity = g
+        return self._granularity
+
+    @property
+    def recommended_granularity(self) -> int:
+        """The granularity the driver recommends (a multiple of :attr:`granularity`)."""
+        return int(self._hook.granularity(recommended=True))
+
+    def device_count(self) -> int:
+        return int(self._hook.device_count())
+
+    def mem_info(self) -> MemInfo:
+        """Free and total device memory, as the driver sees it."""
+        return self._hook.mem_info()
+
+    @property
+    def live(self) -> LiveCounts:
+        """What is live now (ranges, chunks, mappings, pools, graphs), per the accounting wrapper."""
+        return self.accounting.snapshot()
+
+    # -- vmm --------------------------------------------------------------
+
+    def create_vir_ptr(self, size: int) -> int:
+        """Reserve ``size`` bytes of virtual address space; return the start address."""
+        with self._lock:
+            self._check_open("create_vir_ptr")
+            self._check_size("create_vir_ptr", size)
+            ptr = int(self._hook.create_vir_ptr(size=size))
+            self._ranges[ptr] = size
+            bisect.insort(self._range_starts, ptr)
+            return ptr
+
+    def release_vir_ptr(self, ptr: int, size: int) -> None:
+        """Free a reserved range; nothing may be mapped in it."""
+        call = "release_vir_ptr"
+        with self._lock:
+            self._check_open(call)
+            if ptr not in self._ranges:
+                raise self._err(InvalidStateError, call,
+                                f"ptr={ptr:#x} is not a live reservation (released twice?)")
+            if self._ranges[ptr] != size:
+                raise self._err(InvalidArgumentError, call,
+                                f"size={size} differs from the reserved size {self._ranges[ptr]}")
+            inside = self._mappings_in(ptr, ptr + size)
+            if inside:
+                raise self._err(InvalidStateError, call,
+                                f"{len(inside)} mapping(s) still live in the range at {ptr:#x}; unmap first")
+            self._hook.release_vir_ptr(ptr=ptr, size=size)
+            del self._ranges[ptr]
+            self._range_starts.remove(ptr)
+
+    def create_phy_mem_handle(self, size: int) -> Any:
+        """Allocate one physical chunk of ``size`` bytes; return its handle."""
+        with self._lock:
+            self._check_open("create_phy_mem_handle")
+            self._check_size("create_phy_mem_handle", size)
+            handle = self._hook.create_phy_mem_handle(size=size)
+            self._handles[handle] = size
+            self._handle_maps[handle] = 0
+            return handle
+
+    def release_phy_mem_handle(self, handle: Any) -> None:
+        """Free a chunk; it must be mapped nowhere."""
+        call = "release_phy_mem_handle"
+        with self._lock:
+            self._check_open(call)
+            if handle not in self._handles:
+                raise self._err(InvalidStateError, call,
+                                f"handle={handle!r} is not live (released twice?)")
+            if self._handle_maps[handle]:
+                raise self._err(InvalidStateError, call,
+                                f"handle={handle!r} is still mapped {self._handle_maps[handle]} time(s)")
+            self._hook.release_phy_mem_handle(handle=handle)
+            del self._handles[handle]
+            del self._handle_maps[handle]
+
+    def map(self, ptr: int, size: int, handle: Any) -> None:
+        """Map the whole chunk ``handle`` (of ``size`` bytes) at ``ptr``, read-write."""
+        call = "map"
+        with self._lock:
+            self._check_open(call)
+            if handle not in self._handles:
+                raise self._err(InvalidStateError, call, f"handle={handle!r} is not live")
+            if size != self._handles[handle]:
+                raise self._err(InvalidArgumentError, call,
+                                f"size={size} must equal the chunk's size {self._handles[handle]} "
+                                "(maps are whole handles)")
+            if not isinstance(ptr, int) or ptr % self.granularity:
+                raise self._err(InvalidArgumentError, call,
+                                f"ptr={ptr:#x} is not aligned to the granularity {self.granularity}"
+                                if isinstance(ptr, int) else f"ptr={ptr!r} must be an int address")
+            self._check_in_range(call, ptr, size)
+            clash = self._mappings_in(ptr, ptr + size)
+            if clash:
+                raise self._err(InvalidStateError, call,
+                                f"[{ptr:#x}, {ptr + size:#x}) overlaps the mapping at {clash[0].ptr:#x}")
+            self._hook.map(ptr=ptr, size=size, handle=handle)
+            self._mappings[ptr] = Mapping(ptr, size, handle)
+            bisect.insort(self._map_starts, ptr)
+            self._handle_maps[handle] += 1
+
+    def unmap(self, ptr: int, size: int) -> None:
+        """Undo exactly one earlier ``map(ptr, size, ...)``."""
+        call = "unmap"
+        with self._lock:
+            self._check_open(call)
+            m = self._mappings.get(ptr)
+            if m is None:
+                raise self._err(InvalidStateError, call, f"nothing is mapped at ptr={ptr:#x}")
+            if m.size != size:
+                raise self._err(InvalidArgumentError, call,
+                                f"size={size} differs from the mapping's size {m.size} (partial unmap)")
+            self._hook.unmap(ptr=ptr, size=size)
+            del self._mappings[ptr]
+            self._map_starts.remove(ptr)
+            self._handle_maps[m.handle] -= 1
+
+    def _check_in_range(self, call: str, ptr: int, size: int) -> None:
+        i = bisect.bisect_right(self._range_starts, ptr) - 1
+        if i >= 0:
+            start = self._range_starts[i]
+            if ptr + size <= start + self._ranges[start]:
+                return
+        raise self._err(InvalidArgumentError, call,
+                        f"[{ptr:#x}, {ptr + size:#x}) is not inside a reserved range")
+
+    def _mappings_in(self, lo: int, hi: int) -> list[Mapping]:
+        i = max(bisect.bisect_right(self._map_starts, lo) - 1, 0)
+        found = []
+        for start in self._map_starts[i:]:
+            if start >= hi:
+                break
+            m = self._mappings[start]
+            if m.ptr + m.size > lo:
+                found.append(m)
+        return found
+
+    # -- graphs, streams, pools -------------------------------------------
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """What the backend can do beyond vmm: ``"graphs"``, ``"custom_pool"``."""
+        if self._capabilities is None:
+            caps = self._hook.capabilities() if "capabilities" in self._implemented else None
+            self._capabilities = frozenset(caps or ())
+        return self._capabilities
+
+    def supports(self, capability: str) -> bool:
+        return capability in self.capabilities
+
+    def _graph_call(self, hook: str, **kwargs: Any) -> Any:
+        self._check_open(hook)
+        self._require(hook)
+        return getattr(self._hook, hook)(**kwargs)
+
+    def torch_device(self) -> Any:
+        """The ``torch.device`` of this backend's device."""
+        return self._graph_call("torch_device")
+
+    def create_stream(self) -> Any:
+        return self._graph_call("create_stream")
+
+    def current_stream(self) -> Any:
+        return self._graph_call("current_stream")
+
+    def use_stream(self, stream: Any) -> ContextManager[Any]:
+        """Context manager: ``stream`` is the current stream inside it."""
+        return self._graph_call("use_stream", stream=stream)
+
+    def synchronize(self, stream: Any = None) -> None:
+        """Wait for ``stream`` (the whole device when ``None``)."""
+        self._graph_call("synchronize", stream=stream)
+
+    def create_pool(self, alloc: api.AllocFn | None = None, free: api.FreeFn | None = None) -> Any:
+        """A memory pool for captures; with ``alloc``/``free``, its segments come from them.
+
+        :raises UnsupportedError: callbacks given but the backend lacks ``"custom_pool"``.
+        """
+        if (alloc is None) != (free is None):
+            raise self._err(InvalidArgumentError, "create_pool", "give both alloc and free, or neither")
+        if alloc is not None and not self.supports("custom_pool"):
+            raise self._err(UnsupportedError, "create_pool",
+                            "no pools over custom allocator callbacks on this backend "
+                            "(capability 'custom_pool' is absent)")
+        return self._graph_call("create_pool", alloc=alloc, free=free)
+
+    def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of every block of ``pool`` still in use."""
+        return list(self._graph_call("pool_active_blocks", pool=pool) or ())
+
+    def release_pool(self, pool: Any) -> None:
+        self._graph_call("release_pool", pool=pool)
+
+    def create_graph(self) -> Any:
+        return self._graph_call("create_graph")
+
+    def capture(self, graph: Any, pool: Any = None, stream: Any = None,
+                capture_error_mode: str = "global") -> ContextManager[Any]:
+        """Context manager that captures the work done inside it into ``graph``."""
+        if capture_error_mode not in ("global", "thread_local", "relaxed"):
+            raise self._err(InvalidArgumentError, "capture",
+                            f"capture_error_mode={capture_error_mode!r} must be global, thread_local or relaxed")
+        return self._graph_call("capture", graph=graph, pool=pool, stream=stream,
+                                capture_error_mode=capture_error_mode)
+
+    def replay(self, graph: Any) -> None:
+        self._hook.replay(graph=graph)
+
+    def release_graph(self, graph: Any) -> None:
+        self._graph_call("release_graph", graph=graph)
+
+    # -- lifecycle --------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Unmap, free ranges and release chunks still live, then shut the backend down.
+
+        Idempotent. Leftovers are logged (they are a leak in the caller).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            leftovers = (len(self._mappings), len(self._ranges), len(self._handles))
+            if any(leftovers):
+                log.warning("%s: close() releases %d mapping(s), %d range(s), %d chunk(s) still live",
+                            self.name, *leftovers)
+            errors: list[BaseException] = []
+            for m in list(self._mappings.values()):
+                with _collect(errors):
+                    self.unmap(m.ptr, m.size)
+            for ptr, size in list(self._ranges.items()):
+                with _collect(errors):
+                    self.release_vir_ptr(ptr, size)
+            for handle in list(self._handles):
+                with _collect(errors):
+                    self.release_phy_mem_handle(handle)
+            with _collect(errors):
+                if "shutdown" in self._implemented:
+                    self._hook.shutdown()
+            self._closed = True
+            if self._untrace is not None:
+                self._untrace()
+            if errors:
+                raise errors[0]
+
+
+@contextlib.contextmanager
+def _collect(errors: list[BaseException]) -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:  # keep releasing the rest
+        log.error("close: %s", exc)
+        errors.append(exc)

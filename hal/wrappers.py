@@ -1,0 +1,259 @@
+"""Wrapper plugins registered next to the backend on the facade's manager.
+
+* :class:`Accounting` counts live ranges, chunks, mappings, pools and graphs,
+  so tests (and users) can prove nothing leaked;
+* :class:`FaultInjector` makes the k-th call of a hook fail with a chosen error;
+* :func:`install_tracing` logs every contract call with its arguments, result
+  and duration (on when ``HAL_TRACE`` is set).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import pluggy
+
+from hal import api
+from hal.api import hookimpl
+from hal.errors import DriverError, HalError
+
+log = logging.getLogger("hal.trace")
+
+
+@dataclass(frozen=True)
+class LiveCounts:
+    """A snapshot of :class:`Accounting`."""
+
+    ranges: int
+    chunks: int
+    mappings: int
+    mapped_bytes: int
+    chunk_bytes: int
+    reserved_bytes: int
+    pools: int
+    graphs: int
+
+    @property
+    def zero(self) -> bool:
+        """True when nothing at all is live."""
+        return not any(vars(self).values())
+
+
+class Accounting:
+    """Counts what is live, from the results of successful contract calls."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.ranges: dict[int, int] = {}
+        self.chunks: dict[Any, int] = {}
+        self.mappings: dict[int, int] = {}
+        self.pools: set[int] = set()
+        self.graphs: set[int] = set()
+        self.calls: Counter[str] = Counter()
+
+    def snapshot(self) -> LiveCounts:
+        with self._lock:
+            return LiveCounts(
+                ranges=len(self.ranges),
+                chunks=len(self.chunks),
+                mappings=len(self.mappings),
+                mapped_bytes=sum(self.mappings.values()),
+                chunk_bytes=sum(self.chunks.values()),
+                reserved_bytes=sum(self.ranges.values()),
+                pools=len(self.pools),
+                graphs=len(self.graphs),
+            )
+
+    @hookimpl(wrapper=True)
+    def create_vir_ptr(self, size: int) -> Iterator[None]:
+        ptr = yield
+        with self._lock:
+            self.ranges[ptr] = size
+            self.calls["create_vir_ptr"] += 1
+        return ptr
+
+    @hookimpl(wrapper=True)
+    def release_vir_ptr(self, ptr: int) -> Iterator[None]:
+        result = yield
+        with self._lock:
+            self.ranges.pop(ptr, None)
+            self.calls["release_vir_ptr"] += 1
+        return result
+
+    @hookimpl(wrapper=True)
+    def create_phy_mem_handle(self, size: int) -> Iterator[None]:
+        handle = yield
+        with self._lock:
+            self.chunks[handle] = size
+            self.calls["create_phy_mem_handle"] += 1
+        return handle
+
+    @hookimpl(wrapper=True)
+    def release_phy_mem_handle(self, handle: Any) -> Iterator[None]:
+        result = yield
+        with self._lock:
+            self.chunks.pop(handle, None)
+            self.calls["release_phy_mem_handle"] += 1
+        return result
+
+    @hookimpl(wrapper=True)
+    def map(self, ptr: int, size: int) -> Iterator[None]:
+        result = yield
+        with self._lock:
+            self.mappings[ptr] = size
+            self.calls["map"] += 1
+        return result
+
+    @hookimpl(wrapper=True)
+    def unmap(self, ptr: int) -> Iterator[None]:
+        result = yield
+        with self._lock:
+            self.mappings.pop(ptr, None)
+            self.calls["unmap"] += 1
+        return result
+
+    @hookimpl(wrapper=True)
+    def create_pool(self) -> Iterator[None]:
+        pool = yield
+        with self._lock:
+            self.pools.add(id(pool))
+        return pool
+
+    @hookimpl(wrapper=True)
+    def release_pool(self, pool: Any) -> Iterator[None]:
+        result = yield
+        with self._lock:
+            self.pools.discard(id(pool))
+        return result
+
+    @hookimpl(wrapper=True)
+    def create_graph(self) -> Iterator[None]:
+        graph = yield
+        with self._lock:
+            self.graphs.add(id(graph))
+        return graph
+
+    @hookimpl(wrapper=True)
+    def release_graph(self, graph: Any) -> Iterator[None]:
+        result = yield
+        with self._lock:
+            self.graphs.discard(id(graph))
+        return result
+
+
+@dataclass
+class _Rule:
+    hook: str
+    nth: int
+    error: BaseException | None
+    seen: int = 0
+    fired: bool = False
+
+
+class FaultInjector:
+    """Makes the k-th call of a hook raise, before the backend sees it.
+
+    >>> be.faults.fail("map", nth=2)            # the 2nd map from now fails
+    >>> be.faults.fail("create_phy_mem_handle", error=hal.DeviceOutOfMemoryError("full"))
+
+    Rules fire once; :meth:`clear` drops the rest. ``fired`` lists what fired.
+    """
+
+    def __init__(self, backend_name: str) -> None:
+        self._backend_name = backend_name
+        self._rules: list[_Rule] = []
+        self._lock = threading.Lock()
+        self.fired: list[str] = []
+
+    def fail(self, hook: str, nth: int = 1, error: BaseException | None = None) -> None:
+        """Make the ``nth`` call of ``hook`` (counted from now) raise ``error``.
+
+        The default error is a :class:`~hal.DriverError` that says it was injected.
+        """
+        if hook not in api.ALL_HOOKS:
+            raise ValueError(f"fail(hook={hook!r}): not a hook of the hal contract")
+        if nth < 1:
+            raise ValueError(f"fail(nth={nth}): must be >= 1")
+        with self._lock:
+            self._rules.append(_Rule(hook, nth, error))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._rules.clear()
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return sum(not r.fired for r in self._rules)
+
+    def _check(self, hook: str) -> None:
+        with self._lock:
+            for rule in self._rules:
+                if rule.hook != hook or rule.fired:
+                    continue
+                rule.seen += 1
+                if rule.seen == rule.nth:
+                    rule.fired = True
+                    self.fired.append(hook)
+                    error = rule.error or DriverError(
+                        f"fault injected into call {rule.nth}",
+                        backend=self._backend_name,
+                        call=hook,
+                        code=-1,
+                        code_name="HAL_INJECTED_FAULT",
+                    )
+                    raise error
+
+
+def _fault_wrapper(name: str) -> Callable[..., Any]:
+    @hookimpl(wrapper=True, tryfirst=True, specname=name)
+    def wrapper(self: FaultInjector) -> Iterator[None]:
+        self._check(name)
+        return (yield)
+
+    wrapper.__name__ = f"fault_{name}"
+    return wrapper
+
+
+for _name in api.ALL_HOOKS:
+    setattr(FaultInjector, f"fault_{_name}", _fault_wrapper(_name))
+
+
+def install_tracing(pm: pluggy.PluginManager, backend_name: str) -> Callable[[], None]:
+    """Log every hook call on ``pm`` at DEBUG level on logger ``hal.trace``.
+
+    Returns the function that turns tracing off again.
+    """
+    starts: dict[tuple[int, str], float] = {}
+
+    def before(hook_name: str, impls: Any, kwargs: dict[str, Any]) -> None:
+        starts[(threading.get_ident(), hook_name)] = time.perf_counter()
+
+    def after(outcome: Any, hook_name: str, impls: Any, kwargs: dict[str, Any]) -> None:
+        t0 = starts.pop((threading.get_ident(), hook_name), time.perf_counter())
+        us = (time.perf_counter() - t0) * 1e6
+        args = ", ".join(f"{k}={_short(v)}" for k, v in kwargs.items())
+        exc = outcome.exception
+        if exc is not None:
+            log.debug("%s.%s(%s) raised %s: %s [%.1f us]", backend_name, hook_name, args,
+                      type(exc).__name__, exc, us)
+        else:
+            log.debug("%s.%s(%s) -> %s [%.1f us]", backend_name, hook_name, args,
+                      _short(outcome.get_result()), us)
+
+    return pm.add_hookcall_monitoring(before, after)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 4096:
+        return hex(value)
+    text = repr(value)
+    return text if len(text) < 60 else text[:57] + "..."
+
+
+__all__ = ["Accounting", "FaultInjector", "LiveCounts", "install_tracing", "HalError"]
