@@ -1,0 +1,46 @@
+"""Shared fixtures: device markers skip with the backend's own reason when it is unavailable."""
+
+from __future__ import annotations
+
+import pytest
+
+import hal
+
+DEVICE_MARKERS = ("cuda", "ascend", "mlu")
+
+
+def _reasons() -> dict[str, str]:
+    return {i.name: ("" if i.available else i.reason) for i in hal.list_backends()}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reasons = _reasons()
+    for item in items:
+        for marker in DEVICE_MARKERS:
+            if item.get_closest_marker(marker) and reasons.get(marker, "not installed"):
+                item.add_marker(pytest.mark.skip(reason=f"{marker} unavailable: {reasons.get(marker)}"))
+        if item.get_closest_marker("multi_gpu") and not reasons.get("cuda"):
+            try:
+                with hal.get_backend("cuda") as be:
+                    n = be.device_count()
+            except hal.HalError as exc:  # pragma: no cover - device machines only
+                n, why = 0, str(exc)
+            if n < 2:
+                item.add_marker(pytest.mark.skip(reason=f"needs 2 GPUs, found {n}"))
+
+
+#: parametrize a test over every backend that can run graphs: fake always, cuda where present
+GRAPH_BACKENDS = [pytest.param("fake", id="fake"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+
+
+def backend_options(name: str) -> dict:
+    """Small granules on fake so tests run small; the driver's own on devices."""
+    return {"granularity": 1 << 16} if name == "fake" else {}
+
+
+@pytest.fixture(params=GRAPH_BACKENDS)
+def graph_backend(request: pytest.FixtureRequest):
+    """A fresh backend of each graph-capable kind; checks that nothing is left live at the end."""
+    be = hal.get_backend(request.param, **backend_options(request.param))
+    yield be
+    be.close()
