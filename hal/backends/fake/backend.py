@@ -199,8 +199,8 @@ class FakeBackend:
         from hal.backends.fake.pool import BlockPool
 
         if alloc is None:
-            return BlockPool(self.device_malloc, self.device_free, name="fake device pool")
-        return BlockPool(alloc, free, name="fake custom pool")  # type: ignore[arg-type]
+            return BlockPool(self.device_malloc, self.device_free, self._granularity, "fake device pool")
+        return BlockPool(alloc, free, self._granularity, "fake custom pool")  # type: ignore[arg-type]
 
     @hookimpl
     def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:
@@ -223,7 +223,8 @@ class FakeBackend:
         from hal.backends.fake.pool import BlockPool
 
         if pool is None:
-            pool = graph.own_pool = BlockPool(self.device_malloc, self.device_free, name="fake private pool")
+            pool = graph.own_pool = BlockPool(self.device_malloc, self.device_free, self._granularity,
+                                                   "fake private pool")
         return tape.capture(graph, pool)
 
     @hookimpl

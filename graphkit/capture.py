@@ -1,0 +1,128 @@
+"""Capturing one function into one graph, with the hygiene every backend gets for free.
+
+* warm-up on the capture stream first, so lazily created state (cuBLAS
+  workspaces, caches) is born outside the capture (DESIGN §6.1);
+* the garbage collector is off during the capture (DESIGN §6.3);
+* afterwards, anything still allocated in the capture's pool other than the
+  outputs is reported: a cache or workspace born inside a capture lives in
+  memory that other graphs overwrite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+import hal
+from hal.types import fmt_bytes
+from graphkit.pools import Lease
+
+log = logging.getLogger("graphkit.capture")
+
+
+class CaptureHygieneError(hal.HalError):
+    """Memory other than the outputs outlived a capture (raised when hygiene is strict)."""
+
+
+@contextlib.contextmanager
+def gc_disabled() -> Iterator[None]:
+    """Turn the garbage collector off for the block (restored afterwards)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@dataclass
+class Captured:
+    """A captured graph with its outputs and what the capture cost."""
+
+    graph: Any
+    outputs: Any
+    seconds: float
+    leftovers: list[tuple[int, int]] = field(default_factory=list)
+
+
+def tensors_of(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def active_blocks(backend: hal.Backend, lease: Lease) -> set[tuple[int, int]]:
+    """Blocks of the lease's pool in use now (none known for a graph-private pool)."""
+    return set() if lease.pool is None else set(backend.pool_active_blocks(lease.pool))
+
+
+def leftover_blocks(backend: hal.Backend, lease: Lease, outputs: Any,
+                    before: set[tuple[int, int]] = frozenset()) -> list[tuple[int, int]]:
+    """Blocks of the lease's pool in use now, not in use ``before``, holding none of the outputs."""
+    if lease.pool is None:
+        return []
+    spans = []
+    for t in tensors_of(outputs):
+        if t.numel():
+            storage = t.untyped_storage()
+            spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+    return sorted((ptr, size) for ptr, size in active_blocks(backend, lease) - set(before)
+                  if not any(lo < ptr + size and ptr < hi for lo, hi in spans))
+
+
+def report_leftovers(backend: hal.Backend, leftovers: list[tuple[int, int]], what: str,
+                     strict: bool = False) -> None:
+    """Log (or raise, when ``strict``) memory that outlived a capture."""
+    if not leftovers:
+        return
+    total = sum(size for _, size in leftovers)
+    sizes = ", ".join(f"{fmt_bytes(s)} ({s} bytes) at {p:#x}" for p, s in leftovers[:8])
+    message = (f"{what}: {len(leftovers)} block(s), {fmt_bytes(total)} in all, still allocated in the "
+               f"graph pool after capture besides the outputs: {sizes}. A tensor created inside the "
+               "capture and kept (a cache, a workspace) lives in memory that other graphs overwrite; "
+               "create it before capturing (a warm-up run does that)")
+    if strict:
+        raise CaptureHygieneError(message, backend=backend.name, call="capture")
+    log.warning(message)
+
+
+def warm_up(backend: hal.Backend, fn: Callable[..., Any], inputs: dict[str, Any], stream: Any,
+            runs: int = 1) -> None:
+    """Run ``fn`` on the capture stream, then wait for it."""
+    if runs <= 0:
+        return
+    with backend.use_stream(stream):
+        for _ in range(runs):
+            fn(**inputs)
+    backend.synchronize(stream)
+
+
+def capture(backend: hal.Backend, fn: Callable[..., Any], inputs: dict[str, Any], lease: Lease,
+            stream: Any, *, capture_error_mode: str = "global", what: str = "capture",
+            strict_hygiene: bool = False) -> Captured:
+    """Capture ``fn(**inputs)`` into a new graph drawing from ``lease``'s pool.
+
+    The graph is released again if the capture fails.
+    """
+    before = active_blocks(backend, lease)
+    graph = backend.create_graph()
+    t0 = time.perf_counter()
+    try:
+        with gc_disabled(), torch.no_grad():
+            with backend.capture(graph, pool=lease.pool, stream=stream,
+                                 capture_error_mode=capture_error_mode):
+                outputs = fn(**inputs)
+        backend.synchronize(stream)
+    except BaseException:
+        backend.release_graph(graph)
+        raise
+    seconds = time.perf_counter() - t0
+    leftovers = leftover_blocks(backend, lease, outputs, before)
+    report_leftovers(backend, leftovers, what, strict=strict_hygiene)
+    return Captured(graph, outputs, seconds, leftovers)

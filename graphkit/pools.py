@@ -1,0 +1,137 @@
+"""Where a graph's memory comes from: private, shared, or a fresh vmm space per capture.
+
+A :class:`PoolStrategy` hands out a :class:`Lease` per capture (a backend
+pool object, and for ``vmm`` the virtual space behind it) and takes it back
+when the graph is destroyed. All pieces of one piecewise bucket share one
+lease, so they never alias each other (DESIGN §6.5).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import hal
+from graphkit.allocator import SharedVMMAllocator
+
+log = logging.getLogger("graphkit.pools")
+
+POOL_KINDS = ("vmm", "shared", "private")
+
+
+@dataclass
+class Lease:
+    """The memory one capture (or one bucket of pieces) draws from."""
+
+    pool: Any  # backend pool object; None = a pool private to the graph
+    space_id: int | None = None
+
+
+class PoolStrategy:
+    """Base class: ``lease()`` before a capture, ``give_back()`` after its graph is gone."""
+
+    kind = "?"
+
+    def __init__(self, backend: hal.Backend) -> None:
+        self.backend = backend
+
+    def lease(self) -> Lease:
+        raise NotImplementedError
+
+    def give_back(self, lease: Lease) -> None:
+        """Called after the graph(s) of the lease were released."""
+
+    def close(self) -> None:
+        """Release whatever the strategy still holds; idempotent."""
+
+    def figures(self) -> dict[str, int]:
+        """Memory figures specific to the strategy (bytes)."""
+        return {}
+
+
+class PrivatePools(PoolStrategy):
+    """A pool per graph: torch's default, and the costliest."""
+
+    kind = "private"
+
+    def lease(self) -> Lease:
+        return Lease(pool=None)
+
+
+class SharedPool(PoolStrategy):
+    """One pool for every graph of the runner, drawn from the device's own allocator."""
+
+    kind = "shared"
+
+    def __init__(self, backend: hal.Backend) -> None:
+        super().__init__(backend)
+        self._pool: Any = None
+
+    def lease(self) -> Lease:
+        if self._pool is None:
+            self._pool = self.backend.create_pool()
+        return Lease(pool=self._pool)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            self.backend.release_pool(pool)
+
+
+class VmmPools(PoolStrategy):
+    """A fresh pool over a fresh virtual space per capture; all spaces share one set of chunks."""
+
+    kind = "vmm"
+
+    def __init__(self, backend: hal.Backend, allocator: SharedVMMAllocator | None = None,
+                 **allocator_options: Any) -> None:
+        super().__init__(backend)
+        if not backend.supports("custom_pool"):
+            raise hal.UnsupportedError(
+                "the vmm pool needs pools over allocator callbacks (capability 'custom_pool')",
+                backend=backend.name, call="VmmPools")
+        self._own = allocator is None
+        self.allocator = allocator or SharedVMMAllocator(backend, **allocator_options)
+
+    def lease(self) -> Lease:
+        space = self.allocator.switch_to_new_virtual_space()
+        try:
+            pool = self.backend.create_pool(*self.allocator.pool_callbacks(space))
+        except BaseException:
+            self.allocator.release_virtual_space(space)
+            raise
+        return Lease(pool=pool, space_id=space)
+
+    def give_back(self, lease: Lease) -> None:
+        self.backend.release_pool(lease.pool)
+        if lease.space_id is not None:
+            self.allocator.release_virtual_space(lease.space_id)
+
+    def close(self) -> None:
+        if self._own:
+            self.allocator.close()
+
+    def figures(self) -> dict[str, int]:
+        return {
+            "chunk_bytes": self.allocator.physical_bytes,
+            "reserved_bytes": self.allocator.reserved_bytes,
+            "virtual_spaces": self.allocator.num_virtual_spaces,
+        }
+
+
+def make_pool_strategy(kind: str, backend: hal.Backend, **options: Any) -> PoolStrategy:
+    """Build the strategy named ``kind``; ``vmm`` falls back to ``shared`` where it cannot work."""
+    if kind == "vmm":
+        if not backend.supports("custom_pool"):
+            log.warning("%s has no pools over custom allocators (capability 'custom_pool' is absent): "
+                        "falling back to one shared pool; capture largest sizes first to keep memory low",
+                        backend.name)
+            return SharedPool(backend)
+        return VmmPools(backend, **options)
+    if kind == "shared":
+        return SharedPool(backend)
+    if kind == "private":
+        return PrivatePools(backend)
+    raise hal.InvalidArgumentError(f"pool={kind!r} must be one of {', '.join(POOL_KINDS)}",
+                                   backend=backend.name, call="GraphRunner")

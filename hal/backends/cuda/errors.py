@@ -1,0 +1,81 @@
+"""CUresult -> hal errors: the one place where the cuda backend judges a native return code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hal.errors import DeviceOutOfMemoryError, DriverError, InvalidArgumentError
+
+NAME = "cuda"
+
+CUDA_SUCCESS = 0
+CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_OUT_OF_MEMORY = 2
+
+
+class CudaDriverError(DriverError):
+    """A CUDA driver call failed; ``native_call`` names the driver function."""
+
+    def __init__(self, message: str, *, call: str | None, native_call: str,
+                 code: int, code_name: str | None) -> None:
+        self.native_call = native_call
+        super().__init__(message, backend=NAME, call=call, code=code, code_name=code_name)
+
+
+class CudaOutOfMemoryError(CudaDriverError, DeviceOutOfMemoryError):
+    """CUDA_ERROR_OUT_OF_MEMORY: a :class:`hal.DeviceOutOfMemoryError` that keeps the native code."""
+
+
+class CudaInvalidValueError(CudaDriverError, InvalidArgumentError):
+    """CUDA_ERROR_INVALID_VALUE: a :class:`hal.InvalidArgumentError` that keeps the native code."""
+
+
+def error_name(code: int) -> str | None:
+    """``cuGetErrorName`` of ``code`` (None when the driver does not know it)."""
+    from cuda.bindings import driver
+
+    try:
+        err, name = driver.cuGetErrorName(driver.CUresult(code))
+    except (ValueError, RuntimeError):  # not a CUresult this binding knows
+        return None
+    if int(err) != CUDA_SUCCESS or not name:
+        return None
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def error_text(code: int) -> str:
+    """``cuGetErrorString`` of ``code``, or a plain fallback."""
+    from cuda.bindings import driver
+
+    try:
+        err, text = driver.cuGetErrorString(driver.CUresult(code))
+    except (ValueError, RuntimeError):
+        return "unknown CUDA error"
+    if int(err) != CUDA_SUCCESS or not text:
+        return "unknown CUDA error"
+    return text.decode() if isinstance(text, bytes) else str(text)
+
+
+def error_for(code: int, native_call: str, call: str | None, detail: str = "") -> CudaDriverError:
+    """The hal error for a failed driver call (``code`` != CUDA_SUCCESS)."""
+    cls: type[CudaDriverError] = {
+        CUDA_ERROR_OUT_OF_MEMORY: CudaOutOfMemoryError,
+        CUDA_ERROR_INVALID_VALUE: CudaInvalidValueError,
+    }.get(code, CudaDriverError)
+    where = f" ({detail})" if detail else ""
+    message = f"{native_call}{where} failed: {error_text(code)}"
+    return cls(message, call=call, native_call=native_call, code=code, code_name=error_name(code))
+
+
+def check(result: Any, native_call: str, call: str | None, detail: str = "") -> Any:
+    """Check a cuda-python result tuple ``(CUresult, *values)``; return the values.
+
+    No value -> None, one value -> that value, several -> a tuple.
+    """
+    code = int(result[0])
+    if code != CUDA_SUCCESS:
+        raise error_for(code, native_call, call, detail)
+    values = result[1:]
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)

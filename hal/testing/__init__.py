@@ -1,0 +1,1 @@
+"""hal.testing: the conformance suite every hal backend can run."""

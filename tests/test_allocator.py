@@ -1,0 +1,133 @@
+"""SharedVMMAllocator: the example of the docs, the state machine, rollback, threads."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import pytest
+
+import hal
+import graphkit
+from hal.api import VMM_HOOKS
+from tests.allocator_machine import allocator_machine
+
+G = 1 << 16
+
+
+@pytest.fixture
+def be():
+    backend = hal.get_backend("fake", granularity=G)
+    yield backend
+    backend.close()
+
+
+def test_the_documented_example_works_as_written() -> None:
+    be = hal.get_backend("fake", granularity=1 << 16)
+    a = graphkit.SharedVMMAllocator(be)
+    a.switch_to_new_virtual_space(); p1 = a.allocate(3 * (1 << 16) + 5)
+    a.switch_to_new_virtual_space(); p2 = a.allocate(1 << 16)
+    assert p1 != p2 and a.physical_bytes == 4 * (1 << 16) and a.num_virtual_spaces == 2
+    ctypes.memmove(p2, b"shared!!", 8)
+    assert ctypes.string_at(p1, 8) == b"shared!!"
+    a.close()
+    assert be.live.zero
+    be.close()
+
+
+TestFakeAllocatorMachine = allocator_machine(lambda: hal.get_backend("fake", granularity=G)).TestCase
+
+
+def test_release_keeps_other_spaces_and_trims_chunks(be: hal.Backend) -> None:
+    a = graphkit.SharedVMMAllocator(be, reserve_bytes=16 * G)
+    big = a.switch_to_new_virtual_space(); a.allocate(5 * G)
+    small = a.switch_to_new_virtual_space(); p = a.allocate(G)
+    ctypes.memmove(p, b"kept", 4)
+    a.release_virtual_space(big)
+    assert a.physical_bytes == G and a.num_virtual_spaces == 1
+    assert ctypes.string_at(p, 4) == b"kept"
+    assert be.live.chunks == 1 and be.live.ranges == 1
+    a.release_virtual_space(small)
+    assert a.physical_bytes == 0 and be.live.chunks == 0
+    with pytest.raises(hal.InvalidStateError, match="not a live virtual space"):
+        a.release_virtual_space(small)
+    a.close(); a.close()
+    assert be.live.zero
+
+
+@pytest.mark.parametrize("hook", VMM_HOOKS)
+@pytest.mark.parametrize("step", ["switch", "extend", "release"])
+def test_a_fault_in_any_driver_call_rolls_back(be: hal.Backend, hook: str, step: str) -> None:
+    a = graphkit.SharedVMMAllocator(be, reserve_bytes=16 * G)
+    s1 = a.switch_to_new_virtual_space(); a.allocate(3 * G)
+    s2 = a.switch_to_new_virtual_space(); a.allocate(G)
+    before = (be.live, a.physical_bytes, a.num_virtual_spaces, a.chunks, a.spaces)
+    be.faults.fail(hook, nth=2 if hook == "map" else 1)
+    action = {"switch": a.switch_to_new_virtual_space,
+              "extend": lambda: a.extend_mapping(2 * G),
+              "release": lambda: a.release_virtual_space(s1)}[step]
+    try:
+        action()
+    except hal.DriverError as exc:
+        assert "injected" in str(exc)
+        assert (be.live, a.physical_bytes, a.num_virtual_spaces, a.chunks, a.spaces) == before
+    be.faults.clear()
+    # usable afterwards, and nothing leaks
+    a.switch_to_new_virtual_space(); p = a.allocate(4 * G)
+    ctypes.memmove(p + 3 * G, b"ok", 2)
+    assert ctypes.string_at(a.spaces[s2].base + 3 * G, 2) == b"ok"
+    a.close()
+    assert be.live.zero
+
+
+def test_requests_beyond_the_reserved_space_raise_clearly(be: hal.Backend) -> None:
+    a = graphkit.SharedVMMAllocator(be, reserve_bytes=4 * G)
+    a.switch_to_new_virtual_space()
+    with pytest.raises(hal.DeviceOutOfMemoryError, match="reserve_bytes"):
+        a.allocate(5 * G)
+    assert a.physical_bytes == 0
+    with pytest.raises(hal.InvalidStateError, match="switch_to_new_virtual_space"):
+        graphkit.SharedVMMAllocator(be).allocate(1)
+    a.close()
+
+
+def test_capacity_limit_and_pool_callbacks_never_raise(be: hal.Backend) -> None:
+    a = graphkit.SharedVMMAllocator(be, capacity=2 * G)
+    sid = a.switch_to_new_virtual_space()
+    alloc, free = a.pool_callbacks(sid)
+    assert alloc(G) != 0
+    assert alloc(4 * G) == 0 and "capacity" in (a.last_error or "")
+    free(12345, 1)  # unknown pointer: accepted, no exception
+    assert a.physical_bytes == G
+    a.close()
+
+
+def test_default_reserve_is_the_device_memory(be: hal.Backend) -> None:
+    a = graphkit.SharedVMMAllocator(be)
+    assert a.reserve_bytes == be.mem_info().total
+    a.close()
+
+
+def test_threads_allocating_concurrently_get_disjoint_memory(be: hal.Backend) -> None:
+    a = graphkit.SharedVMMAllocator(be, reserve_bytes=256 * G)
+    a.switch_to_new_virtual_space()
+    got: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def work() -> None:
+        for i in range(200):
+            n = 1000 + 37 * i
+            p = a.allocate(n)
+            with lock:
+                got.append((p, p + n))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    got.sort()
+    assert len(got) == 800 and all(e <= s for (_, e), (s, _) in zip(got, got[1:]))
+    assert a.physical_bytes == -(-(got[-1][1] - a.spaces[a.current].base) // G) * G
+    assert a.stats().map_calls == a.physical_bytes // G
+    a.close()
