@@ -62,7 +62,7 @@ def expect(be: hal.Backend, error: type[hal.HalError], call: str, fn: Callable[[
     before = snapshot(be)
     with pytest.raises(error) as info:
         fn()
-    assert info.value.backend if from_driver else info.value.backend == be.name, info.value
+    assert (info.value.backend if from_driver else info.value.backend == be.name), info.value
     assert info.value.call == call, info.value
     assert snapshot(be) == before, f"{call} failed but changed the bookkeeping"
     return info.value

@@ -1,5 +1,9 @@
-"""``cuda``: NVIDIA GPUs through cuda-python's driver API and torch.cuda."""
+"""``cuda``: NVIDIA GPUs through cuda-python's driver API and torch.cuda.
 
-from hal.backends.cuda.probe import CudaBackend
+Importing this package imports neither cuda-python nor torch: the probe
+stays cheap on machines without them.
+"""
+
+from hal.backends.cuda.backend import CudaBackend
 
 __all__ = ["CudaBackend"]

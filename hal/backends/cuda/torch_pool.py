@@ -246,7 +246,6 @@ def release(pool: CudaPool) -> None:
             pair = pool.callbacks
             pair.pool_released = True
             pool.mempool = None  # MemPool's destructor releases the pool and empties its cache
-            gc.collect(0)
             if pair.live:
                 log.info("%s: %d segment(s), %s, still hold live tensors; they go back when those die",
                          pair.label, len(pair.live), fmt_bytes(sum(pair.live.values())))

@@ -1,0 +1,157 @@
+"""Captures through the hal graph contract into vmm pools: sharing, aliasing, hygiene, host syncs."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+import hal
+import graphkit
+from graphkit.capture import CaptureHygieneError, capture, warm_up
+from graphkit.pools import Lease
+
+SIZES = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256]
+
+
+def make_mlp(device: torch.device, width: int = 64, depth: int = 4):
+    gen = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(width, width, generator=gen) / width ** 0.5).to(device) for _ in range(depth)]
+
+    def mlp(x: torch.Tensor) -> torch.Tensor:
+        h, total = x, torch.zeros_like(x)
+        for w in weights:  # residuals keep several intermediates alive at once
+            h = torch.tanh(h @ w) + h
+            total = total + h
+        return total
+
+    return mlp
+
+
+def capture_sizes(be: hal.Backend, alloc: graphkit.SharedVMMAllocator, fn, order, pool_policy="fresh"):
+    """Capture ``fn`` for every size of ``order``, each in a fresh space; return {n: (x, captured)}."""
+    dev = be.torch_device()
+    stream = be.create_stream()
+    graphs, reused = {}, None
+    for n in order:
+        x = torch.zeros(n, 64, device=dev)
+        warm_up(be, fn, {"x": x}, stream)
+        sid = alloc.switch_to_new_virtual_space()
+        if pool_policy == "fresh":
+            pool = be.create_pool(*alloc.pool_callbacks(sid))
+        else:  # the mistake of DESIGN §6.2: one pool reused across virtual spaces
+            reused = reused or be.create_pool(lambda nb: alloc.allocate(nb), lambda p, nb: alloc.deallocate(p))
+            pool = reused
+        graphs[n] = (x, capture(be, fn, {"x": x}, Lease(pool, sid), stream), pool)
+    return graphs
+
+
+def wrong_replays(be: hal.Backend, fn, graphs, rounds: int = 60) -> int:
+    rng = random.Random(0)
+    wrong = 0
+    for _ in range(rounds):
+        n = rng.choice(sorted(graphs))
+        x, captured, _ = graphs[n]
+        x.copy_(torch.randn(n, 64, device=x.device))
+        be.replay(captured.graph)
+        be.synchronize()
+        wrong += not torch.allclose(captured.outputs, fn(x), rtol=1e-4, atol=1e-4)
+    return wrong
+
+
+def release_all(be: hal.Backend, alloc: graphkit.SharedVMMAllocator, graphs) -> None:
+    pools = {id(p): p for _, _, p in graphs.values()}
+    for _, captured, _ in graphs.values():
+        be.release_graph(captured.graph)
+    for pool in pools.values():
+        be.release_pool(pool)
+    alloc.close()
+
+
+def test_many_sizes_cost_the_largest_alone_and_replay_correctly(graph_backend: hal.Backend) -> None:
+    be = graph_backend
+    fn = make_mlp(be.torch_device())
+    alloc = graphkit.SharedVMMAllocator(be)
+    order = SIZES[:]
+    random.Random(1).shuffle(order)
+    graphs = capture_sizes(be, alloc, fn, order)
+    assert wrong_replays(be, fn, graphs) == 0
+    single = graphkit.SharedVMMAllocator(be)
+    single_graphs = capture_sizes(be, single, fn, [max(SIZES)])
+    assert abs(alloc.physical_bytes - single.physical_bytes) <= be.granularity
+    assert alloc.num_virtual_spaces == len(SIZES)
+    release_all(be, single, single_graphs)
+    release_all(be, alloc, graphs)
+    assert be.live.chunks == 0 and be.live.ranges == 0 and be.live.graphs == 0
+
+
+def test_one_pool_reused_across_spaces_is_caught(graph_backend: hal.Backend) -> None:
+    """The deliberately wrong policy aliases live buffers: the replay check above must see it."""
+    be = graph_backend
+    fn = make_mlp(be.torch_device())
+    alloc = graphkit.SharedVMMAllocator(be)
+    graphs = capture_sizes(be, alloc, fn, sorted(SIZES), pool_policy="reused")
+    assert wrong_replays(be, fn, graphs) > 0
+    release_all(be, alloc, graphs)
+
+
+def test_a_cache_born_inside_a_capture_is_reported(graph_backend: hal.Backend, caplog) -> None:
+    be = graph_backend
+    dev = be.torch_device()
+    cache: dict[str, torch.Tensor] = {}
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        if "table" not in cache:  # lazily created on the first call, like a workspace
+            cache["table"] = torch.ones(1000, 37, device=dev)
+        return x * 2 + cache["table"][: x.shape[0], :1]
+
+    alloc = graphkit.SharedVMMAllocator(be)
+    sid = alloc.switch_to_new_virtual_space()
+    pool = be.create_pool(*alloc.pool_callbacks(sid))
+    x = torch.zeros(8, 1, device=dev)
+    stream = be.create_stream()
+    with caplog.at_level(logging.WARNING, logger="graphkit.capture"):
+        captured = capture(be, step, {"x": x}, Lease(pool, sid), stream, what="step")
+    table = [size for _, size in captured.leftovers if 1000 * 37 * 4 <= size < 1000 * 37 * 4 + 4096]
+    assert len(table) == 1, captured.leftovers  # the cached tensor, rounded to the pool's block size
+    assert f"{table[0]} bytes" in caplog.text
+    be.release_graph(captured.graph)
+    cache.clear()
+    # strict mode raises instead of logging
+    sid2 = alloc.switch_to_new_virtual_space()
+    pool2 = be.create_pool(*alloc.pool_callbacks(sid2))
+    with pytest.raises(CaptureHygieneError, match="bytes"):
+        capture(be, step, {"x": x}, Lease(pool2, sid2), stream, strict_hygiene=True)
+    cache.clear()
+    for p in (pool, pool2):
+        be.release_pool(p)
+    alloc.close()
+
+
+def test_item_inside_a_capture_raises_and_everything_stays_usable(graph_backend: hal.Backend) -> None:
+    be = graph_backend
+    dev = be.torch_device()
+    alloc = graphkit.SharedVMMAllocator(be)
+    stream = be.create_stream()
+    sid = alloc.switch_to_new_virtual_space()
+    pool = be.create_pool(*alloc.pool_callbacks(sid))
+    x = torch.ones(4, 4, device=dev)
+
+    def bad(x: torch.Tensor) -> torch.Tensor:
+        y = x * 3
+        return y / y.sum().item()
+
+    with pytest.raises(hal.CaptureError, match="_local_scalar_dense|item|capturing|synchron"):
+        capture(be, bad, {"x": x}, Lease(pool, sid), stream)
+    assert be.live.graphs == 0
+    # the same allocator and pool capture fine afterwards
+    good = capture(be, lambda x: x * 3 + 1, {"x": x}, Lease(pool, sid), stream)
+    x.fill_(2)
+    be.replay(good.graph)
+    be.synchronize()
+    assert torch.equal(good.outputs, torch.full((4, 4), 7.0, device=dev))
+    be.release_graph(good.graph)
+    be.release_pool(pool)
+    alloc.close()
