@@ -1,0 +1,44 @@
+"""What capturing cost: per size and in total."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hal.types import fmt_bytes
+
+
+@dataclass(frozen=True)
+class SizeReport:
+    size: int
+    capture_seconds: float
+    memory_delta: int
+    """Device used-memory growth while this size was captured (bytes)."""
+    chunk_bytes: int | None = None
+    """vmm only: physical chunk bytes after this capture."""
+
+
+@dataclass(frozen=True)
+class RunnerReport:
+    backend: str
+    pool: str
+    mode: str
+    sizes: list[SizeReport] = field(default_factory=list)
+    graph_memory: int = 0
+    """Device memory used beyond what was used before the first capture (bytes)."""
+    pool_figures: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def capture_seconds(self) -> float:
+        return sum(s.capture_seconds for s in self.sizes)
+
+    def __str__(self) -> str:
+        lines = [f"GraphRunner on {self.backend}: pool={self.pool} mode={self.mode}, "
+                 f"{len(self.sizes)} size(s) captured in {self.capture_seconds:.3f} s, "
+                 f"graph memory {fmt_bytes(self.graph_memory)}"]
+        for key, value in self.pool_figures.items():
+            lines.append(f"  {key}: {fmt_bytes(value) if key.endswith('bytes') else value}")
+        lines.append(f"  {'batch':>6} {'capture s':>10} {'memory +':>11} {'chunks':>11}")
+        for s in self.sizes:
+            chunks = fmt_bytes(s.chunk_bytes) if s.chunk_bytes is not None else "-"
+            lines.append(f"  {s.size:>6} {s.capture_seconds:>10.4f} {fmt_bytes(s.memory_delta):>11} {chunks:>11}")
+        return "\n".join(lines)

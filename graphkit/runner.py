@@ -1,0 +1,388 @@
+"""GraphRunner: capture a step for many batch sizes and replay the one that fits.
+
+>>> runner = graphkit.GraphRunner(step, sizes=[1, 2, 4, 8], backend=be, pool="vmm")
+>>> runner.capture(x=torch.zeros(8, 256))
+>>> y = runner(x=torch.randn(3, 256))   # replays the graph of size 4, returns 3 rows
+
+What happens on a call: pick the smallest captured size >= the batch, copy
+the inputs into the static buffers (padding rows get each input's fill
+value), replay, return the actual rows. Above the largest size the step
+runs eagerly (or raises, if so configured). In on-demand mode a size is
+captured the first time a batch needs it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from tqdm.auto import tqdm
+
+import hal
+from hal.types import fmt_bytes
+from graphkit import capture as cap
+from graphkit.buffers import StaticInputs
+from graphkit.pools import Lease, PoolStrategy, make_pool_strategy
+from graphkit.report import RunnerReport, SizeReport
+
+log = logging.getLogger("graphkit.runner")
+
+Mode = Literal["full", "piecewise", "none"]
+Order = Literal["descending", "ascending", "random"]
+
+
+@dataclass
+class _Bucket:
+    """Everything captured for one batch size."""
+
+    size: int
+    lease: Lease
+    graphs: list[Any] = field(default_factory=list)
+    outputs: list[Any] = field(default_factory=list)  # per piece
+    piece_inputs: list[list[torch.Tensor]] = field(default_factory=list)  # static inputs of pieces 1..
+    report: SizeReport | None = None
+
+
+def _spread(piece: Callable[..., Any]) -> Callable[..., Any]:
+    """Call a later piece with the previous stage's output (a tensor or a tuple of them)."""
+
+    def call(piece_input: Any) -> Any:
+        return piece(*piece_input) if isinstance(piece_input, tuple) else piece(piece_input)
+
+    return call
+
+
+class GraphRunner:
+    """Capture ``fn`` for several batch sizes on any hal backend and replay the one that fits.
+
+    :param fn: the step; takes tensors (keyword arguments) whose dim 0 is the
+        batch, returns a tensor or a tuple/list/dict of them. For
+        ``mode="piecewise"`` a list of pieces; ``between[k]`` then runs
+        eagerly between piece ``k`` and ``k + 1`` as
+        ``between[k](piece_output, **inputs)`` (attention, typically).
+    :param sizes: the batch sizes to capture.
+    :param backend: a :class:`hal.Backend` (default: ``hal.get_backend()``,
+        then owned and closed by the runner).
+    :param pool: ``"vmm"`` (a fresh virtual space per size over shared
+        chunks: N sizes cost the largest), ``"shared"`` (one pool) or
+        ``"private"`` (a pool per graph).
+    :param mode: ``"full"``, ``"piecewise"`` or ``"none"`` (always eager).
+    :param outputs: ``"copy"`` (default: fresh tensors that belong to the
+        caller, outside any graph pool), ``"static"`` (copied into buffers
+        of the runner: valid until the runner's next call) or ``"view"``
+        (views into the graph's memory: valid until the next replay of any
+        graph of the pool).
+    :param oversize: ``"eager"`` or ``"error"`` for batches above the largest size.
+    :param on_demand: capture a size the first time a batch needs it.
+    :param fill: per-input value for padding rows (default 0).
+    :param warmup: eager runs on the capture stream before each capture.
+    :param debug: check on every replay that the static inputs did not move.
+    :param strict_hygiene: raise (instead of warn) when memory other than the
+        outputs outlives a capture.
+    :param progress: show a progress bar while capturing.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any] | Sequence[Callable[..., Any]],
+        sizes: Sequence[int],
+        backend: hal.Backend | None = None,
+        pool: str = "vmm",
+        *,
+        mode: Mode = "full",
+        between: Sequence[Callable[..., Any]] = (),
+        outputs: Literal["copy", "static", "view"] = "copy",
+        oversize: Literal["eager", "error"] = "eager",
+        on_demand: bool = False,
+        fill: dict[str, Any] | None = None,
+        warmup: int = 1,
+        debug: bool = False,
+        strict_hygiene: bool = False,
+        progress: bool = True,
+        capture_error_mode: str = "global",
+        allocator_options: dict[str, Any] | None = None,
+        pool_strategy: PoolStrategy | None = None,
+    ) -> None:
+        self._owns_backend = backend is None
+        self.backend = backend or hal.get_backend()
+        be = self.backend
+
+        def bad(message: str) -> hal.InvalidArgumentError:
+            return hal.InvalidArgumentError(message, backend=be.name, call="GraphRunner")
+
+        if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
+            raise bad(f"sizes={list(sizes)!r} must be positive ints")
+        if mode not in ("full", "piecewise", "none"):
+            raise bad(f"mode={mode!r} must be full, piecewise or none")
+        pieces = list(fn) if mode == "piecewise" else [fn]
+        if mode == "piecewise" and len(between) != len(pieces) - 1:
+            raise bad(f"piecewise: {len(pieces)} pieces need {len(pieces) - 1} eager step(s) between them, "
+                      f"got {len(between)}")
+        if outputs not in ("copy", "static", "view"):
+            raise bad(f"outputs={outputs!r} must be copy, static or view")
+        if oversize not in ("eager", "error"):
+            raise bad(f"oversize={oversize!r} must be eager or error")
+        if mode != "none" and not be.supports("graphs"):
+            raise hal.UnsupportedError("this backend cannot capture graphs; use mode='none'",
+                                       backend=be.name, call="GraphRunner")
+        self.sizes = sorted(set(sizes))
+        self.max_size = self.sizes[-1]
+        self.mode = mode
+        self.pieces = pieces
+        self.between = list(between)
+        self.output_mode = outputs
+        self.oversize = oversize
+        self.on_demand = on_demand
+        self.fill = fill
+        self.warmup = warmup
+        self.debug = debug
+        self.strict_hygiene = strict_hygiene
+        self.progress = progress
+        self.capture_error_mode = capture_error_mode
+        self.strategy = pool_strategy or (
+            make_pool_strategy(pool, be, **(allocator_options or {})) if mode != "none" else None)
+        self.pool = self.strategy.kind if self.strategy else "none"
+        self.inputs: StaticInputs | None = None
+        self._buckets: dict[int, _Bucket] = {}
+        self._captured: list[int] = []  # sorted sizes with graphs
+        self._stream = be.create_stream() if mode != "none" else None
+        self._lock = threading.RLock()  # graphs of one pool never run concurrently
+        self._static_out: list[torch.Tensor] | None = None
+        self._mem_before: int | None = None
+        self._closed = False
+
+    # -- capture -------------------------------------------------------------------
+
+    def capture(self, order: Order | Sequence[int] = "descending", seed: int = 0,
+                **example_inputs: torch.Tensor) -> "GraphRunner":
+        """Size the static buffers from the examples and capture every size (unless on demand).
+
+        :param order: ``"descending"`` (default: largest first), ``"ascending"``,
+            ``"random"`` (shuffled with ``seed``) or an explicit list of sizes.
+        """
+        with self._lock:
+            self._check_open()
+            if self.inputs is None:
+                device = self.backend.torch_device()
+                self.inputs = StaticInputs(example_inputs, self.max_size, self.fill, device)
+                self.inputs.update(example_inputs, min(self.inputs.batch_of(
+                    {k: v.to(device) for k, v in example_inputs.items()}), self.max_size), self.max_size)
+            if self.mode == "none" or self.on_demand:
+                return self
+            todo = [s for s in self._ordered(order, seed) if s not in self._buckets]
+            with tqdm(total=len(todo), desc=f"capturing ({self.pool})", unit="size",
+                      disable=not self.progress, leave=False) as bar:
+                for size in todo:
+                    bar.set_postfix(batch=size)
+                    self._capture_size(size)
+                    bar.update()
+            return self
+
+    def _ordered(self, order: Order | Sequence[int], seed: int) -> list[int]:
+        if order == "descending":
+            return self.sizes[::-1]
+        if order == "ascending":
+            return list(self.sizes)
+        if order == "random":
+            shuffled = list(self.sizes)
+            random.Random(seed).shuffle(shuffled)
+            return shuffled
+        if isinstance(order, str) or sorted(set(order)) != self.sizes:
+            raise hal.InvalidArgumentError(f"order={order!r} must be descending, ascending, random or a "
+                                           f"permutation of {self.sizes}", call="GraphRunner.capture")
+        return list(order)
+
+    def _capture_size(self, size: int) -> _Bucket:
+        be, inputs = self.backend, self.inputs
+        assert inputs is not None
+        if self._mem_before is None:
+            be.synchronize()
+            self._mem_before = be.mem_info().used
+        used0 = be.mem_info().used
+        views = inputs.views(size)
+        if self.warmup:
+            cap.warm_up(be, self._eager_pipeline, views, self._stream, self.warmup)
+        lease = self.strategy.lease()
+        bucket = _Bucket(size, lease)
+        t0 = time.perf_counter()
+        try:
+            feed: Any = views
+            for k, piece in enumerate(self.pieces):
+                args = feed if k == 0 else {"piece_input": feed}
+                fn = piece if k == 0 else _spread(piece)
+                captured = cap.capture(be, fn, args, lease, self._stream,
+                                       capture_error_mode=self.capture_error_mode,
+                                       what=f"batch {size}" + (f" piece {k}" if len(self.pieces) > 1 else ""),
+                                       strict_hygiene=self.strict_hygiene)
+                bucket.graphs.append(captured.graph)
+                bucket.outputs.append(captured.outputs)
+                if k + 1 < len(self.pieces):
+                    mid = self.between[k](captured.outputs, **views)
+                    feed = self._piece_inputs(bucket, k, mid, size)
+        except BaseException:
+            self._release_bucket(bucket)
+            raise
+        be.synchronize()
+        seconds = time.perf_counter() - t0
+        bucket.report = SizeReport(size, seconds, be.mem_info().used - used0,
+                                   self.strategy.figures().get("chunk_bytes"))
+        self._buckets[size] = bucket
+        bisect.insort(self._captured, size)
+        log.debug("captured batch %d in %.3f s (%s more device memory)", size, seconds,
+                  fmt_bytes(bucket.report.memory_delta))
+        return bucket
+
+    def _piece_inputs(self, bucket: _Bucket, k: int, mid: Any, size: int) -> Any:
+        """Static buffers (outside the graph pool) that feed piece ``k + 1``."""
+        leaves = mid if isinstance(mid, tuple) else (mid,)
+        buffers = []
+        for leaf in leaves:
+            buf = torch.empty((self.max_size, *leaf.shape[1:]), dtype=leaf.dtype, device=leaf.device)
+            buf[:size].copy_(leaf)
+            buffers.append(buf[:size])
+        bucket.piece_inputs.append(buffers)
+        return tuple(buffers) if isinstance(mid, tuple) else buffers[0]
+
+    def _eager_pipeline(self, **inputs: torch.Tensor) -> Any:
+        out = self.pieces[0](**inputs)
+        for step, piece in zip(self.between, self.pieces[1:]):
+            mid = step(out, **inputs)
+            out = piece(*mid) if isinstance(mid, tuple) else piece(mid)
+        return out
+
+    # -- calls ------------------------------------------------------------------------
+
+    def bucket_for(self, batch: int) -> int | None:
+        """The size whose graph serves ``batch`` (None: above every size)."""
+        pool = self.sizes if self.on_demand else self._captured
+        i = bisect.bisect_left(pool, batch)
+        return pool[i] if i < len(pool) else None
+
+    def __call__(self, **inputs: torch.Tensor) -> Any:
+        """Run the step on ``inputs`` through the graph that fits; see the class doc for outputs."""
+        self._check_open()
+        if self.inputs is None:
+            raise hal.InvalidStateError("call capture(**example_inputs) first", backend=self.backend.name,
+                                        call="GraphRunner")
+        batch = self.inputs.batch_of(inputs)
+        size = self.bucket_for(batch) if self.mode != "none" else None
+        if size is None:
+            if batch > self.max_size and self.oversize == "error":
+                raise hal.InvalidArgumentError(f"batch {batch} is above the largest captured size "
+                                               f"{self.max_size}", backend=self.backend.name, call="GraphRunner")
+            with torch.no_grad():
+                return self._eager_pipeline(**inputs)
+        with self._lock:
+            bucket = self._buckets.get(size) or self._capture_size(size)
+            self.inputs.update(inputs, batch, size)
+            if self.debug:
+                self._check_addresses(bucket)
+            out = self._replay(bucket)
+            return self._deliver(out, batch, size)
+
+    def _replay(self, bucket: _Bucket) -> Any:
+        be = self.backend
+        views = None
+        for k, graph in enumerate(bucket.graphs):
+            be.replay(graph)
+            if k + 1 < len(bucket.graphs):
+                views = views or self.inputs.views(bucket.size)
+                mid = self.between[k](bucket.outputs[k], **views)
+                for buf, leaf in zip(bucket.piece_inputs[k], mid if isinstance(mid, tuple) else (mid,)):
+                    buf.copy_(leaf)
+        return bucket.outputs[-1]
+
+    def _deliver(self, out: Any, batch: int, size: int) -> Any:
+        leaves, spec = tree_flatten(out)
+        rows = [t[:batch] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size else t
+                for t in leaves]
+        if self.output_mode == "view":
+            return tree_unflatten(rows, spec)
+        if self.output_mode == "copy":
+            return tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t for t in rows], spec)
+        if self._static_out is None:
+            self._static_out = [torch.empty((self.max_size, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                                if isinstance(t, torch.Tensor) and t.dim() else None for t in leaves]
+        result = []
+        for buf, t in zip(self._static_out, rows):
+            if buf is None:
+                result.append(t.clone() if isinstance(t, torch.Tensor) else t)
+            else:
+                buf[: t.shape[0]].copy_(t)
+                result.append(buf[: t.shape[0]])
+        return tree_unflatten(result, spec)
+
+    def _check_addresses(self, bucket: _Bucket) -> None:
+        moved = self.inputs.moved()
+        if moved:
+            raise hal.InvalidStateError(
+                f"static input(s) {', '.join(moved)} moved since capture; the graph would read stale memory",
+                backend=self.backend.name, call="GraphRunner")
+
+    # -- figures and teardown ---------------------------------------------------------
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        return list(self._captured)
+
+    def graph_memory(self) -> int:
+        """Device memory used now beyond what was used before the first capture (bytes)."""
+        if self._mem_before is None:
+            return 0
+        self.backend.synchronize()
+        return self.backend.mem_info().used - self._mem_before
+
+    def report(self) -> RunnerReport:
+        """Capture seconds and memory per size, and totals."""
+        sizes = [self._buckets[s].report for s in self._captured]
+        return RunnerReport(self.backend.name, self.pool, self.mode, [r for r in sizes if r],
+                            self.graph_memory(), self.strategy.figures() if self.strategy else {})
+
+    def _release_bucket(self, bucket: _Bucket) -> None:
+        for graph in bucket.graphs:
+            self.backend.release_graph(graph)
+        bucket.graphs.clear()
+        bucket.outputs.clear()
+        bucket.piece_inputs.clear()
+        self.strategy.give_back(bucket.lease)
+
+    def release_size(self, size: int) -> None:
+        """Destroy the graph(s) of one size and give their memory back."""
+        with self._lock:
+            bucket = self._buckets.pop(size)
+            self._captured.remove(size)
+            self.backend.synchronize()
+            self._release_bucket(bucket)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise hal.InvalidStateError("the runner is closed", backend=self.backend.name, call="GraphRunner")
+
+    def close(self) -> None:
+        """Synchronize, drop graphs, drop pools, unmap, free ranges, release chunks. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self.backend.synchronize()
+            for size in list(self._captured):
+                self.release_size(size)
+            if self.strategy is not None:
+                self.strategy.close()
+            self.inputs = None
+            self._static_out = None
+            self._closed = True
+            if self._owns_backend:
+                self.backend.close()
+
+    def __enter__(self) -> "GraphRunner":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,256 @@
+"""GraphRunner on every graph backend: buckets, padding, orders, pools, piecewise, threads, teardown."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+import hal
+import graphkit
+from hal.backends.fake import FakeBackend
+
+SIZES = [1, 2, 4] + list(range(8, 8 * 18 + 1, 8))  # 21 sizes
+WIDTH = 128
+
+
+def mlp(device: torch.device, width: int = WIDTH, depth: int = 3):
+    gen = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(width, width, generator=gen) / width ** 0.5).to(device) for _ in range(depth)]
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for w in ws:
+            h = torch.tanh(h @ w) + h
+        return h * 0.5
+
+    return step
+
+
+def close_to(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_the_documented_example(graph_backend: hal.Backend) -> None:
+    dev = graph_backend.torch_device()
+    W = torch.randn(256, 256, device=dev)
+    def step(x): return torch.relu(x @ W) @ W.t()
+    runner = graphkit.GraphRunner(step, sizes=[1, 2, 4, 8, 16, 32, 64], backend=graph_backend, pool="vmm")
+    runner.capture(x=torch.zeros(64, 256, device=dev))
+    for n in [3, 64, 1, 17, 50, 8]:
+        x = torch.randn(n, 256, device=dev)
+        # CPU BLAS computes 3 rows (gemv) and 4 rows (gemm) in different orders: rounding differs
+        torch.testing.assert_close(runner(x=x), step(x), rtol=1e-4, atol=1e-3)
+    assert runner(x=torch.randn(100, 256, device=dev)).shape == (100, 256)
+    text = str(runner.report())
+    assert "7 size(s) captured" in text and "pool=vmm" in text
+    runner.close()
+
+
+def run_workload(be: hal.Backend, pool: str, order: str, sizes=SIZES) -> tuple[int, int, bool]:
+    """Capture in ``order`` (or on demand), check outputs; return (graph memory, chunk bytes, correct)."""
+    dev = be.torch_device()
+    step = mlp(dev)
+    runner = graphkit.GraphRunner(step, sizes=sizes, backend=be, pool=pool, on_demand=order == "on-demand",
+                                  progress=False)
+    runner.capture(order="descending" if order == "on-demand" else order, seed=3,
+                   x=torch.zeros(max(sizes), WIDTH, device=dev))
+    correct = True
+    torch.manual_seed(5)
+    arrivals = [sizes[i] for i in torch.randperm(len(sizes)).tolist()]  # every size, in random order
+    for n in arrivals + [max(1, s - 1) for s in arrivals[:5]]:  # then a few padded batches
+        x = torch.randn(n, WIDTH, device=dev)
+        correct &= close_to(runner(x=x), step(x))
+    assert runner.captured_sizes == sorted(sizes)
+    memory = runner.graph_memory()
+    chunks = runner.strategy.figures().get("chunk_bytes", 0)
+    runner.close()
+    return memory, chunks, correct
+
+
+def test_vmm_costs_the_largest_size_alone_in_every_order(graph_backend: hal.Backend) -> None:
+    be = graph_backend
+    g = be.granularity
+    _, alone, ok = run_workload(be, "vmm", "descending", sizes=[max(SIZES)])
+    assert ok and alone > 0
+    figures = {}
+    for order in ("descending", "ascending", "random", "on-demand"):
+        memory, chunks, ok = run_workload(be, "vmm", order)
+        assert ok, order
+        assert abs(chunks - alone) <= g, (order, chunks, alone)
+        figures[order] = memory
+    private, _, ok_private = run_workload(be, "private", "descending")
+    shared_asc, _, ok_shared = run_workload(be, "shared", "ascending")
+    assert ok_private and ok_shared
+    # the same workload in the same test: the others pay for more than the largest size
+    assert private > 2 * figures["descending"], (private, figures)
+    assert shared_asc > figures["ascending"], (shared_asc, figures)
+    assert be.live.chunks == 0 and be.live.ranges == 0
+
+
+def test_piecewise_pieces_share_one_space_per_size(graph_backend: hal.Backend) -> None:
+    be = graph_backend
+    dev = be.torch_device()
+    gen = torch.Generator().manual_seed(1)
+    w = [(torch.randn(WIDTH, WIDTH, generator=gen) / WIDTH ** 0.5).to(dev) for _ in range(3)]
+    pieces = [lambda x: torch.tanh(x @ w[0]), lambda h: torch.relu(h @ w[1]) + h, lambda h: h @ w[2]]
+    # eager steps between pieces (the place attention takes in engines), reading the runner's inputs too
+    between = [lambda h, x: h * 2 + x, lambda h, x: torch.softmax(h, dim=-1) + x]
+
+    def eager(x):
+        h = between[0](pieces[0](x), x)
+        return pieces[2](between[1](pieces[1](h), x))
+
+    sizes = [1, 4, 8, 16, 32, 64, 96, 128]
+    alone = graphkit.GraphRunner(pieces, sizes=[128], backend=be, mode="piecewise", between=between,
+                                 progress=False).capture(x=torch.zeros(128, WIDTH, device=dev))
+    alone_bytes = alone.strategy.figures()["chunk_bytes"]
+    alone.close()
+    runner = graphkit.GraphRunner(pieces, sizes=sizes, backend=be, mode="piecewise", between=between,
+                                  progress=False)
+    runner.capture(order="ascending", x=torch.zeros(128, WIDTH, device=dev))
+    for n in sizes + [3, 50, 127]:
+        x = torch.randn(n, WIDTH, device=dev)
+        assert close_to(runner(x=x), eager(x)), n
+    figures = runner.strategy.figures()
+    assert figures["virtual_spaces"] == len(sizes)  # one space per size, all pieces in it
+    assert abs(figures["chunk_bytes"] - alone_bytes) <= be.granularity
+    assert be.live.graphs == 3 * len(sizes)
+    runner.close()
+    assert be.live.graphs == 0 and be.live.chunks == 0
+
+
+def test_padding_never_corrupts_state(graph_backend: hal.Backend) -> None:
+    """A KV-cache-like scatter: padded rows write to the scratch slot that points nowhere."""
+    be = graph_backend
+    dev = be.torch_device()
+    slots = 64
+    state = torch.zeros(slots + 1, 8, device=dev)  # slot `slots` is the scratch slot
+    expected = state.clone()
+
+    def step(x: torch.Tensor, slot: torch.Tensor, into: torch.Tensor = state) -> torch.Tensor:
+        into.index_copy_(0, slot, x)
+        return into[:slots].sum(dim=0, keepdim=True).expand(x.shape[0], 8) + x
+
+    runner = graphkit.GraphRunner(step, sizes=[4, 8, 16], backend=be, fill={"slot": slots}, progress=False)
+    runner.capture(x=torch.zeros(16, 8, device=dev), slot=torch.full((16,), slots, device=dev))
+    state.zero_()
+    gen = torch.Generator().manual_seed(0)
+    for n in [3, 5, 11, 16, 1]:
+        x = torch.randn(n, 8, generator=gen).to(dev)
+        slot = torch.randperm(slots, generator=gen)[:n].to(dev)
+        out = runner(x=x, slot=slot)
+        ref = step(x, slot, into=expected)
+        assert torch.equal(state[:slots], expected[:slots]), n
+        assert close_to(out, ref)
+    runner.close()
+
+
+def test_two_threads_get_correct_outputs(graph_backend: hal.Backend) -> None:
+    be = graph_backend
+    dev = be.torch_device()
+    step = mlp(dev, width=32)
+    runner = graphkit.GraphRunner(step, sizes=[1, 2, 4, 8, 16], backend=be, progress=False)
+    runner.capture(x=torch.zeros(16, 32, device=dev))
+    failures: list[str] = []
+
+    def work(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for i in range(200):
+            n = int(torch.randint(1, 17, (1,), generator=gen))
+            x = torch.randn(n, 32, generator=gen).to(dev)
+            out = runner(x=x)
+            if out.shape != (n, 32) or not close_to(out, step(x)):
+                failures.append(f"thread {seed} call {i} batch {n}")
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures[:5]
+    runner.close()
+
+
+def test_close_leaves_nothing_live_and_is_idempotent(graph_backend: hal.Backend) -> None:
+    be = graph_backend
+    dev = be.torch_device()
+    runner = graphkit.GraphRunner(mlp(dev), sizes=[1, 8, 32], backend=be, progress=False)
+    runner.capture(x=torch.zeros(32, WIDTH, device=dev))
+    assert be.live.graphs == 3 and be.live.chunks > 0
+    runner.close(); runner.close()
+    assert be.live.zero, be.live
+    with pytest.raises(hal.InvalidStateError, match="closed"):
+        runner(x=torch.zeros(1, WIDTH, device=dev))
+
+
+def test_inputs_are_checked_by_name() -> None:
+    be = hal.get_backend("fake", granularity=1 << 16)
+    runner = graphkit.GraphRunner(lambda x, slot: x + 1, sizes=[2, 4], backend=be, oversize="error",
+                                  progress=False)
+    runner.capture(x=torch.zeros(4, 3), slot=torch.zeros(4, dtype=torch.long))
+    ok = {"x": torch.zeros(2, 3), "slot": torch.zeros(2, dtype=torch.long)}
+    for bad, match in [
+        ({**ok, "x": torch.zeros(2, 3, dtype=torch.float64)}, "'x' has dtype torch.float64"),
+        ({**ok, "x": torch.zeros(2, 3, 1)}, "'x' has shape"),
+        ({**ok, "slot": torch.zeros(3, dtype=torch.long)}, "'slot' has batch 3"),
+        ({"x": torch.zeros(2, 3)}, "missing: slot"),
+        ({"x": torch.zeros(5, 3), "slot": torch.zeros(5, dtype=torch.long)}, "above the largest"),
+    ]:
+        with pytest.raises(hal.InvalidArgumentError, match=match):
+            runner(**bad)
+    runner.close()
+    be.close()
+
+
+def test_debug_mode_catches_a_moved_input_and_mode_none_is_eager() -> None:
+    be = hal.get_backend("fake", granularity=1 << 16)
+    runner = graphkit.GraphRunner(lambda x: x * 2, sizes=[4], backend=be, debug=True, progress=False)
+    runner.capture(x=torch.zeros(4, 2))
+    assert torch.equal(runner(x=torch.ones(3, 2)), torch.full((3, 2), 2.0))
+    runner.inputs.buffers["x"] = torch.zeros(4, 2)  # someone replaced the buffer the graph reads
+    with pytest.raises(hal.InvalidStateError, match="moved"):
+        runner(x=torch.ones(3, 2))
+    runner.close()
+    eager = graphkit.GraphRunner(lambda x: x * 2, sizes=[4], backend=be, mode="none")
+    eager.capture(x=torch.zeros(4, 2))
+    assert torch.equal(eager(x=torch.ones(3, 2)), torch.full((3, 2), 2.0)) and be.live.graphs == 0
+    eager.close()
+    be.close()
+
+
+def test_view_outputs_are_valid_until_the_next_replay() -> None:
+    be = hal.get_backend("fake", granularity=1 << 16)
+    runner = graphkit.GraphRunner(lambda x: x + 1, sizes=[4, 8], backend=be, outputs="view", progress=False)
+    runner.capture(x=torch.zeros(8, 2))
+    first = runner(x=torch.zeros(4, 2))
+    assert torch.equal(first, torch.ones(4, 2))
+    runner(x=torch.full((8, 2), 5.0))  # another graph of the same memory overwrites it
+    assert not torch.equal(first, torch.ones(4, 2))
+    copy = graphkit.GraphRunner(lambda x: x + 1, sizes=[4, 8], backend=be, progress=False)
+    copy.capture(x=torch.zeros(8, 2))
+    kept = copy(x=torch.zeros(4, 2))
+    copy(x=torch.full((8, 2), 5.0))
+    assert torch.equal(kept, torch.ones(4, 2))
+    runner.close(); copy.close(); be.close()
+
+
+class NoCustomPool(FakeBackend):
+    """A backend without pools over custom allocators (like torch_mlu)."""
+
+    @hal.hookimpl
+    def capabilities(self) -> frozenset[str]:
+        return frozenset({"graphs"})
+
+
+def test_vmm_falls_back_to_a_shared_pool_with_a_warning(caplog) -> None:
+    be = hal.Backend("nocustompool", NoCustomPool(granularity=1 << 16))
+    with caplog.at_level(logging.WARNING, logger="graphkit.pools"):
+        runner = graphkit.GraphRunner(lambda x: x * 3, sizes=[2, 4], backend=be, pool="vmm", progress=False)
+    assert runner.pool == "shared" and "custom_pool" in caplog.text
+    runner.capture(x=torch.zeros(4, 2))
+    assert torch.equal(runner(x=torch.ones(1, 2)), torch.full((1, 2), 3.0))
+    runner.close(); be.close()
+    assert be.live.zero
