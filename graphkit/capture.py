@@ -53,6 +53,20 @@ class Captured:
     leftovers: list[tuple[int, int]] = field(default_factory=list)
 
 
+def weak_alias(t: Any) -> Any:
+    """A tensor over the same memory as ``t`` that does not keep that memory allocated.
+
+    This is how vLLM holds graph outputs: the pool may hand the memory to the
+    next capture, which is safe because outputs are read right after each
+    replay. Non-tensors pass through.
+    """
+    if not isinstance(t, torch.Tensor) or not t.numel():
+        return t
+    storage = torch._C._construct_storage_from_data_pointer(
+        t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes())
+    return torch.empty((), dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
+
+
 def tensors_of(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
@@ -90,6 +104,15 @@ def report_leftovers(backend: hal.Backend, leftovers: list[tuple[int, int]], wha
     if strict:
         raise CaptureHygieneError(message, backend=backend.name, call="capture")
     log.warning(message)
+
+
+def release_cached_memory(backend: hal.Backend) -> None:
+    """Give memory cached by the framework's allocator back to the device (torch.cuda/npu/mlu.empty_cache)."""
+    device = backend.torch_device()
+    module = getattr(torch, device.type, None)
+    if device.type != "cpu" and hasattr(module, "empty_cache"):
+        backend.synchronize()
+        module.empty_cache()
 
 
 def warm_up(backend: hal.Backend, fn: Callable[..., Any], inputs: dict[str, Any], stream: Any,

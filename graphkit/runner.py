@@ -87,6 +87,14 @@ class GraphRunner:
     :param strict_hygiene: raise (instead of warn) when memory other than the
         outputs outlives a capture.
     :param progress: show a progress bar while capturing.
+    :param keep_outputs: ``"strong"`` (the runner owns each graph's outputs,
+        as SGLang and nano-vllm do) or ``"weak"`` (non-owning aliases, as
+        vLLM does: a shared pool may then reuse output memory for the next
+        capture; only sound when captures go largest first).
+    :param measure_memory: give cached framework memory back to the device
+        around each capture so the per-size memory figures are exact (slower).
+    :param allocator_options: options of :class:`SharedVMMAllocator` for ``pool="vmm"``
+        (``reserve_bytes``, ``capacity``).
     """
 
     def __init__(
@@ -107,6 +115,8 @@ class GraphRunner:
         strict_hygiene: bool = False,
         progress: bool = True,
         capture_error_mode: str = "global",
+        keep_outputs: Literal["strong", "weak"] = "strong",
+        measure_memory: bool = False,
         allocator_options: dict[str, Any] | None = None,
         pool_strategy: PoolStrategy | None = None,
     ) -> None:
@@ -127,6 +137,8 @@ class GraphRunner:
                       f"got {len(between)}")
         if outputs not in ("copy", "static", "view"):
             raise bad(f"outputs={outputs!r} must be copy, static or view")
+        if keep_outputs not in ("strong", "weak"):
+            raise bad(f"keep_outputs={keep_outputs!r} must be strong or weak")
         if oversize not in ("eager", "error"):
             raise bad(f"oversize={oversize!r} must be eager or error")
         if mode != "none" and not be.supports("graphs"):
@@ -146,12 +158,15 @@ class GraphRunner:
         self.strict_hygiene = strict_hygiene
         self.progress = progress
         self.capture_error_mode = capture_error_mode
+        self.keep_outputs = keep_outputs
+        self.measure_memory = measure_memory
         self.strategy = pool_strategy or (
             make_pool_strategy(pool, be, **(allocator_options or {})) if mode != "none" else None)
         self.pool = self.strategy.kind if self.strategy else "none"
         self.inputs: StaticInputs | None = None
         self._buckets: dict[int, _Bucket] = {}
         self._captured: list[int] = []  # sorted sizes with graphs
+        self._capture_order: list[int] = []  # sizes in the order they were captured
         self._stream = be.create_stream() if mode != "none" else None
         self._lock = threading.RLock()  # graphs of one pool never run concurrently
         self._static_out: list[torch.Tensor] | None = None
@@ -204,11 +219,14 @@ class GraphRunner:
         assert inputs is not None
         if self._mem_before is None:
             be.synchronize()
+            cap.release_cached_memory(be)
             self._mem_before = be.mem_info().used
-        used0 = be.mem_info().used
         views = inputs.views(size)
         if self.warmup:
             cap.warm_up(be, self._eager_pipeline, views, self._stream, self.warmup)
+        if self.measure_memory:
+            cap.release_cached_memory(be)
+        used0 = be.mem_info().used
         lease = self.strategy.lease()
         bucket = _Bucket(size, lease)
         t0 = time.perf_counter()
@@ -222,19 +240,27 @@ class GraphRunner:
                                        what=f"batch {size}" + (f" piece {k}" if len(self.pieces) > 1 else ""),
                                        strict_hygiene=self.strict_hygiene)
                 bucket.graphs.append(captured.graph)
-                bucket.outputs.append(captured.outputs)
+                outputs = captured.outputs
+                del captured
                 if k + 1 < len(self.pieces):
-                    mid = self.between[k](captured.outputs, **views)
+                    mid = self.between[k](outputs, **views)
                     feed = self._piece_inputs(bucket, k, mid, size)
+                    del mid
+                bucket.outputs.append(tree_map(cap.weak_alias, outputs) if self.keep_outputs == "weak"
+                                      else outputs)
+                del outputs
         except BaseException:
             self._release_bucket(bucket)
             raise
         be.synchronize()
         seconds = time.perf_counter() - t0
+        if self.measure_memory:
+            cap.release_cached_memory(be)
         bucket.report = SizeReport(size, seconds, be.mem_info().used - used0,
                                    self.strategy.figures().get("chunk_bytes"))
         self._buckets[size] = bucket
         bisect.insort(self._captured, size)
+        self._capture_order.append(size)
         log.debug("captured batch %d in %.3f s (%s more device memory)", size, seconds,
                   fmt_bytes(bucket.report.memory_delta))
         return bucket
@@ -337,11 +363,12 @@ class GraphRunner:
         if self._mem_before is None:
             return 0
         self.backend.synchronize()
+        cap.release_cached_memory(self.backend)
         return self.backend.mem_info().used - self._mem_before
 
     def report(self) -> RunnerReport:
-        """Capture seconds and memory per size, and totals."""
-        sizes = [self._buckets[s].report for s in self._captured]
+        """Capture seconds and memory per size (in capture order), and totals."""
+        sizes = [self._buckets[s].report for s in self._capture_order if s in self._buckets]
         return RunnerReport(self.backend.name, self.pool, self.mode, [r for r in sizes if r],
                             self.graph_memory(), self.strategy.figures() if self.strategy else {})
 
@@ -358,6 +385,7 @@ class GraphRunner:
         with self._lock:
             bucket = self._buckets.pop(size)
             self._captured.remove(size)
+            self._capture_order.remove(size)
             self.backend.synchronize()
             self._release_bucket(bucket)
 

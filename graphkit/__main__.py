@@ -1,0 +1,127 @@
+"""``python -m graphkit demo`` and ``python -m graphkit bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+import hal
+from graphkit.bench.model import DecoderConfig
+from graphkit.bench.strategies import COMPILE, ORDERS, STRATEGIES
+
+DEMO_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
+DEMO_FAKE_GRANULARITY = 64 << 10  # small granules, so a small model shows the differences
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``"1,2,4,8:257:8"``: commas separate items; ``a:b:c`` is ``range(a, b, c)``."""
+    sizes: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if ":" in part:
+            sizes.update(range(*(int(x) for x in part.split(":"))))
+        elif part:
+            sizes.add(int(part))
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"sizes {text!r}: need positive batch sizes")
+    return sorted(sizes)
+
+
+def _names(allowed: list[str]):
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        bad = [n for n in names if n not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown: {', '.join(bad)} (choose from {', '.join(allowed)})")
+        return names
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m graphkit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="every memory strategy side by side on a small decoder (a minute on a CPU)")
+    demo.add_argument("--out-dir", type=Path, default=Path("graphkit-demo"),
+                      help="where the JSON and the PNG go (default: ./graphkit-demo)")
+    demo.add_argument("--backend", help="hal backend (default: the best available; fake on a CPU)")
+
+    bench = sub.add_parser("bench", help="the full benchmark: strategies x capture orders, JSON + PNG + table",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ref = DecoderConfig()
+    w = bench.add_argument_group("workload (defaults: the reference Qwen3-0.6B-shaped decoder)")
+    w.add_argument("--workload", choices=["reference", "tiny"], default="reference",
+                   help="start from the reference decoder or from a tiny one; the options below override")
+    for name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab", "context"):
+        w.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                       help=f"decoder {name.replace('_', ' ')} (reference: {getattr(ref, name)})")
+    w.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help=f"weights and activations (reference: {ref.dtype})")
+    bench.add_argument("--sizes", type=parse_sizes, default=None,
+                       help="batch sizes, e.g. '1,2,4,8:257:8' (a:b:c = range(a, b, c)); "
+                            "default [1, 2, 4] + range(8, 257, 8)")
+    bench.add_argument("--strategies", type=_names([*STRATEGIES, COMPILE]), default=[*STRATEGIES, COMPILE],
+                       help="comma-separated strategies")
+    bench.add_argument("--orders", type=_names(list(ORDERS)), default=list(ORDERS),
+                       help="comma-separated capture orders")
+    bench.add_argument("--backend", help="hal backend (default: the best available)")
+    bench.add_argument("--device", type=int, default=0, help="device index")
+    bench.add_argument("--iters", type=int, default=50, help="timed calls per figure")
+    bench.add_argument("--compile-budget", type=float, default=180.0,
+                       help="seconds torch.compile may take before it is left out")
+    bench.add_argument("--seed", type=int, default=0, help="seed for weights, inputs and random orders")
+    bench.add_argument("--out-dir", type=Path, default=Path("bench-out"), help="where bench.json and bench.png go")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    return parser
+
+
+def run_bench(cfg, out_dir: Path, stem: str) -> int:
+    from graphkit.bench.output import plot, summary_table, write_json
+    from graphkit.bench.run import Bench
+
+    bench = Bench(cfg)
+    try:
+        out = bench.run()
+    finally:
+        bench.close()
+    write_json(out, out_dir / f"{stem}.json")
+    plotted = plot(out, out_dir / f"{stem}.png")
+    print(summary_table(out))
+    print(f"wrote {out_dir / f'{stem}.json'}" + (f" and {out_dir / f'{stem}.png'}" if plotted else ""))
+    wrong = [r for r in out["results"] if r["max_rel_error"] >= 2e-2]
+    return 1 if wrong else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from graphkit.bench.run import BenchConfig, REFERENCE_SIZES
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    command = "python -m graphkit " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    if args.command == "demo":
+        name = hal.registry.select_backend_name(args.backend)
+        cfg = BenchConfig(workload=DecoderConfig.tiny(), sizes=DEMO_SIZES, strategies=list(STRATEGIES),
+                          orders=["descending", "ascending"], backend=name, iters=5, command=command,
+                          backend_options={"granularity": DEMO_FAKE_GRANULARITY} if name == "fake" else {})
+        print(f"graphkit demo on backend {name}: a "
+              f"{cfg.workload.layers}-layer decoder, {len(cfg.sizes)} batch sizes, "
+              f"{len(cfg.strategies)} memory strategies x {len(cfg.orders)} capture orders")
+        return run_bench(cfg, args.out_dir, "demo")
+    base = DecoderConfig() if args.workload == "reference" else DecoderConfig.tiny()
+    overrides = {k: getattr(args, k) for k in base.as_dict() if getattr(args, k, None) is not None}
+    workload = DecoderConfig(**{**base.as_dict(), **overrides})
+    sizes = args.sizes or (REFERENCE_SIZES if args.workload == "reference" else DEMO_SIZES)
+    cfg = BenchConfig(workload=workload, sizes=sizes, strategies=args.strategies, orders=args.orders,
+                      backend=args.backend, device=args.device, iters=args.iters,
+                      compile_budget_s=args.compile_budget, seed=args.seed, progress=not args.no_progress,
+                      command=command)
+    return run_bench(cfg, args.out_dir, "bench")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The bench and demo: every memory strategy side by side."""

@@ -1,0 +1,80 @@
+"""The bench's outputs: a summary table on the terminal, a JSON file, a PNG plot."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from hal.types import fmt_bytes
+from graphkit.bench.strategies import DESCRIPTIONS
+
+log = logging.getLogger("graphkit.bench")
+
+
+def summary_table(out: dict[str, Any]) -> str:
+    """One row per strategy and order, then the targets."""
+    m = out["machine"]
+    lines = [f"backend {m['backend']} ({m.get('device_name', m['processor'])}), torch {m['torch']}, "
+             f"{len(out['sizes'])} sizes {out['sizes'][0]}..{out['sizes'][-1]}; "
+             f"largest size alone: {fmt_bytes(out['largest_alone_bytes'])}",
+             "eager ms/step: " + ", ".join(f"batch {k}: {v:.3f}" for k, v in out["eager_ms"].items())]
+    head = f"{'strategy':<15} {'order':<11} {'graph memory':>13} {'chunks':>10} {'capture s':>10} " \
+           f"{'ms @1':>8} {'hand @1':>8} {'max rel err':>11}  ok"
+    lines += [head, "-" * len(head)]
+    for r in out["results"]:
+        chunks = fmt_bytes(r["chunk_bytes"]) if "chunk_bytes" in r else "-"
+        ms1 = f"{r['replay_ms']['1']:.3f}" if "replay_ms" in r and "1" in r["replay_ms"] else "-"
+        hand = f"{r['hand_loop_ms_batch1']:.3f}" if "hand_loop_ms_batch1" in r else "-"
+        ok = "yes" if r["max_rel_error"] < 2e-2 else "NO"
+        lines.append(f"{r['strategy']:<15} {r['order']:<11} {fmt_bytes(r['graph_memory_bytes']):>13} {chunks:>10} "
+                     f"{r['capture_seconds']:>10.3f} {ms1:>8} {hand:>8} {r['max_rel_error']:>11.2e}  {ok}")
+    for name, why in out.get("left_out", {}).items():
+        lines.append(f"{name}: left out: {why}")
+    lines.append("targets:")
+    for t in out.get("targets", []):
+        state = {True: "met", False: "MISSED", None: "not judged"}[t["met"]]
+        ratio = f"{t['ratio']:.3f}" if t["ratio"] is not None else "-"
+        lines.append(f"  {t['id']}. [{state}] {t['target']} — ratio {ratio}: {t['detail']}")
+    return "\n".join(lines)
+
+
+def write_json(out: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+
+
+def plot(out: dict[str, Any], path: Path) -> bool:
+    """Graph memory against the number of captured sizes, one line per strategy; a panel per order."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed (pip install matplotlib): no plot written")
+        return False
+    orders = [o for o in ("descending", "ascending", "random", "on-demand")
+              if any(r["order"] == o and "memory_after_each_capture" in r for r in out["results"])]
+    fig, axes = plt.subplots(1, len(orders), figsize=(5 * len(orders), 4), squeeze=False, sharey=True)
+    for ax, order in zip(axes[0], orders):
+        for r in out["results"]:
+            if r["order"] != order or "memory_after_each_capture" not in r:
+                continue
+            ys = [y / 2**20 for y in r["memory_after_each_capture"]]
+            ax.plot(range(1, len(ys) + 1), ys, marker=".", label=DESCRIPTIONS.get(r["strategy"], r["strategy"]))
+        ax.axhline(out["largest_alone_bytes"] / 2**20, color="grey", linestyle=":", label="largest size alone")
+        ax.set_title(f"capture order: {order}")
+        ax.set_xlabel("number of captured sizes")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("graph memory (MiB, device used)")
+    axes[0][-1].legend(fontsize=7, loc="upper left")
+    m = out["machine"]
+    fig.suptitle(f"graph memory per strategy — {m.get('device_name', m['backend'])}, torch {m['torch']}",
+                 fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

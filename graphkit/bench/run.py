@@ -1,0 +1,255 @@
+"""The bench: every memory strategy and capture order on one workload, in one run.
+
+Figures per strategy and order: graph memory as the driver sees it (device
+used-memory growth, framework caches emptied), chunk bytes and reserved
+address space for vmm, capture seconds in total and per size, replay
+milliseconds at batch 1, 8 and the largest size, the runner against a
+hand-written loop on the same graphs, and the error against eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from tqdm.auto import tqdm
+
+import hal
+import graphkit
+from graphkit.bench.model import Decoder, DecoderConfig
+from graphkit.bench.strategies import COMPILE, ORDERS, STRATEGIES
+from graphkit.bench.timing import ms_per_call, rel_error
+from graphkit.capture import release_cached_memory
+
+log = logging.getLogger("graphkit.bench")
+
+REFERENCE_SIZES = [1, 2, 4] + list(range(8, 257, 8))
+
+
+@dataclass
+class BenchConfig:
+    """What to run; see ``python -m graphkit bench --help``."""
+
+    workload: DecoderConfig = field(default_factory=DecoderConfig)
+    sizes: list[int] = field(default_factory=lambda: list(REFERENCE_SIZES))
+    strategies: list[str] = field(default_factory=lambda: [*STRATEGIES, COMPILE])
+    orders: list[str] = field(default_factory=lambda: list(ORDERS))
+    backend: str | None = None
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    device: int = 0
+    iters: int = 50
+    compile_budget_s: float = 180.0
+    seed: int = 0
+    progress: bool = True
+    command: str = ""
+
+
+def machine_info(be: hal.Backend) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "backend": be.name,
+        "device_index": be.device,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "granularity": be.granularity,
+        "device_memory_total": be.mem_info().total,
+    }
+    dev = be.torch_device()
+    if dev.type == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(dev)
+        info["cuda_runtime"] = torch.version.cuda
+        try:
+            from cuda.bindings import driver
+
+            _, version = driver.cuDriverGetVersion()
+            info["cuda_driver_api"] = f"{version // 1000}.{version % 1000 // 10}"
+        except Exception:  # pragma: no cover - only informative
+            pass
+    return info
+
+
+class Bench:
+    def __init__(self, cfg: BenchConfig) -> None:
+        self.cfg = cfg
+        self.be = hal.get_backend(cfg.backend, device=cfg.device, **cfg.backend_options)
+        self.device = self.be.torch_device()
+        self.model = Decoder(cfg.workload, max(cfg.sizes), self.device, seed=cfg.seed)
+        largest = max(cfg.sizes)
+        self.timing_batches = sorted({1, min(8, largest), largest})
+        self.inputs = {n: self.model.example_inputs(n, seed=n) for n in set(cfg.sizes) | set(self.timing_batches)}
+        self.reference: dict[int, torch.Tensor] = {}
+
+    # -- building blocks ---------------------------------------------------------------
+
+    def eager(self, n: int) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model.step(**self.inputs[n])
+
+    def max_error(self, call: Callable[[int], torch.Tensor]) -> float:
+        """Largest relative error of ``call(n)`` against eager, each from the same cache state."""
+        worst = 0.0
+        for n in self.check_batches():
+            self.model.reset_cache()
+            got = call(n).clone()
+            worst = max(worst, rel_error(got, self.reference[n]))
+        return worst
+
+    def check_batches(self) -> list[int]:
+        largest = max(self.cfg.sizes)
+        return sorted({1, 3, min(8, largest), largest // 2 + 1, largest})
+
+    def _runner(self, strategy: str, on_demand: bool) -> graphkit.GraphRunner:
+        return graphkit.GraphRunner(self.model.step, self.cfg.sizes, backend=self.be, outputs="view",
+                                    fill=self.model.padding(), on_demand=on_demand, measure_memory=True,
+                                    progress=False, **STRATEGIES[strategy])
+
+    def run_strategy(self, strategy: str, order: str) -> dict[str, Any]:
+        be, cfg = self.be, self.cfg
+        release_cached_memory(be)
+        runner = self._runner(strategy, on_demand=order == "on-demand")
+        t0 = time.perf_counter()
+        runner.capture(order="descending" if order == "on-demand" else order, seed=cfg.seed,
+                       **self.inputs[max(cfg.sizes)])
+        if order == "on-demand":  # a stream of batches whose sizes arrive in random order
+            arrivals = list(cfg.sizes)
+            random.Random(cfg.seed).shuffle(arrivals)
+            for n in arrivals:
+                runner(**self.model.example_inputs(n, seed=n))
+        wall = time.perf_counter() - t0
+        report = runner.report()
+        result: dict[str, Any] = {
+            "strategy": strategy,
+            "order": order,
+            "graph_memory_bytes": runner.graph_memory(),
+            "capture_seconds": report.capture_seconds,
+            "capture_wall_seconds": wall,
+            "capture_seconds_per_size": {str(s.size): s.capture_seconds for s in report.sizes},
+            "memory_after_each_capture": _cumulative(report),
+            **{k: v for k, v in report.pool_figures.items()},
+        }
+        result["max_rel_error"] = self.max_error(lambda n: runner(**self.inputs[n]))
+        if order == "descending" or strategy == "vmm":
+            result["replay_ms"] = {str(n): ms_per_call(be, lambda n=n: runner(**self.inputs[n]), cfg.iters)
+                                   for n in self.timing_batches}
+            result["hand_loop_ms_batch1"] = ms_per_call(be, self._hand_loop(runner, 1), cfg.iters)
+        runner.close()
+        return result
+
+    def _hand_loop(self, runner: graphkit.GraphRunner, n: int) -> Callable[[], Any]:
+        """Copy inputs into the static buffers, ``graph.replay()``, slice: on the runner's own graph."""
+        bucket = runner._buckets[runner.bucket_for(n)]
+        graph, out = bucket.graphs[0], bucket.outputs[0]
+        buffers = [(runner.inputs.buffers[k], v) for k, v in self.inputs[n].items()]
+        replay = graph.replay if hasattr(graph, "replay") else (lambda: self.be.replay(graph))
+
+        def step() -> Any:
+            for buf, value in buffers:
+                buf[:n].copy_(value)
+            replay()
+            return out[:n]
+
+        return step
+
+    def run_largest_alone(self) -> int:
+        release_cached_memory(self.be)
+        runner = graphkit.GraphRunner(self.model.step, [max(self.cfg.sizes)], backend=self.be,
+                                      fill=self.model.padding(), progress=False, pool="vmm", measure_memory=True)
+        runner.capture(**self.inputs[max(self.cfg.sizes)])
+        memory = runner.graph_memory()
+        runner.close()
+        return memory
+
+    def run_compile(self) -> dict[str, Any]:
+        """torch.compile(mode="reduce-overhead") on the same step, within a time budget."""
+        if self.device.type != "cuda":
+            return {"left_out": f"reduce-overhead uses CUDA graphs; this backend's device is {self.device.type}"}
+        import torch._dynamo as dynamo
+
+        for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit"):
+            if hasattr(dynamo.config, name):
+                setattr(dynamo.config, name, max(getattr(dynamo.config, name), 4 * len(self.cfg.sizes)))
+        release_cached_memory(self.be)
+        self.be.synchronize()
+        before = self.be.mem_info().used
+        compiled = torch.compile(self.model.step, mode="reduce-overhead", dynamic=False)
+        deadline = time.perf_counter() + self.cfg.compile_budget_s
+        t0 = time.perf_counter()
+        done = []
+        with torch.no_grad():
+            for n in sorted(self.cfg.sizes, reverse=True):
+                for _ in range(3):  # cudagraph trees record on a later call
+                    compiled(**self.inputs[n])
+                done.append(n)
+                if time.perf_counter() > deadline and len(done) < len(self.cfg.sizes):
+                    return {"left_out": f"compiling took more than the {self.cfg.compile_budget_s:.0f} s budget "
+                                        f"after {len(done)} of {len(self.cfg.sizes)} sizes "
+                                        "(one compilation per size with dynamic=False)"}
+        wall = time.perf_counter() - t0
+        release_cached_memory(self.be)
+        result = {"strategy": COMPILE, "order": "descending", "graph_memory_bytes": self.be.mem_info().used - before,
+                  "capture_seconds": wall, "capture_wall_seconds": wall,
+                  "max_rel_error": self.max_error(lambda n: compiled(**self.inputs[n])),
+                  "replay_ms": {str(n): ms_per_call(self.be, lambda n=n: compiled(**self.inputs[n]), self.cfg.iters)
+                                for n in self.timing_batches if n in self.cfg.sizes}}
+        dynamo.reset()
+        return result
+
+    # -- the whole run -------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        for n in self.check_batches():
+            self.inputs.setdefault(n, self.model.example_inputs(n, seed=n))
+            self.model.reset_cache()
+            self.reference[n] = self.eager(n).clone()
+        eager_ms = {str(n): ms_per_call(self.be, lambda n=n: self.eager(n), cfg.iters) for n in self.timing_batches}
+        plan = [(s, o) for s in cfg.strategies if s in STRATEGIES for o in cfg.orders]
+        results = []
+        with tqdm(total=len(plan) + 1, desc="bench", unit="run", disable=not cfg.progress) as bar:
+            bar.set_postfix(run="largest alone")
+            alone = self.run_largest_alone()
+            bar.update()
+            for strategy, order in plan:
+                bar.set_postfix(run=f"{strategy}/{order}")
+                results.append(self.run_strategy(strategy, order))
+                bar.update()
+        left_out = {}
+        if COMPILE in cfg.strategies:
+            compiled = self.run_compile()
+            if "left_out" in compiled:
+                left_out[COMPILE] = compiled["left_out"]
+            else:
+                results.append(compiled)
+        out = {
+            "command": cfg.command,
+            "machine": machine_info(self.be),
+            "workload": {**cfg.workload.as_dict(), "weight_bytes": self.model.weight_bytes(),
+                         "kv_cache_bytes": 2 * self.model.k_cache.numel() * self.model.k_cache.element_size()},
+            "sizes": cfg.sizes,
+            "largest_alone_bytes": alone,
+            "eager_ms": eager_ms,
+            "results": results,
+            "left_out": left_out,
+        }
+        from graphkit.bench.targets import check_targets
+
+        out["targets"] = check_targets(out, self.be.granularity, reference_gpu=self.device.type == "cuda")
+        return out
+
+    def close(self) -> None:
+        self.be.close()
+
+
+def _cumulative(report: graphkit.RunnerReport) -> list[int]:
+    total, points = 0, []
+    for s in report.sizes:
+        total += s.memory_delta
+        points.append(total)
+    return points

@@ -1,0 +1,30 @@
+"""The memory strategies the bench compares, each configured the way the engines do it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: name -> GraphRunner options
+STRATEGIES: dict[str, dict[str, Any]] = {
+    # a pool per graph: torch's default for torch.cuda.graph without pool=
+    "private": {"pool": "private"},
+    # one pool, largest first, the runner keeps every graph's outputs (SGLang, nano-vllm)
+    "shared-kept": {"pool": "shared", "keep_outputs": "strong"},
+    # one pool, largest first, outputs held by non-owning references (vLLM)
+    "shared-weakref": {"pool": "shared", "keep_outputs": "weak"},
+    # a fresh virtual space per capture over one set of physical chunks (graphkit)
+    "vmm": {"pool": "vmm"},
+}
+
+ORDERS = ("descending", "ascending", "random", "on-demand")
+
+COMPILE = "torch.compile"
+"""torch.compile(mode="reduce-overhead"): torch's own graph trees, measured where it fits in time."""
+
+DESCRIPTIONS = {
+    "private": "a pool per graph (torch default)",
+    "shared-kept": "one pool, outputs kept (SGLang, nano-vllm)",
+    "shared-weakref": "one pool, outputs weakly referenced (vLLM)",
+    "vmm": "fresh virtual space per capture, shared chunks (graphkit)",
+    COMPILE: 'torch.compile(mode="reduce-overhead")',
+}

@@ -1,0 +1,61 @@
+"""The five targets of the bench, checked on its own figures and reported as met / missed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _find(results: list[dict], strategy: str, order: str) -> dict | None:
+    return next((r for r in results if r["strategy"] == strategy and r["order"] == order), None)
+
+
+def check_targets(out: dict[str, Any], granule: int, reference_gpu: bool) -> list[dict[str, Any]]:
+    res = out["results"]
+    targets: list[dict[str, Any]] = []
+
+    def add(tid: int, text: str, met: bool | None, ratio: float | None, detail: str) -> None:
+        targets.append({"id": tid, "target": text, "met": met, "ratio": ratio, "detail": detail})
+
+    vmm = _find(res, "vmm", "descending")
+    weak = _find(res, "shared-weakref", "descending")
+    alone = out["largest_alone_bytes"]
+    if vmm and weak:
+        m = vmm["graph_memory_bytes"]
+        r1 = m / max(weak["graph_memory_bytes"], 1)
+        r2 = m / max(alone, 1)
+        add(1, "vmm graph memory <= shared-weakref's (descending) and <= 1.1 x the largest size alone",
+            m <= weak["graph_memory_bytes"] and r2 <= 1.1, r1,
+            f"vmm {m} B, shared-weakref {weak['graph_memory_bytes']} B (ratio {r1:.3f}); largest alone {alone} B "
+            f"(ratio {r2:.3f})")
+    if vmm:
+        worst, detail = 0, []
+        for order in ("ascending", "random", "on-demand"):
+            r = _find(res, "vmm", order)
+            if r:
+                diff = abs(r["graph_memory_bytes"] - vmm["graph_memory_bytes"])
+                worst = max(worst, diff)
+                detail.append(f"{order}: {diff} B off")
+        others = []
+        for strategy in ("private", "shared-kept", "shared-weakref"):
+            d = _find(res, strategy, "descending")
+            a = _find(res, strategy, "ascending")
+            if d and a:
+                others.append(f"{strategy} ascending/descending = "
+                              f"{a['graph_memory_bytes'] / max(d['graph_memory_bytes'], 1):.2f}")
+        add(2, "vmm memory in ascending, random and on-demand orders within one granule of descending",
+            worst <= granule if detail else None, worst / granule,
+            "; ".join(detail + others) + f" (granule {granule} B)")
+        if weak:
+            r = vmm["capture_seconds"] / max(weak["capture_seconds"], 1e-9)
+            add(3, "vmm capture time of all sizes <= 1.5 x shared-weakref's", r <= 1.5, r,
+                f"vmm {vmm['capture_seconds']:.3f} s, shared-weakref {weak['capture_seconds']:.3f} s")
+        if "hand_loop_ms_batch1" in vmm:
+            r = vmm["replay_ms"]["1"] / vmm["hand_loop_ms_batch1"]
+            add(4, "runner step time at batch 1 <= 1.05 x the hand-written loop", r <= 1.05, r,
+                f"runner {vmm['replay_ms']['1']:.4f} ms, hand loop {vmm['hand_loop_ms_batch1']:.4f} ms")
+            speedup = out["eager_ms"]["1"] / vmm["replay_ms"]["1"]
+            add(5, "graph decode step at batch 1 >= 4 x faster than eager (reference workload, H100/H200)",
+                speedup >= 4 if reference_gpu else None, speedup,
+                f"eager {out['eager_ms']['1']:.4f} ms, graph {vmm['replay_ms']['1']:.4f} ms"
+                + ("" if reference_gpu else "; not judged: this is not a GPU run"))
+    return targets

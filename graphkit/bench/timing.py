@@ -1,0 +1,30 @@
+"""Timing helpers: device-synchronised wall clock, mean milliseconds per call."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import hal
+
+
+def ms_per_call(backend: hal.Backend, fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
+    """Mean milliseconds per ``fn()`` over ``iters`` calls, synchronising the device at both ends.
+
+    Calls are issued back to back, as a decode loop issues them; the device
+    is synchronised once before and once after the timed calls.
+    """
+    for _ in range(warmup):
+        fn()
+    backend.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    backend.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def rel_error(got: Any, want: Any) -> float:
+    """Max absolute difference relative to the largest magnitude of ``want``."""
+    got, want = got.float(), want.float()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))

@@ -1,0 +1,58 @@
+"""The bench and the demo end to end on a tiny workload (CPU, fake backend)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from graphkit.__main__ import main, parse_sizes
+from graphkit.bench.strategies import COMPILE, ORDERS, STRATEGIES
+
+
+def test_bench_json_has_every_strategy_order_and_correctness(tmp_path: Path) -> None:
+    code = main(["bench", "--workload", "tiny", "--sizes", "1,2,4,8:33:8", "--iters", "2", "--no-progress",
+                 "--backend", "fake", "--out-dir", str(tmp_path)])
+    assert code == 0
+    out = json.loads((tmp_path / "bench.json").read_text())
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
+    got = {(r["strategy"], r["order"]) for r in out["results"]}
+    assert got == {(s, o) for s in STRATEGIES for o in ORDERS}
+    assert COMPILE in out["left_out"] and "CUDA graphs" in out["left_out"][COMPILE]
+    for r in out["results"]:
+        assert r["max_rel_error"] < 1e-4, r
+        assert r["graph_memory_bytes"] >= 0 and len(r["capture_seconds_per_size"]) == len(out["sizes"])
+    vmm = {r["order"]: r for r in out["results"] if r["strategy"] == "vmm"}
+    assert {"chunk_bytes", "reserved_bytes", "replay_ms", "hand_loop_ms_batch1"} <= vmm["descending"].keys()
+    assert [t["id"] for t in out["targets"]] == [1, 2, 3, 4, 5]
+    assert out["targets"][4]["met"] is None  # the speed-up target is judged on a GPU only
+    private = next(r for r in out["results"] if r["strategy"] == "private" and r["order"] == "descending")
+    assert private["graph_memory_bytes"] > vmm["descending"]["graph_memory_bytes"]
+    assert out["machine"]["backend"] == "fake" and out["command"].startswith("python -m graphkit bench")
+
+
+def test_bench_help_documents_every_option() -> None:
+    text = subprocess.run([sys.executable, "-m", "graphkit", "bench", "--help"], capture_output=True, text=True,
+                          check=True).stdout
+    for option in ("--workload", "--hidden", "--layers", "--heads", "--kv-heads", "--head-dim", "--mlp", "--vocab",
+                   "--context", "--dtype", "--sizes", "--strategies", "--orders", "--backend", "--device",
+                   "--iters", "--compile-budget", "--seed", "--out-dir", "--no-progress"):
+        assert option in text
+
+
+def test_sizes_syntax() -> None:
+    assert parse_sizes("1,2,4,8:257:8") == [1, 2, 4] + list(range(8, 257, 8))
+    with pytest.raises(Exception):
+        parse_sizes("0")
+
+
+@pytest.mark.slow
+def test_demo_runs_and_writes_the_plot(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "graphkit", "demo", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "vmm" in proc.stdout and "shared-weakref" in proc.stdout and " NO" not in proc.stdout
+    assert (tmp_path / "demo.png").exists() and (tmp_path / "demo.json").exists()
