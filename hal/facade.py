@@ -87,6 +87,10 @@ class Backend:
                 f"{arg}={size} is not a multiple of the granularity {g} ({fmt_bytes(g)})",
             )
 
+    def _check_ptr(self, call: str, ptr: Any) -> None:
+        if not isinstance(ptr, int) or isinstance(ptr, bool):
+            raise self._err(InvalidArgumentError, call, f"ptr={ptr!r} must be an int address")
+
     def _require(self, hook: str) -> None:
         if hook not in self._implemented:
             raise self._err(UnsupportedError, hook, "this backend does not implement it")
@@ -147,6 +151,7 @@ class Backend:
         call = "release_vir_ptr"
         with self._lock:
             self._check_open(call)
+            self._check_ptr(call, ptr)
             if ptr not in self._ranges:
                 raise self._err(InvalidStateError, call,
                                 f"ptr={ptr:#x} is not a live reservation (released twice?)")
@@ -216,6 +221,7 @@ class Backend:
         call = "unmap"
         with self._lock:
             self._check_open(call)
+            self._check_ptr(call, ptr)
             m = self._mappings.get(ptr)
             if m is None:
                 raise self._err(InvalidStateError, call, f"nothing is mapped at ptr={ptr:#x}")
@@ -316,7 +322,8 @@ class Backend:
                                 capture_error_mode=capture_error_mode)
 
     def replay(self, graph: Any) -> None:
-        self._hook.replay(graph=graph)
+        """Launch a captured graph."""
+        self._graph_call("replay", graph=graph)
 
     def release_graph(self, graph: Any) -> None:
         self._graph_call("release_graph", graph=graph)

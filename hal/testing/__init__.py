@@ -31,5 +31,6 @@ import pytest
 pytest.register_assert_rewrite("hal.testing.suite", "hal.testing.machine")
 
 from hal.testing.requirements import Requirements  # noqa: E402
+from hal.testing.runner import SuiteResult, run_suite  # noqa: E402
 
-__all__ = ["Requirements"]
+__all__ = ["Requirements", "SuiteResult", "run_suite"]

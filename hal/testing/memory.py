@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Protocol
 
-from hal.errors import HalError
 from hal.facade import Backend
 from hal.testing.requirements import Requirements
 
@@ -83,8 +82,8 @@ def torch_access(be: Backend) -> tuple[TorchAccess | None, str]:
         return None, f"torch is not importable: {exc}"
     try:
         device = be.torch_device()
-    except HalError as exc:
-        return None, f"the backend has no torch device: {exc}"
+    except Exception as exc:  # UnsupportedError, or the vendor's torch extension is missing
+        return None, f"the backend has no torch device: {type(exc).__name__}: {exc}"
     if device is None or getattr(device, "type", None) not in ("cpu", "cuda"):
         return None, f"no generic way to build a tensor at a raw address on torch device {device!r}"
     return TorchAccess(device), ""

@@ -37,9 +37,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def _parsed(config: pytest.Config) -> tuple[dict[str, Any], dict[str, Any]]:
     try:
-        return split_options(parse_options(config.getoption("hal_option") or []))
+        options, overrides = split_options(parse_options(config.getoption("hal_option") or []))
+        Requirements().with_overrides(overrides, "--hal-option")  # wrong types fail here
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from exc
+    return options, overrides
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -89,7 +91,13 @@ def hal_backend_factory(hal_backend_name: str, hal_options: dict[str, Any]) -> C
     def open_backend() -> hal.Backend:
         return hal.get_backend(hal_backend_name, **hal_options)
 
-    open_backend().close()  # bad options fail here, once
+    problem = None
+    try:
+        open_backend().close()  # bad options fail here, clearly
+    except hal.HalError as exc:
+        problem = f"cannot open hal backend {hal_backend_name!r} with options {hal_options}: {exc}"
+    if problem:
+        pytest.fail(problem, pytrace=False)
     return open_backend
 
 
@@ -105,10 +113,7 @@ def hal_backend(hal_backend_factory: Callable[[], hal.Backend]) -> Iterator[hal.
 @pytest.fixture
 def hal_requirements(hal_backend: hal.Backend, hal_requirement_overrides: dict[str, Any]) -> Requirements:
     """What the backend under test claims, with command-line overrides applied."""
-    try:
-        return Requirements.for_plugin(hal_backend.plugin, hal_requirement_overrides)
-    except ValueError as exc:
-        raise pytest.UsageError(str(exc)) from exc
+    return Requirements.for_plugin(hal_backend.plugin, hal_requirement_overrides)
 
 
 @pytest.fixture

@@ -33,6 +33,8 @@ class SuiteResult:
     skipped: int
     output: str
     skip_reasons: tuple[str, ...] = ()
+    failed_tests: tuple[str, ...] = ()
+    """``Class.test`` of every test that failed or errored."""
 
     @property
     def passed(self) -> int:
@@ -70,8 +72,21 @@ def run_suite(
     """Run the suite against ``backend`` in a fresh interpreter; return what happened.
 
     :param extra_paths: prepended to ``PYTHONPATH`` (e.g. where a plugin was installed).
+    :param extra_args: more pytest arguments (``-k TestErrors``...).
     :param env: the child's environment (default: this one, without ``HAL_BACKEND``).
     """
+    argv = suite_command(backend, options)[3:] + list(extra_args)  # without "python -m pytest"
+    return run_pytest(argv, extra_paths=extra_paths, env=env, timeout=timeout)
+
+
+def run_pytest(
+    args: Sequence[str],
+    *,
+    extra_paths: Sequence[str | os.PathLike[str]] = (),
+    env: Mapping[str, str] | None = None,
+    timeout: float = 300,
+) -> SuiteResult:
+    """Run ``python -m pytest *args`` in a temporary directory; return its counts."""
     hal_root = Path(__file__).resolve().parents[2]
     child_env = dict(os.environ if env is None else env)
     if env is None:
@@ -82,17 +97,21 @@ def run_suite(
     child_env["PYTHONPATH"] = os.pathsep.join(paths)
     with tempfile.TemporaryDirectory(prefix="hal-suite-") as tmp:
         report = Path(tmp) / "junit.xml"
-        argv = suite_command(backend, options) + ["-p", "no:cacheprovider", "-rs", f"--junitxml={report}"]
+        argv = [sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider", "-rs", f"--junitxml={report}"]
         if not _plugin_installed():  # running from a source checkout that was never installed
             argv += ["-p", PLUGIN_MODULE]
-        argv += list(extra_args)
         proc = subprocess.run(argv, cwd=tmp, env=child_env, capture_output=True, text=True, timeout=timeout)
         counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
         reasons: list[str] = []
+        failed: list[str] = []
         if report.exists():
             root = ET.parse(report).getroot()
             suite = root if root.tag == "testsuite" else root.find("testsuite")
             if suite is not None:
                 counts = {k: int(suite.get(k, 0)) for k in counts}
                 reasons = [s.get("message", "") for s in suite.iter("skipped")]
-    return SuiteResult(proc.returncode, output=proc.stdout + proc.stderr, skip_reasons=tuple(reasons), **counts)
+                failed = [f"{case.get('classname', '').rpartition('.')[2]}.{case.get('name')}"
+                          for case in suite.iter("testcase")
+                          if case.find("failure") is not None or case.find("error") is not None]
+    return SuiteResult(proc.returncode, output=proc.stdout + proc.stderr, skip_reasons=tuple(reasons),
+                       failed_tests=tuple(failed), **counts)

@@ -23,7 +23,6 @@ import pytest
 
 import hal
 from hal.api import VMM_HOOKS
-from hal.testing.machine import run_vmm_machine
 from hal.testing.memory import MemoryAccess, memory_access, torch_access
 from hal.testing.requirements import Requirements
 from hal.testing.state import snapshot
@@ -463,5 +462,8 @@ class TestStateMachine:
 
     def test_random_call_sequences(self, hal_backend_factory: Callable[[], hal.Backend],
                                    hal_backend: hal.Backend, hal_requirements: Requirements) -> None:
+        pytest.importorskip("hypothesis", reason="the state machine needs hypothesis")
+        from hal.testing.machine import run_vmm_machine
+
         access, _ = memory_access(hal_backend, hal_requirements)  # None: no byte checks
         run_vmm_machine(hal_backend_factory, access)

@@ -12,6 +12,7 @@
  *   - aclrtUnmapMem(va): one call per mapping, va must start a mapping;
  *   - aclrtMemSetAccess (left out when built with -DACL_SIM_NO_SET_ACCESS):
  *     flags READWRITE (3), location {id, DEVICE}, rsv zero, a mapped range;
+ *   - memory calls need aclrtSetDevice on the calling thread (ACL_ERROR_RT_CONTEXT_NULL);
  *   - allocations past the capacity fail with ACL_ERROR_RT_MEMORY_ALLOCATION.
  *
  * A physical handle is a memfd; a mapping is mmap(MAP_SHARED | MAP_FIXED) of it
@@ -63,14 +64,15 @@ enum {
 enum { LOC_DEVICE = 1, HANDLE_NONE = 0, ALLOC_PINNED = 0, HBM_MEM_HUGE = 4, HBM_MEM_HUGE1G = 10 };
 enum { ACL_DDR_MEM = 0, ACL_HBM_MEM = 1, ACCESS_READWRITE = 3 };
 
-struct chunk { struct chunk *next; int fd; size_t size; int maps; };
+struct chunk { struct chunk *next; uintptr_t token; int fd; size_t size; int maps; };
 struct range { struct range *next; uintptr_t va; size_t size; };
 struct mapping { struct mapping *next; uintptr_t va; size_t size; struct chunk *chunk; };
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int configured, initialized;
-static int32_t current_device = -1;
+static __thread int32_t current_device = -1; /* ACL binds a device to each thread */
 static uint64_t capacity, granularity, used, set_access_calls;
+static uintptr_t next_token = 0xac1000000010ULL; /* handles are opaque tokens, never reused */
 static uint32_t devices;
 static struct chunk *chunks;
 static struct range *ranges;
@@ -94,6 +96,8 @@ static void configure_once(void) {
 #define LEAVE(rc) do { pthread_mutex_unlock(&lock); return (rc); } while (0)
 /* Reject a call: remember why (aclGetRecentErrMsg) and return the code. */
 #define REJECT(code, ...) do { snprintf(recent, sizeof recent, __VA_ARGS__); LEAVE(code); } while (0)
+#define NEED_DEVICE() do { if (current_device < 0) \
+    REJECT(ACL_ERROR_RT_CONTEXT_NULL, "%s: no device set on this thread (aclrtSetDevice)", __func__); } while (0)
 
 static int check_location(const aclrtMemLocation *loc, const char *what) {
     if (loc->type != LOC_DEVICE) {
@@ -128,7 +132,7 @@ static int check_prop(const aclrtPhysicalMemProp *p) {
 }
 
 static struct chunk *find_chunk(const void *handle) {
-    for (struct chunk *c = chunks; c; c = c->next) if ((const void *)c == handle) return c;
+    for (struct chunk *c = chunks; c; c = c->next) if (c->token == (uintptr_t)handle) return c;
     return NULL;
 }
 
@@ -150,7 +154,7 @@ static struct mapping *mapping_at(uintptr_t va) {
 }
 
 /* [va, va + size) is exactly a run of contiguous whole mappings. */
-static int covered_by_mappings(uintptr_t va, size_t size) {
+__attribute__((unused)) static int covered_by_mappings(uintptr_t va, size_t size) {
     uintptr_t at = va, end = va + size;
     while (at < end) {
         struct mapping *m = mapping_at(at);
@@ -213,6 +217,7 @@ EXPORT aclError aclrtGetDevice(int32_t *deviceId) {
 
 EXPORT aclError aclrtGetMemInfo(int32_t attr, size_t *free_bytes, size_t *total_bytes) {
     ENTER();
+    NEED_DEVICE();
     if (!free_bytes || !total_bytes) REJECT(ACL_ERROR_RT_PARAM_INVALID, "aclrtGetMemInfo: NULL output");
     if (attr == ACL_HBM_MEM) { *total_bytes = capacity; *free_bytes = capacity - used; }
     else if (attr == ACL_DDR_MEM) { *total_bytes = 0; *free_bytes = 0; }
@@ -222,6 +227,7 @@ EXPORT aclError aclrtGetMemInfo(int32_t attr, size_t *free_bytes, size_t *total_
 
 EXPORT aclError aclrtMemGetAllocationGranularity(aclrtPhysicalMemProp *prop, int32_t option, size_t *gran) {
     ENTER();
+    NEED_DEVICE();
     if (!check_prop(prop)) LEAVE(ACL_ERROR_RT_PARAM_INVALID);
     if (option != 0 && option != 1) REJECT(ACL_ERROR_RT_PARAM_INVALID, "granularity option=%d", option);
     if (!gran) REJECT(ACL_ERROR_RT_PARAM_INVALID, "granularity output is NULL");
@@ -233,6 +239,7 @@ EXPORT aclError aclrtReserveMemAddress(void **virPtr, size_t size, size_t alignm
                                        uint64_t flags) {
     (void)expectPtr; /* a hint; the simulator places ranges where mmap does */
     ENTER();
+    NEED_DEVICE();
     if (!virPtr) REJECT(ACL_ERROR_RT_PARAM_INVALID, "aclrtReserveMemAddress: virPtr is NULL");
     if (!size || size % granularity)
         REJECT(ACL_ERROR_RT_PARAM_INVALID, "aclrtReserveMemAddress: size=%zu is not a positive multiple of %llu",
@@ -250,6 +257,7 @@ EXPORT aclError aclrtReserveMemAddress(void **virPtr, size_t size, size_t alignm
 
 EXPORT aclError aclrtReleaseMemAddress(void *virPtr) {
     ENTER();
+    NEED_DEVICE();
     struct range **link = &ranges;
     while (*link && (*link)->va != (uintptr_t)virPtr) link = &(*link)->next;
     struct range *r = *link;
@@ -265,6 +273,7 @@ EXPORT aclError aclrtReleaseMemAddress(void *virPtr) {
 EXPORT aclError aclrtMallocPhysical(aclrtDrvMemHandle *handle, size_t size, const aclrtPhysicalMemProp *prop,
                                     uint64_t flags) {
     ENTER();
+    NEED_DEVICE();
     if (!handle) REJECT(ACL_ERROR_RT_PARAM_INVALID, "aclrtMallocPhysical: handle is NULL");
     if (!check_prop(prop)) LEAVE(ACL_ERROR_RT_PARAM_INVALID);
     if (flags) REJECT(ACL_ERROR_RT_PARAM_INVALID, "aclrtMallocPhysical: flags must be 0");
@@ -280,16 +289,18 @@ EXPORT aclError aclrtMallocPhysical(aclrtDrvMemHandle *handle, size_t size, cons
         REJECT(ACL_ERROR_RT_MEMORY_ALLOCATION, "aclrtMallocPhysical: memfd failed");
     }
     struct chunk *c = calloc(1, sizeof *c);
+    c->token = next_token; next_token += 0x10;
     c->fd = fd; c->size = size; c->next = chunks; chunks = c;
     used += size;
-    *handle = c;
+    *handle = (void *)c->token;
     LEAVE(ACL_SUCCESS);
 }
 
 EXPORT aclError aclrtFreePhysical(aclrtDrvMemHandle handle) {
     ENTER();
+    NEED_DEVICE();
     struct chunk **link = &chunks;
-    while (*link && (void *)*link != handle) link = &(*link)->next;
+    while (*link && (*link)->token != (uintptr_t)handle) link = &(*link)->next;
     struct chunk *c = *link;
     if (!c) REJECT(ACL_ERROR_RT_PARAM_INVALID, "aclrtFreePhysical: %p is not a live handle", handle);
     if (c->maps) REJECT(ACL_ERROR_RT_PARAM_INVALID, "aclrtFreePhysical: %p is still mapped %d time(s)",
@@ -303,6 +314,7 @@ EXPORT aclError aclrtFreePhysical(aclrtDrvMemHandle handle) {
 
 EXPORT aclError aclrtMapMem(void *virPtr, size_t size, size_t offset, aclrtDrvMemHandle handle, uint64_t flags) {
     ENTER();
+    NEED_DEVICE();
     uintptr_t va = (uintptr_t)virPtr;
     struct chunk *c = find_chunk(handle);
     if (!c) REJECT(ACL_ERROR_RT_PARAM_INVALID, "aclrtMapMem: %p is not a live handle", handle);
@@ -326,6 +338,7 @@ EXPORT aclError aclrtMapMem(void *virPtr, size_t size, size_t offset, aclrtDrvMe
 
 EXPORT aclError aclrtUnmapMem(void *virPtr) {
     ENTER();
+    NEED_DEVICE();
     struct mapping **link = &mappings;
     while (*link && (*link)->va != (uintptr_t)virPtr) link = &(*link)->next;
     struct mapping *m = *link;
@@ -340,6 +353,7 @@ EXPORT aclError aclrtUnmapMem(void *virPtr) {
 #ifndef ACL_SIM_NO_SET_ACCESS
 EXPORT aclError aclrtMemSetAccess(void *virPtr, size_t size, aclrtMemAccessDesc *desc, size_t count) {
     ENTER();
+    NEED_DEVICE();
     if (!desc || !count) REJECT(ACL_ERROR_RT_PARAM_INVALID, "aclrtMemSetAccess: no descriptor");
     for (size_t i = 0; i < count; i++) {
         if (desc[i].flags != ACCESS_READWRITE)

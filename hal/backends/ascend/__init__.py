@@ -1,25 +1,13 @@
-"""``ascend``: placeholder until the adapter lands: a real, cheap probe and nothing else."""
+"""``ascend``: Huawei Ascend NPUs through libascendcl (ctypes) and torch_npu.
 
-from __future__ import annotations
+* :mod:`~hal.backends.ascend.lib` -- prototypes, structs, enums, the return-code check;
+* :mod:`~hal.backends.ascend.locate` -- where the library is, and the probe;
+* :mod:`~hal.backends.ascend.backend` -- the plugin class;
+* :mod:`~hal.backends.ascend.torch_glue` -- graphs, streams and pools through torch_npu.
 
-import ctypes
-import importlib.util
-import os
+Importing this package imports neither torch nor torch_npu.
+"""
 
-from hal.backends.cuda.probe import CudaBackend as _Stub
+from hal.backends.ascend.backend import AscendBackend
 
-
-class AscendBackend(_Stub):
-    """Not implemented yet: every call raises BackendUnavailableError."""
-
-    @classmethod
-    def probe(cls) -> str | None:
-        home = os.environ.get("ASCEND_HOME_PATH")
-        path = os.path.join(home, "lib64", "libascendcl.so") if home else "libascendcl.so"
-        try:
-            ctypes.CDLL(path)
-        except OSError:
-            return f"libascendcl.so was not found (looked for {path}; set $ASCEND_HOME_PATH)"
-        if importlib.util.find_spec("torch_npu") is None:
-            return "torch_npu is not installed"
-        return None
+__all__ = ["AscendBackend"]

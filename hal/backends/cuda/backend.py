@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 from typing import Any, ContextManager, Iterator
@@ -29,12 +30,16 @@ class CudaBackend:
     mappings accessible with one call.
     """
 
+    #: for :mod:`hal.testing`: mapped memory is device memory, reached through torch tensors
+    hal_requirements = {"host_accessible": False}
+
     def __init__(self, device: int = 0) -> None:
         from hal.backends.cuda.driver import CudaDevice
 
         self.device = device
         self.dev = CudaDevice(device)
-        self._handles: dict[int, Any] = {}
+        self._handles: dict[int, Any] = {}  # hal handle -> CUmemGenericAllocationHandle
+        self._handle_ids = itertools.count(1)
         self._tls = threading.local()
         self._capture_stream: Any = None
         self._closed = False
@@ -73,7 +78,7 @@ class CudaBackend:
     @hookimpl
     def create_phy_mem_handle(self, size: int) -> int:
         native = self.dev.create(size)
-        handle = int(native)
+        handle = next(self._handle_ids)  # small, stable ids; the driver's values vary run to run
         self._handles[handle] = native
         return handle
 

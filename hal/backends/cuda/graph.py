@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -14,10 +15,6 @@ from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError
 log = logging.getLogger("hal.cuda")
 
 NAME = "cuda"
-
-#: words in torch/CUDA error messages that say the captured work could not be captured
-_CAPTURE_WORDS = ("captur",)
-
 
 @dataclass(eq=False)
 class CudaGraph:
@@ -62,10 +59,12 @@ def _note(exc: BaseException, text: str) -> None:
 def capture(graph: CudaGraph, pool: CudaPool | None, stream: Any, capture_error_mode: str) -> Iterator[CudaGraph]:
     """Capture the work of the block into ``graph`` on ``stream``, drawing memory from ``pool``.
 
-    The garbage collector is off inside the block. A capture that cannot be
-    captured raises :class:`hal.CaptureError`; a custom pool that runs out of
-    memory makes torch raise its ``OutOfMemoryError``, with the pool's reason
-    attached as a note. Either way the graph is reset and may be released.
+    A context manager around ``torch.cuda.graph``. The garbage collector is
+    off inside the block. Work that cannot be captured raises
+    :class:`hal.CaptureError`; a custom pool that runs out of memory makes
+    torch raise its ``OutOfMemoryError``, with the pool's reason attached as
+    a note. After a failure the graph is empty (release it) and torch's
+    allocator no longer routes the stream's allocations to the pool.
     """
     import torch
 
@@ -82,31 +81,44 @@ def capture(graph: CudaGraph, pool: CudaPool | None, stream: Any, capture_error_
     if pool is not None and pool.callbacks is not None:
         pool.callbacks.last_error = None
     with torch.cuda.device(graph.device):
+        # a private pool gets an id of its own, so that a failed capture can be undone
+        pool_id = pool.id if pool is not None else tuple(torch.cuda.graph_pool_handle())
         previous = torch.cuda.current_stream()
+        torch_capture = torch.cuda.graph(graph.torch_graph, pool=pool_id, stream=stream,
+                                         capture_error_mode=capture_error_mode)
         try:
-            with torch.cuda.graph(graph.torch_graph, pool=None if pool is None else pool.id,
-                                  stream=stream, capture_error_mode=capture_error_mode):
-                with _gc_off():
-                    yield graph
-        except torch.OutOfMemoryError as exc:
-            reason = pool.callbacks.last_error if pool is not None and pool.callbacks is not None else None
-            if reason:
-                _note(exc, f"hal cuda: {reason}")
-            _reset_after_failure(graph, previous)
-            raise
-        except RuntimeError as exc:
-            _reset_after_failure(graph, previous)
-            text = str(exc)
-            if any(w in text.lower() for w in _CAPTURE_WORDS):
-                raise CaptureError(
-                    f"the work inside the block could not be captured: {text.strip().splitlines()[0]} "
-                    "(host synchronisations such as .item(), .cpu() or printing a tensor, and "
-                    "allocations of device memory outside the pool, are not allowed in a capture)",
-                    backend=NAME, call="capture") from exc
-            raise
+            torch_capture.__enter__()
         except BaseException:
-            _reset_after_failure(graph, previous)
+            _undo_failed_capture(graph, pool_id, previous, capture_ended=False)
             raise
+        body: BaseException | None = None
+        try:
+            with _gc_off():
+                yield graph
+        except BaseException as exc:
+            body = exc
+        try:
+            with warnings.catch_warnings():
+                if body is not None:  # the graph is empty or partial: torch's warning about it is noise
+                    warnings.simplefilter("ignore")
+                torch_capture.__exit__(type(body) if body else None, body, body.__traceback__ if body else None)
+        except BaseException as end_exc:
+            _undo_failed_capture(graph, pool_id, previous, capture_ended=False)
+            first = body if body is not None else end_exc
+            raise CaptureError(
+                f"the work inside the block could not be captured: {_first_line(first)} "
+                "(host synchronisations such as .item(), .cpu() or printing a tensor are not allowed "
+                "in a capture)", backend=NAME, call="capture") from end_exc
+        if body is not None:
+            _undo_failed_capture(graph, pool_id, previous, capture_ended=True)
+            if isinstance(body, torch.OutOfMemoryError):
+                reason = pool.callbacks.last_error if pool is not None and pool.callbacks is not None else None
+                if reason:
+                    _note(body, f"hal cuda: {reason}")
+            elif isinstance(body, RuntimeError) and "captur" in str(body).lower():
+                raise CaptureError(f"the work inside the block could not be captured: {_first_line(body)}",
+                                   backend=NAME, call="capture") from body
+            raise body
     graph.stream = stream
     graph.pool = pool
     graph.captured = True
@@ -114,11 +126,39 @@ def capture(graph: CudaGraph, pool: CudaPool | None, stream: Any, capture_error_
         pool.graphs += 1
 
 
-def _reset_after_failure(graph: CudaGraph, previous_stream: Any) -> None:
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _undo_failed_capture(graph: CudaGraph, pool_id: tuple[int, int], previous_stream: Any,
+                         capture_ended: bool) -> None:
+    """Leave torch's allocator and the current stream as they were before a failed capture.
+
+    When ``cudaStreamEndCapture`` fails (an invalidated capture), torch's
+    ``capture_end`` raises before it stops routing the capture stream's
+    allocations to the pool and the graph never owns the reference on the
+    pool that ``capture_begin`` took; both are undone here, or later
+    allocations would still be routed to a dead capture's pool.
+    """
     import torch
 
     if torch.cuda.current_stream() != previous_stream:  # torch skips restoring it when capture_end raises
         torch.cuda.set_stream(previous_stream)
+    if not capture_ended:
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        release = getattr(torch._C, "_cuda_releasePool", None)
+        if end is None or release is None:
+            log.warning("cuda: this torch cannot stop routing allocations to the pool of a failed capture; "
+                        "capture on a new stream from now on")
+        else:
+            try:
+                end(graph.device, pool_id)
+            except RuntimeError:
+                pass  # torch got past its own bookkeeping
+            else:
+                release(graph.device, pool_id)
+                log.debug("cuda: undid the allocator state of a failed capture into pool %s", pool_id)
     try:
         graph.torch_graph.reset()
     except RuntimeError as exc:

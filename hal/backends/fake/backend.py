@@ -145,8 +145,12 @@ class FakeBackend:
 
     @hookimpl
     def release_phy_mem_handle(self, handle: int) -> None:
-        fd, size = self._chunks.pop(handle)
-        hostvm.release_chunk(fd)
+        fd, size = self._chunks[handle]
+        try:
+            hostvm.release_chunk(fd)
+        except OSError as exc:
+            raise self._os_error("release_phy_mem_handle", exc) from exc
+        del self._chunks[handle]
         self._refund(size)
 
     @hookimpl

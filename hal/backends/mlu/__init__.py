@@ -1,25 +1,13 @@
-"""``mlu``: placeholder until the adapter lands: a real, cheap probe and nothing else."""
+"""``mlu``: Cambricon MLUs through libcndrv (ctypes) and torch_mlu.
 
-from __future__ import annotations
+* :mod:`~hal.backends.mlu.lib` -- prototypes, structs, enums, the return-code check;
+* :mod:`~hal.backends.mlu.locate` -- where the library is, and the probe;
+* :mod:`~hal.backends.mlu.backend` -- the plugin class;
+* :mod:`~hal.backends.mlu.torch_glue` -- graphs, streams and pools through torch_mlu.
 
-import ctypes
-import importlib.util
-import os
+Importing this package imports neither torch nor torch_mlu.
+"""
 
-from hal.backends.cuda.probe import CudaBackend as _Stub
+from hal.backends.mlu.backend import MluBackend
 
-
-class MluBackend(_Stub):
-    """Not implemented yet: every call raises BackendUnavailableError."""
-
-    @classmethod
-    def probe(cls) -> str | None:
-        home = os.environ.get("NEUWARE_HOME")
-        path = os.path.join(home, "lib64", "libcndrv.so") if home else "libcndrv.so"
-        try:
-            ctypes.CDLL(path)
-        except OSError:
-            return f"libcndrv.so was not found (looked for {path}; set $NEUWARE_HOME)"
-        if importlib.util.find_spec("torch_mlu") is None:
-            return "torch_mlu is not installed"
-        return None
+__all__ = ["MluBackend"]

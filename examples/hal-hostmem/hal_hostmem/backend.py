@@ -1,0 +1,126 @@
+"""The ``hostmem`` backend: the vmm half of the hal contract over host memory.
+
+A reservation is inaccessible host address space, a physical chunk is a
+``memfd``, and ``map`` puts the chunk's pages at the address, so two mappings
+of one chunk really share their bytes. The OS calls come from
+``hal.backends.fake.hostvm``; a device backend would call its driver there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Iterator
+
+import hal
+from hal.backends.fake import hostvm
+from hal.types import MemInfo
+
+NAME = "hostmem"
+
+
+@dataclass(eq=False)  # handles compare by identity: a released handle never equals a new one
+class Chunk:
+    """One physical chunk: the opaque handle this backend hands out."""
+
+    fd: int
+    size: int
+
+
+@contextlib.contextmanager
+def checked(call: str) -> Iterator[None]:
+    """The one place where native failures become hal errors."""
+    try:
+        yield
+    except OSError as exc:
+        raise hal.DriverError(exc.strerror or str(exc), backend=NAME, call=call,
+                              code=exc.errno, code_name=f"errno {exc.errno}") from exc
+
+
+class HostMemBackend:
+    """Host memory as a device with virtual memory management.
+
+    Options (``hal.get_backend("hostmem", **options)``):
+
+    * ``granularity`` -- bytes per physical allocation unit (default 64 KiB,
+      a multiple of the page size);
+    * ``capacity`` -- physical bytes the device pretends to have (default 1 GiB).
+    """
+
+    #: What the conformance suite may assume (see ``hal.testing.Requirements``).
+    hal_requirements = {"host_accessible": True}
+
+    def __init__(self, device: int = 0, *, granularity: int = 64 << 10, capacity: int = 1 << 30) -> None:
+        if device != 0:
+            raise hal.InvalidArgumentError(f"device={device}: there is only device 0", backend=NAME,
+                                           call="get_backend")
+        if granularity <= 0 or granularity % hostvm.PAGE_SIZE:
+            raise hal.InvalidArgumentError(f"granularity={granularity} must be a positive multiple of "
+                                           f"the page size {hostvm.PAGE_SIZE}", backend=NAME, call="get_backend")
+        if capacity <= 0:
+            raise hal.InvalidArgumentError(f"capacity={capacity} must be positive", backend=NAME,
+                                           call="get_backend")
+        self.granularity_bytes = granularity
+        self.capacity = capacity
+        self.used = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def probe(cls) -> str | None:
+        """Cheap check, run by discovery: ``None`` when usable here, else the reason."""
+        return hostvm.unavailable_reason()
+
+    # -- queries ------------------------------------------------------------------
+
+    @hal.hookimpl
+    def device_count(self) -> int:
+        return 1
+
+    @hal.hookimpl
+    def granularity(self, recommended: bool) -> int:
+        return self.granularity_bytes * (4 if recommended else 1)
+
+    @hal.hookimpl
+    def mem_info(self) -> MemInfo:
+        return MemInfo(free=self.capacity - self.used, total=self.capacity)
+
+    # -- vmm: the facade has checked sizes, alignment, ranges and handles already ---
+
+    @hal.hookimpl
+    def create_vir_ptr(self, size: int) -> int:
+        with checked("create_vir_ptr"):
+            return hostvm.reserve(size, self.granularity_bytes)
+
+    @hal.hookimpl
+    def release_vir_ptr(self, ptr: int, size: int) -> None:
+        with checked("release_vir_ptr"):
+            hostvm.free(ptr, size)
+
+    @hal.hookimpl
+    def create_phy_mem_handle(self, size: int) -> Chunk:
+        with self._lock:
+            if self.used + size > self.capacity:
+                raise hal.DeviceOutOfMemoryError(f"{size} bytes requested, {self.capacity - self.used} free",
+                                                 backend=NAME, call="create_phy_mem_handle")
+            with checked("create_phy_mem_handle"):
+                chunk = Chunk(hostvm.create_chunk(size), size)
+            self.used += size
+        return chunk
+
+    @hal.hookimpl
+    def release_phy_mem_handle(self, handle: Chunk) -> None:
+        with checked("release_phy_mem_handle"):
+            hostvm.release_chunk(handle.fd)
+        with self._lock:
+            self.used -= handle.size
+
+    @hal.hookimpl
+    def map(self, ptr: int, size: int, handle: Chunk) -> None:
+        with checked("map"):
+            hostvm.map_chunk(ptr, size, handle.fd)
+
+    @hal.hookimpl
+    def unmap(self, ptr: int, size: int) -> None:
+        with checked("unmap"):
+            hostvm.unmap_chunk(ptr, size)

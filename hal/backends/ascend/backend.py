@@ -1,0 +1,206 @@
+"""The ``ascend`` backend plugin: ACL VMM through ctypes, graphs through torch_npu."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from typing import Any, ContextManager
+
+from hal.api import AllocFn, FreeFn, hookimpl
+from hal.backends.ascend import lib, locate
+from hal.errors import BackendUnavailableError, UnsupportedError
+from hal.types import MemInfo
+
+log = logging.getLogger("hal.ascend")
+NAME = lib.NAME
+
+
+class AscendBackend:
+    """Huawei Ascend NPUs through libascendcl (VMM) and torch_npu (graphs, streams, pools).
+
+    Options:
+
+    * ``library`` -- path of libascendcl.so (a runtime or a simulator); default
+      ``$HAL_ASCEND_LIBRARY``, else ``$ASCEND_HOME_PATH/lib64/libascendcl.so``,
+      else the soname on the loader path;
+    * ``use_torch`` -- ``None`` (default): use torch_npu when it is installed;
+      ``False``: VMM hooks only, torch_npu is never imported; ``True``: require it.
+
+    Without torch_npu the ``"graphs"`` capability is absent and the graph hooks
+    raise :class:`hal.UnsupportedError`; the runtime is then initialised with
+    ``aclInit`` here instead of by torch_npu.
+    """
+
+    #: device memory is not host-accessible; the conformance suite over a
+    #: simulator overrides this with ``--hal-option host_accessible=true``
+    hal_requirements = {"host_accessible": False}
+
+    def __init__(self, device: int = 0, *, library: str | None = None, use_torch: bool | None = None) -> None:
+        self.device = device
+        self.library = locate.open_library(library)
+        if use_torch is None:
+            use_torch = locate.extension_installed()
+        elif use_torch and not locate.extension_installed():
+            raise BackendUnavailableError("use_torch=True but torch_npu is not installed", backend=NAME)
+        self.glue: Any = None
+        if use_torch:
+            from hal.backends.ascend.torch_glue import NpuGlue
+
+            try:
+                self.glue = NpuGlue(device)  # torch_npu runs aclInit and sets the device
+            except ImportError as exc:
+                raise BackendUnavailableError(f"torch_npu is installed but does not import: {exc}",
+                                              backend=NAME) from exc
+        else:
+            self.library.init_once()
+        self._thread = threading.local()  # ACL binds a device per thread: aclrtSetDevice once in each
+        self._prop = lib.physical_prop(device)
+        self._access = lib.access_desc(device) if self.library.has("aclrtMemSetAccess") else None
+        self._granularity = {rec: self._query_granularity(rec) for rec in (False, True)}
+        log.debug("%s: device %d over %s (set access: %s, torch_npu: %s)", NAME, device, self.library.path,
+                  self._access is not None, self.glue is not None)
+
+    @classmethod
+    def probe(cls) -> str | None:
+        return locate.probe_reason()
+
+    def _call(self, call: str, native: str, *args: Any) -> None:
+        if not getattr(self._thread, "device_set", False):
+            self.library.call(call, "aclrtSetDevice", self.device)
+            self._thread.device_set = True
+        self.library.call(call, native, *args)
+
+    def _query_granularity(self, recommended: bool) -> int:
+        gran = ctypes.c_size_t(0)
+        option = (lib.ACL_RT_MEM_ALLOC_GRANULARITY_RECOMMENDED if recommended
+                  else lib.ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM)
+        self._call("granularity", "aclrtMemGetAllocationGranularity", ctypes.byref(self._prop), option,
+                   ctypes.byref(gran))
+        return gran.value
+
+    def _torch(self, call: str) -> Any:
+        if self.glue is None:
+            raise UnsupportedError("needs torch_npu, which this backend runs without", backend=NAME, call=call)
+        return self.glue
+
+    # -- queries ---------------------------------------------------------------------
+
+    @hookimpl
+    def device_count(self) -> int:
+        count = ctypes.c_uint32(0)
+        self._call("device_count", "aclrtGetDeviceCount", ctypes.byref(count))
+        return count.value
+
+    @hookimpl
+    def granularity(self, recommended: bool) -> int:
+        return self._granularity[bool(recommended)]
+
+    @hookimpl
+    def mem_info(self) -> MemInfo:
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        self._call("mem_info", "aclrtGetMemInfo", lib.ACL_HBM_MEM, ctypes.byref(free), ctypes.byref(total))
+        return MemInfo(free=free.value, total=total.value)
+
+    # -- vmm -------------------------------------------------------------------------
+
+    @hookimpl
+    def create_vir_ptr(self, size: int) -> int:
+        ptr = ctypes.c_void_p()
+        self._call("create_vir_ptr", "aclrtReserveMemAddress", ctypes.byref(ptr), size, 0, None, 0)
+        return int(ptr.value or 0)
+
+    @hookimpl
+    def release_vir_ptr(self, ptr: int, size: int) -> bool:
+        self._call("release_vir_ptr", "aclrtReleaseMemAddress", ptr)
+        return True
+
+    @hookimpl
+    def create_phy_mem_handle(self, size: int) -> int:
+        handle = ctypes.c_void_p()
+        self._call("create_phy_mem_handle", "aclrtMallocPhysical", ctypes.byref(handle), size,
+                   ctypes.byref(self._prop), 0)
+        return int(handle.value or 0)
+
+    @hookimpl
+    def release_phy_mem_handle(self, handle: int) -> bool:
+        self._call("release_phy_mem_handle", "aclrtFreePhysical", handle)
+        return True
+
+    @hookimpl
+    def map(self, ptr: int, size: int, handle: int) -> bool:
+        self._call("map", "aclrtMapMem", ptr, size, 0, handle, 0)
+        if self._access is not None:
+            try:
+                self._call("map", "aclrtMemSetAccess", ptr, size, ctypes.byref(self._access), 1)
+            except Exception:
+                self._call("map", "aclrtUnmapMem", ptr)  # leave nothing half-mapped
+                raise
+        return True
+
+    @hookimpl
+    def unmap(self, ptr: int, size: int) -> bool:
+        self._call("unmap", "aclrtUnmapMem", ptr)  # ACL unmaps one whole mapping by its address
+        return True
+
+    # -- graphs, streams, pools (torch_npu) ------------------------------------------
+
+    @hookimpl
+    def capabilities(self) -> frozenset[str]:
+        return self.glue.capabilities if self.glue is not None else frozenset()
+
+    @hookimpl
+    def torch_device(self) -> Any:
+        return self._torch("torch_device").torch_device()
+
+    @hookimpl
+    def create_stream(self) -> Any:
+        return self._torch("create_stream").create_stream()
+
+    @hookimpl
+    def current_stream(self) -> Any:
+        return self._torch("current_stream").current_stream()
+
+    @hookimpl
+    def use_stream(self, stream: Any) -> ContextManager[Any]:
+        return self._torch("use_stream").use_stream(stream)
+
+    @hookimpl
+    def synchronize(self, stream: Any) -> bool:
+        self._torch("synchronize").synchronize(stream)
+        return True
+
+    @hookimpl
+    def create_pool(self, alloc: AllocFn | None, free: FreeFn | None) -> Any:
+        return self._torch("create_pool").create_pool(alloc, free)
+
+    @hookimpl
+    def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:
+        return self._torch("pool_active_blocks").pool_active_blocks(pool)
+
+    @hookimpl
+    def release_pool(self, pool: Any) -> bool:
+        self._torch("release_pool").release_pool(pool)
+        return True
+
+    @hookimpl
+    def create_graph(self) -> Any:
+        return self._torch("create_graph").create_graph()
+
+    @hookimpl
+    def capture(self, graph: Any, pool: Any, stream: Any, capture_error_mode: str) -> ContextManager[Any]:
+        return self._torch("capture").capture(graph, pool, stream, capture_error_mode or "global")
+
+    @hookimpl
+    def replay(self, graph: Any) -> bool:
+        self._torch("replay").replay(graph)
+        return True
+
+    @hookimpl
+    def release_graph(self, graph: Any) -> bool:
+        self._torch("release_graph").release_graph(graph)
+        return True
+
+    @hookimpl
+    def shutdown(self) -> bool:
+        return True  # the library stays loaded for the process; the facade released everything else

@@ -1,0 +1,184 @@
+"""ctypes bindings to libcndrv's VMM calls, and the one place their return codes are checked.
+
+Prototypes, struct layouts and enum values follow ``cn_api.h`` (CNDrv 2.15.5).
+They differ from ACL's and CUDA's (read-write access is 0, the granularity
+output comes first, access must be set after every map): nothing here is
+shared with another vendor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from ctypes import POINTER, c_int, c_int32, c_uint, c_uint8, c_uint32, c_uint64
+from typing import Any
+
+from hal.errors import BackendUnavailableError, DeviceOutOfMemoryError, DriverError, HalError, InvalidArgumentError
+
+NAME = "mlu"
+
+# -- return codes (CNresult) -----------------------------------------------------------
+
+CN_SUCCESS = 0
+CN_MEMORY_ERROR_OUT_OF_MEMORY = 100100
+
+CODE_NAMES = {
+    1: "CN_ERROR_NOT_READY",
+    100002: "CN_ERROR_NOT_INITIALIZED",
+    100003: "CN_ERROR_DEINITIALIZED",
+    100004: "CN_ERROR_NO_DEVICE",
+    100005: "CN_ERROR_INVALID_DEVICE",
+    100006: "CN_ERROR_INVALID_VALUE",
+    100014: "CN_ERROR_INVALID_HANDLE",
+    100015: "CN_ERROR_ILLEGAL_STATE",
+    100050: "CN_OPS_ERROR_NOT_SUPPORTED",
+    100051: "CN_OPS_ERROR_NOT_PERMITTED",
+    100061: "CN_QUEUE_ERROR_OUT_OF_RESOURCES",
+    100100: "CN_MEMORY_ERROR_OUT_OF_MEMORY",
+    100101: "CN_MEMORY_ERROR_OUT_OF_PROCESS_MAX_MEMORY",
+    100102: "CN_MEMORY_ERROR_INVALID_ADDRESS",
+    100201: "CN_CONTEXT_ERROR_INVALID",
+    100360: "CN_ERROR_QUEUE_CAPTURE_UNSUPPORTED",
+    100361: "CN_ERROR_QUEUE_CAPTURE_INVALIDATED",
+    100362: "CN_ERROR_QUEUE_CAPTURE_WRONG_THREAD",
+    100363: "CN_ERROR_QUEUE_CAPTURE_MERGED",
+    100364: "CN_ERROR_QUEUE_CAPTURE_UNJOINED",
+    100365: "CN_ERROR_QUEUE_CAPTURE_ISOLATION",
+    100366: "CN_ERROR_QUEUE_CAPTURE_UNMATCHED",
+}
+INVALID_ARGUMENT_CODES = frozenset({100006})
+OUT_OF_MEMORY_CODES = frozenset({CN_MEMORY_ERROR_OUT_OF_MEMORY, 100101})
+CAPTURE_CODES = frozenset(range(100360, 100367))
+
+# -- enums ---------------------------------------------------------------------------------
+
+CN_MEM_LOCATION_TYPE_DEVICE = 1
+CN_MEM_ALLOCATION_TYPE_DEFAULT = 1
+CN_MEM_HANDLE_TYPE_NONE = 0
+CN_MEM_ACCESS_FLAGS_PROT_READWRITE = 0
+CN_MEM_ALLOC_GRANULARITY_MINIMUM = 0
+CN_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
+
+# -- structs -------------------------------------------------------------------------------
+
+
+class CNmemLocation(ctypes.Structure):
+    """``{int32_t type; uint32_t id;}`` -- type first (ACL puts id first)."""
+
+    _fields_ = [("type", c_int32), ("id", c_uint32)]
+
+
+class CNmemAllocFlags(ctypes.Structure):
+    _fields_ = [("compressionType", c_uint8), ("securityType", c_uint8)]
+
+
+class CNmemAllocationProp(ctypes.Structure):
+    """``CNmemAllocationProp``: 20 bytes, location at offset 8."""
+
+    _fields_ = [
+        ("type", c_int32),
+        ("requestedHandleTypes", c_int32),
+        ("location", CNmemLocation),
+        ("allocFlags", CNmemAllocFlags),
+    ]
+
+
+class CNmemAccessDesc(ctypes.Structure):
+    """``CNmemAccessDesc``: 20 bytes."""
+
+    _fields_ = [("location", CNmemLocation), ("accessFlags", c_int32), ("cacheType", c_int32),
+                ("pinnedType", c_int32)]
+
+
+def allocation_prop(device: int) -> CNmemAllocationProp:
+    """``{DEFAULT, NONE, {DEVICE, device}, {0, 0}}``, every other byte zero."""
+    return CNmemAllocationProp(CN_MEM_ALLOCATION_TYPE_DEFAULT, CN_MEM_HANDLE_TYPE_NONE,
+                               CNmemLocation(CN_MEM_LOCATION_TYPE_DEVICE, device))
+
+
+def access_desc(device: int) -> CNmemAccessDesc:
+    """Read-write access (flag 0) for ``device``."""
+    return CNmemAccessDesc(CNmemLocation(CN_MEM_LOCATION_TYPE_DEVICE, device), CN_MEM_ACCESS_FLAGS_PROT_READWRITE)
+
+
+# -- prototypes ------------------------------------------------------------------------------
+
+_P = POINTER
+PROTOTYPES: dict[str, list[Any]] = {
+    "cnInit": [c_uint],
+    "cnDeviceGetCount": [_P(c_int)],
+    "cnMemGetInfo": [_P(c_uint64), _P(c_uint64)],
+    "cnMemGetAllocationGranularity": [_P(c_uint64), _P(CNmemAllocationProp), c_int32],
+    "cnMemAddressReserve": [_P(c_uint64), c_uint64, c_uint64, c_uint64, c_uint64],
+    "cnMemAddressFree": [c_uint64, c_uint64],
+    "cnMemCreate": [_P(c_uint64), c_uint64, _P(CNmemAllocationProp), c_uint64],
+    "cnMemRelease": [c_uint64],
+    "cnMemMap": [c_uint64, c_uint64, c_uint64, c_uint64, c_uint64],
+    "cnMemSetAccess": [c_uint64, c_uint64, _P(CNmemAccessDesc), c_uint64],
+    "cnMemUnmap": [c_uint64, c_uint64],
+}
+
+
+class CnInvalidArgumentError(DriverError, InvalidArgumentError):
+    """The driver refused an argument: an :class:`hal.InvalidArgumentError` that keeps the native code."""
+
+
+def error_for(code: int, call: str, native: str) -> HalError:
+    """The hal error for a failed ``native`` call made on behalf of hook ``call``."""
+    name = CODE_NAMES.get(code)
+    message = f"{native} failed"
+    if code in OUT_OF_MEMORY_CODES:
+        err: HalError = DeviceOutOfMemoryError(f"{message} [{name} = {code}]", backend=NAME, call=call)
+        err.code, err.code_name = code, name  # type: ignore[attr-defined]
+        return err
+    cls = CnInvalidArgumentError if code in INVALID_ARGUMENT_CODES else DriverError
+    return cls(message, backend=NAME, call=call, code=code, code_name=name)
+
+
+class CndrvLibrary:
+    """One loaded libcndrv: typed functions and :meth:`call`, which checks every return code."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.cdll = ctypes.CDLL(path)
+        missing = [n for n in PROTOTYPES if not hasattr(self.cdll, n)]
+        if missing:
+            raise BackendUnavailableError(
+                f"{path} lacks {', '.join(missing)} (a CNDrv with the VMM API is needed)", backend=NAME)
+        self._fns: dict[str, Any] = {}
+        for name, argtypes in PROTOTYPES.items():
+            fn = getattr(self.cdll, name)
+            fn.argtypes, fn.restype = argtypes, c_int
+            self._fns[name] = fn
+        self._init_lock = threading.Lock()
+        self._initialized = False
+
+    def call(self, call: str, native: str, *args: Any) -> None:
+        """Call ``native(*args)`` for hook ``call``; raise the hal error unless it succeeded."""
+        code = self._fns[native](*args)
+        if code != CN_SUCCESS:
+            raise error_for(code, call, native)
+
+    def init_once(self) -> None:
+        """``cnInit(0)``, once per library and process."""
+        with self._init_lock:
+            if not self._initialized:
+                self.call("init", "cnInit", 0)
+                self._initialized = True
+
+
+_libraries: dict[str, CndrvLibrary] = {}
+_lock = threading.Lock()
+
+
+def load(path: str) -> CndrvLibrary:
+    """The :class:`CndrvLibrary` at ``path``, loaded once per process.
+
+    :raises OSError: the library cannot be loaded.
+    :raises BackendUnavailableError: it lacks the VMM functions.
+    """
+    with _lock:
+        lib = _libraries.get(path)
+        if lib is None:
+            lib = _libraries[path] = CndrvLibrary(path)
+        return lib

@@ -1,0 +1,234 @@
+"""The ascend backend over the ACL simulator: VMM through the facade, bindings, the runtime's rules."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+import threading
+
+import pytest
+
+import hal
+from hal.backends.ascend import lib
+from tests.sim import built, compiler_reason, simulated_backend, simulator
+
+pytestmark = pytest.mark.skipif(compiler_reason() is not None, reason=str(compiler_reason()))
+
+G = 1 << 16
+INVALID = 107000  # ACL_ERROR_RT_PARAM_INVALID
+
+
+@pytest.fixture
+def be():
+    backend = simulated_backend("ascend", capacity=64 * G, granularity=G)
+    sim = simulator(backend)
+    yield backend
+    backend.close()
+    assert [sim.count(k) for k in ("ranges", "chunks", "mappings", "used")] == [0, 0, 0, 0]
+
+
+class _SwappedLocation(ctypes.Structure):
+    """CNDrv's order, {type, id}: the binding mistake the simulator must catch."""
+
+    _fields_ = [("type", ctypes.c_int32), ("id", ctypes.c_uint32)]
+
+
+class _PropWithSwappedLocation(ctypes.Structure):
+    _fields_ = [("handleType", ctypes.c_int32), ("allocationType", ctypes.c_int32), ("memAttr", ctypes.c_int32),
+                ("location", _SwappedLocation), ("reserve", ctypes.c_uint64)]
+
+
+def test_struct_layouts_follow_acl_rt_h() -> None:
+    assert ctypes.sizeof(lib.AclrtPhysicalMemProp) == 32
+    assert ctypes.sizeof(lib.AclrtMemAccessDesc) == 24
+    assert (lib.AclrtMemLocation.id.offset, lib.AclrtMemLocation.type.offset) == (0, 4)
+    assert lib.AclrtPhysicalMemProp.location.offset == 12
+    assert lib.AclrtPhysicalMemProp.reserve.offset == 24
+    prop = lib.physical_prop(3)
+    assert (prop.handleType, prop.allocationType, prop.memAttr) == (0, 0, 4)
+    assert (prop.location.id, prop.location.type, prop.reserve) == (3, 1, 0)
+    desc = lib.access_desc(3)
+    assert (desc.flags, desc.location.id, desc.location.type, bytes(desc.rsv)) == (3, 3, 1, bytes(12))
+
+
+def exports(path: object) -> set[str]:
+    """The dynamic symbols a shared library defines."""
+    out = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True)
+    return {line.split()[-1] for line in out.stdout.splitlines() if line.strip()}
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="nm (binutils) is not installed")
+def test_the_simulator_exports_the_acl_symbols_the_backend_binds_and_nothing_else() -> None:
+    controls = {"acl_sim_configure", "acl_sim_count"}
+    assert exports(built("ascend")) == {*lib.PROTOTYPES, *lib.OPTIONAL, "aclGetRecentErrMsg", *controls}
+    assert exports(built("ascend", set_access=False)) == exports(built("ascend")) - {"aclrtMemSetAccess"}
+
+
+def test_queries_come_from_the_runtime(be: hal.Backend) -> None:
+    assert be.granularity == be.recommended_granularity == G
+    assert be.mem_info() == hal.MemInfo(free=64 * G, total=64 * G)
+    assert be.device_count() == 1
+    assert be.capabilities == frozenset()  # no torch_npu: VMM only
+
+
+def test_two_mappings_of_one_handle_alias(be: hal.Backend) -> None:
+    a, b = be.create_vir_ptr(4 * G), be.create_vir_ptr(4 * G)
+    h = be.create_phy_mem_handle(2 * G)
+    be.map(a, 2 * G, h)
+    be.map(b + 2 * G, 2 * G, h)
+    ctypes.memmove(a + G + 5, b"through a", 9)
+    assert ctypes.string_at(b + 3 * G + 5, 9) == b"through a"
+    assert be.mem_info().free == 62 * G
+    for ptr in (a, b + 2 * G):
+        be.unmap(ptr, 2 * G)
+    be.release_phy_mem_handle(h)
+    be.release_vir_ptr(a, 4 * G)
+    be.release_vir_ptr(b, 4 * G)
+
+
+def test_unmap_is_one_call_per_mapping_and_leaves_neighbours_mapped(be: hal.Backend) -> None:
+    va = be.create_vir_ptr(2 * G)
+    h1, h2 = be.create_phy_mem_handle(G), be.create_phy_mem_handle(G)
+    be.map(va, G, h1)
+    be.map(va + G, G, h2)
+    ctypes.memmove(va + G, b"kept", 4)
+    be.unmap(va, G)
+    assert simulator(be).count("mappings") == 1
+    assert ctypes.string_at(va + G, 4) == b"kept"
+    be.map(va, G, h2)  # the chunk's bytes survive and show up at the new place
+    assert ctypes.string_at(va, 4) == b"kept"
+
+
+def test_out_of_memory_is_a_device_out_of_memory_error_with_the_acl_code(be: hal.Backend) -> None:
+    with pytest.raises(hal.DeviceOutOfMemoryError) as info:
+        be.create_phy_mem_handle(be.mem_info().total + G)
+    err = info.value
+    assert (err.backend, err.call, err.code) == ("ascend", "create_phy_mem_handle", 207001)
+    assert "aclrtMallocPhysical" in str(err) and "ACL_ERROR_RT_MEMORY_ALLOCATION" in str(err)
+    assert be.live.chunks == 0
+    be.release_phy_mem_handle(be.create_phy_mem_handle(G))  # still usable
+
+
+def test_each_map_sets_read_write_access_when_the_runtime_has_it(be: hal.Backend) -> None:
+    assert be.plugin.library.has("aclrtMemSetAccess")
+    va, h = be.create_vir_ptr(G), be.create_phy_mem_handle(G)
+    be.map(va, G, h)
+    assert simulator(be).count("set_access") == 1
+
+
+def test_runtimes_without_aclrtMemSetAccess_still_map() -> None:
+    with simulated_backend("ascend", capacity=8 * G, granularity=G, set_access=False) as be:
+        assert not be.plugin.library.has("aclrtMemSetAccess")
+        a, b, h = be.create_vir_ptr(G), be.create_vir_ptr(G), be.create_phy_mem_handle(G)
+        be.map(a, G, h)
+        be.map(b, G, h)
+        ctypes.memmove(a, b"no set access", 13)
+        assert ctypes.string_at(b, 13) == b"no set access"
+
+
+def test_the_runtime_is_initialised_and_the_device_set(be: hal.Backend) -> None:
+    sim = simulator(be)
+    assert sim.count("init") == 1
+    device = ctypes.c_int32(-1)
+    be.plugin.library.call("test", "aclrtGetDevice", ctypes.byref(device))
+    assert device.value == 0
+
+
+def test_every_thread_sets_the_device_before_its_first_call(be: hal.Backend) -> None:
+    seen: dict = {}
+
+    def work() -> None:
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        try:  # the runtime alone, on a thread that never called aclrtSetDevice
+            be.plugin.library.call("t", "aclrtGetMemInfo", lib.ACL_HBM_MEM, ctypes.byref(free), ctypes.byref(total))
+        except hal.DriverError as exc:
+            seen["raw"] = (exc.code, isinstance(exc, hal.InvalidArgumentError))
+        handle = be.create_phy_mem_handle(G)  # the backend sets the device on this thread first
+        be.release_phy_mem_handle(handle)
+        seen["backend"] = "ok"
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    assert seen == {"raw": (107002, False), "backend": "ok"}
+
+
+# -- a wrong binding is caught by the simulator and mapped onto hal's errors -------------------
+
+
+def test_a_location_in_cndrv_order_is_rejected_as_invalid_argument(be: hal.Backend) -> None:
+    swapped = _PropWithSwappedLocation(0, 0, lib.ACL_HBM_MEM_HUGE, _SwappedLocation(type=1, id=0), 0)
+    be.plugin._prop = ctypes.cast(ctypes.pointer(swapped), ctypes.POINTER(lib.AclrtPhysicalMemProp)).contents
+    with pytest.raises(hal.InvalidArgumentError) as info:
+        be.create_phy_mem_handle(G)
+    err = info.value
+    assert isinstance(err, hal.DriverError)
+    assert (err.backend, err.call, err.code, err.code_name) == (
+        "ascend", "create_phy_mem_handle", INVALID, "ACL_ERROR_RT_PARAM_INVALID")
+    assert "location.type=0" in str(err)  # the simulator's reason, read back through aclGetRecentErrMsg
+    assert be.live.chunks == 0
+
+
+@pytest.mark.parametrize("field, value", [("allocationType", 1), ("handleType", 1), ("memAttr", 1),
+                                          ("reserve", 7)])
+def test_wrong_prop_fields_are_rejected(be: hal.Backend, field: str, value: int) -> None:
+    setattr(be.plugin._prop, field, value)
+    with pytest.raises(hal.InvalidArgumentError, match=field):
+        be.create_phy_mem_handle(G)
+
+
+def test_a_cuda_style_access_flag_is_rejected_and_the_map_rolled_back(be: hal.Backend) -> None:
+    be.plugin._access.flags = 0  # CNDrv's read-write value; ACL's is 3
+    va, h = be.create_vir_ptr(G), be.create_phy_mem_handle(G)
+    with pytest.raises(hal.InvalidArgumentError, match="aclrtMemSetAccess.*READWRITE"):
+        be.map(va, G, h)
+    assert simulator(be).count("mappings") == 0 and be.live.mappings == 0
+    be.plugin._access.flags = lib.ACL_RT_MEM_ACCESS_FLAGS_READWRITE
+    be.map(va, G, h)
+
+
+# -- the simulator enforces the documented rules ---------------------------------------------
+
+
+@pytest.fixture
+def raw(be: hal.Backend):
+    """(library, va of 4 granules, handle of 2 granules) straight on the runtime, no facade checks."""
+    acl = be.plugin.library
+    va, h = ctypes.c_void_p(), ctypes.c_void_p()
+    acl.call("t", "aclrtReserveMemAddress", ctypes.byref(va), 4 * G, 0, None, 0)
+    acl.call("t", "aclrtMallocPhysical", ctypes.byref(h), 2 * G, ctypes.byref(be.plugin._prop), 0)
+    yield acl, va.value, h.value
+    for ptr in (va.value, va.value + 2 * G):
+        try:
+            acl.call("t", "aclrtUnmapMem", ptr)
+        except hal.HalError:
+            pass
+    acl.call("t", "aclrtFreePhysical", h.value)
+    acl.call("t", "aclrtReleaseMemAddress", va.value)
+
+
+@pytest.mark.parametrize("args, why", [
+    (lambda va, h: (va, 2 * G, G, h, 0), "offset"),
+    (lambda va, h: (va, G, 0, h, 0), "physical size"),
+    (lambda va, h: (va + 3 * G, 2 * G, 0, h, 0), "reservation"),
+    (lambda va, h: (va + 1, 2 * G, 0, h, 0), "aligned"),
+    (lambda va, h: (va, 2 * G, 0, h, 1), "flags"),
+])
+def test_maps_must_be_whole_handles_at_offset_zero(raw, args, why: str) -> None:
+    acl, va, h = raw
+    with pytest.raises(hal.InvalidArgumentError, match=why) as info:
+        acl.call("map", "aclrtMapMem", *args(va, h))
+    assert info.value.code == INVALID
+
+
+def test_unmap_takes_the_start_of_a_mapping_only(raw) -> None:
+    acl, va, h = raw
+    acl.call("map", "aclrtMapMem", va, 2 * G, 0, h, 0)
+    with pytest.raises(hal.InvalidArgumentError, match="does not start a mapping"):
+        acl.call("unmap", "aclrtUnmapMem", va + G)  # a partial unmap
+    with pytest.raises(hal.InvalidArgumentError, match="still mapped"):
+        acl.call("release_phy_mem_handle", "aclrtFreePhysical", h)
+    with pytest.raises(hal.InvalidArgumentError, match="still has mappings"):
+        acl.call("release_vir_ptr", "aclrtReleaseMemAddress", va)
+    acl.call("unmap", "aclrtUnmapMem", va)

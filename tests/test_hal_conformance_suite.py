@@ -1,0 +1,156 @@
+"""The conformance suite itself: it passes on fake, skips without a backend, and catches broken backends."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import Phase, settings
+
+import hal
+from hal.testing import Requirements
+from hal.testing.distributions import importable, write_distribution
+from hal.testing.machine import SETTINGS, run_vmm_machine
+from hal.testing.memory import HostAccess, TorchAccess, memory_access
+from hal.testing.options import parse_options, parse_value, split_options
+from hal.testing.runner import run_suite, suite_command
+
+FAKE = {"granularity": 65536}
+
+
+def test_documented_command() -> None:
+    argv = suite_command("fake", FAKE)
+    assert argv[1:] == ["-m", "pytest", "--pyargs", "hal.testing", "--hal-backend", "fake",
+                        "--hal-option", "granularity=65536"]
+
+
+def test_fake_passes_the_suite() -> None:
+    result = run_suite("fake", FAKE)
+    assert result.ok, result.output
+    assert result.passed >= 40 and result.skipped == 0, result.skip_reasons
+
+
+def test_fake_passes_through_torch_when_not_host_accessible() -> None:
+    result = run_suite("fake", {**FAKE, "host_accessible": False}, extra_args=["-k", "Aliasing or StateMachine"])
+    assert result.ok, result.output
+    assert result.passed >= 5 and result.skipped == 0, result.skip_reasons
+
+
+def test_without_a_backend_the_suite_is_skipped_with_a_reason() -> None:
+    result = run_suite(None, extra_args=["-k", "TestQueries"])
+    assert result.returncode == 0, result.output
+    assert result.tests > 0 and result.skipped == result.tests
+    assert all("--hal-backend" in reason for reason in result.skip_reasons)
+
+
+def test_hal_backend_env_chooses_the_backend() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "HAL_BACKEND"}
+    env["HAL_BACKEND"] = "fake"
+    result = run_suite(None, FAKE, env=env, extra_args=["-k", "TestQueries"])
+    assert result.ok and result.skipped == 0, result.output
+
+
+def test_unknown_backend_fails_clearly() -> None:
+    result = run_suite("no-such-backend", extra_args=["-k", "TestQueries"])
+    assert result.returncode != 0 and result.errors == result.tests > 0
+    assert "'no-such-backend' is not installed" in result.output
+
+
+def test_bad_requirement_value_is_a_usage_error() -> None:
+    result = run_suite("fake", {"host_accessible": "maybe"})
+    assert result.returncode == 4 and result.tests == 0  # pytest's usage-error exit code
+    assert "host_accessible='maybe' must be true or false" in result.output
+
+
+BROKEN = textwrap.dedent('''
+    import hal
+    from hal.backends.fake import FakeBackend, hostvm
+
+
+    class NoAliasBackend(FakeBackend):
+        """Each mapping gets private copy-on-write pages, and the capacity is never charged."""
+
+        def _charge(self, call, size):
+            pass
+
+        def _refund(self, size):
+            pass
+
+        @hal.hookimpl
+        def map(self, ptr, size, handle):
+            fd, _ = self._chunks[handle]
+            prot, flags = hostvm.PROT_READ | hostvm.PROT_WRITE, hostvm.MAP_PRIVATE | hostvm.MAP_FIXED
+            assert hostvm.libc().mmap(ptr, size, prot, flags, fd, 0) == ptr
+''')
+
+
+def test_the_suite_catches_a_backend_that_does_not_alias(tmp_path: Path) -> None:
+    site = write_distribution(tmp_path / "site", "hal-noalias", "0.1", {"hal_noalias": BROKEN},
+                              {"hal.backends": {"noalias": "hal_noalias:NoAliasBackend"}})
+    result = run_suite("noalias", FAKE, extra_paths=[site],
+                       extra_args=["-k", "(Aliasing or OutOfMemory) and not torch"])
+    assert result.returncode == 1, result.output
+    assert "TestAliasing.test_write_through_one_range_read_through_another" in result.failed_tests
+    assert "TestOutOfMemory.test_chunk_bigger_than_the_device" in result.failed_tests
+    assert "TestAliasing.test_distinct_chunks_do_not_alias" not in result.failed_tests
+
+
+def test_the_state_machine_catches_it_too(tmp_path: Path) -> None:
+    site = write_distribution(tmp_path / "site", "hal-noalias", "0.1", {"hal_noalias": BROKEN},
+                              {"hal.backends": {"noalias": "hal_noalias:NoAliasBackend"}})
+    quick = settings(SETTINGS, phases=[Phase.generate])  # no shrinking: only "it fails" matters here
+    with importable(site):
+        with pytest.raises(AssertionError, match="reads .* wrote"):
+            run_vmm_machine(lambda: hal.get_backend("noalias", **FAKE), HostAccess(), quick)
+    run_vmm_machine(lambda: hal.get_backend("fake", **FAKE), HostAccess(), quick)  # the real fake passes
+
+
+# -- the pieces -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, value", [
+    ("65536", 65536), ("0x10000", 65536), ("-1", -1), ("true", True), ("False", False),
+    ("off", False), ("/opt/lib/libx.so", "/opt/lib/libx.so"), ("", ""),
+])
+def test_parse_value(text: str, value: object) -> None:
+    assert parse_value(text) == value and type(parse_value(text)) is type(value)
+
+
+def test_parse_and_split_options() -> None:
+    options = parse_options(["granularity=65536", "path=a=b", "host_accessible=0"])
+    assert options == {"granularity": 65536, "path": "a=b", "host_accessible": 0}
+    assert split_options(options) == ({"granularity": 65536, "path": "a=b"}, {"host_accessible": 0})
+    for bad in ("granularity", "=3", "two words=1"):
+        with pytest.raises(ValueError, match="KEY=VALUE"):
+            parse_options([bad])
+
+
+class _DeviceOnly:
+    hal_requirements = {"host_accessible": False}
+
+
+def test_requirements_from_plugin_then_overrides() -> None:
+    assert Requirements.for_plugin(object()) == Requirements(host_accessible=True)
+    assert Requirements.for_plugin(_DeviceOnly()).host_accessible is False
+    assert Requirements.for_plugin(_DeviceOnly(), {"host_accessible": 1}).host_accessible is True
+    with pytest.raises(ValueError, match="unknown requirement 'colour'"):
+        Requirements.for_plugin(object(), {"colour": "red"})
+    with pytest.raises(ValueError, match="true or false"):
+        Requirements.for_plugin(object(), {"host_accessible": "maybe"})
+
+
+def test_memory_access_follows_requirements() -> None:
+    with hal.get_backend("fake", granularity=1 << 16) as be:
+        assert isinstance(memory_access(be, Requirements())[0], HostAccess)
+        access, reason = memory_access(be, Requirements(host_accessible=False))
+        assert isinstance(access, TorchAccess) and reason == ""
+        g = be.granularity
+        h = be.create_phy_mem_handle(g)
+        va1, va2 = be.create_vir_ptr(g), be.create_vir_ptr(g)
+        be.map(va1, g, h)
+        be.map(va2, g, h)
+        access.write(va1 + 8, b"torch")
+        assert HostAccess().read(va2 + 8, 5) == b"torch"
+        assert access.read(va2 + 8, 5) == b"torch"

@@ -1,0 +1,200 @@
+"""The mlu backend's torch_mlu glue: on a CPU against a stub torch_mlu, on an MLU for real."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import sys
+import types
+
+import pytest
+
+import hal
+from hal.backends.mlu import locate, torch_glue
+from tests.sim import compiler_reason, home, simulated_backend
+from tests.sim.torch_stub import extension_stub
+
+needs_gcc = pytest.mark.skipif(compiler_reason() is not None, reason=str(compiler_reason()))
+G = 1 << 16
+
+
+@pytest.fixture
+def stub(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """torch_mlu as it ships: MLUGraph and _mlu_customAllocator, no public MemPool."""
+    module = extension_stub("torch_mlu", mempool=False)
+    monkeypatch.setitem(sys.modules, "torch_mlu", module)
+    return module
+
+
+@pytest.fixture
+def glue(stub: types.ModuleType) -> torch_glue.MluGlue:
+    return torch_glue.MluGlue(0, ext=stub)
+
+
+def test_capabilities_have_no_custom_pool_without_mempool() -> None:
+    today, future = extension_stub("torch_mlu", mempool=False), extension_stub("torch_mlu", mempool=True)
+    assert torch_glue.capabilities(today, today.mlu) == {"graphs"}
+    assert torch_glue.capabilities(future, future.mlu) == {"graphs", "custom_pool"}
+    assert torch_glue.capabilities(types.SimpleNamespace(), types.SimpleNamespace()) == frozenset()
+
+
+@needs_gcc
+def test_the_backend_reports_graphs_but_no_custom_pool(stub: types.ModuleType) -> None:
+    with simulated_backend("mlu", capacity=8 * G, granularity=G, use_torch=None) as be:
+        assert be.capabilities == {"graphs"}
+        assert ("set_device", 0) in stub.calls
+        with pytest.raises(hal.UnsupportedError, match="custom_pool"):
+            be.create_pool(lambda n: 0, lambda p, n: None)
+        pool = be.create_pool()  # the shared-pool fallback graphkit uses
+        assert pool.id[0] == "handle" and pool.mempool is None
+        va, h = be.create_vir_ptr(G), be.create_phy_mem_handle(G)  # the VMM half is unchanged
+        be.map(va, G, h)
+
+
+
+@needs_gcc
+def test_a_torch_extension_that_does_not_import_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(locate, "extension_installed", lambda: True)  # found, but broken:
+    monkeypatch.setitem(sys.modules, "torch_mlu", None)  # importing it raises ImportError
+    with pytest.raises(hal.BackendUnavailableError, match="torch_mlu is installed but does not import"):
+        simulated_backend("mlu", capacity=8 * G, granularity=G, use_torch=None)
+
+@needs_gcc
+def test_without_torch_mlu_the_graph_hooks_say_why() -> None:
+    with simulated_backend("mlu", capacity=8 * G, granularity=G) as be:
+        with pytest.raises(hal.UnsupportedError, match="torch_mlu"):
+            be.create_stream()
+
+
+def test_the_glue_itself_refuses_callback_pools_without_mempool(glue: torch_glue.MluGlue) -> None:
+    with pytest.raises(hal.UnsupportedError, match="no public MemPool"):
+        glue.create_pool(lambda n: 0, lambda p, n: None)
+
+
+def test_a_build_with_mempool_gets_working_c_callbacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    glue = torch_glue.MluGlue(0, ext=extension_stub("torch_mlu", mempool=True))
+    seen: list = []
+    pool = glue.create_pool(lambda n: seen.append(n) or 0x20000, lambda p, n: seen.append((p, n)))
+    _, alloc_ptr, free_ptr = pool.mempool.allocator
+    assert torch_glue.ALLOC_FN(alloc_ptr)(512, 0, None) == 0x20000
+    torch_glue.FREE_FN(free_ptr)(0x20000, 512, 0, None)
+    assert seen == [512, (0x20000, 512)] and pool.callbacks in torch_glue._KEEP_ALIVE
+
+
+def test_the_callbacks_never_let_an_exception_out(caplog: pytest.LogCaptureFixture) -> None:
+    def boom(*args: object) -> int:
+        raise MemoryError("boom")
+
+    c_alloc, c_free = torch_glue.allocator_callbacks(boom, boom)
+    with caplog.at_level(logging.ERROR, logger="hal.mlu"):
+        assert torch_glue.ALLOC_FN(torch_glue.address_of(c_alloc))(64, 0, None) is None
+        torch_glue.FREE_FN(torch_glue.address_of(c_free))(0x40, 64, 0, None)
+    assert "allocator callback failed" in caplog.text and "free callback failed" in caplog.text
+
+
+@pytest.mark.parametrize("asked, passed", [(None, "relaxed"), ("", "relaxed"), ("global", "global"),
+                                           ("thread_local", "thread_local")])
+def test_capture_mode_defaults_to_relaxed_and_keeps_what_is_asked(
+        glue: torch_glue.MluGlue, stub: types.ModuleType, asked: str | None, passed: str) -> None:
+    graph = glue.create_graph()
+    with glue.capture(graph, None, "queue", asked):
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    _, g, kwargs, gc_on = next(c for c in stub.calls if c[0] == "graph")
+    assert g is graph and not gc_on
+    assert kwargs == {"pool": None, "stream": "queue", "capture_error_mode": passed}
+
+
+@needs_gcc
+def test_the_facade_passes_its_mode_through(stub: types.ModuleType) -> None:
+    with simulated_backend("mlu", capacity=8 * G, granularity=G, use_torch=True) as be:
+        graph, pool = be.create_graph(), be.create_pool()
+        with be.capture(graph, pool, None, capture_error_mode="relaxed"):
+            pass
+        be.replay(graph)
+        be.release_graph(graph)
+        be.release_pool(pool)
+    kwargs = next(c for c in stub.calls if c[0] == "graph")[2]
+    assert kwargs["capture_error_mode"] == "relaxed" and kwargs["pool"] == pool.id
+    assert ("replay", graph) in stub.calls and ("reset", graph) in stub.calls
+
+
+@pytest.mark.parametrize("message", ["cnrt error 100361", "CN_ERROR_QUEUE_CAPTURE_UNSUPPORTED"])
+def test_cndrv_capture_errors_become_capture_errors(glue: torch_glue.MluGlue, stub: types.ModuleType,
+                                                    message: str) -> None:
+    stub.fail_capture = RuntimeError(message)
+    with pytest.raises(hal.CaptureError, match="refused the capture") as info:
+        with glue.capture(glue.create_graph(), None, None, None):
+            pass
+    assert info.value.backend == "mlu" and info.value.__cause__ is stub.fail_capture
+    assert gc.isenabled()
+
+
+def test_other_capture_failures_pass_through_unchanged(glue: torch_glue.MluGlue, stub: types.ModuleType) -> None:
+    assert torch_glue.capture_failure(RuntimeError("allocated 1003610 bytes")) is None
+    stub.fail_capture = ValueError("bad shape")
+    with pytest.raises(ValueError, match="bad shape"):
+        with glue.capture(glue.create_graph(), None, None, None):
+            pass
+
+
+def test_pool_active_blocks_reads_the_memory_snapshot(glue: torch_glue.MluGlue, stub: types.ModuleType) -> None:
+    pool = glue.create_pool(None, None)
+    stub.segments[:] = [
+        {"address": 0x4000, "segment_pool_id": pool.id,
+         "blocks": [{"size": 1024, "state": "inactive"}, {"size": 512, "state": "active_allocated"}]},
+        {"address": 0x8000, "segment_pool_id": ("other", 1), "blocks": [{"size": 64, "state": "active_allocated"}]},
+    ]
+    assert glue.pool_active_blocks(pool) == [(0x4400, 512)]
+
+
+@needs_gcc
+def test_the_default_location_with_torch_mlu_is_available(stub: types.ModuleType,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(locate.ENV_LIBRARY, raising=False)
+    monkeypatch.setenv(locate.ENV_HOME, str(home("mlu")))
+    assert locate.probe_reason() is None
+
+
+# -- on an MLU ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def mlu():
+    be = hal.get_backend("mlu")
+    if "graphs" not in be.capabilities:
+        be.close()
+        pytest.skip("the mlu backend runs without torch_mlu here (VMM only)")
+    yield be
+    be.close()
+
+
+@pytest.mark.mlu
+def test_capture_and_replay_on_an_mlu(mlu: hal.Backend) -> None:
+    import torch
+
+    x = torch.ones(8, device=mlu.torch_device())
+    stream, graph, pool = mlu.create_stream(), mlu.create_graph(), mlu.create_pool()
+    with mlu.use_stream(stream):
+        (x * 2 + 1).sum()  # warm up on the capture queue
+    mlu.synchronize(stream)
+    with mlu.capture(graph, pool, stream, capture_error_mode="relaxed"):
+        y = x * 2 + 1
+    x.fill_(3)
+    mlu.replay(graph)
+    mlu.synchronize()
+    assert y.cpu().tolist() == [7.0] * 8
+    mlu.release_graph(graph)
+    mlu.release_pool(pool)
+
+
+@pytest.mark.mlu
+def test_vmm_chunks_are_device_memory_on_an_mlu(mlu: hal.Backend) -> None:
+    g = mlu.granularity
+    before = mlu.mem_info().free
+    va, h = mlu.create_vir_ptr(2 * g), mlu.create_phy_mem_handle(2 * g)
+    mlu.map(va, 2 * g, h)
+    assert mlu.mem_info().free <= before - 2 * g
+    mlu.unmap(va, 2 * g)
+    mlu.release_phy_mem_handle(h)
+    mlu.release_vir_ptr(va, 2 * g)

@@ -1,0 +1,26 @@
+"""CI runs exactly the README's test command."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_test_commands() -> list[str]:
+    """The lines of the fenced bash block that follows "Run the tests:" in the README."""
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"Run the tests:\s*\n+```bash\n(.*?)\n```", text, re.S)
+    assert m, 'README.md has no ```bash block right after "Run the tests:"'
+    return [line for line in m.group(1).splitlines() if line.strip()]
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    commands = readme_test_commands()
+    assert commands, "the README's test block is empty"
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+    for command in commands:
+        assert any(line.startswith(command) for line in ci_lines), (
+            f"the README's test command {command!r} is not run verbatim by .ci/run")
