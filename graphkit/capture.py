@@ -127,7 +127,7 @@ def warm_up(backend: hal.Backend, fn: Callable[..., Any], inputs: dict[str, Any]
 
 
 def capture(backend: hal.Backend, fn: Callable[..., Any], inputs: dict[str, Any], lease: Lease,
-            stream: Any, *, capture_error_mode: str = "global", what: str = "capture",
+            stream: Any, *, capture_error_mode: str | None = None, what: str = "capture",
             strict_hygiene: bool = False) -> Captured:
     """Capture ``fn(**inputs)`` into a new graph drawing from ``lease``'s pool.
 

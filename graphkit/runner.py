@@ -114,7 +114,7 @@ class GraphRunner:
         debug: bool = False,
         strict_hygiene: bool = False,
         progress: bool = True,
-        capture_error_mode: str = "global",
+        capture_error_mode: str | None = None,
         keep_outputs: Literal["strong", "weak"] = "strong",
         measure_memory: bool = False,
         allocator_options: dict[str, Any] | None = None,

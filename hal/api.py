@@ -216,14 +216,15 @@ def create_graph() -> Any:
 
 
 @hookspec(firstresult=True)
-def capture(graph: Any, pool: Any, stream: Any, capture_error_mode: str) -> ContextManager[Any]:
+def capture(graph: Any, pool: Any, stream: Any, capture_error_mode: str | None) -> ContextManager[Any]:
     """Return a context manager that captures the work inside it into ``graph``.
 
     :param pool: a pool from :func:`create_pool`, or ``None`` for a pool
         private to this graph.
     :param stream: the capture stream (from :func:`create_stream`).
     :param capture_error_mode: ``"global"``, ``"thread_local"`` or
-        ``"relaxed"``, as in ``torch.cuda.graph``.
+        ``"relaxed"``, as in ``torch.cuda.graph``; ``None`` for the backend's
+        default (``"global"`` on CUDA and Ascend, ``"relaxed"`` on MLU).
     :raises CaptureError: when the captured work cannot be captured (a host
         synchronisation, an exhausted resource), with advice where there is
         some.

@@ -313,9 +313,12 @@ class Backend:
         return self._graph_call("create_graph")
 
     def capture(self, graph: Any, pool: Any = None, stream: Any = None,
-                capture_error_mode: str = "global") -> ContextManager[Any]:
-        """Context manager that captures the work done inside it into ``graph``."""
-        if capture_error_mode not in ("global", "thread_local", "relaxed"):
+                capture_error_mode: str | None = None) -> ContextManager[Any]:
+        """Context manager that captures the work done inside it into ``graph``.
+
+        ``capture_error_mode=None`` uses the backend's default mode.
+        """
+        if capture_error_mode not in (None, "global", "thread_local", "relaxed"):
             raise self._err(InvalidArgumentError, "capture",
                             f"capture_error_mode={capture_error_mode!r} must be global, thread_local or relaxed")
         return self._graph_call("capture", graph=graph, pool=pool, stream=stream,

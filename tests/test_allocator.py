@@ -131,3 +131,15 @@ def test_threads_allocating_concurrently_get_disjoint_memory(be: hal.Backend) ->
     assert a.physical_bytes == -(-(got[-1][1] - a.spaces[a.current].base) // G) * G
     assert a.stats().map_calls == a.physical_bytes // G
     a.close()
+
+
+from tests.sim import compiler_reason, simulated_backend  # noqa: E402
+
+if compiler_reason() is None:
+    TestAscendSimAllocatorMachine = allocator_machine(
+        lambda: simulated_backend("ascend", capacity=1 << 30, granularity=G)).TestCase
+    TestMluSimAllocatorMachine = allocator_machine(
+        lambda: simulated_backend("mlu", capacity=1 << 30, granularity=G)).TestCase
+else:  # pragma: no cover - machines without a C compiler
+    @pytest.mark.skip(reason=f"driver simulators cannot be built: {compiler_reason()}")
+    def test_allocator_machine_over_simulators() -> None: ...
