@@ -36,6 +36,7 @@ class VirtualSpace:
     size: int
     offset: int = 0  # bump pointer: bytes handed out so far
     live_allocations: int = 0
+    dying: bool = False  # release requested while allocations were still live
 
     def contains(self, ptr: int) -> bool:
         return self.base <= ptr < self.base + self.size
@@ -290,20 +291,49 @@ class SharedVMMAllocator:
             return space.base + start
 
     def deallocate(self, ptr: int) -> None:
-        """Accept a free: a no-op, memory of a bump region is reclaimed with its space."""
+        """Accept a free: a no-op, memory of a bump region is reclaimed with its space.
+
+        The last free of a space whose release was deferred releases it.
+        """
         with self._lock:
             for space in self._spaces.values():
                 if space.contains(ptr):
                     space.live_allocations = max(space.live_allocations - 1, 0)
+                    if space.dying and space.live_allocations == 0 and not self._closed:
+                        try:
+                            self.release_virtual_space(space.id)
+                        except hal.HalError as exc:
+                            log.error("deferred release of space %d failed: %s", space.id, exc)
                     return
         log.debug("deallocate(%#x): not in a live space (already released with its space)", ptr)
+
+    def release_when_idle(self, space_id: int) -> bool:
+        """Release a space now if nothing allocated in it is live, else when its last block is freed.
+
+        Returns whether it was released now. A space whose memory a tensor
+        still uses must not be unmapped: the next space would reuse the
+        addresses under that tensor.
+        """
+        with self._lock:
+            space = self._spaces.get(space_id)
+            if space is None:
+                raise hal.InvalidStateError(f"space_id={space_id} is not a live virtual space",
+                                            backend=self.backend.name, call="release_when_idle")
+            if space.live_allocations == 0:
+                self.release_virtual_space(space_id)
+                return True
+            space.dying = True
+            log.info("space %d still has %d live allocation(s): released when they are freed",
+                     space_id, space.live_allocations)
+            return False
 
     def pool_callbacks(self, space_id: int) -> tuple[Callable[[int], int], Callable[[int, int], None]]:
         """``(alloc, free)`` for :meth:`hal.Backend.create_pool`, bound to one space.
 
-        They never raise: ``alloc`` returns 0 on failure (the device framework
-        then raises its own out-of-memory error) and keeps the reason in
-        :attr:`last_error`, which is also logged.
+        ``alloc`` raises the allocator's error (e.g. :class:`hal.DeviceOutOfMemoryError`)
+        after logging it and keeping it in :attr:`last_error`; the backend's
+        glue turns that into the framework's own out-of-memory error, with
+        this reason attached, and never lets it reach native code.
         """
 
         def alloc(nbytes: int) -> int:
@@ -312,7 +342,7 @@ class SharedVMMAllocator:
             except Exception as exc:
                 self.last_error = str(exc)
                 log.error("graph pool allocation of %s failed: %s", fmt_bytes(nbytes), exc)
-                return 0
+                raise
 
         def free(ptr: int, nbytes: int) -> None:
             try:

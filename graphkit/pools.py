@@ -105,8 +105,8 @@ class VmmPools(PoolStrategy):
 
     def give_back(self, lease: Lease) -> None:
         self.backend.release_pool(lease.pool)
-        if lease.space_id is not None:
-            self.allocator.release_virtual_space(lease.space_id)
+        if lease.space_id is not None:  # deferred while a tensor still uses the space
+            self.allocator.release_when_idle(lease.space_id)
 
     def close(self) -> None:
         if self._own:

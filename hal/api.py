@@ -36,8 +36,10 @@ if TYPE_CHECKING:  # pragma: no cover
 hookspec = pluggy.HookspecMarker("hal")
 hookimpl = pluggy.HookimplMarker("hal")
 
-#: Allocation callback handed to :func:`create_pool`: ``alloc(nbytes) -> address``
-#: (0 when it cannot allocate).
+#: Allocation callback handed to :func:`create_pool`: ``alloc(nbytes) -> address``.
+#: When it cannot allocate it raises (a :class:`hal.DeviceOutOfMemoryError` with
+#: the reason) or returns 0; a backend never lets that reach native code and turns
+#: it into the framework's out-of-memory error, keeping the reason.
 AllocFn = Callable[[int], int]
 #: Release callback handed to :func:`create_pool`: ``free(address, nbytes)``.
 FreeFn = Callable[[int, int], None]

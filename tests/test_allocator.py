@@ -91,14 +91,30 @@ def test_requests_beyond_the_reserved_space_raise_clearly(be: hal.Backend) -> No
     a.close()
 
 
-def test_capacity_limit_and_pool_callbacks_never_raise(be: hal.Backend) -> None:
+def test_capacity_limit_and_pool_callbacks_keep_the_reason(be: hal.Backend) -> None:
     a = graphkit.SharedVMMAllocator(be, capacity=2 * G)
     sid = a.switch_to_new_virtual_space()
     alloc, free = a.pool_callbacks(sid)
     assert alloc(G) != 0
-    assert alloc(4 * G) == 0 and "capacity" in (a.last_error or "")
+    with pytest.raises(hal.DeviceOutOfMemoryError, match="capacity"):
+        alloc(4 * G)
+    assert "capacity" in (a.last_error or "")
     free(12345, 1)  # unknown pointer: accepted, no exception
     assert a.physical_bytes == G
+    a.close()
+
+
+def test_a_space_still_in_use_is_released_when_its_last_block_is_freed(be: hal.Backend) -> None:
+    a = graphkit.SharedVMMAllocator(be, reserve_bytes=16 * G)
+    old = a.switch_to_new_virtual_space()
+    p = a.allocate(2 * G)
+    assert a.release_when_idle(old) is False and a.num_virtual_spaces == 1
+    ctypes.memmove(p, b"alive", 5)  # still mapped: a tensor may still read it
+    new = a.switch_to_new_virtual_space()
+    assert a.spaces[new].base != a.spaces[old].base
+    a.deallocate(p)
+    assert old not in a.spaces and a.num_virtual_spaces == 1
+    assert a.release_when_idle(new) is True and be.live.ranges == 0
     a.close()
 
 

@@ -254,3 +254,22 @@ def test_vmm_falls_back_to_a_shared_pool_with_a_warning(caplog) -> None:
     assert torch.equal(runner(x=torch.ones(1, 2)), torch.full((1, 2), 3.0))
     runner.close(); be.close()
     assert be.live.zero
+
+
+def test_a_view_output_outliving_its_graph_keeps_its_memory_mapped() -> None:
+    be = hal.get_backend("fake", granularity=1 << 16)
+    runner = graphkit.GraphRunner(lambda x: x * 2, sizes=[4, 8], backend=be, outputs="view", progress=False)
+    runner.capture(x=torch.zeros(8, 2))
+    held = runner(x=torch.ones(4, 2))
+    runner.release_size(4)  # the graph of size 4 is gone, its space must stay while `held` uses it
+    runner.capture(order=[8, 4])  # a new space for size 4: must not reuse the held addresses
+    runner(x=torch.full((4, 2), 7.0))
+    assert torch.equal(held, torch.full((4, 2), 14.0))  # mapped (no fault), same physical bytes as the new graph
+    spaces = runner.strategy.allocator.spaces.values()
+    assert sum(s.contains(held.data_ptr()) for s in spaces) == 1  # no other space took its addresses
+    assert be.live.ranges == 3
+    del held
+    assert be.live.ranges == 2
+    runner.close()
+    assert be.live.zero
+    be.close()

@@ -147,7 +147,8 @@ class Bench:
         bucket = runner._buckets[runner.bucket_for(n)]
         graph, out = bucket.graphs[0], bucket.outputs[0]
         buffers = [(runner.inputs.buffers[k], v) for k, v in self.inputs[n].items()]
-        replay = graph.replay if hasattr(graph, "replay") else (lambda: self.be.replay(graph))
+        native = getattr(graph, "torch_graph", graph)  # cuda: the torch.cuda.CUDAGraph itself
+        replay = native.replay if hasattr(native, "replay") else (lambda: self.be.replay(graph))
 
         def step() -> Any:
             for buf, value in buffers:

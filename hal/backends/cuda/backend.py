@@ -15,6 +15,8 @@ from hal.types import MemInfo
 log = logging.getLogger("hal.cuda")
 
 NAME = "cuda"
+#: torch.cuda.graph's own default
+DEFAULT_CAPTURE_ERROR_MODE = "global"
 
 
 class CudaBackend:
@@ -229,14 +231,14 @@ class CudaBackend:
         return graph.new_graph(self.device)
 
     @hookimpl
-    def capture(self, graph: Any, pool: Any, stream: Any, capture_error_mode: str) -> ContextManager[Any]:
+    def capture(self, graph: Any, pool: Any, stream: Any, capture_error_mode: str | None) -> ContextManager[Any]:
         from hal.backends.cuda import graph as graphs
 
         if stream is None:
             if self._capture_stream is None:
                 self._capture_stream = self.create_stream()
             stream = self._capture_stream
-        return graphs.capture(graph, pool, stream, capture_error_mode)
+        return graphs.capture(graph, pool, stream, capture_error_mode or DEFAULT_CAPTURE_ERROR_MODE)
 
     @hookimpl
     def replay(self, graph: Any) -> None:

@@ -247,8 +247,11 @@ def release(pool: CudaPool) -> None:
             pair.pool_released = True
             pool.mempool = None  # MemPool's destructor releases the pool and empties its cache
             if pair.live:
-                log.info("%s: %d segment(s), %s, still hold live tensors; they go back when those die",
-                         pair.label, len(pair.live), fmt_bytes(sum(pair.live.values())))
+                log.warning("%s released while %d segment(s), %s, still hold live tensors: they go back "
+                            "through free() when those tensors die. Keep the memory under them mapped and "
+                            "reserved until then: a new range at the same addresses would confuse torch's "
+                            "allocator when the old tensors are freed", pair.label, len(pair.live),
+                            fmt_bytes(sum(pair.live.values())))
             else:
                 pair.forget()
         else:

@@ -51,7 +51,13 @@ class BlockPool:
             i = bisect.bisect_left(self._free_blocks, (size, 0, 0))
             if i == len(self._free_blocks):
                 seg_size = round_up(size, self.segment_size)
-                base = self._alloc(seg_size)
+                try:
+                    base = self._alloc(seg_size)
+                except DeviceOutOfMemoryError:
+                    raise
+                except Exception as exc:
+                    raise DeviceOutOfMemoryError(f"{self.name}: segment allocation failed: {exc}",
+                                                 backend="fake", call="malloc") from exc
                 if not base:
                     raise DeviceOutOfMemoryError(
                         f"{self.name}: no memory for a segment of {fmt_bytes(seg_size)} "
@@ -68,9 +74,11 @@ class BlockPool:
     def free(self, ptr: int) -> None:
         """Give a block back; neighbours in the same segment coalesce."""
         with self._lock:
-            if self._released:
-                return
             size, seg = self._used.pop(ptr)
+            if self._released:  # the pool is gone: free the segment once its last block is
+                if not any(s == seg for _, s in self._used.values()):
+                    self._free(seg, self.segments.pop(seg))
+                return
             lo, hi = ptr, ptr + size
             keep = []
             for block in self._free_blocks:
@@ -93,13 +101,19 @@ class BlockPool:
         return sum(self.segments.values())
 
     def release(self) -> None:
-        """Return every segment to its source; idempotent."""
+        """Return every segment to its source; idempotent.
+
+        Segments holding blocks still in use (a tensor outlived the pool) are
+        returned when their last block is freed, as torch does.
+        """
         with self._lock:
             if self._released:
                 return
             self._released = True
-            segments, self.segments = self.segments, {}
+            busy = {seg for _, seg in self._used.values()}
+            idle = {base: size for base, size in self.segments.items() if base not in busy}
+            for base in idle:
+                del self.segments[base]
             self._free_blocks.clear()
-            self._used.clear()
-        for base, size in segments.items():
+        for base, size in idle.items():
             self._free(base, size)
