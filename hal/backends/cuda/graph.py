@@ -131,6 +131,29 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def _rearm_generators(device: int) -> None:
+    """Take the device's random generators out of capture mode after a capture that never ended.
+
+    torch puts them in capture mode when a capture begins and out of it when
+    the capture ends; a failed end leaves them there, and every later random
+    op on the device fails ("Offset increment outside graph capture"). An
+    empty capture that ends well puts them back.
+    """
+    import torch
+
+    try:
+        with torch.cuda.device(device):
+            stream = torch.cuda.Stream()
+            empty = torch.cuda.CUDAGraph()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "the graph is empty"
+                with torch.cuda.graph(empty, stream=stream):
+                    pass
+            empty.reset()
+    except RuntimeError as exc:  # pragma: no cover - device machines only
+        log.warning("cuda: could not take the random generators out of capture mode: %s", exc)
+
+
 def _undo_failed_capture(graph: CudaGraph, pool_id: tuple[int, int], previous_stream: Any,
                          capture_ended: bool) -> None:
     """Leave torch's allocator and the current stream as they were before a failed capture.
@@ -159,6 +182,7 @@ def _undo_failed_capture(graph: CudaGraph, pool_id: tuple[int, int], previous_st
             else:
                 release(graph.device, pool_id)
                 log.debug("cuda: undid the allocator state of a failed capture into pool %s", pool_id)
+        _rearm_generators(graph.device)
     try:
         graph.torch_graph.reset()
     except RuntimeError as exc:
