@@ -167,6 +167,7 @@ class SharedVMMAllocator:
         """Reserve a new space, map every existing chunk into it, make it current; return its id."""
         with self._lock:
             self._check_open("switch_to_new_virtual_space")
+            self._reap()
             self._retry_zombies()
             undo = _Undo()
             base = self.backend.create_vir_ptr(self.reserve_bytes)
@@ -293,19 +294,25 @@ class SharedVMMAllocator:
     def deallocate(self, ptr: int) -> None:
         """Accept a free: a no-op, memory of a bump region is reclaimed with its space.
 
-        The last free of a space whose release was deferred releases it.
+        A space whose release was deferred is released at the allocator's next
+        operation after its last free: a free may come from a framework's
+        destructor at any moment (even from the garbage collector in the
+        middle of another operation of this allocator), so it never unmaps.
         """
         with self._lock:
             for space in self._spaces.values():
                 if space.contains(ptr):
                     space.live_allocations = max(space.live_allocations - 1, 0)
-                    if space.dying and space.live_allocations == 0 and not self._closed:
-                        try:
-                            self.release_virtual_space(space.id)
-                        except hal.HalError as exc:
-                            log.error("deferred release of space %d failed: %s", space.id, exc)
                     return
         log.debug("deallocate(%#x): not in a live space (already released with its space)", ptr)
+
+    def _reap(self) -> None:
+        """Release deferred spaces that nothing uses any more."""
+        for space in [s for s in self._spaces.values() if s.dying and s.live_allocations == 0]:
+            try:
+                self.release_virtual_space(space.id)
+            except hal.HalError as exc:
+                log.error("deferred release of space %d failed (will retry): %s", space.id, exc)
 
     def release_when_idle(self, space_id: int) -> bool:
         """Release a space now if nothing allocated in it is live, else when its last block is freed.
@@ -321,6 +328,7 @@ class SharedVMMAllocator:
                                             backend=self.backend.name, call="release_when_idle")
             if space.live_allocations == 0:
                 self.release_virtual_space(space_id)
+                self._reap()
                 return True
             space.dying = True
             log.info("space %d still has %d live allocation(s): released when they are freed",
@@ -363,6 +371,10 @@ class SharedVMMAllocator:
         with self._lock:
             if self._closed:
                 return
+            busy = {s.id: s.live_allocations for s in self._spaces.values() if s.live_allocations}
+            if busy:
+                log.warning("closing with allocations still live in space(s) %s: tensors still using them "
+                            "must not be touched after this", busy)
             errors: list[BaseException] = []
             for space in list(self._spaces.values()):
                 for index in range(len(self._chunks)):

@@ -8,6 +8,7 @@ lease, so they never alias each other (DESIGN §6.5).
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,9 @@ class PoolStrategy:
 
     def give_back(self, lease: Lease) -> None:
         """Called after the graph(s) of the lease were released."""
+
+    def settle(self) -> None:
+        """Finish giving back: called once after a batch of ``give_back`` calls."""
 
     def close(self) -> None:
         """Release whatever the strategy still holds; idempotent."""
@@ -93,6 +97,7 @@ class VmmPools(PoolStrategy):
                 backend=backend.name, call="VmmPools")
         self._own = allocator is None
         self.allocator = allocator or SharedVMMAllocator(backend, **allocator_options)
+        self._returned: list[int] = []
 
     def lease(self) -> Lease:
         space = self.allocator.switch_to_new_virtual_space()
@@ -105,10 +110,18 @@ class VmmPools(PoolStrategy):
 
     def give_back(self, lease: Lease) -> None:
         self.backend.release_pool(lease.pool)
-        if lease.space_id is not None:  # deferred while a tensor still uses the space
-            self.allocator.release_when_idle(lease.space_id)
+        if lease.space_id is not None:
+            self._returned.append(lease.space_id)
+
+    def settle(self) -> None:
+        """Release the spaces given back; a space a tensor still uses waits for its last free."""
+        gc.collect()  # framework pools caught in reference cycles give their segments back now
+        returned, self._returned = self._returned, []
+        for space_id in returned:
+            self.allocator.release_when_idle(space_id)
 
     def close(self) -> None:
+        self.settle()
         if self._own:
             self.allocator.close()
 

@@ -251,6 +251,7 @@ class GraphRunner:
                 del outputs
         except BaseException:
             self._release_bucket(bucket)
+            self.strategy.settle()
             raise
         be.synchronize()
         seconds = time.perf_counter() - t0
@@ -388,6 +389,7 @@ class GraphRunner:
             self._capture_order.remove(size)
             self.backend.synchronize()
             self._release_bucket(bucket)
+            self.strategy.settle()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -400,7 +402,10 @@ class GraphRunner:
                 return
             self.backend.synchronize()
             for size in list(self._captured):
-                self.release_size(size)
+                bucket = self._buckets.pop(size)
+                self._captured.remove(size)
+                self._capture_order.remove(size)
+                self._release_bucket(bucket)
             if self.strategy is not None:
                 self.strategy.close()
             self.inputs = None

@@ -112,9 +112,10 @@ def test_a_space_still_in_use_is_released_when_its_last_block_is_freed(be: hal.B
     ctypes.memmove(p, b"alive", 5)  # still mapped: a tensor may still read it
     new = a.switch_to_new_virtual_space()
     assert a.spaces[new].base != a.spaces[old].base
-    a.deallocate(p)
-    assert old not in a.spaces and a.num_virtual_spaces == 1
-    assert a.release_when_idle(new) is True and be.live.ranges == 0
+    a.deallocate(p)  # may come from a destructor at any moment: nothing is unmapped there
+    assert old in a.spaces
+    assert a.release_when_idle(new) is True  # the allocator's next operation releases both
+    assert not a.spaces and be.live.ranges == 0
     a.close()
 
 
