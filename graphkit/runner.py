@@ -14,6 +14,7 @@ captured the first time a batch needs it.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import random
 import threading
@@ -388,6 +389,7 @@ class GraphRunner:
             self._captured.remove(size)
             self._capture_order.remove(size)
             self.backend.synchronize()
+            gc.collect()  # tensors of its pool caught in reference cycles go while the pool exists
             self._release_bucket(bucket)
             self.strategy.settle()
 
@@ -401,6 +403,7 @@ class GraphRunner:
             if self._closed:
                 return
             self.backend.synchronize()
+            gc.collect()  # tensors of the pools caught in reference cycles go while the pools exist
             for size in list(self._captured):
                 bucket = self._buckets.pop(size)
                 self._captured.remove(size)
