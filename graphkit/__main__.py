@@ -75,19 +75,50 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0, help="seed for weights, inputs and random orders")
     bench.add_argument("--out-dir", type=Path, default=Path("bench-out"), help="where bench.json and bench.png go")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--isolate", choices=["auto", "yes", "no"], default="auto",
+                       help="measure each strategy in a fresh process (auto: on devices other than the CPU), "
+                            "so that nothing one strategy cached or leaked counts against another")
+    bench.add_argument("--part", help=argparse.SUPPRESS)
+    bench.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     return parser
 
 
-def run_bench(cfg, out_dir: Path, stem: str) -> int:
+def run_isolated(cfg, argv: list[str], out_dir: Path) -> dict:
+    """Run the largest-alone capture and each strategy in a process of its own, then merge."""
+    import json
+    import subprocess
+
+    from graphkit.bench.run import merge_parts
+
+    parts = []
+    names = ["largest-alone", *cfg.strategies]
+    for i, name in enumerate(names):
+        path = out_dir / f".part-{i}.json"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        print(f"[{i + 1}/{len(names)}] {name} in a fresh process", flush=True)
+        cmd = [sys.executable, "-m", "graphkit", "bench", *argv, "--isolate", "no", "--part", name,
+               "--part-out", str(path)]
+        proc = subprocess.run(cmd)
+        if proc.returncode != 0 or not path.exists():
+            raise SystemExit(f"bench part {name!r} failed (exit code {proc.returncode})")
+        parts.append(json.loads(path.read_text()))
+        path.unlink()
+    return merge_parts(parts, cfg.command)
+
+
+def run_bench(cfg, out_dir: Path, stem: str, isolate: bool = False, argv: list[str] | None = None) -> int:
     from graphkit.bench.output import plot, summary_table, write_json
     from graphkit.bench.run import Bench
 
-    bench = Bench(cfg)
-    try:
-        out = bench.run()
-    finally:
-        bench.close()
+    if isolate:
+        out = run_isolated(cfg, argv or [], out_dir)
+    else:
+        bench = Bench(cfg)
+        try:
+            out = bench.run()
+        finally:
+            bench.close()
     write_json(out, out_dir / f"{stem}.json")
     plotted = plot(out, out_dir / f"{stem}.png")
     print(summary_table(out))
@@ -120,7 +151,30 @@ def main(argv: list[str] | None = None) -> int:
                       backend=args.backend, device=args.device, iters=args.iters,
                       compile_budget_s=args.compile_budget, seed=args.seed, progress=not args.no_progress,
                       command=command)
-    return run_bench(cfg, args.out_dir, "bench")
+    if args.part:
+        return run_part(cfg, args.part, args.part_out)
+    isolate = args.isolate == "yes" or (
+        args.isolate == "auto" and hal.get_backend(args.backend, device=args.device).torch_device().type != "cpu")
+    user_argv = [a for a in (argv if argv is not None else sys.argv[1:])][1:]  # without "bench"
+    return run_bench(cfg, args.out_dir, "bench", isolate=isolate, argv=user_argv)
+
+
+def run_part(cfg, part: str, path: Path) -> int:
+    """One process of an isolated bench: the largest size alone, or one strategy in every order."""
+    import json
+
+    from graphkit.bench.run import Bench
+
+    bench = Bench(cfg)
+    try:
+        if part == "largest-alone":
+            out = bench.run(strategies=[], largest_alone=True)
+        else:
+            out = bench.run(strategies=[part], largest_alone=False)
+    finally:
+        bench.close()
+    path.write_text(json.dumps(out))
+    return 0
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import hal
 import graphkit
 from graphkit.bench.model import Decoder, DecoderConfig
 from graphkit.bench.strategies import COMPILE, ORDERS, STRATEGIES
+from graphkit.bench.targets import check_targets
 from graphkit.bench.timing import ms_per_call, rel_error
 from graphkit.capture import release_cached_memory
 
@@ -207,25 +208,29 @@ class Bench:
 
     # -- the whole run -------------------------------------------------------------------
 
-    def run(self) -> dict[str, Any]:
+    def run(self, strategies: list[str] | None = None, largest_alone: bool = True) -> dict[str, Any]:
+        """Run the strategies (default: all of the config) in this process; return the figures."""
         cfg = self.cfg
+        strategies = cfg.strategies if strategies is None else strategies
         for n in self.check_batches():
             self.inputs.setdefault(n, self.model.example_inputs(n, seed=n))
             self.model.reset_cache()
             self.reference[n] = self.eager(n).clone()
         eager_ms = {str(n): ms_per_call(self.be, lambda n=n: self.eager(n), cfg.iters) for n in self.timing_batches}
-        plan = [(s, o) for s in cfg.strategies if s in STRATEGIES for o in cfg.orders]
+        plan = [(s, o) for s in strategies if s in STRATEGIES for o in cfg.orders]
         results = []
-        with tqdm(total=len(plan) + 1, desc="bench", unit="run", disable=not cfg.progress) as bar:
-            bar.set_postfix(run="largest alone")
-            alone = self.run_largest_alone()
-            bar.update()
+        alone = None
+        with tqdm(total=len(plan) + largest_alone, desc="bench", unit="run", disable=not cfg.progress) as bar:
+            if largest_alone:
+                bar.set_postfix(run="largest alone")
+                alone = self.run_largest_alone()
+                bar.update()
             for strategy, order in plan:
                 bar.set_postfix(run=f"{strategy}/{order}")
                 results.append(self.run_strategy(strategy, order))
                 bar.update()
         left_out = {}
-        if COMPILE in cfg.strategies:
+        if COMPILE in strategies:
             compiled = self.run_compile()
             if "left_out" in compiled:
                 left_out[COMPILE] = compiled["left_out"]
@@ -242,9 +247,8 @@ class Bench:
             "results": results,
             "left_out": left_out,
         }
-        from graphkit.bench.targets import check_targets
-
-        out["targets"] = check_targets(out, self.be.granularity, reference_gpu=self.device.type == "cuda")
+        if largest_alone and strategies == cfg.strategies:
+            out["targets"] = check_targets(out, self.be.granularity, reference_gpu=self.device.type == "cuda")
         return out
 
     def close(self) -> None:
@@ -257,3 +261,18 @@ def _cumulative(report: graphkit.RunnerReport) -> list[int]:
         total += s.memory_delta
         points.append(total)
     return points
+
+
+def merge_parts(parts: list[dict[str, Any]], command: str) -> dict[str, Any]:
+    """Put together the figures of parts run in separate processes, and check the targets."""
+    first = parts[0]
+    out = {**first, "command": command, "results": [], "left_out": {}}
+    for part in parts:
+        out["results"] += part["results"]
+        out["left_out"].update(part["left_out"])
+        if part["largest_alone_bytes"] is not None:
+            out["largest_alone_bytes"] = part["largest_alone_bytes"]
+    out["isolated_processes"] = True
+    out["targets"] = check_targets(out, out["machine"]["granularity"],
+                                   reference_gpu=out["machine"].get("device_name") is not None)
+    return out
