@@ -85,14 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_isolated(cfg, argv: list[str], out_dir: Path) -> dict:
-    """Run the largest-alone capture and each strategy in a process of its own, then merge."""
+    """Run the largest-alone capture and each strategy and order in a process of its own, then merge.
+
+    A fresh process per run keeps what one run leaves behind (framework caches, and the driver's
+    own memory for instantiated graphs, which it keeps for reuse) out of the next run's figures.
+    """
     import json
     import subprocess
 
     from graphkit.bench.run import merge_parts
 
     parts = []
-    names = ["largest-alone", *cfg.strategies]
+    names = ["largest-alone", *(f"{s}:{o}" for s in cfg.strategies if s != COMPILE for o in cfg.orders),
+             *(s for s in cfg.strategies if s == COMPILE)]
     for i, name in enumerate(names):
         path = out_dir / f".part-{i}.json"
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -165,12 +170,15 @@ def run_part(cfg, part: str, path: Path) -> int:
 
     from graphkit.bench.run import Bench
 
+    strategy, _, order = part.partition(":")
+    if order:
+        cfg.orders = [order]
     bench = Bench(cfg)
     try:
         if part == "largest-alone":
             out = bench.run(strategies=[], largest_alone=True)
         else:
-            out = bench.run(strategies=[part], largest_alone=False)
+            out = bench.run(strategies=[strategy], largest_alone=False)
     finally:
         bench.close()
     path.write_text(json.dumps(out))

@@ -137,7 +137,7 @@ class Bench:
             **{k: v for k, v in report.pool_figures.items()},
         }
         result["max_rel_error"] = self.max_error(lambda n: runner(**self.inputs[n]))
-        if order == "descending" or strategy == "vmm":
+        if order == "descending" or strategy == "vmm" or len(self.cfg.orders) == 1:
             result["replay_ms"] = {str(n): ms_per_call(be, lambda n=n: runner(**self.inputs[n]), cfg.iters)
                                    for n in self.timing_batches}
             result["hand_loop_ms_batch1"] = ms_per_call(be, self._hand_loop(runner, 1), cfg.iters)
