@@ -1,4 +1,4 @@
-"""The hal foundation's acceptance scenario, as the issue writes it."""
+"""The hal foundation scenario, exactly as documented for users."""
 
 from __future__ import annotations
 
