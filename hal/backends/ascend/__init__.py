@@ -5,6 +5,9 @@
 * :mod:`~hal.backends.ascend.backend` -- the plugin class;
 * :mod:`~hal.backends.ascend.torch_glue` -- graphs, streams and pools through torch_npu.
 
+What it shares with ``mlu`` (never a struct, an enum value or a code table) is in
+:mod:`hal.backends._native`.
+
 Importing this package imports neither torch nor torch_npu.
 """
 

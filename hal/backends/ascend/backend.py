@@ -5,18 +5,25 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from typing import Any, ContextManager
+from typing import Any
 
-from hal.api import AllocFn, FreeFn, hookimpl
+from hal.api import hookimpl
+from hal.backends._native.hooks import TorchHooks
+from hal.backends._native.torch_glue import TorchGlue
 from hal.backends.ascend import lib, locate
-from hal.errors import BackendUnavailableError, UnsupportedError
 from hal.types import MemInfo
 
 log = logging.getLogger("hal.ascend")
 NAME = lib.NAME
 
 
-class AscendBackend:
+def _npu_glue(device: int) -> TorchGlue:
+    from hal.backends.ascend.torch_glue import NpuGlue
+
+    return NpuGlue(device)  # torch_npu runs aclInit and sets the device
+
+
+class AscendBackend(TorchHooks):
     """Huawei Ascend NPUs through libascendcl (VMM) and torch_npu (graphs, streams, pools).
 
     Options:
@@ -35,25 +42,15 @@ class AscendBackend:
     #: device memory is not host-accessible; the conformance suite over a
     #: simulator overrides this with ``--hal-option host_accessible=true``
     hal_requirements = {"host_accessible": False}
+    backend_name = NAME
+    torch_extension = locate.EXTENSION
 
     def __init__(self, device: int = 0, *, library: str | None = None, use_torch: bool | None = None) -> None:
         self.device = device
         self.library = locate.open_library(library)
-        if use_torch is None:
-            use_torch = locate.extension_installed()
-        elif use_torch and not locate.extension_installed():
-            raise BackendUnavailableError("use_torch=True but torch_npu is not installed", backend=NAME)
-        self.glue: Any = None
-        if use_torch:
-            from hal.backends.ascend.torch_glue import NpuGlue
-
-            try:
-                self.glue = NpuGlue(device)  # torch_npu runs aclInit and sets the device
-            except ImportError as exc:
-                raise BackendUnavailableError(f"torch_npu is installed but does not import: {exc}",
-                                              backend=NAME) from exc
-        else:
-            self.library.init_once()
+        self.glue = self._open_glue(use_torch, locate.extension_installed, lambda: _npu_glue(device))
+        if self.glue is None:
+            self.library.init_once()  # otherwise torch_npu ran aclInit
         self._thread = threading.local()  # ACL binds a device per thread: aclrtSetDevice once in each
         self._prop = lib.physical_prop(device)
         self._access = lib.access_desc(device) if self.library.has("aclrtMemSetAccess") else None
@@ -78,11 +75,6 @@ class AscendBackend:
         self._call("granularity", "aclrtMemGetAllocationGranularity", ctypes.byref(self._prop), option,
                    ctypes.byref(gran))
         return gran.value
-
-    def _torch(self, call: str) -> Any:
-        if self.glue is None:
-            raise UnsupportedError("needs torch_npu, which this backend runs without", backend=NAME, call=call)
-        return self.glue
 
     # -- queries ---------------------------------------------------------------------
 
@@ -143,63 +135,7 @@ class AscendBackend:
         self._call("unmap", "aclrtUnmapMem", ptr)  # ACL unmaps one whole mapping by its address
         return True
 
-    # -- graphs, streams, pools (torch_npu) ------------------------------------------
-
-    @hookimpl
-    def capabilities(self) -> frozenset[str]:
-        return self.glue.capabilities if self.glue is not None else frozenset()
-
-    @hookimpl
-    def torch_device(self) -> Any:
-        return self._torch("torch_device").torch_device()
-
-    @hookimpl
-    def create_stream(self) -> Any:
-        return self._torch("create_stream").create_stream()
-
-    @hookimpl
-    def current_stream(self) -> Any:
-        return self._torch("current_stream").current_stream()
-
-    @hookimpl
-    def use_stream(self, stream: Any) -> ContextManager[Any]:
-        return self._torch("use_stream").use_stream(stream)
-
-    @hookimpl
-    def synchronize(self, stream: Any) -> bool:
-        self._torch("synchronize").synchronize(stream)
-        return True
-
-    @hookimpl
-    def create_pool(self, alloc: AllocFn | None, free: FreeFn | None) -> Any:
-        return self._torch("create_pool").create_pool(alloc, free)
-
-    @hookimpl
-    def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:
-        return self._torch("pool_active_blocks").pool_active_blocks(pool)
-
-    @hookimpl
-    def release_pool(self, pool: Any) -> bool:
-        self._torch("release_pool").release_pool(pool)
-        return True
-
-    @hookimpl
-    def create_graph(self) -> Any:
-        return self._torch("create_graph").create_graph()
-
-    @hookimpl
-    def capture(self, graph: Any, pool: Any, stream: Any, capture_error_mode: str) -> ContextManager[Any]:
-        return self._torch("capture").capture(graph, pool, stream, capture_error_mode or "global")
-
-    @hookimpl
-    def replay(self, graph: Any) -> bool:
-        self._torch("replay").replay(graph)
-        return True
-
-    @hookimpl
-    def release_graph(self, graph: Any) -> bool:
-        self._torch("release_graph").release_graph(graph)
-        return True
+    # -- graphs, streams, pools: inherited from TorchHooks, over torch_npu when it is there
 
     @hookimpl
     def shutdown(self) -> bool:

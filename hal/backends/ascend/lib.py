@@ -8,11 +8,11 @@ read-write is 3): nothing here is shared with another vendor.
 from __future__ import annotations
 
 import ctypes
-import threading
 from ctypes import POINTER, c_char_p, c_int, c_int32, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
 from typing import Any
 
-from hal.errors import BackendUnavailableError, DeviceOutOfMemoryError, DriverError, HalError, InvalidArgumentError
+from hal.backends._native.library import LibraryCache, NativeLibrary, native_error
+from hal.errors import DriverError, HalError, InvalidArgumentError
 
 NAME = "ascend"
 
@@ -123,51 +123,32 @@ class AclInvalidArgumentError(DriverError, InvalidArgumentError):
 
 def error_for(code: int, call: str, native: str, detail: str = "") -> HalError:
     """The hal error for a failed ``native`` call made on behalf of hook ``call``."""
-    name = CODE_NAMES.get(code)
-    message = f"{native} failed" + (f": {detail}" if detail else "")
-    if code in OUT_OF_MEMORY_CODES:
-        err: HalError = DeviceOutOfMemoryError(f"{message} [{name} = {code}]", backend=NAME, call=call)
-        err.code, err.code_name = code, name  # type: ignore[attr-defined]
-        return err
-    cls = AclInvalidArgumentError if code in INVALID_ARGUMENT_CODES else DriverError
-    return cls(message, backend=NAME, call=call, code=code, code_name=name)
+    invalid = code in INVALID_ARGUMENT_CODES
+    return native_error(code, call, native, backend=NAME, code_name=CODE_NAMES.get(code),
+                        out_of_memory=code in OUT_OF_MEMORY_CODES,
+                        error_class=AclInvalidArgumentError if invalid else DriverError, detail=detail)
 
 
-class AclLibrary:
-    """One loaded libascendcl: typed functions and :meth:`call`, which checks every return code."""
+class AclLibrary(NativeLibrary):
+    """One loaded libascendcl: typed functions and :meth:`call`, which checks every return code.
+
+    Failures carry ``aclGetRecentErrMsg()`` where the runtime exports it.
+    """
+
+    backend = NAME
+    prototypes = PROTOTYPES
+    optional = OPTIONAL
+    success = ACL_SUCCESS
+    requirement = "a CANN runtime with the VMM API"
 
     def __init__(self, path: str) -> None:
-        self.path = path
-        self.cdll = ctypes.CDLL(path)
-        self._fns: dict[str, Any] = {}
-        missing = [n for n in PROTOTYPES if not hasattr(self.cdll, n)]
-        if missing:
-            raise BackendUnavailableError(
-                f"{path} lacks {', '.join(missing)} (a CANN runtime with the VMM API is needed)", backend=NAME)
-        for name, argtypes in {**PROTOTYPES, **OPTIONAL}.items():
-            if hasattr(self.cdll, name):
-                fn = getattr(self.cdll, name)
-                fn.argtypes, fn.restype = argtypes, c_int
-                self._fns[name] = fn
+        super().__init__(path)
         self._recent = getattr(self.cdll, "aclGetRecentErrMsg", None)
         if self._recent is not None:
             self._recent.argtypes, self._recent.restype = [], c_char_p
-        self._init_lock = threading.Lock()
-        self._initialized = False
 
-    def has(self, name: str) -> bool:
-        """Whether the library exports the (optional) function ``name``."""
-        return name in self._fns
-
-    def call(self, call: str, native: str, *args: Any, allow: tuple[int, ...] = ()) -> int:
-        """Call ``native(*args)`` for hook ``call``; raise the hal error unless it succeeded.
-
-        :param allow: further codes that count as success (returned to the caller).
-        """
-        code = self._fns[native](*args)
-        if code == ACL_SUCCESS or code in allow:
-            return code
-        raise error_for(code, call, native, self._recent_message())
+    def error_for(self, code: int, call: str, native: str) -> HalError:
+        return error_for(code, call, native, self._recent_message())
 
     def _recent_message(self) -> str:
         if self._recent is None:
@@ -175,26 +156,10 @@ class AclLibrary:
         raw = self._recent()
         return raw.decode(errors="replace").strip() if raw else ""
 
-    def init_once(self) -> None:
-        """``aclInit(NULL)`` once per library; an earlier initialisation (torch_npu's) is fine."""
-        with self._init_lock:
-            if not self._initialized:
-                self.call("init", "aclInit", None, allow=(ACL_ERROR_REPEAT_INITIALIZE,))
-                self._initialized = True
+    def initialize(self) -> None:
+        """``aclInit(NULL)``; an earlier initialisation (torch_npu's) is fine."""
+        self.call("init", "aclInit", None, allow=(ACL_ERROR_REPEAT_INITIALIZE,))
 
 
-_libraries: dict[str, AclLibrary] = {}
-_lock = threading.Lock()
-
-
-def load(path: str) -> AclLibrary:
-    """The :class:`AclLibrary` at ``path``, loaded once per process.
-
-    :raises OSError: the library cannot be loaded.
-    :raises BackendUnavailableError: it lacks the VMM functions.
-    """
-    with _lock:
-        lib = _libraries.get(path)
-        if lib is None:
-            lib = _libraries[path] = AclLibrary(path)
-        return lib
+#: the :class:`AclLibrary` at a path, loaded once per process
+load = LibraryCache(AclLibrary).load

@@ -1,94 +1,40 @@
 """Where libascendcl is, and whether the ascend backend can run here (the cheap probe).
 
-Search order: the ``library=`` option, then ``$HAL_ASCEND_LIBRARY``, then
-``$ASCEND_HOME_PATH/lib64/libascendcl.so``, then the plain soname through the
-loader path. The probe never imports torch_npu (``importlib.util.find_spec``).
-
-Availability: at the default location the backend needs both the library and
-torch_npu. With ``$HAL_ASCEND_LIBRARY`` (a runtime or a simulator named on
-purpose) the library alone is enough: the VMM hooks work and the ``"graphs"``
-capability is absent while torch_npu is missing.
+:data:`LIBRARY` names what to look for (``$HAL_ASCEND_LIBRARY``,
+``$ASCEND_HOME_PATH``, torch_npu); the search order and when the library alone
+is enough are :class:`~hal.backends._native.locate.LibrarySpec`'s. Ascend's own
+part is the device question: a runtime that answers ``aclrtGetDeviceCount``
+only after ``aclInit`` is left for opening the backend to judge.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
-import os
-import sys
 
+from hal.backends._native.locate import LibrarySpec
 from hal.backends.ascend import lib
-from hal.errors import BackendUnavailableError, HalError
+from hal.errors import HalError
 
-ENV_LIBRARY = "HAL_ASCEND_LIBRARY"
-ENV_HOME = "ASCEND_HOME_PATH"
-SONAME = "libascendcl.so"
-EXTENSION = "torch_npu"
+LIBRARY = LibrarySpec(backend=lib.NAME, soname="libascendcl.so", env_library="HAL_ASCEND_LIBRARY",
+                      env_home="ASCEND_HOME_PATH", home_hint="CANN's set_env.sh", extension="torch_npu")
+ENV_LIBRARY = LIBRARY.env_library
+ENV_HOME = LIBRARY.env_home
+EXTENSION = LIBRARY.extension
 
-
-def extension_installed() -> bool:
-    """Whether torch_npu can be imported (without importing it)."""
-    if EXTENSION in sys.modules:
-        return sys.modules[EXTENSION] is not None
-    try:
-        return importlib.util.find_spec(EXTENSION) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def candidates(explicit: str | None = None) -> list[str]:
-    """Paths (or sonames) to try, in order."""
-    if explicit:
-        return [explicit]
-    override = os.environ.get(ENV_LIBRARY)
-    if override:
-        return [override]
-    home = os.environ.get(ENV_HOME)
-    return ([os.path.join(home, "lib64", SONAME)] if home else []) + [SONAME]
+#: whether the torch extension can be imported (without importing it)
+extension_installed = LIBRARY.extension_installed
 
 
 def open_library(explicit: str | None = None) -> lib.AclLibrary:
-    """Load the first candidate that loads.
-
-    :raises BackendUnavailableError: none loads (the message says where it looked and how to
-        point at a runtime), or the one found lacks the VMM API.
-    """
-    problems = []
-    for path in candidates(explicit):
-        try:
-            return lib.load(path)
-        except OSError as exc:
-            if os.sep not in path:
-                problems.append(f"the loader finds no {SONAME}")
-            elif os.path.exists(path):
-                problems.append(f"{path} does not load ({exc})")
-            else:
-                problems.append(f"{path} does not exist")
-    if explicit:
-        hint = ""
-    elif os.environ.get(ENV_LIBRARY):
-        hint = f" (from ${ENV_LIBRARY})"
-    else:
-        unset = "" if os.environ.get(ENV_HOME) else f"${ENV_HOME} is unset and "
-        problems = [unset + "; ".join(problems)]
-        hint = f"; set ${ENV_HOME} (CANN's set_env.sh does) or ${ENV_LIBRARY}"
-    raise BackendUnavailableError(f"{SONAME} not found: {'; '.join(problems)}{hint}", backend=lib.NAME)
+    """The first libascendcl that loads, in :meth:`~LibrarySpec.open`'s order."""
+    return LIBRARY.open(lib.load, explicit)
 
 
 def probe_reason() -> str | None:
     """Why the ascend backend cannot run here, or None."""
-    override = bool(os.environ.get(ENV_LIBRARY))
-    has_extension = extension_installed()
-    try:
-        acl = open_library()
-    except BackendUnavailableError as exc:
-        reason = str(exc).removeprefix(f"{lib.NAME}: ")
-        if not override and not has_extension:
-            reason += f"; and {EXTENSION} is not installed"
+    acl, reason = LIBRARY.probe_library(open_library, extension_installed())
+    if acl is None:
         return reason
-    if not has_extension and not override:
-        return (f"{EXTENSION} is not installed (found {acl.path}; set ${ENV_LIBRARY}={acl.path} "
-                "to use the VMM hooks without it)")
     count = ctypes.c_uint32(0)
     try:
         acl.call("probe", "aclrtGetDeviceCount", ctypes.byref(count))

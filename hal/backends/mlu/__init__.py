@@ -5,6 +5,9 @@
 * :mod:`~hal.backends.mlu.backend` -- the plugin class;
 * :mod:`~hal.backends.mlu.torch_glue` -- graphs, streams and pools through torch_mlu.
 
+What it shares with ``ascend`` (never a struct, an enum value or a code table) is in
+:mod:`hal.backends._native`.
+
 Importing this package imports neither torch nor torch_mlu.
 """
 

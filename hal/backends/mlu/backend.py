@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Any, ContextManager
+from typing import Any
 
-from hal.api import AllocFn, FreeFn, hookimpl
+from hal.api import hookimpl
+from hal.backends._native.hooks import TorchHooks
+from hal.backends._native.torch_glue import TorchGlue
 from hal.backends.mlu import lib, locate
-from hal.errors import BackendUnavailableError, UnsupportedError
 from hal.types import MemInfo
 
 log = logging.getLogger("hal.mlu")
 NAME = lib.NAME
 
 
-class MluBackend:
+def _mlu_glue(device: int) -> TorchGlue:
+    from hal.backends.mlu.torch_glue import MluGlue
+
+    return MluGlue(device)  # torch_mlu makes the device's context current
+
+
+class MluBackend(TorchHooks):
     """Cambricon MLUs through libcndrv (VMM) and torch_mlu (graphs, streams).
 
     Options:
@@ -36,23 +43,13 @@ class MluBackend:
     #: device memory is not host-accessible; the conformance suite over a
     #: simulator overrides this with ``--hal-option host_accessible=true``
     hal_requirements = {"host_accessible": False}
+    backend_name = NAME
+    torch_extension = locate.EXTENSION
 
     def __init__(self, device: int = 0, *, library: str | None = None, use_torch: bool | None = None) -> None:
         self.device = device
         self.library = locate.open_library(library)
-        if use_torch is None:
-            use_torch = locate.extension_installed()
-        elif use_torch and not locate.extension_installed():
-            raise BackendUnavailableError("use_torch=True but torch_mlu is not installed", backend=NAME)
-        self.glue: Any = None
-        if use_torch:
-            from hal.backends.mlu.torch_glue import MluGlue
-
-            try:
-                self.glue = MluGlue(device)  # torch_mlu makes the device's context current
-            except ImportError as exc:
-                raise BackendUnavailableError(f"torch_mlu is installed but does not import: {exc}",
-                                              backend=NAME) from exc
+        self.glue = self._open_glue(use_torch, locate.extension_installed, lambda: _mlu_glue(device))
         self.library.init_once()
         self._prop = lib.allocation_prop(device)
         self._access = lib.access_desc(device)
@@ -74,11 +71,6 @@ class MluBackend:
         self._call("granularity", "cnMemGetAllocationGranularity", ctypes.byref(gran), ctypes.byref(self._prop),
                    option)
         return gran.value
-
-    def _torch(self, call: str) -> Any:
-        if self.glue is None:
-            raise UnsupportedError("needs torch_mlu, which this backend runs without", backend=NAME, call=call)
-        return self.glue
 
     # -- queries ---------------------------------------------------------------------
 
@@ -137,63 +129,7 @@ class MluBackend:
         self._call("unmap", "cnMemUnmap", ptr, size)
         return True
 
-    # -- graphs, streams, pools (torch_mlu) ------------------------------------------
-
-    @hookimpl
-    def capabilities(self) -> frozenset[str]:
-        return self.glue.capabilities if self.glue is not None else frozenset()
-
-    @hookimpl
-    def torch_device(self) -> Any:
-        return self._torch("torch_device").torch_device()
-
-    @hookimpl
-    def create_stream(self) -> Any:
-        return self._torch("create_stream").create_stream()
-
-    @hookimpl
-    def current_stream(self) -> Any:
-        return self._torch("current_stream").current_stream()
-
-    @hookimpl
-    def use_stream(self, stream: Any) -> ContextManager[Any]:
-        return self._torch("use_stream").use_stream(stream)
-
-    @hookimpl
-    def synchronize(self, stream: Any) -> bool:
-        self._torch("synchronize").synchronize(stream)
-        return True
-
-    @hookimpl
-    def create_pool(self, alloc: AllocFn | None, free: FreeFn | None) -> Any:
-        return self._torch("create_pool").create_pool(alloc, free)
-
-    @hookimpl
-    def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:
-        return self._torch("pool_active_blocks").pool_active_blocks(pool)
-
-    @hookimpl
-    def release_pool(self, pool: Any) -> bool:
-        self._torch("release_pool").release_pool(pool)
-        return True
-
-    @hookimpl
-    def create_graph(self) -> Any:
-        return self._torch("create_graph").create_graph()
-
-    @hookimpl
-    def capture(self, graph: Any, pool: Any, stream: Any, capture_error_mode: str) -> ContextManager[Any]:
-        return self._torch("capture").capture(graph, pool, stream, capture_error_mode)
-
-    @hookimpl
-    def replay(self, graph: Any) -> bool:
-        self._torch("replay").replay(graph)
-        return True
-
-    @hookimpl
-    def release_graph(self, graph: Any) -> bool:
-        self._torch("release_graph").release_graph(graph)
-        return True
+    # -- graphs, streams, pools: inherited from TorchHooks, over torch_mlu when it is there
 
     @hookimpl
     def shutdown(self) -> bool:

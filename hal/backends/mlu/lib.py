@@ -9,11 +9,11 @@ shared with another vendor.
 from __future__ import annotations
 
 import ctypes
-import threading
 from ctypes import POINTER, c_int, c_int32, c_uint, c_uint8, c_uint32, c_uint64
 from typing import Any
 
-from hal.errors import BackendUnavailableError, DeviceOutOfMemoryError, DriverError, HalError, InvalidArgumentError
+from hal.backends._native.library import LibraryCache, NativeLibrary, native_error
+from hal.errors import DriverError, HalError, InvalidArgumentError
 
 NAME = "mlu"
 
@@ -125,60 +125,27 @@ class CnInvalidArgumentError(DriverError, InvalidArgumentError):
 
 def error_for(code: int, call: str, native: str) -> HalError:
     """The hal error for a failed ``native`` call made on behalf of hook ``call``."""
-    name = CODE_NAMES.get(code)
-    message = f"{native} failed"
-    if code in OUT_OF_MEMORY_CODES:
-        err: HalError = DeviceOutOfMemoryError(f"{message} [{name} = {code}]", backend=NAME, call=call)
-        err.code, err.code_name = code, name  # type: ignore[attr-defined]
-        return err
-    cls = CnInvalidArgumentError if code in INVALID_ARGUMENT_CODES else DriverError
-    return cls(message, backend=NAME, call=call, code=code, code_name=name)
+    invalid = code in INVALID_ARGUMENT_CODES
+    return native_error(code, call, native, backend=NAME, code_name=CODE_NAMES.get(code),
+                        out_of_memory=code in OUT_OF_MEMORY_CODES,
+                        error_class=CnInvalidArgumentError if invalid else DriverError)
 
 
-class CndrvLibrary:
+class CndrvLibrary(NativeLibrary):
     """One loaded libcndrv: typed functions and :meth:`call`, which checks every return code."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.cdll = ctypes.CDLL(path)
-        missing = [n for n in PROTOTYPES if not hasattr(self.cdll, n)]
-        if missing:
-            raise BackendUnavailableError(
-                f"{path} lacks {', '.join(missing)} (a CNDrv with the VMM API is needed)", backend=NAME)
-        self._fns: dict[str, Any] = {}
-        for name, argtypes in PROTOTYPES.items():
-            fn = getattr(self.cdll, name)
-            fn.argtypes, fn.restype = argtypes, c_int
-            self._fns[name] = fn
-        self._init_lock = threading.Lock()
-        self._initialized = False
+    backend = NAME
+    prototypes = PROTOTYPES
+    success = CN_SUCCESS
+    requirement = "a CNDrv with the VMM API"
 
-    def call(self, call: str, native: str, *args: Any) -> None:
-        """Call ``native(*args)`` for hook ``call``; raise the hal error unless it succeeded."""
-        code = self._fns[native](*args)
-        if code != CN_SUCCESS:
-            raise error_for(code, call, native)
+    def error_for(self, code: int, call: str, native: str) -> HalError:
+        return error_for(code, call, native)
 
-    def init_once(self) -> None:
-        """``cnInit(0)``, once per library and process."""
-        with self._init_lock:
-            if not self._initialized:
-                self.call("init", "cnInit", 0)
-                self._initialized = True
+    def initialize(self) -> None:
+        """``cnInit(0)``."""
+        self.call("init", "cnInit", 0)
 
 
-_libraries: dict[str, CndrvLibrary] = {}
-_lock = threading.Lock()
-
-
-def load(path: str) -> CndrvLibrary:
-    """The :class:`CndrvLibrary` at ``path``, loaded once per process.
-
-    :raises OSError: the library cannot be loaded.
-    :raises BackendUnavailableError: it lacks the VMM functions.
-    """
-    with _lock:
-        lib = _libraries.get(path)
-        if lib is None:
-            lib = _libraries[path] = CndrvLibrary(path)
-        return lib
+#: the :class:`CndrvLibrary` at a path, loaded once per process
+load = LibraryCache(CndrvLibrary).load

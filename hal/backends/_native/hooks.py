@@ -1,0 +1,109 @@
+"""The graph, stream and pool hooks of a vendor backend, delegated to its :class:`TorchGlue`.
+
+A backend may run without its torch extension (VMM hooks only): then
+``"graphs"`` is absent from its capabilities and these hooks raise
+:class:`hal.UnsupportedError` naming the missing extension.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, ContextManager
+
+from hal.api import AllocFn, FreeFn, hookimpl
+from hal.backends._native.torch_glue import TorchGlue
+from hal.errors import BackendUnavailableError, UnsupportedError
+
+
+class TorchHooks:
+    """Mixin for a backend plugin with a ``glue`` attribute (a :class:`TorchGlue`, or None)."""
+
+    #: the backend's name, as errors carry it
+    backend_name: ClassVar[str]
+    #: the torch extension's module name, for the error when it is absent
+    torch_extension: ClassVar[str]
+    glue: TorchGlue | None
+
+    def _open_glue(self, use_torch: bool | None, installed: Callable[[], bool],
+                   create: Callable[[], TorchGlue]) -> TorchGlue | None:
+        """The glue this backend runs with, or None for VMM hooks only.
+
+        :param use_torch: ``None``: use the extension when it is installed; ``False``: never
+            import it; ``True``: require it.
+        :param installed: whether the extension is installed (without importing it).
+        :param create: makes the glue (this imports torch and the extension).
+        :raises BackendUnavailableError: it is required but not installed, or it does not import.
+        """
+        extension, backend = self.torch_extension, self.backend_name
+        if use_torch is None:
+            use_torch = installed()
+        elif use_torch and not installed():
+            raise BackendUnavailableError(f"use_torch=True but {extension} is not installed", backend=backend)
+        if not use_torch:
+            return None
+        try:
+            return create()
+        except ImportError as exc:
+            raise BackendUnavailableError(f"{extension} is installed but does not import: {exc}",
+                                          backend=backend) from exc
+
+    def _torch(self, call: str) -> TorchGlue:
+        if self.glue is None:
+            raise UnsupportedError(f"needs {self.torch_extension}, which this backend runs without",
+                                   backend=self.backend_name, call=call)
+        return self.glue
+
+    @hookimpl
+    def capabilities(self) -> frozenset[str]:
+        return self.glue.capabilities if self.glue is not None else frozenset()
+
+    @hookimpl
+    def torch_device(self) -> Any:
+        return self._torch("torch_device").torch_device()
+
+    @hookimpl
+    def create_stream(self) -> Any:
+        return self._torch("create_stream").create_stream()
+
+    @hookimpl
+    def current_stream(self) -> Any:
+        return self._torch("current_stream").current_stream()
+
+    @hookimpl
+    def use_stream(self, stream: Any) -> ContextManager[Any]:
+        return self._torch("use_stream").use_stream(stream)
+
+    @hookimpl
+    def synchronize(self, stream: Any) -> bool:
+        self._torch("synchronize").synchronize(stream)
+        return True
+
+    @hookimpl
+    def create_pool(self, alloc: AllocFn | None, free: FreeFn | None) -> Any:
+        return self._torch("create_pool").create_pool(alloc, free)
+
+    @hookimpl
+    def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:
+        return self._torch("pool_active_blocks").pool_active_blocks(pool)
+
+    @hookimpl
+    def release_pool(self, pool: Any) -> bool:
+        self._torch("release_pool").release_pool(pool)
+        return True
+
+    @hookimpl
+    def create_graph(self) -> Any:
+        return self._torch("create_graph").create_graph()
+
+    @hookimpl
+    def capture(self, graph: Any, pool: Any, stream: Any, capture_error_mode: str) -> ContextManager[Any]:
+        return self._torch("capture").capture(graph, pool, stream, capture_error_mode)
+
+    @hookimpl
+    def replay(self, graph: Any) -> bool:
+        self._torch("replay").replay(graph)
+        return True
+
+    @hookimpl
+    def release_graph(self, graph: Any) -> bool:
+        self._torch("release_graph").release_graph(graph)
+        return True
