@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_part(cfg, args.part, args.part_out)
     isolate = args.isolate == "yes" or (
         args.isolate == "auto" and hal.get_backend(args.backend, device=args.device).torch_device().type != "cpu")
-    user_argv = [a for a in (argv if argv is not None else sys.argv[1:])][1:]  # without "bench"
+    given = list(argv if argv is not None else sys.argv[1:])
+    user_argv = given[given.index("bench") + 1:]  # the bench's own options, for the child processes
     return run_bench(cfg, args.out_dir, "bench", isolate=isolate, argv=user_argv)
 
 

@@ -10,17 +10,16 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 import hal
+from hal.gcguard import gc_disabled
 from hal.types import fmt_bytes
 from graphkit.pools import Lease
 
@@ -29,18 +28,6 @@ log = logging.getLogger("graphkit.capture")
 
 class CaptureHygieneError(hal.HalError):
     """Memory other than the outputs outlived a capture (raised when hygiene is strict)."""
-
-
-@contextlib.contextmanager
-def gc_disabled() -> Iterator[None]:
-    """Turn the garbage collector off for the block (restored afterwards)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 @dataclass

@@ -311,7 +311,7 @@ class GraphRunner:
             bucket = self._buckets.get(size) or self._capture_size(size)
             self.inputs.update(inputs, batch, size)
             if self.debug:
-                self._check_addresses(bucket)
+                self._check_addresses()
             out = self._replay(bucket)
             return self._deliver(out, batch, size)
 
@@ -347,7 +347,7 @@ class GraphRunner:
                 result.append(buf[: t.shape[0]])
         return tree_unflatten(result, spec)
 
-    def _check_addresses(self, bucket: _Bucket) -> None:
+    def _check_addresses(self) -> None:
         moved = self.inputs.moved()
         if moved:
             raise hal.InvalidStateError(
@@ -382,15 +382,17 @@ class GraphRunner:
         bucket.piece_inputs.clear()
         self.strategy.give_back(bucket.lease)
 
+    def _forget(self, size: int) -> _Bucket:
+        self._captured.remove(size)
+        self._capture_order.remove(size)
+        return self._buckets.pop(size)
+
     def release_size(self, size: int) -> None:
         """Destroy the graph(s) of one size and give their memory back."""
         with self._lock:
-            bucket = self._buckets.pop(size)
-            self._captured.remove(size)
-            self._capture_order.remove(size)
             self.backend.synchronize()
             gc.collect()  # tensors of its pool caught in reference cycles go while the pool exists
-            self._release_bucket(bucket)
+            self._release_bucket(self._forget(size))
             self.strategy.settle()
 
     def _check_open(self) -> None:
@@ -405,10 +407,7 @@ class GraphRunner:
             self.backend.synchronize()
             gc.collect()  # tensors of the pools caught in reference cycles go while the pools exist
             for size in list(self._captured):
-                bucket = self._buckets.pop(size)
-                self._captured.remove(size)
-                self._capture_order.remove(size)
-                self._release_bucket(bucket)
+                self._release_bucket(self._forget(size))
             if self.strategy is not None:
                 self.strategy.close()
             self.inputs = None

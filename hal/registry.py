@@ -19,7 +19,7 @@ import os
 import threading
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -30,6 +30,9 @@ from hal.errors import (
     PluginValidationError,
 )
 from hal.types import BackendInfo
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hal.facade import Backend
 
 log = logging.getLogger("hal")
 

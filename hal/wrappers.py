@@ -13,14 +13,14 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import pluggy
 
 from hal import api
 from hal.api import hookimpl
-from hal.errors import DriverError, HalError
+from hal.errors import DriverError
 
 log = logging.getLogger("hal.trace")
 
@@ -256,4 +256,4 @@ def _short(value: Any) -> str:
     return text if len(text) < 60 else text[:57] + "..."
 
 
-__all__ = ["Accounting", "FaultInjector", "LiveCounts", "install_tracing", "HalError"]
+__all__ = ["Accounting", "FaultInjector", "LiveCounts", "install_tracing"]

@@ -9,7 +9,6 @@ hand-written loop on the same graphs, and the error against eager.
 
 from __future__ import annotations
 
-import gc
 import logging
 import platform
 import random
@@ -142,8 +141,6 @@ class Bench:
                                    for n in self.timing_batches}
             result["hand_loop_ms_batch1"] = ms_per_call(be, self._hand_loop(runner, 1), cfg.iters)
         runner.close()
-        del runner  # nothing of this run may outlive it
-        gc.collect()
         return result
 
     def _hand_loop(self, runner: graphkit.GraphRunner, n: int) -> Callable[[], Any]:

@@ -11,7 +11,6 @@ only when a glue is created.
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib
 import logging
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any, ClassVar, ContextManager, Iterator
 
 from hal.api import AllocFn, FreeFn
 from hal.backends._native.callbacks import address_of, allocator_callbacks
+from hal.gcguard import gc_disabled
 from hal.errors import CaptureError, UnsupportedError
 
 
@@ -151,20 +151,15 @@ class TorchGlue:
                 capture_error_mode: str | None) -> Iterator[Any]:
         """``torch.<device>.graph`` with GC off (hazard: Python in the allocator callbacks) and
         the failures :meth:`capture_error` recognises turned into :class:`hal.CaptureError`."""
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
         try:
-            with self.ns.graph(graph, pool=None if pool is None else pool.id, stream=stream,
-                               capture_error_mode=capture_error_mode or self.default_capture_mode):
+            with gc_disabled(), self.ns.graph(graph, pool=None if pool is None else pool.id, stream=stream,
+                                              capture_error_mode=capture_error_mode or self.default_capture_mode):
                 yield graph
         except Exception as exc:
             translated = self.capture_error(exc)
             if translated is None:
                 raise
             raise translated from exc
-        finally:
-            if gc_was_enabled:
-                gc.enable()
 
     def replay(self, graph: Any) -> None:
         graph.replay()

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 from hal.backends.cuda.torch_pool import CudaPool
+from hal.gcguard import gc_disabled
 from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError
 
 log = logging.getLogger("hal.cuda")
@@ -37,17 +37,6 @@ def new_graph(device: int) -> CudaGraph:
 
     with torch.cuda.device(device):
         return CudaGraph(torch.cuda.CUDAGraph(), device)
-
-
-@contextlib.contextmanager
-def _gc_off() -> Iterator[None]:
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _note(exc: BaseException, text: str) -> None:
@@ -93,7 +82,7 @@ def capture(graph: CudaGraph, pool: CudaPool | None, stream: Any, capture_error_
             raise
         body: BaseException | None = None
         try:
-            with _gc_off():
+            with gc_disabled():
                 yield graph
         except BaseException as exc:
             body = exc

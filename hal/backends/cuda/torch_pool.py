@@ -25,13 +25,14 @@ callbacks around the hal-level ``alloc(nbytes) -> address`` and
 from __future__ import annotations
 
 import ctypes
-import gc
 import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from hal.backends._native.callbacks import ALLOC_FN, FREE_FN  # torch's allocator signatures
 from hal.errors import InvalidStateError, UnsupportedError
+from hal.gcguard import gc_disabled
 from hal.types import fmt_bytes
 
 log = logging.getLogger("hal.cuda")
@@ -39,8 +40,6 @@ log = logging.getLogger("hal.cuda")
 NAME = "cuda"
 MIN_TORCH = (2, 8)
 
-ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
-FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
 
 
 class CallbackPair:
@@ -68,8 +67,10 @@ class CallbackPair:
         return alloc, free
 
     def _alloc(self, size: int, device: int, stream: Any) -> int:
-        was_enabled = gc.isenabled()
-        gc.disable()
+        with gc_disabled():
+            return self._alloc_body(size, device)
+
+    def _alloc_body(self, size: int, device: int) -> int:
         try:
             fn = self.alloc
             if fn is None:
@@ -87,13 +88,12 @@ class CallbackPair:
         except BaseException as exc:  # nothing may escape into torch's C++
             self._fail(size, f"{type(exc).__name__}: {exc}")
             return 0
-        finally:
-            if was_enabled:
-                gc.enable()
 
     def _free(self, ptr: int | None, size: int, device: int, stream: Any) -> None:
-        was_enabled = gc.isenabled()
-        gc.disable()
+        with gc_disabled():
+            self._free_body(ptr, size)
+
+    def _free_body(self, ptr: int | None, size: int) -> None:
         try:
             if not ptr:
                 return
@@ -106,9 +106,6 @@ class CallbackPair:
         except BaseException as exc:  # nothing may escape into torch's C++
             log.error("%s: free of %s at %#x failed: %s: %s", self.label, fmt_bytes(size), ptr or 0,
                       type(exc).__name__, exc)
-        finally:
-            if was_enabled:
-                gc.enable()
 
     def _fail(self, size: int, why: str) -> None:
         self.last_error = f"{self.label}: no segment of {fmt_bytes(size)} ({size} bytes): {why}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from typing import Any, ContextManager, Iterator
+from typing import Any, ContextManager
 
 from hal.api import AllocFn, FreeFn, hookimpl
 from hal.backends.fake import hostvm
