@@ -3,8 +3,9 @@
 from graphkit.allocator import SharedVMMAllocator
 from graphkit.buffers import StaticInputs
 from graphkit.capture import CaptureHygieneError
+from graphkit.graph_pools import GraphPools, KeyReport, PoolHandle, PoolsReport, graph_memory
 from graphkit.report import RunnerReport, SizeReport
 from graphkit.runner import GraphRunner
 
-__all__ = ["CaptureHygieneError", "GraphRunner", "RunnerReport", "SharedVMMAllocator", "SizeReport",
-           "StaticInputs"]
+__all__ = ["CaptureHygieneError", "GraphPools", "GraphRunner", "KeyReport", "PoolHandle", "PoolsReport",
+           "RunnerReport", "SharedVMMAllocator", "SizeReport", "StaticInputs", "graph_memory"]

@@ -1,19 +1,28 @@
 """SharedVMMAllocator: every capture gets a fresh virtual range, all ranges share one set of chunks.
 
 Physical memory is a list of chunks of one granule each. Chunk ``i`` is
-mapped at offset ``i * granularity`` of **every** live virtual space, so a
-graph captured in space A and a graph captured in space B use the same
-physical bytes at the same offsets: N graphs cost the physical memory of the
-largest one. Inside a space, allocation is a bump pointer; freeing is a
-no-op (the space dies as a whole, with its graph).
+mapped at offset ``i * granularity`` of every space that has reached that
+offset, so a graph captured in space A and a graph captured in space B use
+the same physical bytes at the same offsets: N graphs cost the physical
+memory of the largest one. Inside a space, allocation is a bump pointer;
+freeing is a no-op (the space dies as a whole, with its graph).
+
+Address space is cheap but finite (a CUDA process gets 128 TiB of it), so
+spaces are carved out of a few large reservations ("arenas") instead of one
+device-sized reservation each: a space is opened with room to grow to
+``reserve_bytes``, and *sealed* when the next space opens (or on request),
+which trims it to what its capture used and gives the rest back to the
+arena. Chunks are mapped into a space lazily, as its bump pointer reaches
+them, so a small capture after a large one costs a few map calls.
 
 Every multi-step operation keeps an undo list: a driver failure half-way
-through an extend, a switch or a release undoes what that call did, so the
-allocator stays consistent and usable and nothing leaks.
+through an allocation, a switch or a release undoes what that call did, so
+the allocator stays consistent and usable and nothing leaks.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import threading
@@ -26,20 +35,57 @@ from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.allocator")
 
+#: how many ``reserve_bytes`` one arena reservation holds by default
+ARENA_SPACES = 8
+
 
 @dataclass
 class VirtualSpace:
-    """One reserved range and its bump pointer."""
+    """One range of an arena, its bump pointer and how many chunks are mapped into it."""
 
     id: int
     base: int
     size: int
+    arena: "_Arena" = field(repr=False)
     offset: int = 0  # bump pointer: bytes handed out so far
+    mapped: int = 0  # chunks 0 .. mapped-1 are mapped at base + i * granularity
     live_allocations: int = 0
     dying: bool = False  # release requested while allocations were still live
+    sealed: bool = False  # trimmed to its use: it cannot grow any more
 
     def contains(self, ptr: int) -> bool:
         return self.base <= ptr < self.base + self.size
+
+
+class _Arena:
+    """One reservation, handed out in ranges (first fit, neighbours coalesce)."""
+
+    def __init__(self, base: int, size: int) -> None:
+        self.base, self.size = base, size
+        self.holes: list[tuple[int, int]] = [(base, size)]  # (start, size), sorted by start
+
+    def take(self, size: int) -> int | None:
+        for i, (start, hole) in enumerate(self.holes):
+            if hole >= size:
+                self.holes[i:i + 1] = [(start + size, hole - size)] if hole > size else []
+                return start
+        return None
+
+    def give(self, start: int, size: int) -> None:
+        if size <= 0:
+            return
+        i = bisect.bisect_left(self.holes, (start, 0))
+        lo, hi = start, start + size
+        if i < len(self.holes) and self.holes[i][0] == hi:  # merge with the next hole
+            hi += self.holes.pop(i)[1]
+        if i and self.holes[i - 1][0] + self.holes[i - 1][1] == lo:  # and the previous one
+            lo = self.holes.pop(i - 1)[0]
+            i -= 1
+        self.holes.insert(i, (lo, hi - lo))
+
+    @property
+    def empty(self) -> bool:
+        return self.holes == [(self.base, self.size)]
 
 
 @dataclass
@@ -52,6 +98,7 @@ class AllocatorStats:
     map_calls: int
     map_seconds: float
     high_water: dict[int, int] = field(default_factory=dict)
+    arena_bytes: int = 0
 
 
 class _Undo:
@@ -77,26 +124,33 @@ class SharedVMMAllocator:
 
     :param backend: a :class:`hal.Backend` (any vendor); the allocator only
         uses its vmm methods.
-    :param reserve_bytes: size of each virtual space; defaults to the device's
-        total memory (a graph can never need more), rounded to the granularity.
+    :param reserve_bytes: how far one space can grow while it is open;
+        defaults to the device's total memory (a graph can never need more),
+        rounded to the granularity.
     :param capacity: optional cap on physical bytes (beyond it, allocations
         fail with :class:`hal.DeviceOutOfMemoryError`), e.g. to leave room for
         the KV cache.
+    :param arena_bytes: size of each address reservation spaces are carved
+        from (default ``8 * reserve_bytes``).
     """
 
     def __init__(self, backend: hal.Backend, reserve_bytes: int | None = None,
-                 capacity: int | None = None) -> None:
+                 capacity: int | None = None, arena_bytes: int | None = None) -> None:
         self.backend = backend
         self.granularity = g = backend.granularity
         if reserve_bytes is None:
             reserve_bytes = backend.mem_info().total
-        if not isinstance(reserve_bytes, int) or reserve_bytes <= 0:
-            raise hal.InvalidArgumentError(f"reserve_bytes={reserve_bytes!r} must be a positive int",
-                                           backend=backend.name, call="SharedVMMAllocator")
+        for name, value in (("reserve_bytes", reserve_bytes), ("arena_bytes", arena_bytes),
+                            ("capacity", capacity)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise hal.InvalidArgumentError(f"{name}={value!r} must be a positive int of bytes",
+                                               backend=backend.name, call="SharedVMMAllocator")
         self.reserve_bytes = round_up(reserve_bytes, g)
+        self.arena_bytes = max(round_up(arena_bytes or ARENA_SPACES * self.reserve_bytes, g), self.reserve_bytes)
         self.capacity = capacity
         self._lock = threading.RLock()
         self._spaces: dict[int, VirtualSpace] = {}
+        self._arenas: list[_Arena] = []
         self._chunks: list[Any] = []
         self._zombies: list[Any] = []  # unmapped chunks whose release failed; retried later
         self._ids = itertools.count(1)
@@ -110,17 +164,26 @@ class SharedVMMAllocator:
 
     @property
     def physical_bytes(self) -> int:
-        """Bytes of physical chunks mapped into every space."""
+        """Bytes of physical chunks held (mapped into the spaces that reach them)."""
         return len(self._chunks) * self.granularity
 
     @property
     def reserved_bytes(self) -> int:
-        """Virtual address space reserved by the live spaces."""
+        """Virtual address space held by the live spaces."""
         return sum(s.size for s in self._spaces.values())
+
+    @property
+    def arena_reserved_bytes(self) -> int:
+        """Virtual address space reserved from the driver (the arenas spaces are carved from)."""
+        return sum(a.size for a in self._arenas)
 
     @property
     def num_virtual_spaces(self) -> int:
         return len(self._spaces)
+
+    @property
+    def num_arenas(self) -> int:
+        return len(self._arenas)
 
     @property
     def spaces(self) -> dict[int, VirtualSpace]:
@@ -129,14 +192,14 @@ class SharedVMMAllocator:
 
     @property
     def chunks(self) -> list[Any]:
-        """Physical handles, chunk ``i`` at offset ``i * granularity`` of every space."""
+        """Physical handles, chunk ``i`` at offset ``i * granularity`` of every space that reaches it."""
         return list(self._chunks)
 
     def stats(self) -> AllocatorStats:
         with self._lock:
             return AllocatorStats(self.physical_bytes, self.reserved_bytes, self.num_virtual_spaces,
                                   self.map_calls, self.map_seconds,
-                                  {i: s.offset for i, s in self._spaces.items()})
+                                  {i: s.offset for i, s in self._spaces.items()}, self.arena_reserved_bytes)
 
     def __repr__(self) -> str:
         return (f"<SharedVMMAllocator {self.backend.name} spaces={self.num_virtual_spaces} "
@@ -152,65 +215,113 @@ class SharedVMMAllocator:
         self.map_calls += 1
         undo.push(f"unmap {ptr:#x}", lambda: self.backend.unmap(ptr, self.granularity))
 
-    def _unmap(self, space: VirtualSpace, index: int, undo: _Undo) -> None:
-        ptr, handle = space.base + index * self.granularity, self._chunks[index]
-        self.backend.unmap(ptr, self.granularity)
-        undo.push(f"remap {ptr:#x}", lambda: self.backend.map(ptr, self.granularity, handle))
-
     def _check_open(self, call: str) -> None:
         if self._closed:
             raise hal.InvalidStateError("the allocator is closed", backend=self.backend.name, call=call)
 
     # -- spaces -------------------------------------------------------------------------
 
+    def _carve(self, size: int, undo: _Undo) -> tuple[_Arena, int]:
+        """A range of ``size`` bytes from an arena, reserving a new arena when none has room."""
+        for arena in self._arenas:
+            start = arena.take(size)
+            if start is not None:
+                undo.push("give the range back", lambda a=arena, s=start: a.give(s, size))
+                return arena, start
+        nbytes = max(self.arena_bytes, size)
+        base = self.backend.create_vir_ptr(nbytes)
+        arena = _Arena(base, nbytes)
+        self._arenas.append(arena)
+
+        def drop() -> None:
+            self._arenas.remove(arena)
+            self.backend.release_vir_ptr(base, nbytes)
+
+        undo.push("release the arena", drop)
+        start = arena.take(size)
+        assert start is not None
+        log.debug("arena of %s at %#x", fmt_bytes(nbytes), base)
+        return arena, start
+
     def switch_to_new_virtual_space(self) -> int:
-        """Reserve a new space, map every existing chunk into it, make it current; return its id."""
+        """Seal the current space, open a new one and make it current; return its id.
+
+        No chunk is mapped yet: chunks are mapped as allocations reach them.
+        """
         with self._lock:
             self._check_open("switch_to_new_virtual_space")
             self._reap()
             self._retry_zombies()
+            if self.current is not None:
+                self.seal(self.current)
             undo = _Undo()
-            base = self.backend.create_vir_ptr(self.reserve_bytes)
-            undo.push("release range", lambda: self.backend.release_vir_ptr(base, self.reserve_bytes))
-            space = VirtualSpace(next(self._ids), base, self.reserve_bytes)
             try:
-                for index in range(len(self._chunks)):
-                    self._map(space, index, undo)
+                arena, base = self._carve(self.reserve_bytes, undo)
             except BaseException:
                 undo.run()
                 raise
+            space = VirtualSpace(next(self._ids), base, self.reserve_bytes, arena)
             self._spaces[space.id] = space
             self.current = space.id
-            log.debug("space %d at %#x: %d chunk(s) mapped", space.id, base, len(self._chunks))
+            log.debug("space %d at %#x", space.id, base)
             return space.id
+
+    def seal(self, space_id: int) -> None:
+        """Trim a space to what it used (at least one granule); it cannot grow afterwards.
+
+        Called for the current space when the next one opens. Allocations
+        that still fit in the sealed size keep working.
+        """
+        with self._lock:
+            space = self._live_space(space_id, "seal")
+            if space.sealed:
+                return
+            keep = max(round_up(space.offset, self.granularity), self.granularity)
+            space.arena.give(space.base + keep, space.size - keep)
+            space.size = keep
+            space.sealed = True
+            if self.current == space_id:
+                self.current = None
+
+    def _live_space(self, space_id: int, call: str) -> VirtualSpace:
+        space = self._spaces.get(space_id)
+        if space is None:
+            raise hal.InvalidStateError(f"space_id={space_id} is not a live virtual space",
+                                        backend=self.backend.name, call=call)
+        return space
 
     def release_virtual_space(self, space_id: int) -> None:
         """Unmap and free one space; chunks no remaining space needs are released too."""
         with self._lock:
             self._check_open("release_virtual_space")
-            space = self._spaces.get(space_id)
-            if space is None:
-                raise hal.InvalidStateError(f"space_id={space_id} is not a live virtual space",
-                                            backend=self.backend.name, call="release_virtual_space")
-            others = [s for s in self._spaces.values() if s.id != space_id]
-            keep = -(-max((s.offset for s in others), default=0) // self.granularity)
+            space = self._live_space(space_id, "release_virtual_space")
             undo = _Undo()
             try:
-                for index in reversed(range(keep, len(self._chunks))):  # trim: unmap from the others
-                    for other in others:
-                        self._unmap(other, index, undo)
-                for index in reversed(range(len(self._chunks))):
-                    self._unmap(space, index, undo)
-                self.backend.release_vir_ptr(space.base, space.size)
+                for index in reversed(range(space.mapped)):
+                    ptr, handle = space.base + index * self.granularity, self._chunks[index]
+                    self.backend.unmap(ptr, self.granularity)
+                    undo.push(f"remap {ptr:#x}", lambda p=ptr, h=handle: self.backend.map(p, self.granularity, h))
             except BaseException:
                 undo.run()
                 raise
             del self._spaces[space_id]
             if self.current == space_id:
                 self.current = None
+            space.arena.give(space.base, space.size)
+            if space.arena.empty:
+                self._release_arena(space.arena)
+            keep = max((s.mapped for s in self._spaces.values()), default=0)
             trimmed, self._chunks = self._chunks[keep:], self._chunks[:keep]
             self._zombies.extend(trimmed)
             self._retry_zombies()
+
+    def _release_arena(self, arena: _Arena) -> None:
+        try:
+            self.backend.release_vir_ptr(arena.base, arena.size)
+        except hal.HalError as exc:  # an empty arena is still usable: keep it
+            log.warning("could not release an empty arena (kept for reuse): %s", exc)
+            return
+        self._arenas.remove(arena)
 
     def _retry_zombies(self) -> None:
         """Release chunks that are mapped nowhere; keep those whose release fails for later."""
@@ -230,36 +341,63 @@ class SharedVMMAllocator:
 
     # -- physical memory ---------------------------------------------------------------
 
+    def _check_capacity(self, count: int, call: str) -> None:
+        if self.capacity is not None and self.physical_bytes + count * self.granularity > self.capacity:
+            raise hal.DeviceOutOfMemoryError(
+                f"{fmt_bytes(count * self.granularity)} more would exceed the allocator's capacity "
+                f"{fmt_bytes(self.capacity)} ({fmt_bytes(self.physical_bytes)} in use)",
+                backend=self.backend.name, call=call)
+
+    def _create_chunk(self, undo: _Undo) -> None:
+        handle = self.backend.create_phy_mem_handle(self.granularity)
+        self._chunks.append(handle)
+
+        def drop() -> None:
+            self._chunks.remove(handle)
+            self.backend.release_phy_mem_handle(handle)
+
+        undo.push("release chunk", drop)
+
     def extend_mapping(self, nbytes: int) -> None:
-        """Create chunks for ``nbytes`` more and map each into every live space (all or nothing)."""
+        """Create chunks for ``nbytes`` more physical memory (all or nothing).
+
+        Spaces map them as their allocations reach them; creating them ahead
+        takes the driver's allocation off the capture.
+        """
         with self._lock:
             self._check_open("extend_mapping")
             count = -(-nbytes // self.granularity)
             if count <= 0:
                 return
-            if self.capacity is not None and self.physical_bytes + count * self.granularity > self.capacity:
-                raise hal.DeviceOutOfMemoryError(
-                    f"{fmt_bytes(count * self.granularity)} more would exceed the allocator's capacity "
-                    f"{fmt_bytes(self.capacity)} ({fmt_bytes(self.physical_bytes)} in use)",
-                    backend=self.backend.name, call="extend_mapping")
+            self._check_capacity(count, "extend_mapping")
             if (len(self._chunks) + count) * self.granularity > self.reserve_bytes:
                 raise hal.DeviceOutOfMemoryError(
                     f"{fmt_bytes(self.physical_bytes + count * self.granularity)} would not fit in a virtual "
                     f"space of reserve_bytes={self.reserve_bytes}; make the allocator's reserve_bytes larger",
                     backend=self.backend.name, call="extend_mapping")
             undo = _Undo()
-            first = len(self._chunks)
             try:
                 for _ in range(count):
-                    handle = self.backend.create_phy_mem_handle(self.granularity)
-                    self._chunks.append(handle)
-                    undo.push("release chunk", lambda h=handle: self.backend.release_phy_mem_handle(h))
-                    for space in self._spaces.values():
-                        self._map(space, len(self._chunks) - 1, undo)
+                    self._create_chunk(undo)
             except BaseException:
                 undo.run()
-                del self._chunks[first:]
                 raise
+
+    def _map_up_to(self, space: VirtualSpace, count: int) -> None:
+        """Map chunks ``space.mapped .. count-1`` into ``space``, creating missing ones (all or nothing)."""
+        if count <= space.mapped:
+            return
+        self._check_capacity(max(count - len(self._chunks), 0), "allocate")
+        undo = _Undo()
+        try:
+            for index in range(space.mapped, count):
+                if index == len(self._chunks):
+                    self._create_chunk(undo)
+                self._map(space, index, undo)
+        except BaseException:
+            undo.run()
+            raise
+        space.mapped = count
 
     # -- allocation -------------------------------------------------------------------------
 
@@ -274,19 +412,21 @@ class SharedVMMAllocator:
                     "no live virtual space to allocate in; call switch_to_new_virtual_space() first"
                     if sid is None else f"space_id={sid} is not a live virtual space",
                     backend=self.backend.name, call="allocate")
-            if nbytes < 0 or alignment <= 0 or alignment & (alignment - 1):
-                raise hal.InvalidArgumentError(f"nbytes={nbytes}, alignment={alignment}: need nbytes >= 0 "
+            if (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0
+                    or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1)):
+                raise hal.InvalidArgumentError(f"nbytes={nbytes!r}, alignment={alignment!r}: need nbytes >= 0 "
                                                "and a power-of-two alignment",
                                                backend=self.backend.name, call="allocate")
             start = round_up(space.offset, alignment)
             end = start + max(nbytes, 1)
             if end > space.size:
-                raise hal.DeviceOutOfMemoryError(
-                    f"{fmt_bytes(nbytes)} at offset {fmt_bytes(start)} exceeds the virtual space of "
-                    f"{fmt_bytes(space.size)}; make the allocator's reserve_bytes larger",
-                    backend=self.backend.name, call="allocate")
-            if end > self.physical_bytes:
-                self.extend_mapping(end - self.physical_bytes)
+                why = (f"space {space.id} was sealed at {fmt_bytes(space.size)} when a newer space opened "
+                       "(capture the graphs of one space one after the other)" if space.sealed
+                       else f"the space can grow to {fmt_bytes(space.size)}; make the allocator's "
+                            "reserve_bytes larger")
+                raise hal.DeviceOutOfMemoryError(f"{fmt_bytes(nbytes)} at offset {fmt_bytes(start)} does not fit: "
+                                                 f"{why}", backend=self.backend.name, call="allocate")
+            self._map_up_to(space, -(-end // self.granularity))
             space.offset = end
             space.live_allocations += 1
             return space.base + start
@@ -314,6 +454,12 @@ class SharedVMMAllocator:
             except hal.HalError as exc:
                 log.error("deferred release of space %d failed (will retry): %s", space.id, exc)
 
+    def reap(self) -> None:
+        """Release the spaces whose release waited for their last block to be freed."""
+        with self._lock:
+            if not self._closed:
+                self._reap()
+
     def release_when_idle(self, space_id: int) -> bool:
         """Release a space now if nothing allocated in it is live, else when its last block is freed.
 
@@ -322,10 +468,7 @@ class SharedVMMAllocator:
         addresses under that tensor.
         """
         with self._lock:
-            space = self._spaces.get(space_id)
-            if space is None:
-                raise hal.InvalidStateError(f"space_id={space_id} is not a live virtual space",
-                                            backend=self.backend.name, call="release_when_idle")
+            space = self._live_space(space_id, "release_when_idle")
             if space.live_allocations == 0:
                 self.release_virtual_space(space_id)
                 self._reap()
@@ -367,7 +510,7 @@ class SharedVMMAllocator:
         return self._closed
 
     def close(self) -> None:
-        """Unmap every space, free the ranges, release every chunk. Idempotent."""
+        """Unmap every space, free the arenas, release every chunk. Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -377,16 +520,18 @@ class SharedVMMAllocator:
                             "must not be touched after this", busy)
             errors: list[BaseException] = []
             for space in list(self._spaces.values()):
-                for index in range(len(self._chunks)):
+                for index in range(space.mapped):
                     try:
                         self.backend.unmap(space.base + index * self.granularity, self.granularity)
                     except Exception as exc:
                         errors.append(exc)
+            for arena in self._arenas:
                 try:
-                    self.backend.release_vir_ptr(space.base, space.size)
+                    self.backend.release_vir_ptr(arena.base, arena.size)
                 except Exception as exc:
                     errors.append(exc)
             self._spaces.clear()
+            self._arenas.clear()
             self._zombies.extend(self._chunks)
             self._chunks = []
             self._retry_zombies()

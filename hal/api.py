@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hal.types import MemInfo
+    from hal.types import CaptureRouter, MemInfo
 
 hookspec = pluggy.HookspecMarker("hal")
 hookimpl = pluggy.HookimplMarker("hal")
@@ -153,8 +153,9 @@ def capabilities() -> frozenset[str]:
     """Return what this backend can do beyond the vmm hooks.
 
     Known names: ``"graphs"`` (the graph hooks below work), ``"custom_pool"``
-    (:func:`create_pool` accepts allocator callbacks). A backend that lacks
-    ``"custom_pool"`` still supports pools drawn from its own allocator.
+    (:func:`create_pool` accepts allocator callbacks), ``"capture_routing"``
+    (:func:`route_captures` works). A backend that lacks ``"custom_pool"``
+    still supports pools drawn from its own allocator.
     """
 
 
@@ -230,6 +231,33 @@ def capture(graph: Any, pool: Any, stream: Any, capture_error_mode: str | None) 
     :raises CaptureError: when the captured work cannot be captured (a host
         synchronisation, an exhausted resource), with advice where there is
         some.
+    """
+
+
+@hookspec(firstresult=True)
+def route_captures(router: CaptureRouter) -> ContextManager[None]:
+    """Return a context manager inside which every capture on this device asks ``router`` for its pool.
+
+    Every capture that *starts* inside the block counts: through the
+    framework's own API (``torch.cuda.graph``, ``torch.npu.graph``,
+    ``CUDAGraph.capture_begin``), from any thread, whatever pool the caller
+    passed, and through :func:`capture`. For each one the backend calls
+    ``router(graph, requested_pool)`` before the capture begins, uses the
+    returned :class:`hal.types.Route`'s pool instead of the requested one, and
+    calls the route's ``on_end`` and ``on_release`` as that class describes
+    (for graphs reset or collected after the block ended too). Leaving the
+    block restores the framework exactly; blocks nest (the innermost router
+    wins). Needs the ``"capture_routing"`` capability.
+    """
+
+
+@hookspec(firstresult=True)
+def default_capture_stream() -> Any:
+    """Return the stream the framework's own capture API captures on when given none.
+
+    Warm-up for captures that the framework starts (``torch.cuda.graph``
+    without ``stream=``) runs there, so state born lazily on first use
+    (cuBLAS workspaces) is born outside the capture.
     """
 
 

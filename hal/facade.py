@@ -19,7 +19,7 @@ from hal.errors import (
     PluginValidationError,
     UnsupportedError,
 )
-from hal.types import Mapping, MemInfo, fmt_bytes
+from hal.types import CaptureRouter, Mapping, MemInfo, fmt_bytes
 from hal.wrappers import Accounting, FaultInjector, LiveCounts, install_tracing
 
 log = logging.getLogger("hal")
@@ -321,8 +321,29 @@ class Backend:
         if capture_error_mode not in (None, "global", "thread_local", "relaxed"):
             raise self._err(InvalidArgumentError, "capture",
                             f"capture_error_mode={capture_error_mode!r} must be global, thread_local or relaxed")
-        return self._graph_call("capture", graph=graph, pool=pool, stream=stream,
+        return self._graph_call("capture", graph=graph, pool=backend_pool(pool), stream=stream,
                                 capture_error_mode=capture_error_mode)
+
+    def route_captures(self, router: CaptureRouter) -> ContextManager[None]:
+        """Context manager: every capture started inside it takes the pool ``router`` chooses.
+
+        See :func:`hal.api.route_captures`.
+
+        :raises UnsupportedError: the backend lacks ``"capture_routing"``.
+        """
+        if not callable(router):
+            raise self._err(InvalidArgumentError, "route_captures", f"router={router!r} must be callable")
+        if not self.supports("capture_routing"):
+            raise self._err(UnsupportedError, "route_captures",
+                            "this backend cannot route the framework's captures (capability 'capture_routing' "
+                            "is absent)")
+        return self._graph_call("route_captures", router=router)
+
+    def default_capture_stream(self) -> Any:
+        """The stream the framework's own capture API uses when it is given none."""
+        if "default_capture_stream" not in self._implemented:
+            return self.current_stream()
+        return self._graph_call("default_capture_stream")
 
     def replay(self, graph: Any) -> None:
         """Launch a captured graph."""
@@ -367,6 +388,13 @@ class Backend:
                 self._untrace()
             if errors:
                 raise errors[0]
+
+
+def backend_pool(pool: Any) -> Any:
+    """The backend pool behind ``pool``: objects that stand for one (a graphkit pool handle) say so
+    through a ``__hal_pool__`` attribute, which raises a :class:`hal.HalError` once that pool is gone."""
+    unwrap = getattr(type(pool), "__hal_pool__", None)
+    return pool if unwrap is None else pool.__hal_pool__
 
 
 @contextlib.contextmanager

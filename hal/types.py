@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,34 @@ class Mapping:
     ptr: int
     size: int
     handle: object
+
+
+def _nothing(*_: Any) -> None:
+    return None
+
+
+@dataclass
+class Route:
+    """Where one routed capture draws its memory from, and whom to tell what became of it.
+
+    A router (see :func:`hal.api.route_captures`) returns one per capture.
+    The backend calls ``on_end(True)`` once the capture ended well and
+    ``on_end(False)`` when it failed (the graph is then empty: ``on_release``
+    is never called); after a good end it calls ``on_release(collected)``
+    exactly once when the graph is destroyed: reset or released
+    (``collected=False``) or garbage-collected (``collected=True``: the
+    callback runs inside the garbage collector and must only take note).
+    """
+
+    pool: Any
+    on_end: Callable[[bool], None] = field(default=_nothing)
+    on_release: Callable[[bool], None] = field(default=_nothing)
+
+
+#: ``router(graph, requested_pool) -> Route``: chooses the pool of a capture that is starting.
+#: ``graph`` is the framework's graph object (``torch.cuda.CUDAGraph``...) or the backend's;
+#: ``requested_pool`` is whatever the caller passed (None, a pool id, a backend pool).
+CaptureRouter = Callable[[Any, Any], Route]
 
 
 def round_up(n: int, multiple: int) -> int:

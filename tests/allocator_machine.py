@@ -54,6 +54,7 @@ def allocator_machine(make_backend: Callable[[], hal.Backend], host_visible: boo
             self.allocs[sid].append((ptr, ptr + nbytes))
             self.hw[sid] = ptr + nbytes - space.base
             self.chunks = max(self.chunks, -(-self.hw[sid] // self.g))
+            assert space.mapped == -(-self.hw[sid] // self.g)  # mapped lazily, as far as it is used
 
         @rule(nbytes=st.integers(1, 3 << 16))
         def extend(self, nbytes: int) -> None:
@@ -73,6 +74,8 @@ def allocator_machine(make_backend: Callable[[], hal.Backend], host_visible: boo
             del self.hw[sid], self.allocs[sid]
             self.chunks = -(-max(self.hw.values(), default=0) // self.g)
             self.extended = False
+            if not self.hw:
+                assert self.alloc.num_arenas == 0  # an empty arena goes back to the driver
 
         @rule(hook=st.sampled_from(VMM_HOOKS), nth=st.integers(1, 3))
         def inject_fault(self, hook: str, nth: int) -> None:
@@ -87,18 +90,30 @@ def allocator_machine(make_backend: Callable[[], hal.Backend], host_visible: boo
                     assert end <= start
 
         @invariant()
-        def every_space_maps_the_same_chunks(self) -> None:
+        def every_space_maps_the_same_chunks_as_far_as_it_reaches(self) -> None:
             chunks = self.alloc.chunks
             mappings = self.be._mappings
-            for space in self.alloc.spaces.values():
-                for i, handle in enumerate(chunks):
-                    assert mappings[space.base + i * self.g].handle == handle
-                assert space.base + len(chunks) * self.g not in mappings
-            if host_visible and chunks and len(self.hw) >= 2:
-                a, b = list(self.alloc.spaces.values())[:2]
-                last = (len(chunks) - 1) * self.g
-                ctypes.memmove(a.base + last, b"aliased", 7)
-                assert ctypes.string_at(b.base + last, 7) == b"aliased"
+            for sid, space in self.alloc.spaces.items():
+                reach = -(-self.hw[sid] // self.g)
+                for i in range(reach):
+                    assert mappings[space.base + i * self.g].handle == chunks[i]
+                if reach * self.g < space.size:
+                    assert space.base + reach * self.g not in mappings
+            used = [s for sid, s in self.alloc.spaces.items() if self.hw[sid]]
+            if host_visible and len(used) >= 2:
+                a, b = used[:2]
+                ctypes.memmove(a.base, b"aliased", 7)
+                assert ctypes.string_at(b.base, 7) == b"aliased"
+
+        @invariant()
+        def spaces_never_overlap_and_only_the_current_one_can_grow(self) -> None:
+            spans = sorted((s.base, s.base + s.size) for s in self.alloc.spaces.values())
+            for (_, end), (start, _) in zip(spans, spans[1:]):
+                assert end <= start
+            for sid, space in self.alloc.spaces.items():
+                assert space.sealed == (sid != self.alloc.current)
+                if space.sealed:
+                    assert space.size == max(-(-self.hw[sid] // self.g), 1) * self.g
 
         @invariant()
         def physical_bytes_follow_the_largest_high_water_mark(self) -> None:
@@ -112,9 +127,10 @@ def allocator_machine(make_backend: Callable[[], hal.Backend], host_visible: boo
         @invariant()
         def accounting_matches_the_model(self) -> None:
             live = self.be.live
-            assert live.ranges == len(self.hw) == self.alloc.num_virtual_spaces
+            assert len(self.hw) == self.alloc.num_virtual_spaces
+            assert live.ranges == self.alloc.num_arenas <= max(len(self.hw), 1)
             assert live.chunks == self.chunks + self.alloc.pending_release
-            assert live.mappings == len(self.hw) * self.chunks
+            assert live.mappings == sum(-(-hw // self.g) for hw in self.hw.values())
 
         def teardown(self) -> None:
             self.be.faults.clear()

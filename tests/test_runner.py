@@ -270,7 +270,7 @@ def test_a_view_output_outliving_its_graph_keeps_its_memory_mapped() -> None:
     assert torch.equal(held, torch.full((4, 2), 14.0))  # mapped (no fault), same physical bytes as the new graph
     spaces = runner.strategy.allocator.spaces.values()
     assert sum(s.contains(held.data_ptr()) for s in spaces) == 1  # no other space took its addresses
-    assert be.live.ranges == 3
+    assert runner.strategy.allocator.num_virtual_spaces == 3  # the held one stays
     del held
     runner.close()
     assert be.live.zero

@@ -168,8 +168,8 @@ class CudaBackend:
         reason = custom_pool_unavailable_reason()
         if reason is not None:
             log.warning("cuda: no pools over allocator callbacks: %s", reason)
-            return frozenset({"graphs"})
-        return frozenset({"graphs", "custom_pool"})
+            return frozenset({"graphs", "capture_routing"})
+        return frozenset({"graphs", "custom_pool", "capture_routing"})
 
     @hookimpl
     def torch_device(self) -> Any:
@@ -239,6 +239,18 @@ class CudaBackend:
                 self._capture_stream = self.create_stream()
             stream = self._capture_stream
         return graphs.capture(graph, pool, stream, capture_error_mode or DEFAULT_CAPTURE_ERROR_MODE)
+
+    @hookimpl
+    def route_captures(self, router: Any) -> ContextManager[None]:
+        from hal.backends.cuda import graph as graphs
+
+        return graphs.routing().activate(self.device, router)
+
+    @hookimpl
+    def default_capture_stream(self) -> Any:
+        from hal.backends.cuda import graph as graphs
+
+        return graphs.default_capture_stream(self.device)
 
     @hookimpl
     def replay(self, graph: Any) -> None:

@@ -8,6 +8,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from hal.backends._native.routing import GraphClassRouting
 from hal.backends.cuda.torch_pool import CudaPool
 from hal.gcguard import gc_disabled
 from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError
@@ -30,6 +31,29 @@ class CudaGraph:
     def __repr__(self) -> str:
         state = "released" if self.released else "captured" if self.captured else "empty"
         return f"<cuda graph device={self.device} {state}>"
+
+
+_routing: GraphClassRouting | None = None
+
+
+def routing() -> GraphClassRouting:
+    """The routing of ``torch.cuda.CUDAGraph`` captures (one per process)."""
+    global _routing
+    if _routing is None:
+        import torch
+
+        _routing = GraphClassRouting(torch.cuda.CUDAGraph, torch.cuda.current_device, lambda pool: pool.id)
+    return _routing
+
+
+def default_capture_stream(device: int) -> Any:
+    """The side stream ``torch.cuda.graph`` captures on when given none (created as torch would)."""
+    import torch
+
+    if torch.cuda.graph.default_capture_stream is None:
+        with torch.cuda.device(device):
+            torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
+    return torch.cuda.graph.default_capture_stream
 
 
 def new_graph(device: int) -> CudaGraph:
@@ -59,14 +83,19 @@ def capture(graph: CudaGraph, pool: CudaPool | None, stream: Any, capture_error_
 
     if graph.captured or graph.released:
         raise InvalidStateError(f"{graph!r} cannot be captured again", backend=NAME, call="capture")
-    if pool is not None:
-        if pool.released:
-            raise InvalidStateError(f"{pool!r} was released", backend=NAME, call="capture")
-        if pool.device != graph.device:
-            raise InvalidArgumentError(f"{pool!r} is not on device {graph.device}", backend=NAME, call="capture")
     if stream is None or stream.device != torch.device("cuda", graph.device):
         raise InvalidArgumentError(f"stream={stream!r} is not a stream of device {graph.device}",
                                    backend=NAME, call="capture")
+    if _routing is not None:  # inside route_captures the router chooses the pool
+        pool = _routing.begin(graph.torch_graph, pool, graph.device) or pool
+    if pool is not None:
+        problem = (f"{pool!r} was released" if pool.released
+                   else f"{pool!r} is not on device {graph.device}" if pool.device != graph.device else None)
+        if problem:
+            if _routing is not None:
+                _routing.end(graph.torch_graph, False)
+            raise (InvalidStateError if pool.released else InvalidArgumentError)(problem, backend=NAME,
+                                                                                 call="capture")
     if pool is not None and pool.callbacks is not None:
         pool.callbacks.last_error = None
     with torch.cuda.device(graph.device):

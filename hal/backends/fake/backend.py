@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Iterator
 
 from hal.api import AllocFn, FreeFn, hookimpl
 from hal.backends.fake import hostvm
@@ -61,6 +61,7 @@ class FakeBackend:
         self._chunks: dict[int, tuple[int, int]] = {}  # handle -> (fd, size)
         self._anon: dict[int, int] = {}  # own allocations: ptr -> size
         self._handle_ids = itertools.count(1)
+        self._routers: list[Any] = []  # route_captures blocks, innermost last
 
     @classmethod
     def probe(cls) -> str | None:
@@ -174,7 +175,7 @@ class FakeBackend:
 
     @hookimpl
     def capabilities(self) -> frozenset[str]:
-        return frozenset({"graphs", "custom_pool"})
+        return frozenset({"graphs", "custom_pool", "capture_routing"})
 
     @hookimpl
     def torch_device(self) -> Any:
@@ -223,13 +224,46 @@ class FakeBackend:
 
     @hookimpl
     def capture(self, graph: Any, pool: Any, stream: Any, capture_error_mode: str) -> ContextManager[Any]:
+        return self._capture(graph, pool)
+
+    @contextlib.contextmanager
+    def _capture(self, graph: Any, pool: Any) -> Iterator[Any]:
+        from hal.backends._native.routing import watch_release
         from hal.backends.fake import graph as tape
         from hal.backends.fake.pool import BlockPool
 
+        route = self._routers[-1](graph, pool) if self._routers and not graph.captured else None
+        if route is not None:
+            pool = route.pool
         if pool is None:
             pool = graph.own_pool = BlockPool(self.device_malloc, self.device_free, self._granularity,
-                                                   "fake private pool")
-        return tape.capture(graph, pool)
+                                              "fake private pool")
+        try:
+            with tape.capture(graph, pool):
+                yield graph
+        except BaseException:
+            if route is not None:
+                route.on_end(False)
+            raise
+        if route is not None:
+            route.on_end(True)
+            graph.on_release = watch_release(graph, route.on_release, reset_name=None)
+
+    @hookimpl
+    def route_captures(self, router: Any) -> ContextManager[None]:
+        return self._routing(router)
+
+    @contextlib.contextmanager
+    def _routing(self, router: Any) -> Iterator[None]:
+        self._routers.append(router)
+        try:
+            yield
+        finally:
+            self._routers.remove(router)
+
+    @hookimpl
+    def default_capture_stream(self) -> FakeStream:
+        return _DEFAULT_STREAM
 
     @hookimpl
     def replay(self, graph: Any) -> bool:

@@ -80,6 +80,7 @@ class FakeGraph:
     own_pool: BlockPool | None = None
     captured: bool = False
     released: bool = False
+    on_release: Any = None  # set by a routed capture: told once when the graph is released
 
     def replay(self) -> None:
         if not self.captured:
@@ -102,6 +103,9 @@ class FakeGraph:
             self.own_pool.release()
             self.own_pool = None
         self.released = True
+        if self.on_release is not None:
+            on_release, self.on_release = self.on_release, None
+            on_release(False)
 
 
 def tensor_at(ptr: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[torch.Tensor, Any]:

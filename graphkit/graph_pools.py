@@ -1,0 +1,488 @@
+"""Vmm graph memory for engines that own their capture loop: :class:`GraphPools` and :func:`graph_memory`.
+
+Two ways in, for a loop that calls ``torch.cuda.graph(g, pool=...)`` itself:
+
+* **one changed line**: ``pool=pools.pool(batch_size)`` -- a handle that the
+  framework's capture API, ``torch.npu.graph`` and :meth:`hal.Backend.capture`
+  all take; one fresh virtual space per key over chunks shared by all keys;
+* **no changed line**: ``with graphkit.graph_memory() as pools:`` around the
+  loop -- every capture started inside draws from a fresh space, whatever
+  pool the engine passes; ``pools.group(key)`` keeps the captures of one
+  batch (the pieces of a piecewise graph) in one space.
+
+graphkit keeps every pool alive (the framework silently falls back to a
+private pool when a pool id outlives its pool object); a handle used after
+its pool was released raises :class:`hal.InvalidStateError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import logging
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterator, Literal
+
+import hal
+from hal.types import Route, fmt_bytes
+from graphkit.allocator import SharedVMMAllocator
+from graphkit.capture import CaptureHygieneError, leftover_blocks, report_leftovers
+from graphkit.pools import Lease
+
+log = logging.getLogger("graphkit.graph_pools")
+
+Kind = Literal["vmm", "shared"]
+_serial = itertools.count(1)
+
+
+class PoolHandle(tuple):  # type: ignore[type-arg]
+    """The pool of one key of a :class:`GraphPools`, in the form capture APIs take.
+
+    A tuple equal to the framework's pool id (what ``torch.cuda.graph(pool=...)``
+    and ``graph.pool()`` deal in) that also keeps its :class:`GraphPools`
+    alive. Once the key is released or the pools closed, reading it --
+    which every capture API does -- raises :class:`hal.InvalidStateError`.
+    """
+
+    _owner: "GraphPools"
+    _key: Hashable
+
+    def __new__(cls, ident: tuple[int, int], owner: "GraphPools", key: Hashable) -> "PoolHandle":
+        handle = super().__new__(cls, ident)
+        handle._owner, handle._key = owner, key
+        return handle
+
+    @property
+    def key(self) -> Hashable:
+        return self._key
+
+    @property
+    def released(self) -> bool:
+        entry = self._owner._entries.get(self._key)
+        return entry is None or entry.handle is not self
+
+    @property
+    def __hal_pool__(self) -> Any:
+        """The backend pool (what :meth:`hal.Backend.capture` uses); raises once released."""
+        return self._owner._live(self._key, self, "capture").pool
+
+    def __getitem__(self, index: Any) -> Any:
+        self._owner._live(self._key, self, "capture")
+        return tuple.__getitem__(self, index)
+
+    def __iter__(self) -> Iterator[int]:
+        self._owner._live(self._key, self, "capture")
+        return tuple.__iter__(self)
+
+    def __repr__(self) -> str:
+        state = " released" if self.released else ""
+        return f"<graphkit pool {self._key!r} id={tuple.__repr__(self)}{state}>"
+
+    def __reduce__(self) -> Any:  # a handle is tied to a live process
+        raise TypeError("a graphkit pool handle cannot be pickled")
+
+
+@dataclass(eq=False)
+class _Entry:
+    key: Hashable
+    handle: PoolHandle
+    pool: Any  # the backend pool
+    space_id: int | None  # None for the shared pool
+    auto: bool = False  # made by graph_memory for one capture: released with its graph
+    graphs: int = 0  # routed captures alive in it
+
+
+@dataclass
+class KeyReport:
+    """Memory of one key."""
+
+    key: Hashable
+    used_bytes: int  # bytes handed out in its space
+    mapped_bytes: int  # chunk bytes mapped into its space
+    reserved_bytes: int  # address space of its space
+    graphs: int  # routed graphs alive in it (captures through graph_memory)
+
+
+@dataclass
+class PoolsReport:
+    """Per-key and total memory of a :class:`GraphPools`."""
+
+    backend: str
+    kind: str
+    keys: list[KeyReport] = field(default_factory=list)
+    chunk_bytes: int = 0  # physical memory of the shared chunks
+    reserved_bytes: int = 0  # address space of the live spaces
+    arena_bytes: int = 0  # address space reserved from the driver
+    device_bytes: int | None = None  # device memory used now beyond the start, driver-measured
+
+    def __str__(self) -> str:
+        lines = [f"graph pools on {self.backend} ({self.kind}): {len(self.keys)} key(s), "
+                 f"{fmt_bytes(self.chunk_bytes)} of chunks, {fmt_bytes(self.reserved_bytes)} of spaces"
+                 + (f", device memory +{fmt_bytes(self.device_bytes)}" if self.device_bytes is not None else "")]
+        for k in self.keys:
+            lines.append(f"  {k.key!r:>16}  used {fmt_bytes(k.used_bytes):>10}  mapped {fmt_bytes(k.mapped_bytes):>10}"
+                         f"  graphs {k.graphs}")
+        return "\n".join(lines)
+
+
+def _abandoned(backend_name: str, entries: dict) -> None:
+    if entries:
+        log.warning("a GraphPools on %s with %d live key(s) was garbage-collected without close(): its memory "
+                    "stays mapped for the graphs that may still use it (call close() when they are gone)",
+                    backend_name, len(entries))
+
+
+class GraphPools:
+    """Graph memory pools keyed by the engine's own keys (batch sizes, batch descriptors).
+
+    ``pool(key)`` returns one handle per key: a fresh virtual space over
+    chunks every key shares, so N keys cost the physical memory of the
+    largest. graphkit holds every pool until ``release(key)``, ``close()`` or
+    the end of the ``with`` block.
+
+    :param backend: a :class:`hal.Backend`; default ``hal.get_backend()``
+        (then owned and closed with the pools).
+    :param kind: ``"vmm"`` (default) or ``"shared"`` (one pool drawn from
+        the device's own allocator for every key: the engines' usual set-up).
+        ``"vmm"`` falls back to ``"shared"``, with a warning, on a backend
+        without pools over custom allocators.
+    :param hygiene: after each capture routed by :func:`graph_memory`, log
+        the allocations it made that outlive it (a cache or workspace born
+        inside a capture lands in memory other graphs overwrite).
+    :param allocator_options: options of :class:`SharedVMMAllocator`
+        (``reserve_bytes``, ``capacity``, ``arena_bytes``).
+    """
+
+    def __init__(self, backend: hal.Backend | None = None, kind: Kind = "vmm", *, hygiene: bool = False,
+                 **allocator_options: Any) -> None:
+        self._owns_backend = backend is None
+        self.backend = be = backend if backend is not None else hal.get_backend()
+        if kind not in ("vmm", "shared"):
+            raise hal.InvalidArgumentError(f"kind={kind!r} must be 'vmm' or 'shared'", backend=be.name,
+                                           call="GraphPools")
+        if kind == "vmm" and not be.supports("custom_pool"):
+            log.warning("%s has no pools over custom allocators (capability 'custom_pool' is absent): GraphPools "
+                        "falls back to one shared pool; capture the largest size first to keep memory low", be.name)
+            kind = "shared"
+        self.kind: Kind = kind
+        self.hygiene = hygiene
+        self.allocator = SharedVMMAllocator(be, **allocator_options) if kind == "vmm" else None
+        self._shared_pool: Any = None
+        self._entries: dict[Hashable, _Entry] = {}
+        self._lock = threading.RLock()
+        self._dead: deque[_Entry] = deque()  # routed graphs collected: released at the next safe point
+        self._groups = threading.local()
+        self._auto = itertools.count(1)
+        self._closed = False
+        be.synchronize()
+        self._used_at_start = be.mem_info().used
+        self._finalizer = weakref.finalize(self, _abandoned, be.name, self._entries)
+
+    # -- keys -----------------------------------------------------------------------
+
+    def pool(self, key: Hashable) -> PoolHandle:
+        """The handle of ``key``'s pool: the same handle for the same key until it is released."""
+        with self._lock:
+            self._check_open("pool")
+            self._settle()
+            try:
+                hash(key)
+            except TypeError:
+                raise hal.InvalidArgumentError(f"key={key!r} must be hashable", backend=self.backend.name,
+                                               call="GraphPools.pool") from None
+            entry = self._entries.get(key) or self._new_entry(key, auto=False)
+            return entry.handle
+
+    def _new_entry(self, key: Hashable, auto: bool) -> _Entry:
+        be = self.backend
+        if self.allocator is None:
+            if self._shared_pool is None:
+                self._shared_pool = be.create_pool()
+            pool, space = self._shared_pool, None
+        else:
+            space = self.allocator.switch_to_new_virtual_space()
+            try:
+                pool = be.create_pool(*self.allocator.pool_callbacks(space))
+            except BaseException:
+                self.allocator.release_virtual_space(space)
+                raise
+        ident = getattr(pool, "id", None)
+        if not (isinstance(ident, tuple) and len(ident) == 2):
+            ident = (0, next(_serial))
+        entry = _Entry(key, PoolHandle(tuple(ident), self, key), pool, space, auto=auto)
+        self._entries[key] = entry
+        return entry
+
+    def _live(self, key: Hashable, handle: PoolHandle, call: str) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is None or entry.handle is not handle:
+            why = "the GraphPools was closed" if self._closed else f"key {key!r} was released"
+            raise hal.InvalidStateError(f"pool handle of key {key!r} used after release ({why}): ask "
+                                        "pools.pool(key) for a live one", backend=self.backend.name, call=call)
+        return entry
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    @property
+    def keys(self) -> list[Hashable]:
+        return list(self._entries)
+
+    def release(self, key: Hashable) -> None:
+        """Give the memory of ``key`` back; its handle raises from now on.
+
+        Release a key after its graphs are reset: the space's addresses stay
+        reserved until the framework frees the last block in it.
+        """
+        with self._lock:
+            self._check_open("release")
+            entry = self._entries.get(key)
+            if entry is None:
+                raise hal.InvalidStateError(f"key={key!r} has no pool (released twice?)", backend=self.backend.name,
+                                            call="GraphPools.release")
+            self._drop(entry)
+            self._settle()
+
+    def _drop(self, entry: _Entry) -> None:
+        del self._entries[entry.key]
+        if entry.space_id is None:  # a key of the shared pool: the pool stays for the others
+            return
+        assert self.allocator is not None
+        self.backend.release_pool(entry.pool)
+        self.allocator.release_when_idle(entry.space_id)
+
+    def _settle(self) -> None:
+        """Release what routed graphs that died left behind (a safe point: no allocator call is running)."""
+        while self._dead:
+            entry = self._dead.popleft()
+            entry.graphs -= 1
+            if entry.auto and entry.graphs <= 0 and self._entries.get(entry.key) is entry:
+                self._drop(entry)
+        if self.allocator is not None and not self.allocator.closed:
+            self.allocator.reap()
+
+    def collect(self) -> None:
+        """Release now what graphs that were garbage-collected left behind (done at every call anyway)."""
+        with self._lock:
+            if not self._closed:
+                self._settle()
+
+    # -- graph_memory's router ------------------------------------------------------
+
+    @contextlib.contextmanager
+    def group(self, key: Hashable) -> Iterator[PoolHandle]:
+        """Inside :func:`graph_memory`: the captures started in this block (this thread) share ``key``'s space.
+
+        For piecewise graphs: piece k's output feeds piece k + 1, so the
+        pieces of one batch must never share physical bytes with each other.
+        """
+        handle = self.pool(key)
+        stack = self._group_stack()
+        stack.append(key)
+        try:
+            yield handle
+        finally:
+            stack.pop()
+            with self._lock:
+                entry = self._entries.get(key)
+                if entry is not None and entry.space_id is not None and self.allocator is not None \
+                        and not self.allocator.closed and entry.space_id in self.allocator.spaces:
+                    self.allocator.seal(entry.space_id)
+
+    def _group_stack(self) -> list[Hashable]:
+        stack = getattr(self._groups, "stack", None)
+        if stack is None:
+            stack = self._groups.stack = []
+        return stack
+
+    def route(self, graph: Any, requested_pool: Any) -> Route:
+        """The router :func:`graph_memory` installs: a fresh space per capture, or the current group's."""
+        with self._lock:
+            self._check_open("graph_memory")
+            self._settle()
+            stack = self._group_stack()
+            grouped = bool(stack)
+            if grouped:
+                entry = self._entries.get(stack[-1]) or self._new_entry(stack[-1], auto=False)
+            else:
+                entry = self._new_entry(("capture", next(self._auto)), auto=True)
+            entry.graphs += 1
+            before = self._blocks(entry) if self.hygiene else set()
+
+        def on_end(ok: bool) -> None:
+            with self._lock:
+                if not ok:
+                    self._dead.append(entry)
+                    self._settle()
+                    return
+                if self.hygiene:
+                    self._report_new_blocks(entry, before)
+                if not grouped and entry.space_id is not None and self.allocator is not None:
+                    self.allocator.seal(entry.space_id)
+
+        def on_release(collected: bool) -> None:
+            self._dead.append(entry)  # deque.append is atomic: safe from the garbage collector
+            if not collected and self._lock.acquire(blocking=False):
+                try:
+                    if not self._closed:
+                        self._settle()
+                finally:
+                    self._lock.release()
+
+        return Route(entry.pool, on_end, on_release)
+
+    def _blocks(self, entry: _Entry) -> set[tuple[int, int]]:
+        return set(self.backend.pool_active_blocks(entry.pool))
+
+    def _report_new_blocks(self, entry: _Entry, before: set[tuple[int, int]]) -> None:
+        new = sorted(self._blocks(entry) - before)
+        if not new:
+            return
+        space = self.allocator.spaces.get(entry.space_id) if self.allocator and entry.space_id else None
+        outside = [b for b in new if space is not None and not space.contains(b[0])]
+        if outside:
+            log.warning("key %r: %d block(s) of the capture did not come from graphkit's space: the capture "
+                        "allocated through the framework's own allocator", entry.key, len(outside))
+        log.info("key %r: %d block(s), %s, allocated during the capture are still live after it (its outputs, "
+                 "and anything it created and kept: a cache born in a capture lives in memory other graphs "
+                 "overwrite; warm up first)", entry.key, len(new), fmt_bytes(sum(s for _, s in new)))
+
+    # -- hygiene helpers ----------------------------------------------------------------
+
+    def warm_up(self, fn: Callable[..., Any], *args: Any, runs: int = 1, stream: Any = None,
+                **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` ``runs`` times on the stream captures use, wait, return the last result.
+
+        ``stream`` defaults to the stream the framework's capture API uses
+        when given none (``torch.cuda.graph``'s side stream), so lazily
+        created state (cuBLAS workspaces, caches) is born outside the capture.
+        """
+        be = self.backend
+        stream = stream if stream is not None else be.default_capture_stream()
+        result = None
+        with be.use_stream(stream):
+            for _ in range(runs):
+                result = fn(*args, **kwargs)
+        be.synchronize(stream)
+        return result
+
+    def leftovers(self, key: Hashable, outputs: Any, strict: bool = False) -> list[tuple[int, int]]:
+        """Blocks of ``key``'s pool still allocated that hold none of ``outputs``; logged (raised when ``strict``).
+
+        :raises CaptureHygieneError: ``strict`` and something other than the outputs is left.
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                raise hal.InvalidStateError(f"key={key!r} has no pool", backend=self.backend.name,
+                                            call="GraphPools.leftovers")
+            found = leftover_blocks(self.backend, Lease(entry.pool, entry.space_id), outputs)
+        report_leftovers(self.backend, found, f"key {key!r}", strict=strict)
+        return found
+
+    # -- figures --------------------------------------------------------------------------
+
+    def report(self) -> PoolsReport:
+        """Per-key and total bytes: chunks, spaces, and device memory as the driver measures it."""
+        with self._lock:
+            self._check_open("report")
+            self._settle()
+            alloc = self.allocator
+            spaces = alloc.spaces if alloc is not None else {}
+            g = alloc.granularity if alloc is not None else 0
+            keys = []
+            for entry in self._entries.values():
+                space = spaces.get(entry.space_id) if entry.space_id is not None else None
+                keys.append(KeyReport(entry.key, space.offset if space else 0, space.mapped * g if space else 0,
+                                      space.size if space else 0, entry.graphs))
+            self.backend.synchronize()
+            report = PoolsReport(self.backend.name, self.kind, keys,
+                                 alloc.physical_bytes if alloc else 0, alloc.reserved_bytes if alloc else 0,
+                                 alloc.arena_reserved_bytes if alloc else 0,
+                                 self.backend.mem_info().used - self._used_at_start)
+        return report
+
+    # -- teardown -------------------------------------------------------------------------
+
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise hal.InvalidStateError("the GraphPools is closed", backend=self.backend.name,
+                                        call=f"GraphPools.{call}")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Release every pool, unmap every space, release the chunks. Idempotent.
+
+        Reset (or drop) the graphs captured with these pools first: their
+        memory is gone after this.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._finalizer.detach()
+            self.backend.synchronize()
+            gc.collect()  # framework tensors of these pools caught in reference cycles go while the pools exist
+            errors: list[BaseException] = []
+            for entry in list(self._entries.values()):
+                try:
+                    self._drop(entry)
+                except hal.HalError as exc:
+                    errors.append(exc)
+            self._entries.clear()
+            self._dead.clear()
+            if self._shared_pool is not None:
+                pool, self._shared_pool = self._shared_pool, None
+                self.backend.release_pool(pool)
+            if self.allocator is not None:
+                try:
+                    self.allocator.close()
+                except hal.HalError as exc:
+                    errors.append(exc)
+            self._closed = True
+            if self._owns_backend:
+                self.backend.close()
+            if errors:
+                raise errors[0]
+
+    def __enter__(self) -> "GraphPools":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._entries)} key(s)"
+        return f"<graphkit.GraphPools {self.backend.name} {self.kind} {state}>"
+
+
+@contextlib.contextmanager
+def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None = None, kind: Kind = "vmm",
+                 hygiene: bool = False, **allocator_options: Any) -> Iterator[GraphPools]:
+    """Every capture started inside the block draws from a fresh vmm space of the yielded :class:`GraphPools`.
+
+    Whatever pool the engine passes -- none, its own shared pool, or
+    ``graph.pool()`` of an earlier graph -- is replaced; ``pools.group(key)``
+    puts the captures inside it into one space (the pieces of one batch).
+    A space lives as long as its graph: it is released when the graph is
+    reset or garbage-collected. The pools outlive the block (the graphs
+    replay after it); close them when the graphs are gone. Leaving the
+    block restores the framework's capture API exactly, also on errors.
+
+    :param pools: use these pools instead of new ones (then ``backend``,
+        ``kind``, ``hygiene`` and the allocator options are theirs).
+    :raises hal.UnsupportedError: the backend cannot route the framework's captures.
+    """
+    if pools is None:
+        pools = GraphPools(backend, kind, hygiene=hygiene, **allocator_options)
+    with pools.backend.route_captures(pools.route):
+        yield pools
+
+
+__all__ = ["CaptureHygieneError", "GraphPools", "KeyReport", "PoolHandle", "PoolsReport", "graph_memory"]
