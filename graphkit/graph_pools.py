@@ -210,12 +210,19 @@ class GraphPools:
             except BaseException:
                 self.allocator.release_virtual_space(space)
                 raise
-        ident = getattr(pool, "id", None)
-        if not (isinstance(ident, tuple) and len(ident) == 2):
-            ident = (0, next(_serial))
-        entry = _Entry(key, PoolHandle(tuple(ident), self, key), pool, space, auto=auto)
+        entry = _Entry(key, PoolHandle(self._ident(pool), self, key), pool, space, auto=auto)
         self._entries[key] = entry
         return entry
+
+    def _ident(self, pool: Any) -> tuple[int, int]:
+        """The framework's id of ``pool`` (what its capture API takes); a made-up one where it has none."""
+        ident = getattr(pool, "id", None)
+        if isinstance(ident, tuple) and len(ident) == 2:
+            return tuple(ident)  # type: ignore[return-value]
+        if pool is self._shared_pool:
+            self._shared_ident = getattr(self, "_shared_ident", None) or (0, next(_serial))
+            return self._shared_ident
+        return (0, next(_serial))
 
     def _live(self, key: Hashable, handle: PoolHandle, call: str) -> _Entry:
         entry = self._entries.get(key)

@@ -99,6 +99,14 @@ class TorchHooks:
         return self._torch("capture").capture(graph, pool, stream, capture_error_mode)
 
     @hookimpl
+    def route_captures(self, router: Any) -> ContextManager[None]:
+        return self._torch("route_captures").route_captures(router)
+
+    @hookimpl
+    def default_capture_stream(self) -> Any:
+        return self._torch("default_capture_stream").default_capture_stream()
+
+    @hookimpl
     def replay(self, graph: Any) -> bool:
         self._torch("replay").replay(graph)
         return True

@@ -60,9 +60,11 @@ def watch_release(graph: Any, on_release: Callable[[bool], None],
     ref = weakref.ref(graph)
 
     def reset(*args: Any, **kwargs: Any) -> Any:
-        target = ref()
+        target = ref()  # a weak reference: the wrapper must not keep its graph alive
         try:
-            return original(target, *args, **kwargs)
+            # None: the graph was collected while ``graph.reset`` was looked up (``tmp().reset()``);
+            # its destructor already did what reset does
+            return None if target is None else original(target, *args, **kwargs)
         finally:
             once(False)
 
@@ -175,3 +177,23 @@ class GraphClassRouting:
         route.on_end(ok)
         if ok:
             watch_release(graph, route.on_release)
+
+
+_by_class: dict[type, GraphClassRouting] = {}
+_by_class_lock = threading.Lock()
+
+
+def routing_for(graph_class: type, current_device: Callable[[], int],
+                pool_id: Callable[[Any], Any]) -> GraphClassRouting:
+    """The one :class:`GraphClassRouting` of ``graph_class`` in this process."""
+    with _by_class_lock:
+        routing = _by_class.get(graph_class)
+        if routing is None:
+            routing = _by_class[graph_class] = GraphClassRouting(graph_class, current_device, pool_id)
+        return routing
+
+
+def routable(graph_class: Any) -> bool:
+    """Whether captures of ``graph_class`` can be routed (it is a class with capture_begin and capture_end)."""
+    return isinstance(graph_class, type) and all(callable(getattr(graph_class, m, None))
+                                                 for m in ("capture_begin", "capture_end"))

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, ContextManager, Iterator
 
 from hal.api import AllocFn, FreeFn
 from hal.backends._native.callbacks import address_of, allocator_callbacks
+from hal.backends._native.routing import GraphClassRouting, routable, routing_for
 from hal.gcguard import gc_disabled
 from hal.errors import CaptureError, UnsupportedError
 
@@ -38,10 +39,13 @@ class TorchExtension:
     custom_allocator: str
 
     def capabilities(self, ext: Any, ns: Any) -> frozenset[str]:
-        """``"graphs"``, and ``"custom_pool"`` where both MemPool and the custom allocator exist."""
+        """``"graphs"``; ``"custom_pool"`` where both MemPool and the custom allocator exist;
+        ``"capture_routing"`` where the graph class has ``capture_begin``/``capture_end``."""
         caps = set()
         if all(hasattr(ns, a) for a in (self.graph_class, "graph", "graph_pool_handle")):
             caps.add("graphs")
+            if routable(getattr(ns, self.graph_class)):
+                caps.add("capture_routing")
         if hasattr(ns, "MemPool") and hasattr(getattr(ext, self.internals, None), self.custom_allocator):
             caps.add("custom_pool")
         return frozenset(caps)
@@ -92,6 +96,10 @@ class TorchGlue:
         self.capabilities = names.capabilities(self.ext, self.ns)
         self._no_snapshot_logged = False
         self.ns.set_device(device)
+        self.routing: GraphClassRouting | None = None
+        if "capture_routing" in self.capabilities:
+            self.routing = routing_for(getattr(self.ns, names.graph_class), self.ns.current_device,
+                                       lambda pool: pool.id)
 
     def capture_error(self, exc: BaseException) -> CaptureError | None:
         """The :class:`hal.CaptureError` that ``exc`` from a capture stands for, or None."""
@@ -146,11 +154,29 @@ class TorchGlue:
     def create_graph(self) -> Any:
         return getattr(self.ns, self.extension.graph_class)()
 
+    def route_captures(self, router: Any) -> ContextManager[None]:
+        if self.routing is None:
+            raise UnsupportedError(f"{self.extension.module}'s {self.extension.graph_class} has no "
+                                   "capture_begin/capture_end to route", backend=self.backend, call="route_captures")
+        return self.routing.activate(self.device, router)
+
+    def default_capture_stream(self) -> Any:
+        """The side stream ``torch.<device>.graph`` captures on when given none (made as torch would)."""
+        graph_cm = self.ns.graph
+        if getattr(graph_cm, "default_capture_stream", None) is None:
+            try:
+                graph_cm.default_capture_stream = self.create_stream()
+            except (AttributeError, TypeError):  # not a class: captures run on the current stream
+                return self.current_stream()
+        return graph_cm.default_capture_stream
+
     @contextlib.contextmanager
     def capture(self, graph: Any, pool: TorchPool | None, stream: Any,
                 capture_error_mode: str | None) -> Iterator[Any]:
         """``torch.<device>.graph`` with GC off (hazard: Python in the allocator callbacks) and
         the failures :meth:`capture_error` recognises turned into :class:`hal.CaptureError`."""
+        if self.routing is not None:  # inside route_captures the router chooses the pool
+            pool = self.routing.begin(graph, pool, self.device) or pool
         try:
             with gc_disabled(), self.ns.graph(graph, pool=None if pool is None else pool.id, stream=stream,
                                               capture_error_mode=capture_error_mode or self.default_capture_mode):

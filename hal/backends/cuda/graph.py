@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from hal.backends._native.routing import GraphClassRouting
+from hal.backends._native.routing import GraphClassRouting, routing_for
 from hal.backends.cuda.torch_pool import CudaPool
 from hal.gcguard import gc_disabled
 from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError
@@ -42,7 +42,7 @@ def routing() -> GraphClassRouting:
     if _routing is None:
         import torch
 
-        _routing = GraphClassRouting(torch.cuda.CUDAGraph, torch.cuda.current_device, lambda pool: pool.id)
+        _routing = routing_for(torch.cuda.CUDAGraph, torch.cuda.current_device, lambda pool: pool.id)
     return _routing
 
 

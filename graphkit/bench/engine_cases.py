@@ -1,0 +1,179 @@
+"""One measured case of the engine-shaped decode loop (``examples/engine-decode/engine.py``).
+
+The bench's other cases run graphkit's own runner; these run a capture loop
+written the way engines write theirs, with its own shared pool (outputs kept
+as nano-vllm and SGLang do, or weakly referenced as vLLM does), with
+``graphkit.graph_memory`` around it (no line changed), or with a
+``GraphPools`` handle per batch size (one line changed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import hal
+import graphkit
+from graphkit.capture import release_cached_memory
+
+log = logging.getLogger("graphkit.bench.engine")
+
+#: strategy -> how the engine is set up
+ENGINE_STRATEGIES = {
+    "own-kept": "the engine's own shared pool, outputs kept (nano-vllm, SGLang)",
+    "own-weakref": "the engine's own shared pool, outputs weakly referenced (vLLM)",
+    "graph_memory": "graphkit.graph_memory around the unchanged capture loop",
+    "graph_pools": "pool=pools.pool(batch_size): a GraphPools handle per size",
+}
+ENGINE_ORDERS = ("descending", "ascending", "random", "on-demand")
+MAX_MODEL_LEN = {"reference": 128, "tiny": 32}
+_MODULE = "graphkit_engine_decode_example"
+
+
+def engine_path() -> Path:
+    return Path(graphkit.__file__).resolve().parents[1] / "examples" / "engine-decode" / "engine.py"
+
+
+def load_engine_module() -> ModuleType:
+    """The example engine, imported from the source checkout graphkit runs from."""
+    if _MODULE in sys.modules:
+        return sys.modules[_MODULE]
+    path = engine_path()
+    if not path.is_file():
+        raise hal.UnsupportedError(f"the engine cases need the example engine at {path}, which is part of a source "
+                                   "checkout (installed packages do not ship examples/): run from a clone",
+                                   call="run_engine_case")
+    spec = importlib.util.spec_from_file_location(_MODULE, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[_MODULE] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[_MODULE]
+        raise
+    return module
+
+
+def _used(be: hal.Backend) -> int:
+    be.synchronize()
+    release_cached_memory(be)
+    return be.mem_info().used
+
+
+def _rows(batch: Any, n: int) -> Any:
+    """The first ``n`` sequences of a decode batch."""
+    return type(batch)(**{name: t[:n] for name, t in batch.items()})
+
+
+def _capture_on_demand(engine: Any, sizes: list[int], batch: Any, seed: int) -> float:
+    """Serve a seeded random stream of batches, capturing a size the first time a batch needs it."""
+    rng = random.Random(seed)
+    ordered = sorted(set(sizes))
+    seconds, draws = 0.0, 0
+    while len(engine.graphs) < len(ordered):
+        k = rng.randrange(len(ordered)) if draws < 20 * len(ordered) else \
+            next(i for i, s in enumerate(ordered) if s not in engine.graphs)
+        n = rng.randint(ordered[k - 1] + 1 if k else 1, ordered[k])  # a batch whose bucket is ordered[k]
+        if ordered[k] not in engine.graphs:
+            seconds += engine.capture_graph(ordered[k])
+        engine.step(_rows(batch, n))
+        draws += 1
+    return seconds
+
+
+def _median_ms(be: hal.Backend, fn: Any, iters: int) -> float:
+    fn()  # once untimed
+    times = []
+    for _ in range(iters):
+        be.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        be.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _check(engine: Any, sizes: list[int], seed: int) -> tuple[float, bool]:
+    """Largest |graph - eager| over the logits of a few greedy steps at several batch sizes; tokens equal."""
+    largest = max(sizes)
+    worst, same = 0.0, True
+    rng = random.Random(seed)
+    for n in sorted({1, min(3, largest), largest // 2 + 1, largest}):
+        prompts = [[rng.randrange(engine.cfg.vocab) for _ in range(rng.randint(1, 3))] for _ in range(n)]
+        got = engine.generate(prompts, 3)
+        want = engine.generate(prompts, 3, use_graphs=False)
+        same &= got.tokens == want.tokens
+        for a, b in zip(got.logits, want.logits):
+            worst = max(worst, float((a.float() - b.float()).abs().max()))
+    return worst, same
+
+
+def run_engine_case(strategy: str, order: str, sizes: list[int], backend: hal.Backend, config: str = "reference",
+                    seed: int = 0, iters: int = 20) -> dict[str, Any]:
+    """Capture ``sizes`` in ``order`` with ``strategy``; return memory, capture time, replay time and error.
+
+    ``graph_memory_bytes`` is the device's used-memory growth from before
+    the first capture to after the last, framework caches emptied.
+    Everything the case made is released before it returns.
+    """
+    if strategy not in ENGINE_STRATEGIES or order not in ENGINE_ORDERS or not sizes:
+        raise hal.InvalidArgumentError(f"strategy={strategy!r} must be one of {list(ENGINE_STRATEGIES)}, "
+                                       f"order={order!r} one of {list(ENGINE_ORDERS)}, sizes not empty",
+                                       backend=backend.name, call="run_engine_case")
+    engine_module = load_engine_module()
+    be, sizes = backend, sorted(set(sizes))
+    pools = graphkit.GraphPools(be) if strategy == "graph_pools" else None
+    engine = engine_module.Engine(be, config, max_batch=max(sizes), max_model_len=MAX_MODEL_LEN.get(config, 128),
+                                  seed=seed, pools=pools,
+                                  keep_outputs="weak" if strategy == "own-weakref" else "strong")
+    try:
+        batch = engine.example_batch(max(sizes), seed=seed)
+        before = _used(be)
+        t0 = time.perf_counter()
+        scope = graphkit.graph_memory(be) if strategy == "graph_memory" else contextlib.nullcontext(pools)
+        with scope as pools:
+            if order == "on-demand":
+                seconds = _capture_on_demand(engine, sizes, batch, seed)
+            else:
+                seconds = engine.capture_graphs(sizes, order, seed)
+        wall = time.perf_counter() - t0
+        memory = _used(be) - before
+        chunk_bytes = pools.report().chunk_bytes if pools is not None else None
+        timed = sorted({1, max(sizes)})
+        replay_ms = {str(n): _median_ms(be, lambda n=n: engine.step(_rows(batch, n)), iters) for n in timed}
+        eager_ms = {str(n): _median_ms(be, lambda n=n: engine.eager_step(_rows(batch, n)), iters) for n in timed}
+        error, tokens_equal = _check(engine, sizes, seed)
+    finally:
+        errors = _teardown(be, engine, pools)
+    if errors:
+        raise errors[0]
+    return {"strategy": strategy, "order": order, "sizes": sizes, "config": config,
+            "graph_memory_bytes": memory, "chunk_bytes": chunk_bytes, "capture_seconds": seconds,
+            "capture_wall_seconds": wall, "replay_ms": replay_ms, "eager_ms": eager_ms,
+            "max_abs_error": error, "tokens_equal": tokens_equal}
+
+
+def _teardown(be: hal.Backend, engine: Any, pools: graphkit.GraphPools | None) -> list[BaseException]:
+    """Graphs, then pools, then cached memory; keeps going past a failure (logged and returned)."""
+    errors: list[BaseException] = []
+    for step in (engine.close, pools.close if pools is not None else None, lambda: release_cached_memory(be)):
+        if step is None:
+            continue
+        try:
+            step()
+        except Exception as exc:
+            log.error("engine case teardown: %s: %s", type(exc).__name__, exc)
+            errors.append(exc)
+    return errors
+
+
+__all__ = ["ENGINE_ORDERS", "ENGINE_STRATEGIES", "engine_path", "load_engine_module", "run_engine_case"]

@@ -1,0 +1,435 @@
+"""GraphPools and graph_memory on fake: keys, groups, routing, lifetimes, misuse, and the routing of a framework class."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+import torch
+
+import hal
+import graphkit
+from hal.backends._native.routing import GraphClassRouting
+from hal.types import Route
+
+G = 1 << 16
+SIZES = [16, 8, 4, 2, 1]
+
+
+@pytest.fixture
+def be():
+    backend = hal.get_backend("fake", granularity=G)
+    yield backend
+    backend.close()
+
+
+def make_step(width: int = 256):
+    gen = torch.Generator().manual_seed(0)
+    w1 = torch.randn(width, width, generator=gen) / width ** 0.5
+    w2 = torch.randn(width, width, generator=gen) / width ** 0.5
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ w1)
+        return torch.relu(h @ w2) + h
+
+    return step
+
+
+def capture(be: hal.Backend, fn, x: torch.Tensor, pool=None):
+    graph = be.create_graph()
+    try:
+        with be.capture(graph, pool=pool):
+            out = fn(x)
+    except BaseException:
+        be.release_graph(graph)
+        raise
+    return graph, out
+
+
+def replays_match(be: hal.Backend, fn, graphs: dict) -> None:
+    for n, (graph, x, out) in graphs.items():
+        x.copy_(torch.randn(n, x.shape[1]))
+        be.replay(graph)
+        torch.testing.assert_close(out, fn(x), rtol=1e-5, atol=1e-5)
+
+
+def test_each_capture_in_the_scope_gets_its_own_space_over_shared_chunks(be: hal.Backend) -> None:
+    step = make_step()
+    engine_pool = be.create_pool()  # the engine's own shared pool: must not be used inside the scope
+    graphs = {}
+    with graphkit.graph_memory(be) as pools:
+        for n in SIZES:
+            x = torch.zeros(n, 256)
+            graph, out = capture(be, step, x, pool=engine_pool)
+            graphs[n] = (graph, x, out)
+    report = pools.report()
+    assert len(report.keys) == len(SIZES)
+    spaces = [pools.allocator.spaces[e.space_id] for e in pools._entries.values()]
+    assert len({s.base for s in spaces}) == len(spaces)
+    assert be.pool_active_blocks(engine_pool) == []  # nothing was drawn from the engine's pool
+    assert report.chunk_bytes == max(k.mapped_bytes for k in report.keys)  # N captures cost the largest one
+    be.release_pool(engine_pool)
+    replays_match(be, step, graphs)
+
+
+def test_the_scope_is_what_engines_write(be: hal.Backend) -> None:
+    """nano-vllm's loop: the first graph's pool is passed to the later captures; outputs kept."""
+    step = make_step()
+    graphs: dict = {}
+    graph_pool = None
+    with graphkit.graph_memory(be) as pools:
+        for n in SIZES:
+            x = torch.zeros(n, 256)
+            graph, out = capture(be, step, x, pool=graph_pool)
+            graph_pool = graph_pool or be.create_pool()
+            graphs[n] = (graph, x, out)
+    assert len(pools.report().keys) == len(SIZES)
+    replays_match(be, step, graphs)
+    for graph, _, _ in graphs.values():
+        be.release_graph(graph)
+    be.release_pool(graph_pool)
+    del graphs, graph, out
+    pools.close()
+    assert be.live.zero, be.live
+
+
+def test_same_key_same_handle_and_space(be: hal.Backend) -> None:
+    step = make_step()
+    with graphkit.GraphPools(be) as pools:
+        h = pools.pool(8)
+        assert pools.pool(8) is h and isinstance(h, tuple) and len(h) == 2
+        x = torch.zeros(8, 256)
+        g1, o1 = capture(be, step, x, pool=h)
+        g2, o2 = capture(be, lambda t: step(t) * 2, x, pool=h)
+        space = pools.allocator.spaces[pools._entries[8].space_id]
+        assert len(pools.report().keys) == 1 and space.contains(o1.data_ptr()) and space.contains(o2.data_ptr())
+        x.copy_(torch.randn(8, 256))
+        be.replay(g1); be.replay(g2)
+        torch.testing.assert_close(o2, 2 * o1)
+        for g in (g1, g2):
+            be.release_graph(g)
+        del o1, o2
+    assert be.live.zero, be.live
+
+
+def test_a_group_keeps_the_pieces_of_one_batch_in_one_space(be: hal.Backend) -> None:
+    """Piece 0's output feeds piece 1: in one space they never share physical bytes."""
+    step = make_step()
+    pieces: dict = {}
+    with graphkit.graph_memory(be) as pools:
+        for n in SIZES:
+            x = torch.zeros(n, 256)
+            with pools.group(("batch", n)):
+                g0, mid = capture(be, step, x)
+                g1, out = capture(be, step, mid)
+            pieces[n] = (x, g0, g1, out)
+    assert sorted(k.key for k in pools.report().keys) == sorted(("batch", n) for n in SIZES)
+    for n, (x, g0, g1, out) in pieces.items():
+        x.copy_(torch.randn(n, 256))
+        be.replay(g0); be.replay(g1)
+        torch.testing.assert_close(out, step(step(x)), rtol=1e-5, atol=1e-5)
+    for _, g0, g1, _ in pieces.values():
+        be.release_graph(g0); be.release_graph(g1)
+    del pieces, out, mid
+    pools.close()
+    assert be.live.zero, be.live
+
+
+def test_without_a_group_the_pieces_would_alias(be: hal.Backend) -> None:
+    """Why groups exist: the same pieces in separate spaces over shared chunks overwrite each other."""
+    step = make_step()
+    w = torch.randn(256, 256) / 16
+
+    def residual(t: torch.Tensor) -> torch.Tensor:  # reads its input after its first result is written
+        return torch.tanh(t @ w) + t
+
+    wrong = 0
+    with graphkit.graph_memory(be) as pools:
+        x = torch.zeros(16, 256)
+        g0, mid = capture(be, step, x)
+        g1, out = capture(be, residual, mid)
+    for _ in range(3):
+        x.copy_(torch.randn(16, 256))
+        be.replay(g0); be.replay(g1)
+        wrong += not torch.allclose(out, residual(step(x)), rtol=1e-4, atol=1e-4)
+    assert wrong
+    be.release_graph(g0); be.release_graph(g1)
+    del out, mid
+    pools.close()
+
+
+def test_a_space_lives_as_long_as_its_graph(be: hal.Backend) -> None:
+    step = make_step()
+    with graphkit.graph_memory(be) as pools:
+        g16, o16 = capture(be, step, torch.zeros(16, 256))
+        g1, o1 = capture(be, step, torch.zeros(1, 256))
+    assert pools.allocator.num_virtual_spaces == 2
+    del o16  # the output's block frees the space's last allocation
+    be.release_graph(g16)  # released: its space goes at once
+    assert pools.allocator.num_virtual_spaces == 1 and len(pools.keys) == 1
+    assert pools.allocator.physical_bytes == G  # the large graph's chunks went with it
+    del g1, o1  # dropped without release: collected, released at the next safe point
+    gc.collect()
+    pools.collect()
+    assert pools.allocator.num_virtual_spaces == 0 and pools.keys == []
+    pools.close()
+    assert be.live.chunks == 0 and be.live.ranges == 0 and be.live.mappings == 0
+
+
+def test_a_stale_handle_raises_a_hal_error(be: hal.Backend) -> None:
+    pools = graphkit.GraphPools(be)
+    h = pools.pool("b1")
+    pools.release("b1")
+    with pytest.raises(hal.InvalidStateError, match="'b1'.*released"):
+        capture(be, make_step(), torch.zeros(1, 256), pool=h)
+    with pytest.raises(hal.InvalidStateError):
+        tuple(h)  # what a framework does with a pool id
+    with pytest.raises(hal.InvalidStateError):
+        h[0]
+    assert h.released and "released" in repr(h)
+    assert pools.pool("b1") is not h  # a new handle for the key
+    pools.close()
+    with pytest.raises(hal.InvalidStateError, match="closed"):
+        pools.pool("b2")
+    with pytest.raises(hal.InvalidStateError, match="closed"):
+        with graphkit.graph_memory(pools=pools):
+            capture(be, make_step(), torch.zeros(1, 256))
+    assert be.live.graphs == 0
+
+
+def test_a_handle_keeps_its_pools_alive(be: hal.Backend) -> None:
+    """The trap of a pool id whose pool object died: a handle holds its GraphPools."""
+    step = make_step()
+    h = graphkit.GraphPools(be).pool(4)  # the GraphPools object itself is dropped at once
+    gc.collect()
+    x = torch.zeros(4, 256)
+    graph, out = capture(be, step, x, pool=h)
+    owner = h._owner
+    assert not owner.closed and owner.allocator.physical_bytes > 0  # drawn from graphkit's chunks
+    x.copy_(torch.randn(4, 256))
+    be.replay(graph)
+    torch.testing.assert_close(out, step(x), rtol=1e-5, atol=1e-5)
+    be.release_graph(graph)
+    del out
+    owner.close()
+
+
+def test_misuse_is_loud(be: hal.Backend, caplog: pytest.LogCaptureFixture) -> None:
+    """A capture that allocated through the device's own allocator instead of graphkit's, and a cache
+    born inside a capture, are reported; exact leftovers raise in strict mode."""
+    pools = graphkit.GraphPools(be, hygiene=True)
+    pools.pool("k")
+    wrong = be.create_pool()
+    pools._entries["k"].pool = wrong  # as if the framework ignored graphkit's pool
+    cache: dict = {}
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        cache.setdefault("table", torch.ones(512, 64))  # born inside the capture and kept
+        return x * 2 + cache["table"][: x.shape[0], :1]
+
+    with caplog.at_level(logging.INFO, logger="graphkit.graph_pools"):
+        with graphkit.graph_memory(pools=pools):
+            with pools.group("k"):
+                graph, out = capture(be, step, torch.zeros(4, 1))
+    assert "did not come from graphkit's space" in caplog.text and "'k'" in caplog.text
+    be.release_graph(graph)
+    cache.clear()
+    be.release_pool(wrong)
+    pools._entries["k"].pool = be.create_pool(*pools.allocator.pool_callbacks(pools._entries["k"].space_id))
+    pools.release("k")
+    # exact check with the outputs known: a kept cache raises in strict mode
+    with graphkit.graph_memory(pools=pools):
+        with pools.group("k2"):
+            graph, out = capture(be, step, torch.zeros(4, 1))
+    with pytest.raises(graphkit.CaptureHygieneError, match="k2"):
+        pools.leftovers("k2", out, strict=True)
+    assert pools.leftovers("k2", (out, cache["table"])) == []
+    be.release_graph(graph)
+    cache.clear()
+    del out
+    pools.close()
+
+
+def test_the_scope_restores_the_backend_also_on_errors(be: hal.Backend) -> None:
+    step = make_step()
+    with pytest.raises(RuntimeError, match="engine failed"):
+        with graphkit.graph_memory(be) as pools:
+            capture(be, step, torch.zeros(2, 256))
+            raise RuntimeError("engine failed")
+    assert be.plugin._routers == []
+    graph, out = capture(be, step, torch.zeros(2, 256))  # outside: a private pool, not graphkit's
+    assert len(pools.keys) == 1
+    be.release_graph(graph)
+    pools.close()
+
+
+def test_a_failed_capture_in_the_scope_gives_its_space_back(be: hal.Backend) -> None:
+    with graphkit.graph_memory(be) as pools:
+        with pytest.raises(hal.CaptureError):
+            capture(be, lambda x: x * float((x * 2).sum().item()), torch.ones(2, 2))
+    gc.collect()  # the failed capture's temporaries, held by the exception until now
+    pools.collect()
+    assert pools.keys == [] and pools.allocator.num_virtual_spaces == 0
+    pools.close()
+
+
+def test_shared_fallback_where_custom_pools_are_absent(caplog: pytest.LogCaptureFixture) -> None:
+    from tests.test_runner import NoCustomPool
+
+    be = hal.Backend("nocustompool", NoCustomPool(granularity=G))
+    with caplog.at_level(logging.WARNING, logger="graphkit.graph_pools"):
+        pools = graphkit.GraphPools(be)
+    assert pools.kind == "shared" and "custom_pool" in caplog.text
+    a, b = pools.pool(1), pools.pool(2)
+    assert a is not b and tuple(a) == tuple(b) and a.__hal_pool__ is b.__hal_pool__
+    pools.close()
+    be.close()
+    assert be.live.zero
+
+
+def test_bad_arguments_name_the_argument(be: hal.Backend) -> None:
+    with pytest.raises(hal.InvalidArgumentError, match="kind='bogus'"):
+        graphkit.GraphPools(be, kind="bogus")
+    with graphkit.GraphPools(be) as pools:
+        with pytest.raises(hal.InvalidArgumentError, match="key="):
+            pools.pool(["unhashable"])
+        with pytest.raises(hal.InvalidStateError, match="released twice"):
+            pools.release("never")
+    with pytest.raises(hal.InvalidArgumentError, match="router="):
+        be.route_captures("not callable")
+
+
+def test_ten_thousand_spaces_fit_in_a_few_arenas(be: hal.Backend) -> None:
+    """Sealed spaces take the address space they use, not a device each."""
+    alloc = graphkit.SharedVMMAllocator(be, reserve_bytes=64 * G)
+    for i in range(10_000):
+        alloc.switch_to_new_virtual_space()
+        alloc.allocate(G if i % 10 else 3 * G)
+    assert alloc.num_virtual_spaces == 10_000
+    assert alloc.physical_bytes == 3 * G
+    assert alloc.num_arenas <= 10_000 * 3 * G // alloc.arena_bytes + 2
+    assert be.live.mappings == 9_000 + 3 * 1_000
+    alloc.close()
+    assert be.live.zero
+
+
+# -- the routing of a framework's graph class (torch.cuda.CUDAGraph, torch.npu.NPUGraph) ---------------
+
+
+class FrameworkGraph:
+    """Stands for torch.cuda.CUDAGraph: capture_begin(pool, ...), capture_end(), reset()."""
+
+    def __init__(self) -> None:
+        self.pool_used = None
+        self.fail_end = False
+        self.resets = 0
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        self.pool_used = pool
+
+    def capture_end(self):
+        if self.fail_end:
+            raise RuntimeError("capture invalidated")
+
+    def reset(self):
+        self.resets += 1
+
+
+def test_framework_graph_class_routing_patches_and_restores_exactly() -> None:
+    before = dict(vars(FrameworkGraph))
+    events: list = []
+
+    class Pool:
+        id = (7, 7)
+
+    def router(graph, requested):
+        events.append(("begin", requested))
+        return Route(Pool(), lambda ok: events.append(("end", ok)), lambda c: events.append(("released", c)))
+
+    routing = GraphClassRouting(FrameworkGraph, lambda: 0, lambda pool: pool.id)
+    with routing.activate(0, router):
+        assert dict(vars(FrameworkGraph)) != before
+        g = FrameworkGraph()
+        g.capture_begin((1, 2), capture_error_mode="relaxed")
+        assert g.pool_used == (7, 7)  # the router's pool, not the engine's
+        g.capture_end()
+        bad = FrameworkGraph()
+        bad.fail_end = True
+        bad.capture_begin(pool=None)
+        with pytest.raises(RuntimeError):
+            bad.capture_end()
+        other_device = FrameworkGraph()
+        with routing.activate(1, lambda *_: pytest.fail("wrong device")):
+            other_device.capture_begin((3, 3))
+        assert other_device.pool_used == (7, 7)
+        other_device.capture_end()
+        held = [FrameworkGraph()]
+        held[0].capture_begin()
+        held[0].capture_end()
+    held.pop().reset()  # the graph dies while its reset is looked up: no error, released once
+    assert dict(vars(FrameworkGraph)) == before  # the class is exactly as it was
+    assert events[:4] == [("begin", (1, 2)), ("end", True), ("begin", None), ("end", False)]
+    released = events.count(("released", True)) + events.count(("released", False))
+    assert released == 1  # the graph that died on reset's lookup
+    g.reset(); g.reset()
+    assert g.resets == 2 and events.count(("released", False)) + events.count(("released", True)) == 2
+    del other_device
+    gc.collect()
+    assert len([e for e in events if e[0] == "released"]) == 3  # the dropped graph too, when collected
+    plain = FrameworkGraph()
+    plain.capture_begin((5, 5))
+    assert plain.pool_used == (5, 5)  # outside the block nothing is routed
+
+
+def test_torch_cuda_graph_class_is_restored_exactly_after_routing() -> None:
+    cls = torch.cuda.CUDAGraph
+    before = dict(vars(cls))
+    routing = GraphClassRouting(cls, lambda: 0, lambda pool: pool.id)
+    with pytest.raises(ValueError):
+        with routing.activate(0, lambda *_: None):
+            assert vars(cls)["capture_begin"] is not before["capture_begin"]
+            raise ValueError("engine failed")
+    assert dict(vars(cls)) == before
+
+
+def test_torch_npu_captures_are_routed_through_the_ascend_glue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm-ascend's ACL graph wrapper calls torch.npu.graph(g, pool=its_pool): the scope replaces the pool."""
+    import sys
+
+    from tests.sim import compiler_reason, simulated_backend
+    from tests.sim.torch_stub import extension_stub
+
+    if compiler_reason() is not None:
+        pytest.skip(str(compiler_reason()))
+    from hal.backends._native.torch_glue import TorchGlue
+
+    stub = extension_stub("torch_npu", capture_api=True)
+    monkeypatch.setitem(sys.modules, "torch_npu", stub)
+    monkeypatch.setattr(TorchGlue, "torch_device", lambda self: torch.device("meta"))  # plain torch has no "npu"
+    with simulated_backend("ascend", capacity=64 * G, granularity=G, use_torch=True) as be:
+        assert "capture_routing" in be.capabilities
+        cls = stub.npu.NPUGraph
+        before = dict(vars(cls))
+        engine_pool = stub.npu.graph_pool_handle()
+        with graphkit.graph_memory(be) as pools:
+            graphs = []
+            for _ in range(3):
+                graph = stub.npu.NPUGraph()
+                with stub.npu.graph(graph, pool=engine_pool):  # the engine's own call
+                    pass
+                graphs.append(graph)
+            hal_graph = be.create_graph()
+            with be.capture(hal_graph, pool=engine_pool):
+                pass
+        assert dict(vars(cls)) == before
+        ids = [tuple(e.handle) for e in pools._entries.values()]
+        assert len(ids) == 4 and len(set(ids)) == 4
+        assert [g.pool() for g in graphs] == ids[:3]  # each capture began in its own graphkit pool
+        assert engine_pool not in [g.pool() for g in graphs]
+        for graph in graphs:
+            graph.reset()
+        be.release_graph(hal_graph)
+        pools.collect()
+        assert pools.keys == []
+        pools.close()

@@ -1,0 +1,235 @@
+"""GraphPools and graph_memory on an NVIDIA GPU, through torch.cuda.graph as engines call it."""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import hal
+import graphkit
+
+pytestmark = pytest.mark.cuda
+
+SIZES = [256, 128, 64, 32, 16, 8, 4, 1]
+
+
+@pytest.fixture
+def be():
+    backend = hal.get_backend("cuda")
+    yield backend
+    torch.cuda.synchronize()
+    gc.collect()
+    backend.close()
+
+
+def make_step(width: int = 1024, depth: int = 4):
+    gen = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(width, width, generator=gen) / width ** 0.5).to("cuda") for _ in range(depth)]
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for w in ws:
+            h = torch.tanh(h @ w) + h
+        return h
+
+    return step
+
+
+def check_replays(graphs: dict, step) -> None:
+    for n, (graph, x, out) in graphs.items():
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, step(x), rtol=1e-3, atol=1e-3)
+
+
+def engine_loop(step, sizes, pool_for, warm_up=None) -> dict:
+    """An engine's capture loop as nano-vllm writes it: torch.cuda.graph, the first graph's pool after that."""
+    graphs: dict = {}
+    graph_pool = None
+    for n in sizes:
+        x = torch.zeros(n, 1024, device="cuda")
+        (warm_up or (lambda f, *a: f(*a)))(step, x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool_for(n, graph_pool)):
+            out = step(x)
+        if graph_pool is None:
+            graph_pool = graph.pool()
+        graphs[n] = (graph, x, out)
+    return graphs
+
+
+@pytest.mark.parametrize("order", ["descending", "ascending"])
+def test_torch_cuda_graph_takes_a_pool_handle(be: hal.Backend, order: str) -> None:
+    step = make_step()
+    sizes = SIZES if order == "descending" else SIZES[::-1]
+    with graphkit.GraphPools(be) as pools:
+        graphs = engine_loop(step, sizes, lambda n, _: pools.pool(n), warm_up=pools.warm_up)
+        check_replays(graphs, step)
+        report = pools.report()
+        assert len(report.keys) == len(sizes) and all(k.used_bytes for k in report.keys)
+        assert report.chunk_bytes == max(k.mapped_bytes for k in report.keys)  # the largest, in any order
+        for graph, _, _ in graphs.values():
+            graph.reset()
+        del graphs
+        gc.collect()
+    assert be.live.chunks == 0 and be.live.mappings == 0
+
+
+def test_the_scope_routes_an_engines_own_loop(be: hal.Backend) -> None:
+    step = make_step()
+    before = dict(vars(torch.cuda.CUDAGraph))
+    with graphkit.graph_memory(be) as pools:
+        graphs = engine_loop(step, SIZES, lambda n, pool: pool, warm_up=pools.warm_up)
+    assert dict(vars(torch.cuda.CUDAGraph)) == before  # torch restored exactly
+    report = pools.report()
+    assert len(report.keys) == len(SIZES)  # one space per capture, although the engine passed graph.pool()
+    assert report.chunk_bytes == max(k.mapped_bytes for k in report.keys)
+    check_replays(graphs, step)
+    # engines that read graph.pool() keep getting a working pool id: a later capture outside the scope
+    graph, x, _ = graphs[SIZES[-1]]
+    extra = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(extra, pool=graph.pool()):
+        y = step(x)
+    extra.replay()
+    torch.testing.assert_close(y, step(x), rtol=1e-3, atol=1e-3)
+    extra.reset()
+    # a space lives as long as its graph
+    spaces = pools.allocator.num_virtual_spaces
+    graphs.pop(SIZES[0])[0].reset()
+    gc.collect()
+    pools.collect()
+    assert pools.allocator.num_virtual_spaces == spaces - 1
+    for graph, _, _ in graphs.values():
+        graph.reset()
+    del graphs, graph, x, y
+    gc.collect()
+    pools.close()
+    assert be.live.chunks == 0 and be.live.mappings == 0
+
+
+def test_a_stale_handle_raises_through_torch(be: hal.Backend) -> None:
+    pools = graphkit.GraphPools(be)
+    handle = pools.pool("gone")
+    pools.release("gone")
+    stream = torch.cuda.current_stream()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with pytest.raises(hal.InvalidStateError, match="gone"):
+            with torch.cuda.graph(graph, pool=handle):
+                pass
+    finally:
+        torch.cuda.set_stream(stream)  # torch leaves its side stream current when capture_begin raises
+    pools.close()
+
+
+def test_routing_through_hal_capture_and_runner(be: hal.Backend) -> None:
+    """GraphRunner's own captures go through hal and are routed the same way."""
+    step = make_step()
+    with graphkit.graph_memory(be) as pools:
+        runner = graphkit.GraphRunner(step, sizes=[1, 8, 32], backend=be, pool="private", progress=False)
+        runner.capture(x=torch.zeros(32, 1024, device="cuda"))
+    assert len(pools.report().keys) == 3
+    x = torch.randn(5, 1024, device="cuda")
+    torch.testing.assert_close(runner(x=x), step(x), rtol=1e-3, atol=1e-3)
+    runner.close()
+    gc.collect()
+    pools.collect()
+    assert pools.keys == []
+    pools.close()
+
+
+@pytest.mark.slow
+def test_ten_thousand_spaces_with_flat_physical_memory(be: hal.Backend) -> None:
+    """Sealed spaces take the address space they use: 10,000 fit where device-sized ones stopped near 1,650."""
+    g = be.granularity
+    alloc = graphkit.SharedVMMAllocator(be)
+    used0 = be.mem_info().used
+    for i in range(10_000):
+        alloc.switch_to_new_virtual_space()
+        alloc.allocate(g if i % 10 else 4 * g)
+    assert alloc.num_virtual_spaces == 10_000 and alloc.physical_bytes == 4 * g
+    assert be.mem_info().used - used0 < 64 << 20  # page tables are not the cost
+    alloc.close()
+    # and real captures beyond the old limit, through the scope
+    step = make_step(width=256, depth=1)
+    x = torch.zeros(8, 256, device="cuda")
+    step(x)
+    with graphkit.graph_memory(be) as pools:
+        graphs = []
+        for _ in range(2_000):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step(x)
+            graphs.append((graph, out))
+    assert len(pools.keys) == 2_000 and pools.allocator.physical_bytes == g
+    graphs[-1][0].replay()
+    torch.testing.assert_close(graphs[-1][1], step(x))
+    for graph, _ in graphs:
+        graph.reset()
+    del graphs, out
+    gc.collect()
+    pools.close()
+
+
+TP_SCRIPT = textwrap.dedent('''
+    import os, sys, torch, torch.distributed as dist
+    import hal, graphkit
+    rank = int(sys.argv[1]); world = 2
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    gen = torch.Generator().manual_seed(0)
+    w1 = (torch.randn(512, 1024, generator=gen) / 32).chunk(world, 0)[rank].cuda()   # column parallel
+    w2 = (torch.randn(1024, 512, generator=gen) / 32).chunk(world, 1)[rank].cuda()   # row parallel
+    def step(x):
+        part = torch.relu(x @ w1.t()) @ w2.t()
+        dist.all_reduce(part)                     # the collective inside the graph
+        return part + x
+    be = hal.get_backend("cuda", device=rank)
+    sizes = [64, 32, 8, 1]
+    x = torch.zeros(64, 512, device="cuda")
+    step(x); torch.cuda.synchronize()             # NCCL communicator made outside any capture
+    graphs = {}
+    with graphkit.graph_memory(be) as pools:      # one GraphPools per rank
+        for n in sizes:
+            pools.warm_up(step, x[:n])
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = step(x[:n])
+            graphs[n] = (g, out)
+    assert len(pools.keys) == len(sizes)
+    for n, (g, out) in graphs.items():
+        x.copy_(torch.randn(64, 512, generator=torch.Generator().manual_seed(n)).cuda())
+        g.replay(); torch.cuda.synchronize()
+        torch.testing.assert_close(out, step(x[:n]), rtol=1e-4, atol=1e-4)
+    for g, _ in graphs.values():
+        g.reset()
+    del graphs, out
+    pools.close()
+    dist.destroy_process_group()
+    print(f"rank {rank} ok: {len(sizes)} sizes, replays equal eager")
+''')
+
+
+@pytest.mark.multi_gpu
+def test_tensor_parallel_two_ranks_with_an_all_reduce_in_each_graph(tmp_path) -> None:
+    script = tmp_path / "tp.py"
+    script.write_text(TP_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for rank, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, out
+        assert f"rank {rank} ok" in out
