@@ -6,6 +6,8 @@ from graphkit.capture import CaptureHygieneError
 from graphkit.graph_pools import GraphPools, KeyReport, PoolHandle, PoolsReport, graph_memory
 from graphkit.report import RunnerReport, SizeReport
 from graphkit.runner import GraphRunner
+from graphkit.saver import MemorySaver, TagReport
 
-__all__ = ["CaptureHygieneError", "GraphPools", "GraphRunner", "KeyReport", "PoolHandle", "PoolsReport",
-           "RunnerReport", "SharedVMMAllocator", "SizeReport", "StaticInputs", "graph_memory"]
+__all__ = ["CaptureHygieneError", "GraphPools", "GraphRunner", "KeyReport", "MemorySaver", "PoolHandle",
+           "PoolsReport", "RunnerReport", "SharedVMMAllocator", "SizeReport", "StaticInputs", "TagReport",
+           "graph_memory"]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import hal
 from graphkit.bench.model import DecoderConfig
+from graphkit.bench.engines import ENGINE_SIZES, ENGINE_STRATEGIES, WORKLOADS, run_engine_bench
 from graphkit.bench.strategies import COMPILE, ORDERS, STRATEGIES
 
 DEMO_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
@@ -53,8 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ref = DecoderConfig()
     w = bench.add_argument_group("workload (defaults: the reference Qwen3-0.6B-shaped decoder)")
-    w.add_argument("--workload", choices=["reference", "tiny"], default="reference",
-                   help="start from the reference decoder or from a tiny one; the options below override")
+    w.add_argument("--workload", choices=["reference", "tiny", "engine", "hf"], default="reference",
+                   help="the reference decoder or a tiny one (the options below override), or an engine's own "
+                        "capture loop: 'engine' (examples/engine-decode) or 'hf' (a transformers Qwen3 model)")
+    w.add_argument("--engine-config", choices=["reference", "tiny"], default="reference",
+                   help="model size of the engine and hf workloads")
+    w.add_argument("--runs", type=int, default=3,
+                   help="engine and hf workloads: runs per case (fresh processes on devices); the median is shown")
     for name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab", "context"):
         w.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
                        help=f"decoder {name.replace('_', ' ')} (reference: {getattr(ref, name)})")
@@ -63,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sizes", type=parse_sizes, default=None,
                        help="batch sizes, e.g. '1,2,4,8:257:8' (a:b:c = range(a, b, c)); "
                             "default [1, 2, 4] + range(8, 257, 8)")
-    bench.add_argument("--strategies", type=_names([*STRATEGIES, COMPILE]), default=[*STRATEGIES, COMPILE],
-                       help="comma-separated strategies")
+    bench.add_argument("--strategies", type=_names([*STRATEGIES, COMPILE, *ENGINE_STRATEGIES]), default=None,
+                       help=f"comma-separated strategies (decoder: {', '.join([*STRATEGIES, COMPILE])}; "
+                            f"engine and hf: {', '.join(ENGINE_STRATEGIES)}); default: all of the workload's")
     bench.add_argument("--orders", type=_names(list(ORDERS)), default=list(ORDERS),
                        help="comma-separated capture orders")
     bench.add_argument("--backend", help="hal backend (default: the best available)")
@@ -148,11 +155,18 @@ def main(argv: list[str] | None = None) -> int:
               f"{cfg.workload.layers}-layer decoder, {len(cfg.sizes)} batch sizes, "
               f"{len(cfg.strategies)} memory strategies x {len(cfg.orders)} capture orders")
         return run_bench(cfg, args.out_dir, "demo")
+    given = list(argv if argv is not None else sys.argv[1:])
+    if args.workload in WORKLOADS:
+        return engine_bench(args, command)
+    strategies = args.strategies or [*STRATEGIES, COMPILE]
+    if set(strategies) - {*STRATEGIES, COMPILE}:
+        build_parser().error(f"--strategies: {', '.join(sorted(set(strategies) - {*STRATEGIES, COMPILE}))} "
+                             f"are strategies of the engine and hf workloads")
     base = DecoderConfig() if args.workload == "reference" else DecoderConfig.tiny()
     overrides = {k: getattr(args, k) for k in base.as_dict() if getattr(args, k, None) is not None}
     workload = DecoderConfig(**{**base.as_dict(), **overrides})
     sizes = args.sizes or (REFERENCE_SIZES if args.workload == "reference" else DEMO_SIZES)
-    cfg = BenchConfig(workload=workload, sizes=sizes, strategies=args.strategies, orders=args.orders,
+    cfg = BenchConfig(workload=workload, sizes=sizes, strategies=strategies, orders=args.orders,
                       backend=args.backend, device=args.device, iters=args.iters,
                       compile_budget_s=args.compile_budget, seed=args.seed, progress=not args.no_progress,
                       command=command)
@@ -160,9 +174,22 @@ def main(argv: list[str] | None = None) -> int:
         return run_part(cfg, args.part, args.part_out)
     isolate = args.isolate == "yes" or (
         args.isolate == "auto" and hal.get_backend(args.backend, device=args.device).torch_device().type != "cpu")
-    given = list(argv if argv is not None else sys.argv[1:])
     user_argv = given[given.index("bench") + 1:]  # the bench's own options, for the child processes
     return run_bench(cfg, args.out_dir, "bench", isolate=isolate, argv=user_argv)
+
+
+def engine_bench(args: argparse.Namespace, command: str) -> int:
+    """``--workload engine`` / ``hf``: an engine's own capture loop under every strategy and order."""
+    strategies = args.strategies or list(ENGINE_STRATEGIES)
+    if set(strategies) - set(ENGINE_STRATEGIES):
+        build_parser().error(f"--strategies: the {args.workload} workload takes {', '.join(ENGINE_STRATEGIES)}")
+    if args.runs < 1 or args.iters < 1:
+        build_parser().error("--runs and --iters must be at least 1")
+    name = hal.registry.select_backend_name(args.backend)
+    isolate = args.isolate == "yes" or (args.isolate == "auto" and name != "fake")
+    return run_engine_bench(args.workload, args.engine_config, args.sizes or list(ENGINE_SIZES), strategies,
+                            args.orders, args.runs, args.backend, args.device, args.seed, args.iters, isolate,
+                            args.out_dir, command, progress=not args.no_progress)
 
 
 def run_part(cfg, part: str, path: Path) -> int:

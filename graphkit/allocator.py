@@ -159,6 +159,7 @@ class SharedVMMAllocator:
         self.map_seconds = 0.0
         self.last_error: str | None = None
         self._closed = False
+        self._paused_chunks: int | None = None  # chunk count to recreate on resume; None: awake
 
     # -- figures ------------------------------------------------------------------
 
@@ -215,9 +216,70 @@ class SharedVMMAllocator:
         self.map_calls += 1
         undo.push(f"unmap {ptr:#x}", lambda: self.backend.unmap(ptr, self.granularity))
 
-    def _check_open(self, call: str) -> None:
+    def _check_open(self, call: str, awake: bool = False) -> None:
         if self._closed:
             raise hal.InvalidStateError("the allocator is closed", backend=self.backend.name, call=call)
+        if awake and self._paused_chunks is not None:
+            raise hal.InvalidStateError("the allocator's physical memory is released (paused): resume it first",
+                                        backend=self.backend.name, call=call)
+
+    # -- sleep and wake -------------------------------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        """Whether the physical memory is released (spaces keep their addresses, nothing is mapped)."""
+        return self._paused_chunks is not None
+
+    def release_physical(self) -> int:
+        """Unmap every chunk from every space and release them all; spaces keep their addresses.
+
+        Returns the bytes released. Nothing may read or write the spaces
+        (no graph of them may replay) until :meth:`restore_physical`.
+        Idempotent; a driver failure half-way maps back what was unmapped.
+        """
+        with self._lock:
+            self._check_open("release_physical")
+            if self._paused_chunks is not None:
+                return 0
+            undo = _Undo()
+            try:
+                for space in self._spaces.values():
+                    for index in reversed(range(space.mapped)):
+                        ptr, handle = space.base + index * self.granularity, self._chunks[index]
+                        self.backend.unmap(ptr, self.granularity)
+                        undo.push(f"remap {ptr:#x}", lambda p=ptr, h=handle: self.backend.map(p, self.granularity, h))
+            except BaseException:
+                undo.run()
+                raise
+            released = self.physical_bytes
+            self._paused_chunks = len(self._chunks)
+            self._zombies.extend(self._chunks)
+            self._chunks = []
+            self._retry_zombies()
+            return released
+
+    def restore_physical(self) -> None:
+        """Create the chunks again and map them where they were: every space at the same addresses.
+
+        All or nothing: a failure (out of memory, a driver fault) releases
+        what this call made and leaves the allocator paused, to retry.
+        """
+        with self._lock:
+            self._check_open("restore_physical")
+            if self._paused_chunks is None:
+                return
+            undo = _Undo()
+            try:
+                for _ in range(self._paused_chunks):
+                    self._create_chunk(undo)
+                for space in self._spaces.values():
+                    for index in range(space.mapped):
+                        self._map(space, index, undo)
+            except BaseException:
+                undo.run()
+                self._chunks = []
+                raise
+            self._paused_chunks = None
 
     # -- spaces -------------------------------------------------------------------------
 
@@ -249,7 +311,7 @@ class SharedVMMAllocator:
         No chunk is mapped yet: chunks are mapped as allocations reach them.
         """
         with self._lock:
-            self._check_open("switch_to_new_virtual_space")
+            self._check_open("switch_to_new_virtual_space", awake=True)
             self._reap()
             self._retry_zombies()
             if self.current is not None:
@@ -297,7 +359,7 @@ class SharedVMMAllocator:
             space = self._live_space(space_id, "release_virtual_space")
             undo = _Undo()
             try:
-                for index in reversed(range(space.mapped)):
+                for index in reversed(range(0 if self.paused else space.mapped)):
                     ptr, handle = space.base + index * self.granularity, self._chunks[index]
                     self.backend.unmap(ptr, self.granularity)
                     undo.push(f"remap {ptr:#x}", lambda p=ptr, h=handle: self.backend.map(p, self.granularity, h))
@@ -311,6 +373,8 @@ class SharedVMMAllocator:
             if space.arena.empty:
                 self._release_arena(space.arena)
             keep = max((s.mapped for s in self._spaces.values()), default=0)
+            if self._paused_chunks is not None:
+                self._paused_chunks = min(self._paused_chunks, keep)
             trimmed, self._chunks = self._chunks[keep:], self._chunks[:keep]
             self._zombies.extend(trimmed)
             self._retry_zombies()
@@ -365,7 +429,7 @@ class SharedVMMAllocator:
         takes the driver's allocation off the capture.
         """
         with self._lock:
-            self._check_open("extend_mapping")
+            self._check_open("extend_mapping", awake=True)
             count = -(-nbytes // self.granularity)
             if count <= 0:
                 return
@@ -404,7 +468,7 @@ class SharedVMMAllocator:
     def allocate(self, nbytes: int, alignment: int = 512, space_id: int | None = None) -> int:
         """Bump-allocate ``nbytes`` in a space (the current one by default); return the address."""
         with self._lock:
-            self._check_open("allocate")
+            self._check_open("allocate", awake=True)
             sid = self.current if space_id is None else space_id
             space = self._spaces.get(sid) if sid is not None else None
             if space is None:
@@ -520,7 +584,7 @@ class SharedVMMAllocator:
                             "must not be touched after this", busy)
             errors: list[BaseException] = []
             for space in list(self._spaces.values()):
-                for index in range(space.mapped):
+                for index in range(0 if self.paused else space.mapped):
                     try:
                         self.backend.unmap(space.base + index * self.granularity, self.granularity)
                     except Exception as exc:

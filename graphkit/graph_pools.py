@@ -153,12 +153,15 @@ class GraphPools:
     :param hygiene: after each capture routed by :func:`graph_memory`, log
         the allocations it made that outlive it (a cache or workspace born
         inside a capture lands in memory other graphs overwrite).
+    :param saver: a :class:`graphkit.MemorySaver`: the pools' chunks sleep
+        and wake with its tag ``"graphs"`` (graphs replay after a resume
+        without recapture; nothing of theirs may run while paused).
     :param allocator_options: options of :class:`SharedVMMAllocator`
         (``reserve_bytes``, ``capacity``, ``arena_bytes``).
     """
 
     def __init__(self, backend: hal.Backend | None = None, kind: Kind = "vmm", *, hygiene: bool = False,
-                 **allocator_options: Any) -> None:
+                 saver: Any = None, **allocator_options: Any) -> None:
         self._owns_backend = backend is None
         self.backend = be = backend if backend is not None else hal.get_backend()
         if kind not in ("vmm", "shared"):
@@ -171,6 +174,13 @@ class GraphPools:
         self.kind: Kind = kind
         self.hygiene = hygiene
         self.allocator = SharedVMMAllocator(be, **allocator_options) if kind == "vmm" else None
+        self.saver = saver
+        if saver is not None:
+            if self.allocator is None:
+                raise hal.UnsupportedError("a shared pool is drawn from the framework's allocator and cannot sleep "
+                                           "with a MemorySaver (needs 'custom_pool')", backend=be.name,
+                                           call="GraphPools")
+            saver.adopt(self.allocator)
         self._shared_pool: Any = None
         self._entries: dict[Hashable, _Entry] = {}
         self._lock = threading.RLock()
@@ -448,6 +458,8 @@ class GraphPools:
                 pool, self._shared_pool = self._shared_pool, None
                 self.backend.release_pool(pool)
             if self.allocator is not None:
+                if self.saver is not None:
+                    self.saver.forget(self.allocator)
                 try:
                     self.allocator.close()
                 except hal.HalError as exc:

@@ -96,6 +96,9 @@ class GraphRunner:
         around each capture so the per-size memory figures are exact (slower).
     :param allocator_options: options of :class:`SharedVMMAllocator` for ``pool="vmm"``
         (``reserve_bytes``, ``capacity``).
+    :param saver: a :class:`graphkit.MemorySaver`: with ``pool="vmm"`` the
+        graphs' memory sleeps and wakes with its tag ``"graphs"``; calls
+        while it is paused raise :class:`hal.InvalidStateError`.
     """
 
     def __init__(
@@ -120,6 +123,7 @@ class GraphRunner:
         measure_memory: bool = False,
         allocator_options: dict[str, Any] | None = None,
         pool_strategy: PoolStrategy | None = None,
+        saver: Any = None,
     ) -> None:
         self._owns_backend = backend is None
         self.backend = backend or hal.get_backend()
@@ -164,6 +168,13 @@ class GraphRunner:
         self.strategy = pool_strategy or (
             make_pool_strategy(pool, be, **(allocator_options or {})) if mode != "none" else None)
         self.pool = self.strategy.kind if self.strategy else "none"
+        self.saver = saver
+        if saver is not None:
+            allocator = getattr(self.strategy, "allocator", None)
+            if allocator is None:
+                raise hal.UnsupportedError(f"pool={self.pool!r} cannot sleep with a MemorySaver: use pool='vmm' "
+                                           "on a backend with 'custom_pool'", backend=be.name, call="GraphRunner")
+            saver.adopt(allocator)
         self.inputs: StaticInputs | None = None
         self._buckets: dict[int, _Bucket] = {}
         self._captured: list[int] = []  # sorted sizes with graphs
@@ -308,6 +319,8 @@ class GraphRunner:
             with torch.no_grad():
                 return self._eager_pipeline(**inputs)
         with self._lock:
+            if self.saver is not None:
+                self.saver.check_awake("graphs", "GraphRunner")
             bucket = self._buckets.get(size) or self._capture_size(size)
             self.inputs.update(inputs, batch, size)
             if self.debug:
@@ -409,6 +422,8 @@ class GraphRunner:
             for size in list(self._captured):
                 self._release_bucket(self._forget(size))
             if self.strategy is not None:
+                if self.saver is not None:
+                    self.saver.forget(self.strategy.allocator)
                 self.strategy.close()
             self.inputs = None
             self._static_out = None

@@ -154,8 +154,9 @@ def capabilities() -> frozenset[str]:
 
     Known names: ``"graphs"`` (the graph hooks below work), ``"custom_pool"``
     (:func:`create_pool` accepts allocator callbacks), ``"capture_routing"``
-    (:func:`route_captures` works). A backend that lacks ``"custom_pool"``
-    still supports pools drawn from its own allocator.
+    (:func:`route_captures` works), ``"use_pool"`` (:func:`use_pool` works).
+    A backend that lacks ``"custom_pool"`` still supports pools drawn from
+    its own allocator.
     """
 
 
@@ -196,6 +197,25 @@ def create_pool(alloc: AllocFn | None, free: FreeFn | None) -> Any:
         pool drawn from the device's own allocator, which several captures
         may share.
     :returns: an opaque pool object, passed to :func:`capture`.
+    """
+
+
+@hookspec(firstresult=True)
+def use_pool(pool: Any) -> ContextManager[None]:
+    """Return a context manager inside which the framework's allocations on this thread come from ``pool``.
+
+    Outside any capture: ``torch.randn(...)`` made inside the block lives in
+    the pool's segments (``torch.cuda.use_mem_pool`` on CUDA). Needs the
+    ``"use_pool"`` capability.
+    """
+
+
+@hookspec(firstresult=True)
+def tensor_at(ptr: int, nbytes: int) -> Any:
+    """Return a ``torch.uint8`` tensor of ``nbytes`` over device memory at ``ptr`` (no copy).
+
+    The memory must stay mapped while the tensor is used; the tensor does
+    not own it. Used to copy mapped memory to and from the host.
     """
 
 

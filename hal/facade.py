@@ -302,6 +302,24 @@ class Backend:
                             "(capability 'custom_pool' is absent)")
         return self._graph_call("create_pool", alloc=alloc, free=free)
 
+    def use_pool(self, pool: Any) -> ContextManager[None]:
+        """Context manager: the framework's allocations on this thread inside it come from ``pool``.
+
+        :raises UnsupportedError: the backend lacks ``"use_pool"``.
+        """
+        if not self.supports("use_pool"):
+            raise self._err(UnsupportedError, "use_pool",
+                            "this backend cannot direct the framework's allocations to a pool (capability "
+                            "'use_pool' is absent)")
+        return self._graph_call("use_pool", pool=backend_pool(pool))
+
+    def tensor_at(self, ptr: int, nbytes: int) -> Any:
+        """A ``torch.uint8`` tensor over ``nbytes`` of mapped device memory at ``ptr`` (no copy, not owning)."""
+        self._check_ptr("tensor_at", ptr)
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise self._err(InvalidArgumentError, "tensor_at", f"nbytes={nbytes!r} must be an int >= 0")
+        return self._graph_call("tensor_at", ptr=ptr, nbytes=nbytes)
+
     def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:
         """``(address, nbytes)`` of every block of ``pool`` still in use."""
         return list(self._graph_call("pool_active_blocks", pool=pool) or ())

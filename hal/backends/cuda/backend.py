@@ -169,7 +169,7 @@ class CudaBackend:
         if reason is not None:
             log.warning("cuda: no pools over allocator callbacks: %s", reason)
             return frozenset({"graphs", "capture_routing"})
-        return frozenset({"graphs", "custom_pool", "capture_routing"})
+        return frozenset({"graphs", "custom_pool", "capture_routing", "use_pool"})
 
     @hookimpl
     def torch_device(self) -> Any:
@@ -211,6 +211,26 @@ class CudaBackend:
         if alloc is None or free is None:
             return torch_pool.create_device_pool(self.device)
         return torch_pool.create_custom_pool(alloc, free, self.device)
+
+    @hookimpl
+    def use_pool(self, pool: Any) -> ContextManager[None]:
+        import torch
+
+        if pool.mempool is None:
+            from hal.errors import UnsupportedError
+
+            raise UnsupportedError(f"{pool!r} is not a torch.cuda.MemPool", backend="cuda", call="use_pool")
+        return torch.cuda.use_mem_pool(pool.mempool, device=self.device)
+
+    @hookimpl
+    def tensor_at(self, ptr: int, nbytes: int) -> Any:
+        import torch
+
+        class _Memory:  # what torch.as_tensor reads: the CUDA array interface of the raw range
+            __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                        "version": 3, "strides": None}
+
+        return torch.as_tensor(_Memory(), device=torch.device("cuda", self.device))
 
     @hookimpl
     def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:

@@ -175,7 +175,7 @@ class FakeBackend:
 
     @hookimpl
     def capabilities(self) -> frozenset[str]:
-        return frozenset({"graphs", "custom_pool", "capture_routing"})
+        return frozenset({"graphs", "custom_pool", "capture_routing", "use_pool"})
 
     @hookimpl
     def torch_device(self) -> Any:
@@ -206,6 +206,18 @@ class FakeBackend:
         if alloc is None:
             return BlockPool(self.device_malloc, self.device_free, self._granularity, "fake device pool")
         return BlockPool(alloc, free, self._granularity, "fake custom pool")  # type: ignore[arg-type]
+
+    @hookimpl
+    def use_pool(self, pool: Any) -> ContextManager[None]:
+        from hal.backends.fake.graph import Placer
+
+        return Placer(pool)
+
+    @hookimpl
+    def tensor_at(self, ptr: int, nbytes: int) -> Any:
+        from hal.backends.fake.graph import tensor_at
+
+        return tensor_at(ptr, nbytes, torch_uint8(), (nbytes,))[0]
 
     @hookimpl
     def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:
@@ -280,6 +292,12 @@ class FakeBackend:
         for ptr, size in list(self._anon.items()):
             self.device_free(ptr, size)
         return True
+
+
+def torch_uint8() -> Any:
+    import torch
+
+    return torch.uint8
 
 
 _DEFAULT_STREAM = FakeStream()

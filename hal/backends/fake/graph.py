@@ -117,6 +117,36 @@ def tensor_at(ptr: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...])
     return flat.view(dtype).view(shape), buf
 
 
+def place(pool: BlockPool, out: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A contiguous copy of ``out`` in a block of ``pool`` (freed when the copy dies); also its address."""
+    nbytes = out.numel() * out.element_size()
+    ptr = pool.malloc(nbytes) if nbytes else 0
+    placed, buf = tensor_at(ptr, nbytes, out.dtype, tuple(out.shape))
+    if buf is not None:
+        weakref.finalize(buf, pool.free, ptr)
+    placed.copy_(out)
+    return placed, ptr
+
+
+class Placer(TorchDispatchMode):
+    """Outside captures: every new tensor made inside the mode lives in ``pool`` (fake ``use_pool``)."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        super().__init__()
+        self.pool = pool
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        storages = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
+                    if isinstance(a, torch.Tensor) and a.numel()}
+        flat, spec = tree_flatten(result)
+        for i, out in enumerate(flat):
+            if isinstance(out, torch.Tensor) and out.numel() and out.untyped_storage().data_ptr() not in storages:
+                flat[i] = place(self.pool, out)[0]
+        return tree_unflatten(flat, spec)
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, graph: FakeGraph, pool: BlockPool) -> None:
         super().__init__()
@@ -147,12 +177,8 @@ class _Recorder(TorchDispatchMode):
         return _Ref(index)
 
     def _place(self, out: torch.Tensor) -> tuple[torch.Tensor, _Slot]:
+        placed, ptr = place(self.pool, out)
         nbytes = out.numel() * out.element_size()
-        ptr = self.pool.malloc(nbytes) if nbytes else 0
-        placed, buf = tensor_at(ptr, nbytes, out.dtype, tuple(out.shape))
-        if buf is not None:
-            weakref.finalize(buf, self.pool.free, ptr)
-        placed.copy_(out)
         return placed, _Slot(ptr, nbytes, out.dtype, tuple(out.shape))
 
     # -- dispatch --------------------------------------------------------------

@@ -1,0 +1,177 @@
+"""The engine workloads of the bench: an engine's own capture loop, adopting graphkit or not.
+
+``python -m graphkit bench --workload engine`` (the engine-shaped decode loop of
+``examples/engine-decode``) and ``--workload hf`` (a Hugging Face transformers
+Qwen3-shaped model) measure every strategy in every capture order:
+
+* ``own-kept`` -- the engine's own shared pool, outputs kept (nano-vllm, SGLang);
+* ``own-weakref`` -- the same pool, outputs weakly referenced (vLLM);
+* ``graph_memory`` -- the engine's loop unchanged inside ``graphkit.graph_memory()``;
+* ``graph_pools`` -- the one-line port, ``pool=pools.pool(batch_size)``.
+
+Each case runs ``runs`` times, each time in a fresh process on a device (single
+runs of one case have differed by 18 MiB on an H100), and the table gives the
+median. Targets: graph memory of the graphkit strategies at most the engines'
+best (``own-weakref``, descending) in every order; capture time at most 1.1x the
+engine's own shared pool.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import hal
+from hal.types import fmt_bytes
+
+log = logging.getLogger("graphkit.bench")
+
+ENGINE_STRATEGIES = ("own-kept", "own-weakref", "graph_memory", "graph_pools")
+ENGINE_ORDERS = ("descending", "ascending", "random", "on-demand")
+WORKLOADS = ("engine", "hf")
+GRAPHKIT = ("graph_memory", "graph_pools")
+#: the engines' best case, the memory target's reference
+BASELINE = ("own-weakref", "descending")
+CAPTURE_TIME_LIMIT = 1.1
+ENGINE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+def case_runner(workload: str) -> Callable[..., dict]:
+    """``run_case(strategy, order, sizes, backend, config, seed, iters) -> dict`` of a workload."""
+    if workload == "engine":
+        from graphkit.bench.engine_cases import run_engine_case
+
+        return lambda strategy, order, sizes, be, config, seed, iters: run_engine_case(
+            strategy, order, sizes, be, config=config, seed=seed, iters=iters)
+    if workload == "hf":
+        from graphkit.bench.hf import run_hf_case
+
+        return lambda strategy, order, sizes, be, config, seed, iters: run_hf_case(
+            strategy, order, sizes, be, size=config, seed=seed, iters=iters)
+    raise hal.InvalidArgumentError(f"workload={workload!r} must be one of {', '.join(WORKLOADS)}",
+                                   call="graphkit bench")
+
+
+def run_one(workload: str, strategy: str, order: str, sizes: list[int], backend: str | None, device: int,
+            config: str, seed: int, iters: int) -> dict:
+    """One case in this process."""
+    be = hal.get_backend(backend, device=device)
+    try:
+        result = case_runner(workload)(strategy, order, sizes, be, config, seed, iters)
+    finally:
+        be.close()
+    result.update(workload=workload, config=config, backend=be.name)
+    return result
+
+
+def run_isolated(args: list[str]) -> dict:
+    """One case in a fresh process: ``python -m graphkit.bench.engines ARGS`` prints its JSON last."""
+    proc = subprocess.run([sys.executable, "-m", "graphkit.bench.engines", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench case {' '.join(args)} failed (exit code {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def median_of(runs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def summarise(results: list[dict]) -> list[dict]:
+    """Median over the runs of each (strategy, order)."""
+    rows = []
+    keys = sorted({(r["strategy"], r["order"]) for r in results},
+                  key=lambda k: (ENGINE_STRATEGIES.index(k[0]), ENGINE_ORDERS.index(k[1])))
+    for strategy, order in keys:
+        runs = [r for r in results if (r["strategy"], r["order"]) == (strategy, order)]
+        rows.append({
+            "strategy": strategy, "order": order, "runs": len(runs),
+            "graph_memory_bytes": median_of(runs, "graph_memory_bytes"),
+            "chunk_bytes": median_of(runs, "chunk_bytes"),
+            "capture_seconds": median_of(runs, "capture_seconds"),
+            "replay_ms_1": median_of(runs, "replay_ms_1"),
+            "replay_ms_max": median_of(runs, "replay_ms_max"),
+            "max_abs_error": max((r.get("max_abs_error") or 0.0) for r in runs),
+            "correct": all(r.get("ok", r.get("tokens_equal", True)) for r in runs),
+        })
+    return rows
+
+
+def check_targets(rows: list[dict]) -> list[dict]:
+    """Each target: met, or the measured gap."""
+    by = {(r["strategy"], r["order"]): r for r in rows}
+    base = by.get(BASELINE)
+    targets = []
+    if base is not None:
+        limit = base["graph_memory_bytes"]
+        for r in rows:
+            if r["strategy"] in GRAPHKIT:
+                targets.append({"target": f"{r['strategy']} {r['order']}: graph memory <= own-weakref descending",
+                                "measured": r["graph_memory_bytes"], "limit": limit,
+                                "met": r["graph_memory_bytes"] <= limit})
+    for order in ENGINE_ORDERS:
+        own = by.get(("own-kept", order))
+        for strategy in GRAPHKIT:
+            r = by.get((strategy, order))
+            if own and r and own["capture_seconds"]:
+                ratio = r["capture_seconds"] / own["capture_seconds"]
+                targets.append({"target": f"{strategy} {order}: capture time <= {CAPTURE_TIME_LIMIT}x own pool",
+                                "measured": round(ratio, 3), "limit": CAPTURE_TIME_LIMIT,
+                                "met": ratio <= CAPTURE_TIME_LIMIT})
+    return targets
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'strategy':<14}{'order':<12}{'graph memory':>14}{'chunks':>12}{'capture s':>11}"
+             f"{'replay ms @1':>14}{'@max':>9}  correct"]
+    for r in rows:
+        chunks = fmt_bytes(r["chunk_bytes"]) if r["chunk_bytes"] is not None else "-"
+        lines.append(f"{r['strategy']:<14}{r['order']:<12}{fmt_bytes(r['graph_memory_bytes']):>14}{chunks:>12}"
+                     f"{r['capture_seconds']:>11.3f}{r['replay_ms_1']:>14.3f}{r['replay_ms_max']:>9.3f}  "
+                     f"{'yes' if r['correct'] else 'NO'}")
+    return "\n".join(lines)
+
+
+def run_engine_bench(workload: str, config: str, sizes: list[int], strategies: list[str], orders: list[str],
+                     runs: int, backend: str | None, device: int, seed: int, iters: int, isolate: bool,
+                     out_dir: Path, command: str, progress: bool = True) -> int:
+    """Every strategy x order, ``runs`` times each; writes ``bench-<workload>.json`` and prints the table."""
+    from tqdm.auto import tqdm
+
+    cases = [(s, o, i) for s in strategies for o in orders for i in range(runs)]
+    results = []
+    for strategy, order, i in tqdm(cases, desc=f"bench {workload}", unit="case", disable=not progress):
+        args = [workload, strategy, order, ",".join(map(str, sizes)), backend or "", str(device), config,
+                str(seed + i), str(iters)]
+        results.append(run_isolated(args) if isolate else
+                       run_one(workload, strategy, order, sizes, backend, device, config, seed + i, iters))
+    rows = summarise(results)
+    targets = check_targets(rows)
+    out = {"command": command, "workload": workload, "config": config, "sizes": sizes, "runs": runs,
+           "isolated": isolate, "results": results, "summary": rows, "targets": targets}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"bench-{workload}.json"
+    path.write_text(json.dumps(out, indent=1))
+    print(table(rows))
+    for t in targets:
+        print(f"  {'met ' if t['met'] else 'MISS'}  {t['target']}: {t['measured']} (limit {t['limit']})")
+    print(f"wrote {path}")
+    return 0 if all(r["correct"] for r in rows) else 1
+
+
+def _main(argv: list[str]) -> int:
+    """Child process: run one case, print its JSON on the last line."""
+    workload, strategy, order, sizes, backend, device, config, seed, iters = argv
+    result = run_one(workload, strategy, order, [int(s) for s in sizes.split(",")], backend or None, int(device),
+                     config, int(seed), int(iters))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
