@@ -1,0 +1,238 @@
+"""MemorySaver on fake: regions, pause and resume at the same addresses, backups, graphs, failures, cycles."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import hal
+import graphkit
+from hal.backends.fake import FakeBackend
+
+G = 1 << 16
+
+
+@pytest.fixture
+def be():
+    backend = hal.get_backend("fake", granularity=G)
+    yield backend
+    gc.collect()
+    backend.close()
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def inside(saver: graphkit.MemorySaver, tag: str, t: torch.Tensor) -> bool:
+    return any(s.ptr <= t.data_ptr() < s.ptr + s.size for s in saver._regions[tag].segments.values())
+
+
+def test_regions_pause_and_resume_at_the_same_addresses(be: hal.Backend) -> None:
+    saver = graphkit.MemorySaver(be)
+    with saver.region("weights", backup=True):
+        w = torch.randn(512, 512)
+    with saver.region("kv_cache"):
+        kv = torch.ones(2048, 512)  # 4 MiB
+    outside = torch.randn(8)
+    assert inside(saver, "weights", w) and inside(saver, "kv_cache", kv)
+    assert not inside(saver, "weights", outside) and not inside(saver, "kv_cache", outside)
+    expected, addresses = w.clone(), (w.data_ptr(), kv.data_ptr())
+    baseline = be.live.chunk_bytes
+    rss = rss_bytes()
+    released = saver.pause("kv_cache")
+    assert rss - rss_bytes() >= released * 3 // 4  # the host pages really went (memfd released)
+    released += saver.pause()
+    assert released == baseline and be.live.chunk_bytes == 0  # every byte of both tags went back
+    assert be.live.ranges == 2  # the addresses stay reserved
+    saver.resume()
+    assert (w.data_ptr(), kv.data_ptr()) == addresses
+    assert torch.equal(w, expected)  # backed up: bit-exact
+    kv.fill_(3)  # no backup: the memory is back, its contents are not
+    assert float(kv.sum()) == 3 * kv.numel()
+    report = {r.tag: r for r in saver.report()}
+    assert report["weights"].host_bytes == report["weights"].bytes and report["kv_cache"].host_bytes == 0
+    del w, kv
+    saver.close()
+
+
+def test_pause_and_resume_of_one_tag_leave_the_others(be: hal.Backend) -> None:
+    saver = graphkit.MemorySaver(be)
+    with saver.region("a", backup=True):
+        a = torch.arange(4096, dtype=torch.float32)
+    with saver.region("b", backup=True):
+        b = torch.arange(4096, dtype=torch.float32) * 2
+    saver.pause("a")
+    assert saver.is_paused("a") and not saver.is_paused("b")
+    assert float(b.sum()) == 2 * float(torch.arange(4096.0).sum())  # b is still mapped and readable
+    saver.pause("a")  # idempotent
+    saver.resume("a"); saver.resume("a")
+    assert torch.equal(a, torch.arange(4096, dtype=torch.float32))
+    with pytest.raises(hal.InvalidArgumentError, match="unknown"):
+        saver.pause("nope")
+    with pytest.raises(hal.InvalidArgumentError, match="tag="):
+        with saver.region(""):
+            pass
+    with pytest.raises(hal.InvalidArgumentError, match="backup=True"):
+        with saver.region("a", backup=False):
+            pass
+    del a, b
+    saver.close()
+
+
+def test_graphs_replay_after_resume_without_recapture(be: hal.Backend) -> None:
+    saver = graphkit.MemorySaver(be)
+    with saver.region("weights", backup=True):
+        w = torch.randn(256, 256) / 16
+    step = lambda x: torch.tanh(x @ w) + x  # noqa: E731
+    pools = graphkit.GraphPools(be, saver=saver)
+    graphs = {}
+    for n in (16, 4, 1):
+        x = torch.zeros(n, 256)
+        g = be.create_graph()
+        with be.capture(g, pool=pools.pool(n)):
+            out = step(x)
+        graphs[n] = (g, x, out)
+    runner = graphkit.GraphRunner(step, sizes=[2, 8], backend=be, saver=saver, progress=False)
+    runner.capture(x=torch.zeros(8, 256))
+    saver.pause()
+    assert be.live.chunk_bytes == 0
+    with pytest.raises(hal.InvalidStateError, match="paused"):
+        runner(x=torch.randn(3, 256))
+    with pytest.raises(hal.InvalidStateError, match="paused"):
+        pools.pool("new")  # a new space needs memory
+    saver.resume()
+    for n, (g, x, out) in graphs.items():
+        x.copy_(torch.randn(n, 256))
+        be.replay(g)
+        torch.testing.assert_close(out, step(x), rtol=1e-5, atol=1e-5)
+    x = torch.randn(5, 256)
+    torch.testing.assert_close(runner(x=x), step(x), rtol=1e-5, atol=1e-5)
+    runner.close()
+    for g, _, _ in graphs.values():
+        be.release_graph(g)
+    del graphs, out, w
+    pools.close()
+    saver.close()
+
+
+def test_a_failed_resume_rolls_back_and_can_be_retried(be: hal.Backend) -> None:
+    saver = graphkit.MemorySaver(be)
+    with saver.region("weights", backup=True):
+        w = torch.randn(1024, 256)  # several chunks' worth
+        w2 = torch.randn(64, 256)
+    expected = (w.clone(), w2.clone())
+    pools = graphkit.GraphPools(be, saver=saver)
+    g = be.create_graph()
+    with be.capture(g, pool=pools.pool(1)):
+        out = torch.relu(w2 @ w2.t())
+    saver.pause()
+    paused = be.live
+    for hook, nth in (("create_phy_mem_handle", 2), ("map", 2), ("create_phy_mem_handle", 1)):
+        be.faults.fail(hook, nth=nth)
+        with pytest.raises(hal.DriverError, match="injected"):
+            saver.resume()
+        be.faults.clear()
+        assert be.live == paused  # nothing made by the failed resume is left
+        assert saver.is_paused("weights") or saver.is_paused("graphs")
+    saver.resume()
+    assert not any(r.paused for r in saver.report())
+    assert torch.equal(w, expected[0]) and torch.equal(w2, expected[1])
+    be.replay(g)
+    torch.testing.assert_close(out, torch.relu(w2 @ w2.t()))
+    be.release_graph(g)
+    del w, w2, out
+    pools.close()
+    saver.close()
+
+
+def test_a_failed_pause_leaves_the_tag_awake(be: hal.Backend) -> None:
+    saver = graphkit.MemorySaver(be)
+    with saver.region("weights", backup=True):
+        w = torch.randn(1024, 256)
+        w2 = torch.randn(1024, 256)  # a second segment
+    expected = w.clone()
+    assert len(saver._regions["weights"].segments) == 2
+    be.faults.fail("unmap", nth=2)
+    with pytest.raises(hal.DriverError):
+        saver.pause("weights")
+    be.faults.clear()
+    assert not saver.is_paused("weights") and torch.equal(w, expected)  # still mapped, data intact
+    saver.pause("weights"); saver.resume("weights")
+    assert torch.equal(w, expected)
+    del w, w2
+    saver.close()
+
+
+def test_allocating_in_a_paused_region_raises(be: hal.Backend) -> None:
+    saver = graphkit.MemorySaver(be)
+    with saver.region("kv"):
+        kv = torch.zeros(64)
+    saver.pause("kv")
+    with pytest.raises(hal.InvalidStateError, match="paused"):
+        with saver.region("kv"):
+            torch.zeros(64)
+    saver.resume("kv")
+    del kv
+    saver.close()
+
+
+def test_a_hundred_cycles_grow_nothing(be: hal.Backend) -> None:
+    saver = graphkit.MemorySaver(be)
+    with saver.region("weights", backup=True):
+        w = torch.randn(512, 512)
+    expected = w.clone()
+    pools = graphkit.GraphPools(be, saver=saver)
+    g = be.create_graph()
+    x = torch.zeros(8, 512)
+    with be.capture(g, pool=pools.pool(8)):
+        out = x @ w
+    for cycle in range(100):
+        saver.pause()
+        saver.resume()
+        if cycle == 4:
+            live, rss = be.live, rss_bytes()
+    assert be.live == live
+    assert rss_bytes() - rss < 4 << 20  # backups are reused, not made again each cycle
+    x.copy_(torch.randn(8, 512))
+    be.replay(g)
+    torch.testing.assert_close(out, x @ expected)
+    be.release_graph(g)
+    del w, out
+    pools.close()
+    saver.close()
+
+
+class NoUsePool(FakeBackend):
+    """Pools over callbacks, but no way to make the framework allocate from one (like torch_mlu)."""
+
+    @hal.hookimpl
+    def capabilities(self) -> frozenset[str]:
+        return frozenset({"graphs", "custom_pool"})
+
+
+def test_without_use_pool_regions_refuse_and_graph_memory_still_sleeps() -> None:
+    be = hal.Backend("nousepool", NoUsePool(granularity=G))
+    saver = graphkit.MemorySaver(be)
+    with pytest.raises(hal.UnsupportedError, match="use_pool"):
+        with saver.region("weights"):
+            pass
+    pools = graphkit.GraphPools(be, saver=saver)
+    g = be.create_graph()
+    x = torch.ones(4, 4)
+    with be.capture(g, pool=pools.pool(4)):
+        out = x * 2
+    saver.pause("graphs")
+    assert be.live.chunk_bytes == 0
+    saver.resume("graphs")
+    be.replay(g)
+    assert torch.equal(out, x * 2)
+    be.release_graph(g)
+    del out
+    pools.close()
+    saver.close()
+    be.close()
+    assert be.live.zero
