@@ -85,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--isolate", choices=["auto", "yes", "no"], default="auto",
                        help="measure each strategy in a fresh process (auto: on devices other than the CPU), "
                             "so that nothing one strategy cached or leaked counts against another")
+    sleep = bench.add_argument_group("sleep and wake (--sleep: MemorySaver against torch_memory_saver)")
+    sleep.add_argument("--sleep", action="store_true",
+                       help="measure pause and resume instead of graphs: 1, 4 and 16 GiB on a device (16 and 64 MiB "
+                            "on a CPU), without and with backup, next to torch_memory_saver where installed")
+    sleep.add_argument("--sleep-sizes", type=parse_sizes, default=None,
+                       help="tag sizes in MiB for --sleep, e.g. '1024,4096'")
+    sleep.add_argument("--cycles", type=int, default=5, help="pause/resume cycles per case (the median is shown)")
     bench.add_argument("--part", help=argparse.SUPPRESS)
     bench.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
@@ -156,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(cfg.strategies)} memory strategies x {len(cfg.orders)} capture orders")
         return run_bench(cfg, args.out_dir, "demo")
     given = list(argv if argv is not None else sys.argv[1:])
+    if args.sleep:
+        from graphkit.bench.sleep import run_sleep_bench
+
+        if args.cycles < 1:
+            build_parser().error("--cycles must be at least 1")
+        sizes = [mib << 20 for mib in args.sleep_sizes] if args.sleep_sizes else None
+        return run_sleep_bench(args.backend, args.device, sizes, args.cycles, args.out_dir, command)
     if args.workload in WORKLOADS:
         return engine_bench(args, command)
     strategies = args.strategies or [*STRATEGIES, COMPILE]
