@@ -169,6 +169,11 @@ class SharedVMMAllocator:
         return len(self._chunks) * self.granularity
 
     @property
+    def footprint_bytes(self) -> int:
+        """Physical bytes it holds while awake (what a pause releases)."""
+        return (self._paused_chunks if self._paused_chunks is not None else len(self._chunks)) * self.granularity
+
+    @property
     def reserved_bytes(self) -> int:
         """Virtual address space held by the live spaces."""
         return sum(s.size for s in self._spaces.values())

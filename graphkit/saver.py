@@ -88,7 +88,7 @@ class MemorySaver:
         self.pin_backups = pin_backups
         self._lock = threading.RLock()
         self._regions: dict[str, _Region] = {}
-        self._allocators: dict[str, list[SharedVMMAllocator]] = {}
+        self._allocators: dict[str, list[Any]] = {}  # tag -> graphkit objects that sleep (allocators, buffers)
         self._paused: set[str] = set()
         self._times: dict[str, tuple[float | None, float | None]] = {}
         self._closed = False
@@ -168,8 +168,9 @@ class MemorySaver:
                 be.release_phy_mem_handle(segment.handle)
             be.release_vir_ptr(segment.ptr, segment.size)
 
-    def adopt(self, allocator: SharedVMMAllocator, tag: str = GRAPHS) -> None:
-        """Put graphkit's own graph memory (an allocator's chunks) under ``tag``; no backup (activations)."""
+    def adopt(self, allocator: Any, tag: str = GRAPHS) -> None:
+        """Put graphkit's own memory under ``tag``: a :class:`SharedVMMAllocator` (graph memory, no
+        backup) or an :class:`graphkit.ElasticBuffer` (backed up if it was made with ``backup``)."""
         tag = self._check_tag(tag, "adopt")
         with self._lock:
             self._check_open("adopt")
@@ -179,7 +180,7 @@ class MemorySaver:
                 allocator.release_physical()
             self._allocators.setdefault(tag, []).append(allocator)
 
-    def forget(self, allocator: SharedVMMAllocator) -> None:
+    def forget(self, allocator: Any) -> None:
         """Stop managing ``allocator`` (its owner closes it)."""
         with self._lock:
             for tag, allocators in list(self._allocators.items()):
@@ -328,9 +329,10 @@ class MemorySaver:
                     host = sum(h.numel() for h in region.host.values())
                     out.append(TagReport(tag, tag in self._paused, region.backup, size, host, pause_s, resume_s))
                 else:
-                    size = sum(a.physical_bytes if not a.paused else (a._paused_chunks or 0) * a.granularity
-                               for a in self._allocators[tag])
-                    out.append(TagReport(tag, tag in self._paused, False, size, 0, pause_s, resume_s))
+                    sleepers = self._allocators[tag]
+                    size = sum(a.footprint_bytes for a in sleepers)
+                    backup = any(getattr(a, "backup", False) for a in sleepers)
+                    out.append(TagReport(tag, tag in self._paused, backup, size, 0, pause_s, resume_s))
             return out
 
     def _check_open(self, call: str) -> None:

@@ -211,11 +211,13 @@ def use_pool(pool: Any) -> ContextManager[None]:
 
 
 @hookspec(firstresult=True)
-def tensor_at(ptr: int, nbytes: int) -> Any:
+def tensor_at(ptr: int, nbytes: int, owner: Any) -> Any:
     """Return a ``torch.uint8`` tensor of ``nbytes`` over device memory at ``ptr`` (no copy).
 
-    The memory must stay mapped while the tensor is used; the tensor does
-    not own it. Used to copy mapped memory to and from the host.
+    The tensor (and every view of it) keeps ``owner`` alive, when given; it
+    does not own the memory, which must stay mapped where the tensor is
+    read or written. Used to copy mapped memory to and from the host, and
+    for framework views of graphkit's buffers.
     """
 
 

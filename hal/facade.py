@@ -313,12 +313,15 @@ class Backend:
                             "'use_pool' is absent)")
         return self._graph_call("use_pool", pool=backend_pool(pool))
 
-    def tensor_at(self, ptr: int, nbytes: int) -> Any:
-        """A ``torch.uint8`` tensor over ``nbytes`` of mapped device memory at ``ptr`` (no copy, not owning)."""
+    def tensor_at(self, ptr: int, nbytes: int, owner: Any = None) -> Any:
+        """A ``torch.uint8`` tensor over ``nbytes`` of device memory at ``ptr`` (no copy, not owning it).
+
+        The tensor and its views keep ``owner`` alive.
+        """
         self._check_ptr("tensor_at", ptr)
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
             raise self._err(InvalidArgumentError, "tensor_at", f"nbytes={nbytes!r} must be an int >= 0")
-        return self._graph_call("tensor_at", ptr=ptr, nbytes=nbytes)
+        return self._graph_call("tensor_at", ptr=ptr, nbytes=nbytes, owner=owner)
 
     def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:
         """``(address, nbytes)`` of every block of ``pool`` still in use."""

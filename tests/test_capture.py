@@ -166,3 +166,26 @@ def test_item_inside_a_capture_raises_and_everything_stays_usable(graph_backend:
     be.release_graph(good.graph)
     be.release_pool(pool)
     alloc.close()
+
+
+def test_in_place_view_ops_replay_the_same_every_time() -> None:
+    """squeeze_, unsqueeze_, t_ change a tensor's shape, not its memory: replays must not stack them."""
+    be = hal.get_backend("fake", granularity=1 << 16)
+    x = torch.randn(4, 8)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        y = (x @ x.t())[:1].clone()
+        y.unsqueeze_(0)
+        y.squeeze_(0)
+        y.t_()
+        return torch.softmax(x[0], dim=0) @ x.t() + y.t()[0]
+
+    graph = be.create_graph()
+    with be.capture(graph):
+        out = step(x)
+    for _ in range(3):
+        x.copy_(torch.randn(4, 8))
+        be.replay(graph)
+        torch.testing.assert_close(out, step(x))
+    be.release_graph(graph)
+    be.close()

@@ -223,14 +223,16 @@ class CudaBackend:
         return torch.cuda.use_mem_pool(pool.mempool, device=self.device)
 
     @hookimpl
-    def tensor_at(self, ptr: int, nbytes: int) -> Any:
+    def tensor_at(self, ptr: int, nbytes: int, owner: Any) -> Any:
         import torch
 
-        class _Memory:  # what torch.as_tensor reads: the CUDA array interface of the raw range
+        class _Memory:  # what torch.as_tensor reads; the tensor's storage keeps this object (and owner) alive
             __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
                                         "version": 3, "strides": None}
 
-        return torch.as_tensor(_Memory(), device=torch.device("cuda", self.device))
+        memory = _Memory()
+        memory.owner = owner  # type: ignore[attr-defined]
+        return torch.as_tensor(memory, device=torch.device("cuda", self.device))
 
     @hookimpl
     def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:

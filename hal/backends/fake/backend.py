@@ -214,10 +214,13 @@ class FakeBackend:
         return Placer(pool)
 
     @hookimpl
-    def tensor_at(self, ptr: int, nbytes: int) -> Any:
+    def tensor_at(self, ptr: int, nbytes: int, owner: Any) -> Any:
         from hal.backends.fake.graph import tensor_at
 
-        return tensor_at(ptr, nbytes, torch_uint8(), (nbytes,))[0]
+        tensor, buf = tensor_at(ptr, nbytes, torch_uint8(), (nbytes,))
+        if buf is not None:
+            buf.owner = owner  # the tensor's storage holds the buffer, the buffer holds the owner
+        return tensor
 
     @hookimpl
     def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:

@@ -193,6 +193,12 @@ class _Recorder(TorchDispatchMode):
                 backend="fake", call="capture")
         arg_refs = tree_map(self._ref, args)
         kwarg_refs = tree_map(self._ref, kwargs)
+        if torch.Tag.inplace_view in func.tags:  # squeeze_, t_, ...: new metadata, same memory
+            result = func(*args, **kwargs)
+            # from now on the tensor is a view of what it was; replaying the op itself would
+            # change the replay tensor's shape again on every replay
+            self._register(args[0], ("view", _functional_view(func), arg_refs, kwarg_refs, 0))
+            return result
         in_storages = {
             a.untyped_storage().data_ptr()
             for a in tree_flatten((args, kwargs))[0]
@@ -224,6 +230,12 @@ class _Recorder(TorchDispatchMode):
         if fresh or written:
             self.graph.ops.append(_Op(func, arg_refs, kwarg_refs, fresh))
         return tree_unflatten(flat, spec)
+
+
+def _functional_view(func: Any) -> Any:
+    """The view op an in-place view op stands for: ``aten.squeeze_.dim`` -> ``aten.squeeze.dim``."""
+    name = func._schema.name.split("::")[-1].rstrip("_")
+    return getattr(getattr(aten, name), func._overloadname)
 
 
 def _materialise(graph: FakeGraph) -> None:

@@ -1,0 +1,162 @@
+"""ElasticBuffer and ElasticPool on fake: growth in place, shrink, views, many ranges, graphs, sleep."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import hal
+import graphkit
+
+G = 1 << 16
+
+
+@pytest.fixture
+def be():
+    backend = hal.get_backend("fake", granularity=G)
+    yield backend
+    gc.collect()
+    backend.close()
+
+
+def test_data_survives_growth_in_place(be: hal.Backend) -> None:
+    buf = graphkit.ElasticBuffer(be, max_bytes=64 * G)
+    ptr = buf.ptr
+    assert buf.capacity == 64 * G and buf.mapped_bytes == 0
+    buf.resize(3 * G - 5)  # rounded up to whole granules
+    assert buf.mapped_bytes == 3 * G and be.live.chunks == 3
+    first = buf.view(torch.float32, (3 * G // 4,))
+    first.copy_(torch.arange(3 * G // 4, dtype=torch.float32))
+    buf.resize(10 * G)
+    assert buf.ptr == ptr and buf.mapped_bytes == 10 * G  # the address never moves
+    assert torch.equal(first, torch.arange(3 * G // 4, dtype=torch.float32))  # nothing copied, nothing lost
+    whole = buf.view(torch.float32, (10 * G // 4,))
+    assert whole.data_ptr() == first.data_ptr() == ptr
+    whole[3 * G // 4:].fill_(7)
+    assert float(whole[-1]) == 7
+    del first, whole
+    buf.close()
+    assert be.live.zero, be.live
+
+
+def test_shrink_gives_chunks_back_and_respects_live_views(be: hal.Backend) -> None:
+    with graphkit.ElasticPool(be, reserve_bytes=64 * G) as pool:
+        buf = pool.buffer(32 * G)
+        buf.resize(8 * G)
+        view = buf.view(torch.uint8, (6 * G,))
+        with pytest.raises(hal.InvalidStateError, match="live view"):
+            buf.resize(4 * G)
+        assert buf.mapped_bytes == 8 * G
+        buf.resize(6 * G)  # above the view: fine
+        assert buf.mapped_bytes == 6 * G and pool.free_bytes == 2 * G  # back to the free list
+        del view
+        buf.resize(0)
+        assert be.live.mappings == 0 and pool.free_bytes == 8 * G
+        assert pool.trim() == 8 * G and be.live.chunks == 0
+        buf.close()
+    assert be.live.zero
+
+
+def test_bad_sizes_and_views_are_rejected(be: hal.Backend) -> None:
+    with pytest.raises(hal.InvalidArgumentError, match="max_bytes"):
+        graphkit.ElasticBuffer(be, max_bytes=0)
+    with pytest.raises(hal.InvalidArgumentError, match="max_bytes"):
+        graphkit.ElasticBuffer(be, max_bytes=-1)
+    buf = graphkit.ElasticBuffer(be, max_bytes=4 * G)
+    for bad in (-1, 4 * G + 1, 1.5, True, "8"):
+        with pytest.raises(hal.InvalidArgumentError, match="nbytes"):
+            buf.resize(bad)
+    buf.resize(G)
+    with pytest.raises(hal.InvalidArgumentError, match="resize first"):
+        buf.view(torch.float32, (G // 4 + 1,))
+    with pytest.raises(hal.InvalidArgumentError, match="offset"):
+        buf.view(torch.float32, (4,), offset=2)
+    with pytest.raises(hal.InvalidArgumentError, match="dtype"):
+        buf.view("float32", (4,))
+    with pytest.raises(hal.InvalidArgumentError, match="shape"):
+        buf.view(torch.float32, (-4,))
+    assert buf.view(torch.float32, (4 * G // 4,), whole_range=True).numel() == G  # the reserved range
+    buf.close()
+    with pytest.raises(hal.InvalidStateError, match="closed"):
+        buf.resize(G)
+    buf.close()
+    assert be.live.zero
+
+
+def test_many_ranges_grow_from_pre_created_chunks(be: hal.Backend) -> None:
+    pool = graphkit.ElasticPool(be, reserve_bytes=256 * G, precreate_bytes=16 * G)
+    assert pool.created == 16 and pool.free_bytes == 16 * G
+    buffers = [pool.buffer(32 * G) for _ in range(8)]
+    with pytest.raises(hal.DeviceOutOfMemoryError, match="range left"):
+        pool.buffer(32 * G)
+    calls = be.accounting.calls["create_phy_mem_handle"]
+    for i, buf in enumerate(buffers):
+        buf.resize(2 * G)
+        buf.view(torch.int32, (2 * G // 4,)).fill_(i)
+    assert be.accounting.calls["create_phy_mem_handle"] == calls  # growth only mapped pre-created chunks
+    assert pool.free_bytes == 0
+    buffers[0].resize(3 * G)  # the free list is empty: one driver allocation
+    assert pool.created == 17
+    for i, buf in enumerate(buffers):
+        assert int(buf.view(torch.int32, (2 * G // 4,)).sum()) == i * (2 * G // 4)
+    ptrs = sorted(b.ptr for b in buffers)
+    assert all(b - a >= 32 * G for a, b in zip(ptrs, ptrs[1:]))  # disjoint ranges of one reservation
+    pool.close()
+    assert all(b.closed for b in buffers)
+    assert be.live.zero
+
+
+def test_a_graph_reading_an_elastic_kv_cache_stays_right_after_growth(be: hal.Backend) -> None:
+    """Decode attention gathers KV blocks through a block table; the cache grows between replays."""
+    block, dim = 16, 32
+    block_bytes = block * dim * 4
+    kv = graphkit.ElasticBuffer(be, max_bytes=64 * block_bytes)
+    kv.resize(4 * block_bytes)
+    cache = kv.view(torch.float32, (64, block, dim), whole_range=True)  # kernels index only mapped blocks
+    cache[:4] = torch.randn(4, block, dim)
+    table = torch.zeros(2, dtype=torch.long)
+    query = torch.randn(dim)
+
+    def step() -> torch.Tensor:
+        keys = cache.index_select(0, table).reshape(-1, dim)
+        return torch.softmax(keys @ query, dim=0) @ keys
+
+    graph = be.create_graph()
+    with be.capture(graph):
+        out = step()
+    table.copy_(torch.tensor([1, 3]))
+    be.replay(graph)
+    torch.testing.assert_close(out, step())
+    kv.resize(40 * block_bytes)  # grows: new blocks mapped behind the old ones, nothing moves
+    cache[30:40] = torch.randn(10, block, dim)
+    table.copy_(torch.tensor([35, 2]))
+    be.replay(graph)
+    torch.testing.assert_close(out, step())
+    be.release_graph(graph)
+    del cache, out
+    kv.close()
+    assert be.live.mappings == 0 and be.live.chunks == 0
+
+
+def test_an_elastic_buffer_sleeps_with_a_memory_saver(be: hal.Backend) -> None:
+    saver = graphkit.MemorySaver(be)
+    kept = graphkit.ElasticBuffer(be, max_bytes=16 * G, saver=saver, tag="weights", backup=True)
+    scratch = graphkit.ElasticBuffer(be, max_bytes=16 * G, saver=saver, tag="kv_cache")
+    kept.resize(5 * G)
+    scratch.resize(3 * G)
+    data = torch.randn(5 * G // 4)
+    kept.view(torch.float32, (5 * G // 4,)).copy_(data)
+    with pytest.raises(hal.InvalidStateError, match="paused"):
+        saver.pause()
+        kept.resize(6 * G)
+    assert be.live.chunk_bytes == 0 and saver.is_paused("weights")
+    saver.resume()
+    assert kept.mapped_bytes == 5 * G and scratch.mapped_bytes == 3 * G
+    assert torch.equal(kept.view(torch.float32, (5 * G // 4,)), data)  # bit-exact at the same address
+    report = {r.tag: r for r in saver.report()}
+    assert report["weights"].bytes == 5 * G and report["weights"].backup and not report["kv_cache"].backup
+    kept.close(); scratch.close()
+    saver.close()
+    assert be.live.zero, be.live
