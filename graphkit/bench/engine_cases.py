@@ -20,6 +20,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import torch
+
 import hal
 import graphkit
 from graphkit.capture import release_cached_memory
@@ -69,6 +71,18 @@ def _used(be: hal.Backend) -> int:
     return be.mem_info().used
 
 
+def _prime_capture(be: hal.Backend) -> None:
+    """One throwaway capture, so one-time costs of the capture machinery (imports, initialisation)
+    are not counted in the first measured capture."""
+    x = torch.ones(8, device=be.torch_device())
+    graph = be.create_graph()
+    try:
+        with torch.no_grad(), be.capture(graph):
+            x * 2
+    finally:
+        be.release_graph(graph)
+
+
 def _rows(batch: Any, n: int) -> Any:
     """The first ``n`` sequences of a decode batch."""
     return type(batch)(**{name: t[:n] for name, t in batch.items()})
@@ -103,14 +117,20 @@ def _median_ms(be: hal.Backend, fn: Any, iters: int) -> float:
 
 
 def _check(engine: Any, sizes: list[int], seed: int) -> tuple[float, bool]:
-    """Largest |graph - eager| over the logits of a few greedy steps at several batch sizes; tokens equal."""
+    """Largest |graph - eager| over the logits of a few greedy steps at several batch sizes; tokens equal.
+
+    Eager runs on the inputs the graph reads (padded to its batch size): in
+    bf16 a matrix product of another batch size rounds differently, enough
+    to flip a near-tie argmax, and this is about what graph memory changes.
+    The tests compare against unpadded eager decoding in float32.
+    """
     largest = max(sizes)
     worst, same = 0.0, True
     rng = random.Random(seed)
     for n in sorted({1, min(3, largest), largest // 2 + 1, largest}):
         prompts = [[rng.randrange(engine.cfg.vocab) for _ in range(rng.randint(1, 3))] for _ in range(n)]
         got = engine.generate(prompts, 3)
-        want = engine.generate(prompts, 3, use_graphs=False)
+        want = engine.generate(prompts, 3, use_graphs=False, padded=True)
         same &= got.tokens == want.tokens
         for a, b in zip(got.logits, want.logits):
             worst = max(worst, float((a.float() - b.float()).abs().max()))
@@ -132,11 +152,13 @@ def run_engine_case(strategy: str, order: str, sizes: list[int], backend: hal.Ba
     engine_module = load_engine_module()
     be, sizes = backend, sorted(set(sizes))
     pools = graphkit.GraphPools(be) if strategy == "graph_pools" else None
-    engine = engine_module.Engine(be, config, max_batch=max(sizes), max_model_len=MAX_MODEL_LEN.get(config, 128),
-                                  seed=seed, pools=pools,
-                                  keep_outputs="weak" if strategy == "own-weakref" else "strong")
+    engine = None
     try:
+        engine = engine_module.Engine(be, config, max_batch=max(sizes), seed=seed, pools=pools,
+                                      max_model_len=MAX_MODEL_LEN.get(config, 128),
+                                      keep_outputs="weak" if strategy == "own-weakref" else "strong")
         batch = engine.example_batch(max(sizes), seed=seed)
+        _prime_capture(be)
         before = _used(be)
         t0 = time.perf_counter()
         scope = graphkit.graph_memory(be) if strategy == "graph_memory" else contextlib.nullcontext(pools)
@@ -159,13 +181,14 @@ def run_engine_case(strategy: str, order: str, sizes: list[int], backend: hal.Ba
     return {"strategy": strategy, "order": order, "sizes": sizes, "config": config,
             "graph_memory_bytes": memory, "chunk_bytes": chunk_bytes, "capture_seconds": seconds,
             "capture_wall_seconds": wall, "replay_ms": replay_ms, "eager_ms": eager_ms,
+            "replay_ms_1": replay_ms["1"], "replay_ms_max": replay_ms[str(max(sizes))],
             "max_abs_error": error, "tokens_equal": tokens_equal}
 
 
 def _teardown(be: hal.Backend, engine: Any, pools: graphkit.GraphPools | None) -> list[BaseException]:
     """Graphs, then pools, then cached memory; keeps going past a failure (logged and returned)."""
     errors: list[BaseException] = []
-    for step in (engine.close, pools.close if pools is not None else None, lambda: release_cached_memory(be)):
+    for step in (engine.close if engine is not None else None, pools.close if pools is not None else None, lambda: release_cached_memory(be)):
         if step is None:
             continue
         try:

@@ -1,0 +1,447 @@
+"""A decode loop written the way serving engines write theirs, captured into graphs through hal.
+
+The model is a small Llama/Qwen3-shaped decoder with random weights
+(RMSNorm, rotary positions, grouped-query attention with q/k norms, a
+SiLU-gated MLP, tied embeddings). Its keys and values live in a **paged KV
+cache**: per layer ``[num_blocks, block_size, kv_heads, head_dim]``; each
+sequence owns blocks listed in its row of the **block table**, the **slot
+mapping** says where each new token's k/v go, and **context lengths** mask
+attention. Attention gathers a sequence's blocks with plain torch ops: no
+host synchronisation and no data-dependent shape, so a decode step can be
+captured.
+
+The engine owns its capture loop (nano-vllm's ``capture_cudagraph``,
+SGLang's ``CudaGraphRunner``): static input buffers sized for the largest
+batch, and for each batch size a warm-up, a capture into the engine's own
+shared pool, and the outputs kept. Adopting graphkit takes no change
+(``with graphkit.graph_memory(be): engine.capture_graphs(sizes)``) or one
+(``Engine(..., pools=graphkit.GraphPools(be))``: ``pool=pools.pool(bs)``).
+
+    python examples/engine-decode/engine.py --backend fake --mode {own,scope,pools} --order descending
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, Sequence
+
+import torch
+import torch.nn.functional as F
+
+import hal
+import graphkit
+from hal.registry import select_backend_name
+from graphkit.capture import release_cached_memory, weak_alias
+
+log = logging.getLogger("engine_decode")
+
+Order = Literal["descending", "ascending", "random"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of the decoder; the defaults are shaped like Qwen3-0.6B."""
+
+    hidden: int = 1024
+    layers: int = 28
+    heads: int = 16
+    kv_heads: int = 8
+    head_dim: int = 128
+    mlp: int = 3072
+    vocab: int = 151936
+    dtype: str = "bfloat16"
+    rope_theta: float = 1e6
+    eps: float = 1e-6
+
+    @classmethod
+    def tiny(cls) -> "ModelConfig":
+        """Small enough for a 2-core CPU in well under a second per capture."""
+        return cls(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=512, dtype="float32")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+CONFIGS = {"reference": ModelConfig(), "tiny": ModelConfig.tiny()}
+
+
+@dataclass
+class DecodeBatch:
+    """The inputs of one decode step, one row per sequence (all on the device)."""
+
+    input_ids: torch.Tensor  # [n] the newest token of each sequence
+    positions: torch.Tensor  # [n] its position
+    slot_mapping: torch.Tensor  # [n] cache slot (block * block_size + offset) its k/v go to
+    context_lens: torch.Tensor  # [n] tokens to attend to, the new one included
+    block_tables: torch.Tensor  # [n, max_blocks_per_seq] blocks of each sequence, padded
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def items(self) -> list[tuple[str, torch.Tensor]]:
+        return [(f.name, getattr(self, f.name)) for f in fields(self)]
+
+
+@dataclass
+class Generation:
+    """What :meth:`Engine.generate` produced: new tokens per sequence and the logits of every step."""
+
+    tokens: list[list[int]]
+    logits: list[torch.Tensor] = field(default_factory=list)  # one [n, vocab] tensor per step
+
+
+class Engine:
+    """Weights, a paged KV cache, static buffers and graphs of decode steps for several batch sizes.
+
+    :param backend: where to run (``hal.get_backend()``).
+    :param config: ``"tiny"``, ``"reference"`` or a :class:`ModelConfig`.
+    :param max_batch: sequences per step at most; the static buffers are this large.
+    :param max_model_len: tokens per sequence at most (prompt and generated).
+    :param pools: capture batch ``bs`` into ``pools.pool(bs)`` instead of the engine's own pool.
+    :param keep_outputs: ``"strong"`` keeps every graph's output tensor (nano-vllm, SGLang);
+        ``"weak"`` keeps a non-owning alias (vLLM), so later captures may reuse its memory.
+    :param use_torch_api: capture with ``torch.cuda.CUDAGraph`` / ``torch.cuda.graph`` directly (CUDA only).
+    """
+
+    def __init__(self, backend: hal.Backend, config: str | ModelConfig = "tiny", *, max_batch: int = 16,
+                 max_model_len: int = 64, block_size: int = 16, seed: int = 0,
+                 pools: graphkit.GraphPools | None = None, keep_outputs: Literal["strong", "weak"] = "strong",
+                 use_torch_api: bool = False) -> None:
+        self.backend = be = backend
+        self.cfg = cfg = CONFIGS[config] if isinstance(config, str) else config
+        self.device = be.torch_device()
+        if use_torch_api and self.device.type != "cuda":
+            raise hal.UnsupportedError("use_torch_api=True captures with torch.cuda.graph; this backend's "
+                                       f"device is {self.device.type}", backend=be.name, call="Engine")
+        if keep_outputs not in ("strong", "weak"):
+            raise hal.InvalidArgumentError(f"keep_outputs={keep_outputs!r} must be strong or weak", call="Engine")
+        self.max_batch, self.max_model_len, self.block_size = max_batch, max_model_len, block_size
+        self.pools, self.keep_outputs, self.use_torch_api = pools, keep_outputs, use_torch_api
+        self._init_weights(seed)
+        # paged KV cache: every sequence can hold max_model_len tokens; the last block is the scratch
+        # block that padded rows read and write, so they never touch a live sequence
+        self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
+        self.num_blocks = max_batch * self.max_blocks_per_seq + 1
+        self.scratch_block = self.num_blocks - 1
+        shape = (self.num_blocks, block_size, cfg.kv_heads, cfg.head_dim)
+        self.k_cache = [torch.zeros(shape, device=self.device, dtype=cfg.torch_dtype) for _ in range(cfg.layers)]
+        self.v_cache = [torch.zeros(shape, device=self.device, dtype=cfg.torch_dtype) for _ in range(cfg.layers)]
+        self.token_index = torch.arange(self.max_blocks_per_seq * block_size, device=self.device)
+        # static input buffers sized for the largest batch, filled with harmless padding
+        self.padding = {"input_ids": 0, "positions": 0, "slot_mapping": self.scratch_block * block_size,
+                        "context_lens": 1, "block_tables": self.scratch_block}
+        shapes = {"block_tables": (max_batch, self.max_blocks_per_seq)}
+        self.buffers = DecodeBatch(**{name: torch.full(shapes.get(name, (max_batch,)), value, dtype=torch.long,
+                                                       device=self.device) for name, value in self.padding.items()})
+        self.capture_stream = be.create_stream()
+        self.graphs: dict[int, Any] = {}
+        self.graph_outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds: dict[int, float] = {}
+        self.graph_pool: Any = None  # the engine's own shared pool, created at the first capture
+
+    # -- the model -----------------------------------------------------------------------
+
+    def _init_weights(self, seed: int) -> None:
+        cfg, dt = self.cfg, self.cfg.torch_dtype
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+
+        def w(*shape: int) -> torch.Tensor:
+            return (torch.randn(*shape, generator=gen, device=self.device) / shape[-1] ** 0.5).to(dt)
+
+        def ones(n: int) -> torch.Tensor:
+            return torch.ones(n, device=self.device, dtype=dt)
+
+        q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        self.embed = w(cfg.vocab, cfg.hidden)  # tied with the output head, as in Qwen3-0.6B
+        self.layers = [{"input_norm": ones(cfg.hidden), "qkv": w(q + 2 * kv, cfg.hidden),
+                        "q_norm": ones(cfg.head_dim), "k_norm": ones(cfg.head_dim), "o": w(cfg.hidden, q),
+                        "post_norm": ones(cfg.hidden), "gate_up": w(2 * cfg.mlp, cfg.hidden),
+                        "down": w(cfg.hidden, cfg.mlp)} for _ in range(cfg.layers)]
+        self.norm = ones(cfg.hidden)
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+        angles = torch.outer(torch.arange(self.max_model_len, dtype=torch.float32), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1).to(self.device)
+        self.cos, self.sin = angles.cos().to(dt), angles.sin().to(dt)
+
+    def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    def _attention(self, q: torch.Tensor, layer: int, context_lens: torch.Tensor,
+                   block_tables: torch.Tensor) -> torch.Tensor:
+        """Decode attention over the paged cache: gather each sequence's blocks, mask past its length."""
+        cfg = self.cfg
+        n, group = q.shape[0], cfg.heads // cfg.kv_heads
+        keys = self.k_cache[layer][block_tables].flatten(1, 2)  # [n, max_tokens, kv_heads, head_dim]
+        values = self.v_cache[layer][block_tables].flatten(1, 2)
+        q = q.view(n, cfg.kv_heads, group, cfg.head_dim)
+        scores = torch.einsum("nkgd,ntkd->nkgt", q, keys) * cfg.head_dim ** -0.5
+        visible = self.token_index[None, :] < context_lens[:, None]  # [n, max_tokens]
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.einsum("nkgt,ntkd->nkgd", probs, values).reshape(n, cfg.heads * cfg.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                context_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """One decode step: write each sequence's new k/v into its slot, return the logits ``[n, vocab]``."""
+        cfg = self.cfg
+        n = input_ids.shape[0]
+        q_size, kv_size = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        h = F.embedding(input_ids, self.embed)
+        for i, p in enumerate(self.layers):
+            x = F.rms_norm(h, (cfg.hidden,), p["input_norm"], cfg.eps)
+            q, k, v = F.linear(x, p["qkv"]).split([q_size, kv_size, kv_size], dim=-1)
+            q = F.rms_norm(q.view(n, cfg.heads, cfg.head_dim), (cfg.head_dim,), p["q_norm"], cfg.eps)
+            k = F.rms_norm(k.view(n, cfg.kv_heads, cfg.head_dim), (cfg.head_dim,), p["k_norm"], cfg.eps)
+            q, k = self._rotary(q, positions), self._rotary(k, positions)
+            self.k_cache[i].view(-1, cfg.kv_heads, cfg.head_dim).index_copy_(0, slot_mapping, k)
+            self.v_cache[i].view(-1, cfg.kv_heads, cfg.head_dim).index_copy_(
+                0, slot_mapping, v.view(n, cfg.kv_heads, cfg.head_dim))
+            h = h + F.linear(self._attention(q, i, context_lens, block_tables), p["o"])
+            x = F.rms_norm(h, (cfg.hidden,), p["post_norm"], cfg.eps)
+            gate, up = F.linear(x, p["gate_up"]).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, p["down"])
+        return F.linear(F.rms_norm(h, (cfg.hidden,), self.norm, cfg.eps), self.embed)
+
+    # -- capture ---------------------------------------------------------------------------
+
+    def _static(self, bs: int) -> dict[str, torch.Tensor]:
+        return {name: buf[:bs] for name, buf in self.buffers.items()}
+
+    @property
+    def graph_pool_id(self) -> tuple[int, int]:
+        """The id of the engine's own pool, what ``torch.cuda.graph(pool=...)`` takes (``graph_pool_handle()``)."""
+        if self.graph_pool is None:
+            self.graph_pool = self.backend.create_pool()
+        return tuple(self.graph_pool.id)
+
+    def _pool_for(self, bs: int) -> Any:
+        if self.pools is not None:
+            return self.pools.pool(bs)  # the one-line change: a graphkit pool per batch size
+        if self.use_torch_api:
+            return self.graph_pool_id
+        if self.graph_pool is None:
+            self.graph_pool = self.backend.create_pool()
+        return self.graph_pool
+
+    @torch.no_grad()
+    def capture_graph(self, bs: int) -> float:
+        """Warm up and capture the decode step for batch ``bs``; return the capture's seconds."""
+        if not 0 < bs <= self.max_batch:
+            raise hal.InvalidArgumentError(f"batch size {bs} is not in 1..{self.max_batch}", call="capture_graph")
+        be, inputs = self.backend, self._static(bs)
+        be.synchronize()  # the side stream must see the buffers and cache as the default stream left them
+        with be.use_stream(self.capture_stream):  # lazily made state is born outside the capture
+            self.forward(**inputs)
+        be.synchronize(self.capture_stream)
+        pool = self._pool_for(bs)
+        t0 = time.perf_counter()
+        if self.use_torch_api:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=self.capture_stream):
+                out = self.forward(**inputs)
+        else:
+            graph = be.create_graph()
+            try:
+                with be.capture(graph, pool=pool, stream=self.capture_stream):
+                    out = self.forward(**inputs)
+            except BaseException:
+                be.release_graph(graph)
+                raise
+        be.synchronize()
+        seconds = self.capture_seconds[bs] = time.perf_counter() - t0
+        self.graphs[bs] = graph
+        self.graph_outputs[bs] = weak_alias(out) if self.keep_outputs == "weak" else out
+        log.debug("captured batch %d in %.3f s", bs, seconds)
+        return seconds
+
+    def capture_graphs(self, sizes: Sequence[int], order: Order = "descending", seed: int = 0) -> float:
+        """Capture every size of ``sizes`` in ``order``; return the total capture seconds."""
+        ordered = sorted(set(sizes), reverse=order == "descending")
+        if order == "random":
+            random.Random(seed).shuffle(ordered)
+        elif order not in ("descending", "ascending"):
+            raise hal.InvalidArgumentError(f"order={order!r} must be descending, ascending or random",
+                                           call="capture_graphs")
+        return sum(self.capture_graph(bs) for bs in ordered)
+
+    def reset_graphs(self) -> None:
+        """Drop every graph and output, then the engine's own pool."""
+        self.backend.synchronize()
+        self.graph_outputs.clear()
+        for graph in self.graphs.values():
+            graph.reset() if self.use_torch_api else self.backend.release_graph(graph)
+        self.graphs.clear()
+        if self.graph_pool is not None:
+            self.backend.release_pool(self.graph_pool)
+            self.graph_pool = None
+
+    def close(self) -> None:
+        """Release what the engine holds on the device through hal (graphs, its pool); idempotent."""
+        self.reset_graphs()
+
+    # -- decoding --------------------------------------------------------------------------
+
+    def graph_size_for(self, n: int) -> int | None:
+        """The smallest captured batch size that holds ``n`` sequences (None: run eagerly)."""
+        return min((bs for bs in self.graphs if bs >= n), default=None)
+
+    @torch.no_grad()
+    def eager_step(self, batch: DecodeBatch) -> torch.Tensor:
+        return self.forward(**dict(batch.items()))
+
+    @torch.no_grad()
+    def step(self, batch: DecodeBatch, replay: bool = True) -> torch.Tensor:
+        """Logits ``[n, vocab]`` of one decode step: a graph replay where one fits, else eager.
+
+        A replayed graph's logits are valid until the next replay. With
+        ``replay=False`` the step runs eagerly on exactly what the graph
+        would read (the static buffers, padded to the graph's batch size).
+        """
+        n = len(batch)
+        bs = self.graph_size_for(n)
+        if bs is None:
+            return self.eager_step(batch)
+        for name, buf in self.buffers.items():
+            buf[:n].copy_(getattr(batch, name))
+            buf[n:bs].fill_(self.padding[name])
+        if not replay:
+            return self.forward(**self._static(bs))[:n]
+        graph = self.graphs[bs]
+        graph.replay() if self.use_torch_api else self.backend.replay(graph)
+        return self.graph_outputs[bs][:n]
+
+    def block_tables_for(self, n: int, tokens: int, seed: int = 0) -> torch.Tensor:
+        """Give ``n`` sequences blocks for ``tokens`` tokens each, scattered over the cache (a seeded shuffle)."""
+        if n > self.max_batch or tokens > self.max_model_len:
+            raise hal.InvalidArgumentError(f"{n} sequences of {tokens} tokens exceed the cache "
+                                           f"({self.max_batch} of {self.max_model_len})", call="block_tables_for")
+        free = list(range(self.num_blocks - 1))
+        random.Random(seed).shuffle(free)
+        need = math.ceil(tokens / self.block_size)
+        table = torch.full((n, self.max_blocks_per_seq), self.scratch_block, dtype=torch.long)
+        for i in range(n):
+            table[i, :need] = torch.tensor(free[i * need:(i + 1) * need])
+        return table.to(self.device)
+
+    def decode_batch(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     block_tables: torch.Tensor) -> DecodeBatch:
+        """The step inputs for new tokens at ``positions`` of sequences owning ``block_tables``."""
+        blocks = block_tables.gather(1, (positions // self.block_size)[:, None]).squeeze(1)
+        return DecodeBatch(input_ids, positions, blocks * self.block_size + positions % self.block_size,
+                           positions + 1, block_tables)
+
+    def example_batch(self, n: int, seed: int = 0) -> DecodeBatch:
+        """``n`` sequences at random positions with random new tokens (for timing)."""
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, self.cfg.vocab, (n,), generator=gen).to(self.device)
+        positions = torch.randint(0, self.max_model_len, (n,), generator=gen).to(self.device)
+        return self.decode_batch(ids, positions, self.block_tables_for(n, self.max_model_len, seed))
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], steps: int, use_graphs: bool = True,
+                 keep_logits: bool = True, padded: bool = False) -> Generation:
+        """Greedy decoding of ``steps`` new tokens for every prompt, all sequences in one batch.
+
+        The prompts go through the decode step one token per step (prefill
+        token by token): step ``t`` feeds token ``t`` of every sequence (its
+        prompt's, or the one generated before) and, once past the prompt,
+        appends the argmax of its logits. ``use_graphs=False`` decodes
+        eagerly, on the batch as it is or, with ``padded``, padded as the
+        graph would see it (the same shapes, so the same rounding in bf16).
+        """
+        n, lengths = len(prompts), [len(p) for p in prompts]
+        if not n or min(lengths) == 0 or steps <= 0:
+            raise hal.InvalidArgumentError("need at least one non-empty prompt and steps > 0", call="generate")
+        seqs = [list(p) for p in prompts]
+        total = max(lengths) + steps
+        tables = self.block_tables_for(n, total)
+        logits_seen = []
+        for t in range(total - 1):
+            ids = torch.tensor([s[t] for s in seqs], device=self.device)
+            batch = self.decode_batch(ids, torch.full((n,), t, device=self.device), tables)
+            logits = self.step(batch, replay=use_graphs) if use_graphs or padded else self.eager_step(batch)
+            if keep_logits:
+                logits_seen.append(logits.clone())
+            for s, token, length in zip(seqs, logits.argmax(dim=-1).tolist(), lengths):
+                if t + 1 >= length:
+                    s.append(token)
+        return Generation([s[length:length + steps] for s, length in zip(seqs, lengths)], logits_seen)
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def _used(be: hal.Backend) -> int:
+    release_cached_memory(be)
+    be.synchronize()
+    return be.mem_info().used
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", default=None, help="hal backend (default: the best available)")
+    parser.add_argument("--mode", choices=("own", "scope", "pools"), default="own",
+                        help="own: the engine's shared pool; scope: graphkit.graph_memory around the capture "
+                             "loop; pools: Engine(pools=GraphPools(be))")
+    parser.add_argument("--order", choices=("descending", "ascending", "random"), default="descending")
+    parser.add_argument("--config", choices=sorted(CONFIGS), default=None,
+                        help="model sizes (default: reference on a GPU, tiny otherwise)")
+    parser.add_argument("--sizes", default=None, help="comma-separated batch sizes to capture")
+    parser.add_argument("--keep-outputs", choices=("strong", "weak"), default="strong")
+    parser.add_argument("--torch-api", action="store_true", help="capture with torch.cuda.graph (CUDA only)")
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+
+    name = select_backend_name(args.backend)
+    be = hal.get_backend(name, **({"granularity": 1 << 16} if name == "fake" else {}))  # small chunks on fake
+    try:
+        return _run(be, args)
+    except hal.HalError as exc:
+        print(f"error: {exc}")
+        return 2
+    finally:
+        be.close()
+
+
+def _run(be: hal.Backend, args: argparse.Namespace) -> int:
+    config = args.config or ("reference" if be.torch_device().type == "cuda" else "tiny")
+    default_sizes = [1, 2, 4] + list(range(8, 257, 8)) if config == "reference" else [1, 2, 4, 8, 16]
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else default_sizes
+    pools = graphkit.GraphPools(be) if args.mode == "pools" else None
+    engine = Engine(be, config, max_batch=max(sizes), max_model_len=128 if config == "reference" else 64,
+                    pools=pools, keep_outputs=args.keep_outputs, use_torch_api=args.torch_api)
+    try:
+        before = _used(be)
+        if args.mode == "scope":
+            with graphkit.graph_memory(be) as pools:  # no line of the engine changes
+                seconds = engine.capture_graphs(sizes, args.order)
+        else:
+            seconds = engine.capture_graphs(sizes, args.order)
+        growth = _used(be) - before
+        prompts = [[(7 * i + j) % engine.cfg.vocab for j in range(2 + i % 3)] for i in range(3)]
+        out = engine.generate(prompts, args.steps, keep_logits=False)
+        eager = engine.generate(prompts, args.steps, use_graphs=False, keep_logits=False)
+        print(f"mode {args.mode}, order {args.order}, config {config} ({engine.cfg.dtype}), "
+              f"{len(sizes)} sizes up to {max(sizes)}")
+        print(f"tokens (graphs): {out.tokens}")
+        print(f"tokens (eager):  {eager.tokens}  {'equal' if out.tokens == eager.tokens else 'DIFFERENT'}")
+        print(f"capture: {seconds:.3f} s; device memory +{growth / 2**20:.1f} MiB")
+        if pools is not None:
+            print(pools.report())
+    finally:
+        engine.close()  # graphs first, then the pools they drew from
+        if pools is not None:
+            pools.close()
+    return 0 if out.tokens == eager.tokens else 1
+
+if __name__ == "__main__":
+    raise SystemExit(main())

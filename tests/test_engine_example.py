@@ -1,0 +1,184 @@
+"""The engine-shaped decode loop of examples/engine-decode: graphs match eager under every adoption mode,
+the scope gives each capture its own space at the cost of the largest, and everything is released."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+import hal
+import graphkit
+from graphkit.bench.engine_cases import run_engine_case
+
+ENGINE_PATH = Path(__file__).resolve().parents[1] / "examples" / "engine-decode" / "engine.py"
+SIZES = [1, 2, 4, 8]
+MAX_BATCH = 12  # above the largest captured size: larger batches run eagerly
+MODES = ("own", "scope", "pools")
+ORDERS = ("descending", "ascending")
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("engine_decode_example", ENGINE_PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+engine_decode = _load()
+
+
+def backend(name: str = "fake") -> hal.Backend:
+    return hal.get_backend(name, **({"granularity": 1 << 16} if name == "fake" else {}))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny model's ops are far too small for intra-op threads, which only contend on a busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def be():
+    backend_ = backend()
+    yield backend_
+    backend_.close()
+
+
+def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (2 + i % 3,), generator=gen).tolist() for i in range(n)]
+
+
+def capture(be: hal.Backend, mode: str, order: str, sizes: list[int] = SIZES, **engine_options):
+    """An engine with ``sizes`` captured under ``mode``; returns (engine, pools or None)."""
+    pools = graphkit.GraphPools(be) if mode == "pools" else None
+    engine = engine_decode.Engine(be, "tiny", max_batch=MAX_BATCH, max_model_len=32, pools=pools,
+                                  **engine_options)
+    if mode == "scope":
+        with graphkit.graph_memory(be) as pools:
+            engine.capture_graphs(sizes, order)
+    else:
+        engine.capture_graphs(sizes, order)
+    assert sorted(engine.graphs) == sorted(sizes)
+    return engine, pools
+
+
+def assert_matches_eager(engine, n: int, steps: int = 4) -> None:
+    batch = prompts(n, engine.cfg.vocab, seed=n)
+    got = engine.generate(batch, steps)
+    want = engine.generate(batch, steps, use_graphs=False)
+    assert got.tokens == want.tokens
+    assert len(got.tokens) == n and all(len(t) == steps for t in got.tokens)
+    assert len(got.logits) == len(want.logits) == max(len(p) for p in batch) + steps - 1
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    padded = engine.generate(batch, steps, use_graphs=False, padded=True)  # eager on the graph's own inputs
+    assert padded.tokens == got.tokens
+    for a, b in zip(got.logits, padded.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def teardown(be: hal.Backend, engine, pools, last: bool = True) -> None:
+    """Drop the engine's graphs, close the pools; after the ``last`` engine nothing may be live."""
+    engine.reset_graphs()
+    if pools is not None:
+        pools.close()
+    if not last:
+        return
+    live = be.live
+    assert (live.chunks, live.ranges, live.mappings, live.pools, live.graphs) == (0, 0, 0, 0, 0), live
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("mode", MODES)
+def test_graph_decoding_matches_eager(be: hal.Backend, mode: str, order: str) -> None:
+    engine, pools = capture(be, mode, order)
+    assert engine.graph_size_for(3) == 4 and engine.graph_size_for(MAX_BATCH) is None
+    assert_matches_eager(engine, 3)  # padded into the graph of 4
+    assert_matches_eager(engine, 8)  # the largest graph, no padding
+    assert_matches_eager(engine, 10)  # above every graph: eager fallback
+    teardown(be, engine, pools)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_weakly_referenced_outputs_match_eager_and_free_the_pool(be: hal.Backend, order: str) -> None:
+    """vLLM style: outputs held by non-owning aliases leave nothing allocated in the shared pool."""
+    engine, _ = capture(be, "own", order, keep_outputs="weak")
+    assert be.pool_active_blocks(engine.graph_pool) == []
+    assert_matches_eager(engine, 3)
+    teardown(be, engine, None)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_the_scope_gives_each_capture_its_own_space_at_the_cost_of_the_largest(be: hal.Backend,
+                                                                               order: str) -> None:
+    own, _ = capture(be, "own", order)
+    assert be.pool_active_blocks(own.graph_pool) != []  # control: outside the scope the engine's pool is used
+    teardown(be, own, None, last=False)
+
+    engine, pools = capture(be, "scope", order)
+    report = pools.report()
+    assert len(report.keys) == len(SIZES) and len({k.key for k in report.keys}) == len(SIZES)
+    assert all(k.graphs == 1 for k in report.keys)
+    assert engine.graph_pool is not None and be.pool_active_blocks(engine.graph_pool) == []
+    largest_alone, alone_pools = capture(be, "scope", order, sizes=[max(SIZES)])
+    alone = alone_pools.report().chunk_bytes
+    assert alone > 0 and report.chunk_bytes == alone
+    assert report.chunk_bytes == max(k.mapped_bytes for k in report.keys)
+    assert_matches_eager(engine, 5)
+    teardown(be, largest_alone, alone_pools, last=False)
+    teardown(be, engine, pools)
+
+
+def test_graph_pools_cost_the_largest_capture(be: hal.Backend) -> None:
+    engine, pools = capture(be, "pools", "ascending")
+    assert sorted(pools.keys) == SIZES
+    alone, alone_pools = capture(be, "pools", "ascending", sizes=[max(SIZES)])
+    assert pools.report().chunk_bytes == alone_pools.report().chunk_bytes > 0
+    teardown(be, alone, alone_pools, last=False)
+    teardown(be, engine, pools)
+
+
+def test_the_torch_api_needs_cuda(be: hal.Backend) -> None:
+    with pytest.raises(hal.UnsupportedError, match="torch.cuda.graph"):
+        engine_decode.Engine(be, "tiny", use_torch_api=True)
+
+
+@pytest.mark.parametrize("strategy, order", [("own-kept", "descending"), ("graph_memory", "on-demand")])
+def test_engine_case_of_the_bench(be: hal.Backend, strategy: str, order: str) -> None:
+    result = run_engine_case(strategy, order, [1, 2, 4, 8], be, config="tiny", iters=3)
+    assert result["strategy"] == strategy and result["order"] == order and result["sizes"] == [1, 2, 4, 8]
+    assert result["tokens_equal"] is True and result["max_abs_error"] < 1e-4
+    assert result["graph_memory_bytes"] > 0 and result["capture_seconds"] > 0
+    assert set(result["replay_ms"]) == {"1", "8"} and all(ms > 0 for ms in result["replay_ms"].values())
+    assert (result["replay_ms_1"], result["replay_ms_max"]) == (result["replay_ms"]["1"], result["replay_ms"]["8"])
+    if strategy == "graph_memory":
+        assert result["chunk_bytes"] == result["graph_memory_bytes"]  # on fake, the chunks are all it adds
+    else:
+        assert result["chunk_bytes"] is None
+    assert be.live.zero, be.live
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["scope", "pools"])
+@pytest.mark.parametrize("backend_name", [pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)])
+def test_the_framework_capture_api_is_intercepted_on_cuda(backend_name: str, mode: str) -> None:
+    """Captures made with torch.cuda.graph itself, as engines write them, land in graphkit's spaces."""
+    with backend(backend_name) as be:
+        engine, pools = capture(be, mode, "descending", use_torch_api=True)
+        report = pools.report()
+        assert len(report.keys) == len(SIZES) and report.chunk_bytes > 0
+        assert all(k.mapped_bytes > 0 for k in report.keys)
+        assert_matches_eager(engine, 3)
+        assert_matches_eager(engine, 8)
+        teardown(be, engine, pools)
