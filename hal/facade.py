@@ -24,6 +24,9 @@ from hal.wrappers import Accounting, FaultInjector, LiveCounts, install_tracing
 
 log = logging.getLogger("hal")
 
+#: sizes and addresses are 64-bit in every driver: larger ones would wrap
+ADDRESS_LIMIT = 1 << 64
+
 
 class Backend:
     """One backend on one device: typed, checked calls into the hal contract.
@@ -80,6 +83,8 @@ class Backend:
     def _check_size(self, call: str, size: Any, arg: str = "size") -> None:
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise self._err(InvalidArgumentError, call, f"{arg}={size!r} must be a positive int")
+        if size >= ADDRESS_LIMIT:  # would wrap in the driver's size_t
+            raise self._err(InvalidArgumentError, call, f"{arg}={size} is not below 2**64")
         g = self.granularity
         if size % g:
             raise self._err(
@@ -88,8 +93,8 @@ class Backend:
             )
 
     def _check_ptr(self, call: str, ptr: Any) -> None:
-        if not isinstance(ptr, int) or isinstance(ptr, bool):
-            raise self._err(InvalidArgumentError, call, f"ptr={ptr!r} must be an int address")
+        if not isinstance(ptr, int) or isinstance(ptr, bool) or not 0 <= ptr < ADDRESS_LIMIT:
+            raise self._err(InvalidArgumentError, call, f"ptr={ptr!r} must be an int address in [0, 2**64)")
 
     def _require(self, hook: str) -> None:
         if hook not in self._implemented:

@@ -20,7 +20,7 @@ import pluggy
 
 from hal import api
 from hal.api import hookimpl
-from hal.errors import DriverError
+from hal.errors import DriverError, InvalidArgumentError
 
 log = logging.getLogger("hal.trace")
 
@@ -176,9 +176,11 @@ class FaultInjector:
         The default error is a :class:`~hal.DriverError` that says it was injected.
         """
         if hook not in api.ALL_HOOKS:
-            raise ValueError(f"fail(hook={hook!r}): not a hook of the hal contract")
-        if nth < 1:
-            raise ValueError(f"fail(nth={nth}): must be >= 1")
+            raise InvalidArgumentError(f"hook={hook!r} is not a hook of the hal contract", backend=self._backend_name,
+                                       call="faults.fail")
+        if not isinstance(nth, int) or isinstance(nth, bool) or nth < 1:
+            raise InvalidArgumentError(f"nth={nth!r} must be an int >= 1", backend=self._backend_name,
+                                       call="faults.fail")
         with self._lock:
             self._rules.append(_Rule(hook, nth, error))
 
