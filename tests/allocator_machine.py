@@ -74,8 +74,8 @@ def allocator_machine(make_backend: Callable[[], hal.Backend], host_visible: boo
             del self.hw[sid], self.allocs[sid]
             self.chunks = -(-max(self.hw.values(), default=0) // self.g)
             self.extended = False
-            if not self.hw:
-                assert self.alloc.num_arenas == 0  # an empty arena goes back to the driver
+            if not self.hw:  # an empty arena goes back to the driver, or is kept when that failed
+                assert self.alloc.num_arenas <= 1 and self.alloc.reserved_bytes == 0
 
         @rule(hook=st.sampled_from(VMM_HOOKS), nth=st.integers(1, 3))
         def inject_fault(self, hook: str, nth: int) -> None:

@@ -188,4 +188,5 @@ def test_in_place_view_ops_replay_the_same_every_time() -> None:
         be.replay(graph)
         torch.testing.assert_close(out, step(x))
     be.release_graph(graph)
+    del out
     be.close()

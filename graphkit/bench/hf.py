@@ -93,6 +93,8 @@ def hf_config(size: Size) -> Any:
     if config_class is None:  # transformers < 4.51
         config_class = tf.LlamaConfig
     rope_theta = shape.pop("rope_theta")
+    if config_class is not tf.LlamaConfig:
+        shape.update(use_sliding_window=False, sliding_window=None)  # as Qwen3-0.6B's own config
     config = config_class(**shape, attention_dropout=0.0, use_cache=True)
     # 5.x keeps rope parameters in a dict (rope_parameters), 4.x in rope_theta
     if isinstance(getattr(config, "rope_parameters", None), dict):
@@ -161,20 +163,24 @@ class HFDecode:
     def _new_cache(self, tf: Any) -> Any:
         shape = (self.max_batch, self.kv_heads, self.max_len, self.head_dim)
         params = inspect.signature(tf.StaticCache.__init__).parameters
-        if "max_batch_size" in params:  # 4.50 - 4.55: tensors made by the constructor
-            return tf.StaticCache(config=self.config, max_batch_size=self.max_batch, max_cache_len=self.max_len,
-                                  device=self.device, dtype=self.dtype)
-        cache = tf.StaticCache(config=self.config, max_cache_len=self.max_len)
-        if hasattr(cache, "early_initialization"):
-            cache.early_initialization(batch_size=self.max_batch, num_heads=self.kv_heads, head_dim=self.head_dim,
-                                       dtype=self.dtype, device=self.device)
-        else:  # pragma: no cover - layered caches without early_initialization: the first update sizes them
-            kv = torch.zeros(shape, dtype=self.dtype, device=self.device)[:, :, :1]
-            for layer in cache.layers:
-                try:
-                    layer.lazy_initialization(kv, kv)
-                except TypeError:
-                    layer.lazy_initialization(kv)
+        if "max_batch_size" in params or "max_cache_len" not in params:
+            # 4.50 - 4.55: the constructor makes the tensors (4.55's takes *args, **kwargs)
+            cache = tf.StaticCache(config=self.config, max_batch_size=self.max_batch, max_cache_len=self.max_len,
+                                   device=self.device, dtype=self.dtype)
+        else:  # 4.56 on: the layers are sized by early_initialization or the first update
+            cache = tf.StaticCache(config=self.config, max_cache_len=self.max_len)
+        layers = getattr(cache, "layers", [])
+        if any(getattr(layer, "keys", None) is None for layer in layers):
+            if hasattr(cache, "early_initialization"):
+                cache.early_initialization(batch_size=self.max_batch, num_heads=self.kv_heads,
+                                           head_dim=self.head_dim, dtype=self.dtype, device=self.device)
+            else:  # pragma: no cover - a layered cache without early_initialization: what its first update does
+                kv = torch.zeros(shape, dtype=self.dtype, device=self.device)[:, :, :1]
+                for layer in layers:
+                    try:
+                        layer.lazy_initialization(kv, kv)
+                    except TypeError:
+                        layer.lazy_initialization(kv)
         for layer in getattr(cache, "layers", []):
             if tuple(layer.keys.shape) != shape:
                 raise NotImplementedError(f"transformers {tf.__version__}: static cache layer of shape "

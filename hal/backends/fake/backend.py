@@ -92,7 +92,10 @@ class FakeBackend:
         return ptr
 
     def device_free(self, ptr: int, size: int) -> None:
-        hostvm.free(ptr, self._anon.pop(ptr))
+        owned = self._anon.pop(ptr, None)
+        if owned is None:  # freed by shutdown already (a tensor outlived its backend)
+            return
+        hostvm.free(ptr, owned)
         self._refund(size)
 
     @staticmethod
