@@ -134,5 +134,9 @@ def capture(backend: hal.Backend, fn: Callable[..., Any], inputs: dict[str, Any]
         raise
     seconds = time.perf_counter() - t0
     leftovers = leftover_blocks(backend, lease, outputs, before)
-    report_leftovers(backend, leftovers, what, strict=strict_hygiene)
+    try:
+        report_leftovers(backend, leftovers, what, strict=strict_hygiene)
+    except CaptureHygieneError:
+        backend.release_graph(graph)  # rejected: nobody else holds it
+        raise
     return Captured(graph, outputs, seconds, leftovers)

@@ -196,20 +196,27 @@ class GraphRunner:
         """
         with self._lock:
             self._check_open()
-            if self.inputs is None:
+            fresh = self.inputs is None
+            if fresh:
                 device = self.backend.torch_device()
                 self.inputs = StaticInputs(example_inputs, self.max_size, self.fill, device)
-                self.inputs.update(example_inputs, min(self.inputs.batch_of(
-                    {k: v.to(device) for k, v in example_inputs.items()}), self.max_size), self.max_size)
+                with torch.no_grad():
+                    self.inputs.update(example_inputs, min(self.inputs.batch_of(
+                        {k: v.to(device) for k, v in example_inputs.items()}), self.max_size), self.max_size)
             if self.mode == "none" or self.on_demand:
                 return self
             todo = [s for s in self._ordered(order, seed) if s not in self._buckets]
-            with tqdm(total=len(todo), desc=f"capturing ({self.pool})", unit="size",
-                      disable=not self.progress, leave=False) as bar:
-                for size in todo:
-                    bar.set_postfix(batch=size)
-                    self._capture_size(size)
-                    bar.update()
+            try:
+                with tqdm(total=len(todo), desc=f"capturing ({self.pool})", unit="size",
+                          disable=not self.progress, leave=False) as bar:
+                    for size in todo:
+                        bar.set_postfix(batch=size)
+                        self._capture_size(size)
+                        bar.update()
+            except BaseException:
+                if fresh and not self._buckets:  # nothing captured: the next capture takes new examples
+                    self.inputs = None
+                raise
             return self
 
     def _ordered(self, order: Order | Sequence[int], seed: int) -> list[int]:
@@ -306,27 +313,33 @@ class GraphRunner:
 
     def __call__(self, **inputs: torch.Tensor) -> Any:
         """Run the step on ``inputs`` through the graph that fits; see the class doc for outputs."""
-        self._check_open()
-        if self.inputs is None:
-            raise hal.InvalidStateError("call capture(**example_inputs) first", backend=self.backend.name,
-                                        call="GraphRunner")
-        batch = self.inputs.batch_of(inputs)
-        size = self.bucket_for(batch) if self.mode != "none" else None
-        if size is None:
-            if batch > self.max_size and self.oversize == "error":
+        with self._lock:  # close() and captures may race this call: decide under the lock
+            self._check_open()
+            if self.inputs is None:
+                raise hal.InvalidStateError("call capture(**example_inputs) first", backend=self.backend.name,
+                                            call="GraphRunner")
+            batch = self.inputs.batch_of(inputs)
+            size = self.bucket_for(batch) if self.mode != "none" else None
+            if size is None and batch > self.max_size and self.oversize == "error":
                 raise hal.InvalidArgumentError(f"batch {batch} is above the largest captured size "
                                                f"{self.max_size}", backend=self.backend.name, call="GraphRunner")
-            with torch.no_grad():
-                return self._eager_pipeline(**inputs)
-        with self._lock:
-            if self.saver is not None:
-                self.saver.check_awake("graphs", "GraphRunner")
-            bucket = self._buckets.get(size) or self._capture_size(size)
-            self.inputs.update(inputs, batch, size)
-            if self.debug:
-                self._check_addresses()
-            out = self._replay(bucket)
-            return self._deliver(out, batch, size)
+            # a graph gives no gradients: a call that wants them runs eagerly, with autograd
+            wants_grad = torch.is_grad_enabled() and any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(inputs)[0])
+            if size is not None and not wants_grad:
+                if self.saver is not None:
+                    self.saver.check_awake("graphs", "GraphRunner")
+                bucket = self._buckets.get(size) or self._capture_size(size)
+                with torch.no_grad():
+                    self.inputs.update(inputs, batch, size)
+                if self.debug:
+                    self._check_addresses()
+                out = self._replay(bucket)
+                return self._deliver(out, batch, size)
+        if wants_grad:
+            return self._eager_pipeline(**inputs)
+        with torch.no_grad():
+            return self._eager_pipeline(**inputs)
 
     def _replay(self, bucket: _Bucket) -> Any:
         be = self.backend

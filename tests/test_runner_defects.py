@@ -1,0 +1,109 @@
+"""Runner defects, each with the test that shows it fixed: gradients, failed first captures, hygiene, close races."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import hal
+import graphkit
+
+G = 1 << 16
+
+
+@pytest.fixture
+def be():
+    backend = hal.get_backend("fake", granularity=G)
+    yield backend
+    backend.close()
+
+
+def test_a_call_that_wants_gradients_runs_eagerly_and_the_runner_keeps_working(be: hal.Backend) -> None:
+    w = torch.randn(16, 16)
+    runner = graphkit.GraphRunner(lambda x: torch.tanh(x @ w), sizes=[2, 4], backend=be, progress=False)
+    runner.capture(x=torch.zeros(4, 16))
+    x = torch.randn(3, 16, requires_grad=True)
+    y = runner(x=x)
+    y.sum().backward()  # gradients flow: the call ran eagerly with autograd
+    assert x.grad is not None and x.grad.shape == x.shape
+    for _ in range(3):  # and the graphs still serve plain calls
+        plain = torch.randn(3, 16)
+        torch.testing.assert_close(runner(x=plain), torch.tanh(plain @ w))
+    with torch.no_grad():  # no gradients wanted: the graph serves it
+        torch.testing.assert_close(runner(x=x), torch.tanh(x @ w))
+    runner.close()
+
+
+def test_a_failed_first_capture_does_not_pin_its_examples(be: hal.Backend) -> None:
+    calls = {"n": 0}
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        if x.shape[1] != 8:
+            return x * float(x.sum().item())  # a host sync: the capture fails
+        return x * 2
+
+    runner = graphkit.GraphRunner(step, sizes=[2, 4], backend=be, progress=False, warmup=0)
+    with pytest.raises(hal.CaptureError):
+        runner.capture(x=torch.zeros(4, 5))
+    runner.capture(x=torch.zeros(4, 8))  # new examples, new static buffers
+    assert runner.inputs.buffers["x"].shape == (4, 8)
+    torch.testing.assert_close(runner(x=torch.ones(3, 8)), torch.full((3, 8), 2.0))
+    runner.close()
+    assert be.live.graphs == 0
+
+
+def test_strict_hygiene_releases_the_graph_it_rejects(be: hal.Backend) -> None:
+    cache: dict = {}
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        cache.setdefault("table", torch.ones(512, 4))  # born in the capture and kept
+        return x + cache["table"][: x.shape[0]]
+
+    runner = graphkit.GraphRunner(step, sizes=[4], backend=be, progress=False, warmup=0, strict_hygiene=True)
+    with pytest.raises(graphkit.CaptureHygieneError):
+        runner.capture(x=torch.zeros(4, 4))
+    assert be.live.graphs == 0  # the rejected graph was released
+    cache.clear()
+    runner.close()
+
+
+def test_close_racing_calls_gives_hal_errors_only(be: hal.Backend) -> None:
+    w = torch.randn(32, 32)
+    runner = graphkit.GraphRunner(lambda x: x @ w, sizes=[1, 2, 4, 8], backend=be, progress=False, on_demand=True)
+    runner.capture(x=torch.zeros(8, 32))
+    errors: list[BaseException] = []
+    wrong = []
+    start = threading.Barrier(5)
+
+    def caller(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        start.wait()
+        for i in range(200):
+            x = torch.randn(1 + i % 8, 32, generator=gen)
+            try:
+                y = runner(x=x)
+            except hal.InvalidStateError:
+                return
+            except BaseException as exc:  # anything else is a defect
+                errors.append(exc)
+                return
+            if not torch.allclose(y, x @ w, rtol=1e-4, atol=1e-4):
+                wrong.append(i)
+
+    threads = [threading.Thread(target=caller, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    start.wait()
+    runner.close()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert not wrong
+    with pytest.raises(hal.InvalidStateError, match="closed"):
+        runner(x=torch.zeros(2, 32))
+    with pytest.raises(hal.InvalidStateError, match="closed"):
+        runner.capture(x=torch.zeros(8, 32))
+    assert be.live.graphs == 0
