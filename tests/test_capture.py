@@ -190,3 +190,23 @@ def test_in_place_view_ops_replay_the_same_every_time() -> None:
     be.release_graph(graph)
     del out
     be.close()
+
+
+@pytest.mark.parametrize("read", [
+    lambda t: t.tolist(), lambda t: t.numpy(), lambda t: repr(t), lambda t: str(t), lambda t: print(t),
+    lambda t: f"{t}", lambda t: [float(v) for v in t],
+])
+def test_every_host_read_inside_a_fake_capture_raises(read) -> None:
+    """A value read on the host would be baked into the tape: the replay would branch as at capture time."""
+    be = hal.get_backend("fake", granularity=1 << 16)
+    before = {name: vars(torch.Tensor).get(name) for name in ("tolist", "numpy", "__repr__", "__format__")}
+    x = torch.ones(4)
+    graph = be.create_graph()
+    with pytest.raises(hal.CaptureError):
+        with be.capture(graph):
+            y = x * 2
+            read(y)
+    be.release_graph(graph)
+    assert {name: vars(torch.Tensor).get(name) for name in before} == before  # torch as it was
+    assert x.tolist() == [1.0] * 4 and "tensor" in repr(x)  # outside a capture, reads work
+    be.close()

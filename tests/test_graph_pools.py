@@ -71,6 +71,10 @@ def test_each_capture_in_the_scope_gets_its_own_space_over_shared_chunks(be: hal
     assert report.chunk_bytes == max(k.mapped_bytes for k in report.keys)  # N captures cost the largest one
     be.release_pool(engine_pool)
     replays_match(be, step, graphs)
+    for graph, _, _ in graphs.values():
+        be.release_graph(graph)
+    del graphs, graph, out
+    pools.close()
 
 
 def test_the_scope_is_what_engines_write(be: hal.Backend) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -260,6 +261,60 @@ def _materialise(graph: FakeGraph) -> None:
             graph.entries[i] = ("view",)
 
 
+#: tensor methods that read values on the host without going through torch's dispatcher
+HOST_READ_METHODS = ("tolist", "numpy", "__array__", "__repr__", "__str__", "__format__")
+_capturing = threading.local()
+_patch_lock = threading.Lock()
+_patch_users = 0
+
+
+def _refusing(name: str, original: Any) -> Any:
+    def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_capturing, "depth", 0):
+            raise CaptureError(
+                f"Tensor.{name}() reads values on the host during a graph capture; the graph would replay "
+                "with the values seen at capture time. Move it out of the captured function",
+                backend="fake", call="capture")
+        return original(self, *args, **kwargs)
+
+    method.__name__ = name
+    method._hal_original = original  # type: ignore[attr-defined]
+    return method
+
+
+@contextlib.contextmanager
+def _host_reads_refused() -> Iterator[None]:
+    """On this thread, inside the block, Tensor.tolist(), .numpy(), repr() and print() raise CaptureError.
+
+    They read memory directly, so the recording mode never sees them; on a
+    device they would need a host synchronisation, which a capture forbids.
+    The methods are wrapped while any capture runs and restored after the last.
+    """
+    global _patch_users
+    with _patch_lock:
+        if _patch_users == 0:
+            for name in HOST_READ_METHODS:
+                setattr(torch.Tensor, name, _refusing(name, getattr(torch.Tensor, name)))
+        _patch_users += 1
+    _capturing.depth = getattr(_capturing, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _capturing.depth -= 1
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                for name in HOST_READ_METHODS:
+                    original = getattr(torch.Tensor, name)._hal_original
+                    if name in _ORIGINAL_DICT:
+                        setattr(torch.Tensor, name, original)
+                    else:
+                        delattr(torch.Tensor, name)
+
+
+_ORIGINAL_DICT = {name for name in HOST_READ_METHODS if name in vars(torch.Tensor)}
+
+
 @contextlib.contextmanager
 def capture(graph: FakeGraph, pool: BlockPool) -> Iterator[FakeGraph]:
     """Record the torch work done inside the block into ``graph``, placing results in ``pool``."""
@@ -267,7 +322,7 @@ def capture(graph: FakeGraph, pool: BlockPool) -> Iterator[FakeGraph]:
         raise InvalidStateError("a graph can be captured once", backend="fake", call="capture")
     recorder = _Recorder(graph, pool)
     try:
-        with recorder:
+        with recorder, _host_reads_refused():
             yield graph
     except BaseException:
         graph.ops.clear()
