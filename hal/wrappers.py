@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -52,8 +53,8 @@ class Accounting:
         self.ranges: dict[int, int] = {}
         self.chunks: dict[Any, int] = {}
         self.mappings: dict[int, int] = {}
-        self.pools: set[int] = set()
-        self.graphs: set[int] = set()
+        self.pools = _Tracked()
+        self.graphs = _Tracked()
         self.calls: Counter[str] = Counter()
 
     def snapshot(self) -> LiveCounts:
@@ -121,29 +122,63 @@ class Accounting:
     def create_pool(self) -> Iterator[None]:
         pool = yield
         with self._lock:
-            self.pools.add(id(pool))
+            self.pools.add(pool)
         return pool
 
     @hookimpl(wrapper=True)
     def release_pool(self, pool: Any) -> Iterator[None]:
         result = yield
         with self._lock:
-            self.pools.discard(id(pool))
+            self.pools.discard(pool)
         return result
 
     @hookimpl(wrapper=True)
     def create_graph(self) -> Iterator[None]:
         graph = yield
         with self._lock:
-            self.graphs.add(id(graph))
+            self.graphs.add(graph)
         return graph
 
     @hookimpl(wrapper=True)
     def release_graph(self, graph: Any) -> Iterator[None]:
         result = yield
         with self._lock:
-            self.graphs.discard(id(graph))
+            self.graphs.discard(graph)
         return result
+
+
+class _Tracked:
+    """Objects made and not yet released, tracked by identity, never by a reusable ``id()``.
+
+    An object dropped without release stays counted (it was never released)
+    even after the garbage collector took it and its ``id`` went to another
+    object. Objects that take weak references are held weakly, others strongly.
+    """
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, list[Any]] = {}  # id at creation -> [weakref or object]
+        self._count = 0
+
+    def add(self, obj: Any) -> None:
+        try:
+            ref: Any = weakref.ref(obj)
+        except TypeError:
+            ref = lambda obj=obj: obj  # noqa: E731 - no weak reference: hold it
+        self._by_id.setdefault(id(obj), []).append(ref)
+        self._count += 1
+
+    def discard(self, obj: Any) -> None:
+        refs = self._by_id.get(id(obj), [])
+        for i, ref in enumerate(refs):
+            if ref() is obj:
+                del refs[i]
+                if not refs:
+                    del self._by_id[id(obj)]
+                self._count -= 1
+                return
+
+    def __len__(self) -> int:
+        return self._count
 
 
 @dataclass

@@ -39,3 +39,21 @@ def test_fault_rules_take_whole_counts(be: hal.Backend, nth: object) -> None:
     with pytest.raises(hal.InvalidArgumentError, match="hook="):
         be.faults.fail("no_such_hook")
     assert be.faults.pending == 0
+
+
+def test_live_counts_every_graph_dropped_without_release(be: hal.Backend) -> None:
+    """Tracked by identity: ids of collected graphs are reused, the count must not shrink with them."""
+    import gc
+
+    for _ in range(1000):
+        be.create_graph()  # dropped at once, never released
+    gc.collect()
+    assert be.live.graphs == 1000
+    kept = [be.create_graph() for _ in range(3)]
+    for graph in kept:
+        be.release_graph(graph)
+    assert be.live.graphs == 1000
+    pool = be.create_pool()
+    be.release_pool(pool)
+    be.release_pool(pool)  # twice: counted once
+    assert be.live.pools == 0
