@@ -397,6 +397,18 @@ class Backend:
                 log.warning("%s: close() releases %d mapping(s), %d range(s), %d chunk(s) still live",
                             self.name, *leftovers)
             errors: list[BaseException] = []
+            graphs, pools = self.accounting.graphs.alive(), self.accounting.pools.alive()
+            if graphs or pools:
+                log.warning("%s: close() releases %d graph(s) and %d pool(s) still live", self.name, len(graphs),
+                            len(pools))
+            for graph in graphs:  # graphs first: they hold their pools' memory
+                with _collect(errors):
+                    self.release_graph(graph)
+            for pool in pools:
+                with _collect(errors):
+                    self.release_pool(pool)
+            self.accounting.graphs.clear()  # what was collected unreleased is gone with the backend
+            self.accounting.pools.clear()
             for m in list(self._mappings.values()):
                 with _collect(errors):
                     self.unmap(m.ptr, m.size)

@@ -180,6 +180,14 @@ class _Tracked:
     def __len__(self) -> int:
         return self._count
 
+    def alive(self) -> list[Any]:
+        """The tracked objects still alive (not released, not collected)."""
+        return [obj for refs in self._by_id.values() for ref in refs if (obj := ref()) is not None]
+
+    def clear(self) -> None:
+        self._by_id.clear()
+        self._count = 0
+
 
 @dataclass
 class _Rule:

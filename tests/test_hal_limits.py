@@ -57,3 +57,20 @@ def test_live_counts_every_graph_dropped_without_release(be: hal.Backend) -> Non
     be.release_pool(pool)
     be.release_pool(pool)  # twice: counted once
     assert be.live.pools == 0
+
+
+def test_close_releases_pools_and_graphs_left_live() -> None:
+    import torch
+
+    be = hal.get_backend("fake", granularity=G)
+    graph = be.create_graph()
+    x = torch.ones(4)
+    with be.capture(graph):
+        y = x * 2
+    kept_pool = be.create_pool()
+    be.create_graph()  # dropped unreleased
+    assert be.live.graphs == 2 and be.live.pools == 1
+    be.close()
+    assert be.live.zero, be.live
+    assert graph.released and kept_pool._released
+    del y
