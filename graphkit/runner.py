@@ -401,12 +401,24 @@ class GraphRunner:
                             self.graph_memory(), self.strategy.figures() if self.strategy else {})
 
     def _release_bucket(self, bucket: _Bucket) -> None:
+        """Release every graph and the lease of a bucket; a failure does not stop the rest (the first is raised)."""
+        errors: list[BaseException] = []
         for graph in bucket.graphs:
-            self.backend.release_graph(graph)
+            try:
+                self.backend.release_graph(graph)
+            except hal.HalError as exc:
+                log.error("batch %d: a graph could not be released: %s", bucket.size, exc)
+                errors.append(exc)
         bucket.graphs.clear()
         bucket.outputs.clear()
         bucket.piece_inputs.clear()
-        self.strategy.give_back(bucket.lease)
+        try:
+            self.strategy.give_back(bucket.lease)
+        except hal.HalError as exc:
+            log.error("batch %d: its pool could not be given back: %s", bucket.size, exc)
+            errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def _forget(self, size: int) -> _Bucket:
         self._captured.remove(size)
@@ -430,19 +442,30 @@ class GraphRunner:
         with self._lock:
             if self._closed:
                 return
+            self._closed = True  # from here on every call raises InvalidStateError
+            errors: list[BaseException] = []
             self.backend.synchronize()
             gc.collect()  # tensors of the pools caught in reference cycles go while the pools exist
             for size in list(self._captured):
-                self._release_bucket(self._forget(size))
+                try:
+                    self._release_bucket(self._forget(size))
+                except hal.HalError as exc:  # keep going: release what can be released
+                    errors.append(exc)
             if self.strategy is not None:
                 if self.saver is not None:
                     self.saver.forget(self.strategy.allocator)
-                self.strategy.close()
+                try:
+                    self.strategy.close()
+                except hal.HalError as exc:
+                    errors.append(exc)
             self.inputs = None
             self._static_out = None
-            self._closed = True
             if self._owns_backend:
                 self.backend.close()
+            if errors:
+                log.error("close: %d release(s) failed; what they held is still live (Backend.close() "
+                          "releases it)", len(errors))
+                raise errors[0]
 
     def __enter__(self) -> "GraphRunner":
         return self

@@ -107,3 +107,22 @@ def test_close_racing_calls_gives_hal_errors_only(be: hal.Backend) -> None:
     with pytest.raises(hal.InvalidStateError, match="closed"):
         runner.capture(x=torch.zeros(8, 32))
     assert be.live.graphs == 0
+
+
+@pytest.mark.parametrize("hook", ["release_graph", "release_pool", "unmap", "release_phy_mem_handle"])
+def test_a_fault_during_close_releases_everything_else(be: hal.Backend, hook: str) -> None:
+    w = torch.randn(64, 64)
+    runner = graphkit.GraphRunner(lambda x: torch.tanh(x @ w), sizes=[1, 2, 4, 8], backend=be, progress=False)
+    runner.capture(x=torch.zeros(8, 64))
+    be.faults.fail(hook, nth=1)
+    try:
+        runner.close()  # a hal error, or a clean recovery (a chunk release is retried at once)
+    except hal.DriverError as exc:
+        assert "injected" in str(exc)
+    be.faults.clear()
+    with pytest.raises(hal.InvalidStateError, match="closed"):
+        runner(x=torch.zeros(1, 64))
+    live = be.live
+    assert live.graphs <= 1 and live.pools <= 1  # only what the failed call held
+    be.close()  # and the backend releases that
+    assert be.live.zero, be.live
