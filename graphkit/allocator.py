@@ -423,7 +423,11 @@ class SharedVMMAllocator:
 
         def drop() -> None:
             self._chunks.remove(handle)
-            self.backend.release_phy_mem_handle(handle)
+            try:
+                self.backend.release_phy_mem_handle(handle)
+            except BaseException:
+                self._zombies.append(handle)  # a second fault: released later, never lost
+                raise
 
         undo.push("release chunk", drop)
 

@@ -132,7 +132,7 @@ class GraphRunner:
         def bad(message: str) -> hal.InvalidArgumentError:
             return hal.InvalidArgumentError(message, backend=be.name, call="GraphRunner")
 
-        if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
+        if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
             raise bad(f"sizes={list(sizes)!r} must be positive ints")
         if mode not in ("full", "piecewise", "none"):
             raise bad(f"mode={mode!r} must be full, piecewise or none")

@@ -163,3 +163,21 @@ if compiler_reason() is None:
 else:  # pragma: no cover - machines without a C compiler
     @pytest.mark.skip(reason=f"driver simulators cannot be built: {compiler_reason()}")
     def test_allocator_machine_over_simulators() -> None: ...
+
+
+def test_a_second_fault_during_a_rollback_loses_nothing(be: hal.Backend) -> None:
+    """The rollback of a failed allocation cannot release a chunk: it is kept and released later."""
+    a = graphkit.SharedVMMAllocator(be, reserve_bytes=16 * G)
+    a.switch_to_new_virtual_space()
+    be.faults.fail("map", nth=3)  # the third chunk's map fails: the allocation rolls back...
+    be.faults.fail("release_phy_mem_handle", nth=1)  # ...and releasing the third chunk fails too
+    with pytest.raises(hal.DriverError):
+        a.allocate(3 * G)
+    be.faults.clear()
+    assert a.physical_bytes == 0 and a.pending_release == 1
+    assert be.live.chunks == 1 and be.live.mappings == 0  # tracked, not leaked
+    a.switch_to_new_virtual_space()  # the next operation retries the release
+    assert a.pending_release == 0 and be.live.chunks == 0
+    a.allocate(2 * G)
+    a.close()
+    assert be.live.zero

@@ -126,3 +126,9 @@ def test_a_fault_during_close_releases_everything_else(be: hal.Backend, hook: st
     assert live.graphs <= 1 and live.pools <= 1  # only what the failed call held
     be.close()  # and the backend releases that
     assert be.live.zero, be.live
+
+
+@pytest.mark.parametrize("sizes", [[True, 2], [1.5], [0], [], ["4"]])
+def test_sizes_must_be_positive_ints(be: hal.Backend, sizes: list) -> None:
+    with pytest.raises(hal.InvalidArgumentError, match="sizes="):
+        graphkit.GraphRunner(lambda x: x, sizes=sizes, backend=be, progress=False)

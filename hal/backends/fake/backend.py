@@ -143,6 +143,9 @@ class FakeBackend:
         except OSError as exc:
             self._refund(size)
             raise self._os_error("create_phy_mem_handle", exc) from exc
+        except BaseException:  # OverflowError and the like: nothing may stay charged
+            self._refund(size)
+            raise
         handle = next(self._handle_ids)
         self._chunks[handle] = (fd, size)
         return handle
