@@ -160,6 +160,7 @@ class SharedVMMAllocator:
         self.last_error: str | None = None
         self._closed = False
         self._paused_chunks: int | None = None  # chunk count to recreate on resume; None: awake
+        self.parked_bytes = 0  # address space left over a scratch chunk at close (tensors still used it)
 
     # -- figures ------------------------------------------------------------------
 
@@ -582,23 +583,36 @@ class SharedVMMAllocator:
     def closed(self) -> bool:
         return self._closed
 
-    def close(self) -> None:
-        """Unmap every space, free the arenas, release every chunk. Idempotent."""
+    def close(self, park_live: bool = False) -> None:
+        """Unmap every space, free the arenas, release every chunk. Idempotent.
+
+        :param park_live: a space that a framework tensor still uses (a view
+            output kept after its graph) is *parked* instead: its range stays
+            reserved and mapped to one scratch chunk, so reading the tensor
+            gives garbage instead of a fault. Parked memory (one granule, and
+            the ranges) is given back only by :meth:`hal.Backend.close`.
+        """
         with self._lock:
             if self._closed:
                 return
-            busy = {s.id: s.live_allocations for s in self._spaces.values() if s.live_allocations}
-            if busy:
-                log.warning("closing with allocations still live in space(s) %s: tensors still using them "
-                            "must not be touched after this", busy)
             errors: list[BaseException] = []
+            busy = [s for s in self._spaces.values() if s.live_allocations and s.mapped and not self.paused]
+            if busy and not park_live:
+                log.warning("closing with allocations still live in space(s) %s: tensors still using them "
+                            "must not be touched after this", [s.id for s in busy])
+            parked = self._park(busy, errors) if busy and park_live else []
             for space in list(self._spaces.values()):
+                if space in parked:
+                    continue
                 for index in range(0 if self.paused else space.mapped):
                     try:
                         self.backend.unmap(space.base + index * self.granularity, self.granularity)
                     except Exception as exc:
                         errors.append(exc)
+            keep = {id(s.arena) for s in parked}
             for arena in self._arenas:
+                if id(arena) in keep:
+                    continue
                 try:
                     self.backend.release_vir_ptr(arena.base, arena.size)
                 except Exception as exc:
@@ -613,6 +627,30 @@ class SharedVMMAllocator:
             if errors or self._zombies:
                 raise (errors[0] if errors else hal.InvalidStateError(
                     f"{len(self._zombies)} chunk(s) could not be released", backend=self.backend.name, call="close"))
+
+    def _park(self, busy: list[VirtualSpace], errors: list[BaseException]) -> list[VirtualSpace]:
+        """Map one scratch chunk over every granule of the busy spaces in place of the real chunks."""
+        g = self.granularity
+        try:
+            scratch = self.backend.create_phy_mem_handle(g)
+        except hal.HalError as exc:
+            log.warning("closing with allocations still live in space(s) %s and no memory for a scratch chunk: "
+                        "tensors still using them must not be touched after this", [s.id for s in busy])
+            errors.append(exc)
+            return []
+        for space in busy:
+            for index in range(space.mapped):
+                ptr = space.base + index * g
+                try:
+                    self.backend.unmap(ptr, g)
+                    self.backend.map(ptr, g, scratch)
+                except Exception as exc:
+                    errors.append(exc)
+        self.parked_bytes = sum(s.size for s in busy)
+        log.warning("closing with allocations still live in space(s) %s: their %s stay reserved over a scratch "
+                    "chunk (reads give garbage) until the backend closes", [s.id for s in busy],
+                    fmt_bytes(self.parked_bytes))
+        return busy
 
     def __enter__(self) -> "SharedVMMAllocator":
         return self

@@ -122,8 +122,8 @@ class VmmPools(PoolStrategy):
 
     def close(self) -> None:
         self.settle()
-        if self._own:
-            self.allocator.close()
+        if self._own:  # outputs the caller still holds (views) keep readable memory under them
+            self.allocator.close(park_live=True)
 
     def figures(self) -> dict[str, int]:
         return {

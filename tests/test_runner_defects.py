@@ -132,3 +132,29 @@ def test_a_fault_during_close_releases_everything_else(be: hal.Backend, hook: st
 def test_sizes_must_be_positive_ints(be: hal.Backend, sizes: list) -> None:
     with pytest.raises(hal.InvalidArgumentError, match="sizes="):
         graphkit.GraphRunner(lambda x: x, sizes=sizes, backend=be, progress=False)
+
+
+VIEW_AFTER_CLOSE = """
+import torch, hal, graphkit
+be = hal.get_backend("fake", granularity=1 << 16)
+runner = graphkit.GraphRunner(lambda x: x * 2, sizes=[4, 8], backend=be, outputs="view", progress=False)
+runner.capture(x=torch.zeros(8, 16))
+held = runner(x=torch.ones(3, 16))
+runner.close()
+total = float(held.sum())  # after close: garbage, but no fault
+print("read", total)
+del held
+be.close()
+assert be.live.zero, be.live
+print("clean")
+"""
+
+
+def test_reading_a_view_output_after_close_does_not_fault() -> None:
+    """In a process of its own: before the fix, this read was a segmentation fault (D13)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", VIEW_AFTER_CLOSE], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "read" in proc.stdout and "clean" in proc.stdout
