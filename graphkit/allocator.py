@@ -142,8 +142,9 @@ class SharedVMMAllocator:
             reserve_bytes = backend.mem_info().total
         for name, value in (("reserve_bytes", reserve_bytes), ("arena_bytes", arena_bytes),
                             ("capacity", capacity)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise hal.InvalidArgumentError(f"{name}={value!r} must be a positive int of bytes",
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 < value < 1 << 64):
+                raise hal.InvalidArgumentError(f"{name}={value!r} must be a positive int of bytes below 2**64",
                                                backend=backend.name, call="SharedVMMAllocator")
         self.reserve_bytes = round_up(reserve_bytes, g)
         self.arena_bytes = max(round_up(arena_bytes or ARENA_SPACES * self.reserve_bytes, g), self.reserve_bytes)
@@ -487,9 +488,11 @@ class SharedVMMAllocator:
                     if sid is None else f"space_id={sid} is not a live virtual space",
                     backend=self.backend.name, call="allocate")
             if (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0
-                    or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1)):
+                    or not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0
+                    or alignment & (alignment - 1) or alignment > self.granularity):
                 raise hal.InvalidArgumentError(f"nbytes={nbytes!r}, alignment={alignment!r}: need nbytes >= 0 "
-                                               "and a power-of-two alignment",
+                                               f"and a power-of-two alignment up to the granularity "
+                                               f"{self.granularity} (spaces are aligned to it)",
                                                backend=self.backend.name, call="allocate")
             start = round_up(space.offset, alignment)
             end = start + max(nbytes, 1)

@@ -32,7 +32,8 @@ log = logging.getLogger("graphkit.elastic")
 
 
 def _positive(value: Any, name: str, call: str, backend: str, zero: bool = False) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (value == 0 and not zero):
+    if (not isinstance(value, int) or isinstance(value, bool) or value < 0 or (value == 0 and not zero)
+            or value >= 1 << 64):
         raise hal.InvalidArgumentError(f"{name}={value!r} must be a{'n' if zero else ' positive'} int"
                                        f"{' >= 0' if zero else ''} of bytes", backend=backend, call=call)
     return value

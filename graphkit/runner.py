@@ -36,6 +36,7 @@ from graphkit.report import RunnerReport, SizeReport
 log = logging.getLogger("graphkit.runner")
 
 Mode = Literal["full", "piecewise", "none"]
+MAX_BATCH = 1 << 31
 Order = Literal["descending", "ascending", "random"]
 
 
@@ -132,8 +133,8 @@ class GraphRunner:
         def bad(message: str) -> hal.InvalidArgumentError:
             return hal.InvalidArgumentError(message, backend=be.name, call="GraphRunner")
 
-        if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
-            raise bad(f"sizes={list(sizes)!r} must be positive ints")
+        if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or not 1 <= s < MAX_BATCH for s in sizes):
+            raise bad(f"sizes={list(sizes)!r} must be ints in [1, 2**31)")
         if mode not in ("full", "piecewise", "none"):
             raise bad(f"mode={mode!r} must be full, piecewise or none")
         pieces = list(fn) if mode == "piecewise" else [fn]

@@ -324,8 +324,9 @@ class Backend:
         The tensor and its views keep ``owner`` alive.
         """
         self._check_ptr("tensor_at", ptr)
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-            raise self._err(InvalidArgumentError, "tensor_at", f"nbytes={nbytes!r} must be an int >= 0")
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes < ADDRESS_LIMIT - ptr:
+            raise self._err(InvalidArgumentError, "tensor_at",
+                            f"nbytes={nbytes!r} must be an int >= 0 that keeps ptr + nbytes below 2**64")
         return self._graph_call("tensor_at", ptr=ptr, nbytes=nbytes, owner=owner)
 
     def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:
