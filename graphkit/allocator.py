@@ -115,7 +115,7 @@ class _Undo:
             try:
                 fn()
             except Exception as exc:  # a second failure: log it, undo the rest
-                log.error("rollback step %r failed: %s", what, exc)
+                log.error("rollback step %r failed: %s", what, str(exc))
         self._steps.clear()
 
 
@@ -390,7 +390,7 @@ class SharedVMMAllocator:
         try:
             self.backend.release_vir_ptr(arena.base, arena.size)
         except hal.HalError as exc:  # an empty arena is still usable: keep it
-            log.warning("could not release an empty arena (kept for reuse): %s", exc)
+            log.warning("could not release an empty arena (kept for reuse): %s", str(exc))
             return
         self._arenas.remove(arena)
 
@@ -401,7 +401,7 @@ class SharedVMMAllocator:
             try:
                 self.backend.release_phy_mem_handle(handle)
             except hal.HalError as exc:
-                log.warning("could not release a chunk yet (will retry): %s", exc)
+                log.warning("could not release a chunk yet (will retry): %s", str(exc))
                 left.append(handle)
         self._zombies = left
 
@@ -529,7 +529,7 @@ class SharedVMMAllocator:
             try:
                 self.release_virtual_space(space.id)
             except hal.HalError as exc:
-                log.error("deferred release of space %d failed (will retry): %s", space.id, exc)
+                log.error("deferred release of space %d failed (will retry): %s", space.id, str(exc))
 
     def reap(self) -> None:
         """Release the spaces whose release waited for their last block to be freed."""
@@ -569,14 +569,14 @@ class SharedVMMAllocator:
                 return self.allocate(nbytes, alignment=512, space_id=space_id)
             except Exception as exc:
                 self.last_error = str(exc)
-                log.error("graph pool allocation of %s failed: %s", fmt_bytes(nbytes), exc)
+                log.error("graph pool allocation of %s failed: %s", fmt_bytes(nbytes), str(exc))
                 raise
 
         def free(ptr: int, nbytes: int) -> None:
             try:
                 self.deallocate(ptr)
             except Exception as exc:  # pragma: no cover - deallocate does not raise
-                log.error("graph pool free failed: %s", exc)
+                log.error("graph pool free failed: %s", str(exc))
 
         return alloc, free
 

@@ -150,6 +150,15 @@ class ElasticPool:
         self.close()
 
 
+class _ViewToken:
+    """Owned by the storage of one view: alive while the view or any slice of it is."""
+
+    __slots__ = ("buffer", "__weakref__")
+
+    def __init__(self, buffer: "ElasticBuffer") -> None:
+        self.buffer = buffer
+
+
 class ElasticBuffer:
     """A virtual range of ``max_bytes`` whose prefix is backed by physical memory as it grows.
 
@@ -160,8 +169,11 @@ class ElasticBuffer:
     :param saver: a :class:`graphkit.MemorySaver` to pause and resume with,
         under ``tag`` (default ``"kv_cache"``), with ``backup`` or not.
 
-    Shrinking below a live view raises :class:`hal.InvalidStateError`:
-    the view would read unmapped memory. Drop the view first.
+    Shrinking below a live view (or a slice of one) raises
+    :class:`hal.InvalidStateError`: the view would read unmapped memory.
+    Drop the view first. Views made with ``whole_range=True`` promise to
+    read only what is mapped, so they do not stop a shrink; any live view
+    stops :meth:`close`.
     """
 
     def __init__(self, backend: hal.Backend | None = None, max_bytes: int = 0, *, pool: ElasticPool | None = None,
@@ -180,6 +192,7 @@ class ElasticBuffer:
         self.capacity = round_up(max_bytes, g)
         self.ptr = self.pool._carve(self.capacity)
         self._chunks: list[Any] = []  # chunk i mapped at ptr + i * granularity
+        self._stray: list[tuple[int, Any]] = []  # mappings a failed rollback could not undo yet
         self._lock = threading.RLock()
         self._views: list[tuple[weakref.ref, int]] = []  # (view, end offset)
         self._paused_chunks: int | None = None
@@ -236,6 +249,10 @@ class ElasticBuffer:
                 raise hal.InvalidArgumentError(f"nbytes={nbytes} exceeds the buffer's max_bytes {self.capacity}",
                                                backend=be.name, call="ElasticBuffer.resize")
             target = -(-nbytes // self.granularity)
+            self._retry_strays()
+            if self._stray:
+                raise hal.InvalidStateError(f"{len(self._stray)} mapping(s) of a failed resize still cannot be "
+                                            "undone", backend=be.name, call="ElasticBuffer.resize")
             if target > len(self._chunks):
                 self._grow(target)
             elif target < len(self._chunks):
@@ -243,23 +260,43 @@ class ElasticBuffer:
 
     def _grow(self, target: int) -> None:
         be, g = self.backend, self.granularity
-        undo = _Undo()
-        made = []
+        start = len(self._chunks)
+        made: list[Any] = []
         with self.pool._lock:
             try:
-                for index in range(len(self._chunks), target):
-                    handle = self.pool._take_chunk(undo)
-                    be.map(self.ptr + index * g, g, handle)
-                    undo.push("unmap", lambda p=self.ptr + index * g: be.unmap(p, g))
+                for index in range(start, target):
+                    handle = self.pool._take_chunk(_Undo())
+                    try:
+                        be.map(self.ptr + index * g, g, handle)
+                    except BaseException:
+                        self.pool._free.append(handle)  # unmapped: back to the free list
+                        raise
                     made.append(handle)
             except BaseException:
-                undo.run()
+                # all or nothing: unmap what this call mapped; a chunk that will not unmap is kept
+                # as a stray mapping and unmapped again at the next resize or close
+                for index, handle in reversed(list(enumerate(made, start))):
+                    self._unmap_or_keep(self.ptr + index * g, handle)
                 raise
         self._chunks.extend(made)
 
+    def _unmap_or_keep(self, ptr: int, handle: Any) -> None:
+        try:
+            self.backend.unmap(ptr, self.granularity)
+        except hal.HalError as exc:
+            log.error("elastic buffer: unmap at %#x failed (retried later): %s", ptr, str(exc))
+            self._stray.append((ptr, handle))
+            return
+        self.pool._free.append(handle)
+
+    def _retry_strays(self) -> None:
+        strays, self._stray = self._stray, []
+        for ptr, handle in strays:
+            self._unmap_or_keep(ptr, handle)
+
     def _shrink(self, target: int) -> None:
         be, g = self.backend, self.granularity
-        live = [end for ref, end in self._live_views() if end > target * g]
+        live = [end for ref, end in self._live_views() if end > target * g]  # whole-range views count 0
         if live:
             raise hal.InvalidStateError(
                 f"a live view reaches {fmt_bytes(max(live))} into the buffer: shrinking to {fmt_bytes(target * g)} "
@@ -277,6 +314,8 @@ class ElasticBuffer:
         with self.pool._lock:
             self.pool._free.extend(reversed(self._chunks[target:]))  # reused by the next growth
         del self._chunks[target:]
+        if self._own_pool:  # nobody else draws from this free list: give the memory back now
+            self.pool.trim()
 
     def _live_views(self) -> list[tuple[weakref.ref, int]]:
         self._views = [(ref, end) for ref, end in self._views if ref() is not None]
@@ -319,11 +358,12 @@ class ElasticBuffer:
                     f"{'the buffer holds' if whole_range else 'only'} {limit} are "
                     f"{'reserved' if whole_range else 'mapped (resize first)'}", backend=be.name,
                     call="ElasticBuffer.view")
-            raw = be.tensor_at(self.ptr + offset, end - offset, owner=self)
-            tensor = raw.view(dtype).view(tuple(shape))
-            if not whole_range:
-                self._views.append((weakref.ref(tensor), end))
-            return tensor
+            # the tensor's storage owns the token, and every view or slice of it shares that storage:
+            # the token lives exactly as long as any of them, and keeps the buffer alive
+            token = _ViewToken(self)
+            raw = be.tensor_at(self.ptr + offset, end - offset, owner=token)
+            self._views.append((weakref.ref(token), 0 if whole_range else end))
+            return raw.view(dtype).view(tuple(shape))
 
     # -- sleep (through a MemorySaver) ---------------------------------------------------------
 
@@ -394,8 +434,12 @@ class ElasticBuffer:
         with self._lock:
             if self._closed:
                 return
+            if self._live_views():
+                raise hal.InvalidStateError(f"{len(self._views)} view(s) of the buffer are still alive: drop them "
+                                            "before closing", backend=be.name, call="ElasticBuffer.close")
             if self._paused_chunks is None:
                 self._shrink(0)
+            self._retry_strays()
             if self.saver is not None:
                 self.saver.forget(self)
             self._closed = True

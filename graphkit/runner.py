@@ -408,7 +408,7 @@ class GraphRunner:
             try:
                 self.backend.release_graph(graph)
             except hal.HalError as exc:
-                log.error("batch %d: a graph could not be released: %s", bucket.size, exc)
+                log.error("batch %d: a graph could not be released: %s", bucket.size, str(exc))
                 errors.append(exc)
         bucket.graphs.clear()
         bucket.outputs.clear()
@@ -416,7 +416,7 @@ class GraphRunner:
         try:
             self.strategy.give_back(bucket.lease)
         except hal.HalError as exc:
-            log.error("batch %d: its pool could not be given back: %s", bucket.size, exc)
+            log.error("batch %d: its pool could not be given back: %s", bucket.size, str(exc))
             errors.append(exc)
         if errors:
             raise errors[0]

@@ -46,7 +46,8 @@ class _Segment:
 
     ptr: int
     size: int
-    handle: Any = None  # None while paused
+    handle: Any = None  # its chunk; None once released while paused
+    mapped: bool = True
 
 
 @dataclass(eq=False)
@@ -91,6 +92,7 @@ class MemorySaver:
         self._allocators: dict[str, list[Any]] = {}  # tag -> graphkit objects that sleep (allocators, buffers)
         self._paused: set[str] = set()
         self._times: dict[str, tuple[float | None, float | None]] = {}
+        self._zombies: list[Any] = []  # chunks whose release failed in a rollback: released later
         self._closed = False
 
     # -- tags -------------------------------------------------------------------------------
@@ -143,18 +145,36 @@ class MemorySaver:
             if region.tag in self._paused:
                 raise hal.InvalidStateError(f"tag {region.tag!r} is paused", backend=be.name, call="MemorySaver")
             size = round_up(max(nbytes, 1), be.granularity)
+            self._retry_zombies()
             undo = _Undo()
             try:
                 ptr = be.create_vir_ptr(size)
                 undo.push("release range", lambda: be.release_vir_ptr(ptr, size))
                 handle = be.create_phy_mem_handle(size)
-                undo.push("release chunk", lambda: be.release_phy_mem_handle(handle))
+                undo.push("release chunk", lambda: self._release_or_keep(handle))
                 be.map(ptr, size, handle)
             except BaseException:
                 undo.run()
                 raise
-            region.segments[ptr] = _Segment(ptr, size, handle)
+            region.segments[ptr] = _Segment(ptr, size, handle, mapped=True)
             return ptr
+
+    def _release_or_keep(self, handle: Any) -> None:
+        """Release a chunk mapped nowhere; one whose release fails is kept and retried later, never lost."""
+        try:
+            self.backend.release_phy_mem_handle(handle)
+        except hal.HalError:
+            self._zombies.append(handle)
+            raise
+
+    def _retry_zombies(self) -> None:
+        zombies, self._zombies = self._zombies, []
+        for handle in zombies:
+            try:
+                self.backend.release_phy_mem_handle(handle)
+            except hal.HalError as exc:
+                log.warning("a chunk could not be released yet (will retry): %s", str(exc))
+                self._zombies.append(handle)
 
     def _free(self, region: _Region, ptr: int) -> None:
         be = self.backend
@@ -163,8 +183,9 @@ class MemorySaver:
             region.host.pop(ptr, None)
             if segment is None or be.closed:
                 return
-            if segment.handle is not None:
+            if segment.mapped:
                 be.unmap(segment.ptr, segment.size)
+            if segment.handle is not None:
                 be.release_phy_mem_handle(segment.handle)
             be.release_vir_ptr(segment.ptr, segment.size)
 
@@ -235,7 +256,7 @@ class MemorySaver:
 
     def _pause_region(self, region: _Region) -> int:
         be = self.backend
-        segments = [s for s in region.segments.values() if s.handle is not None]
+        segments = [s for s in region.segments.values() if s.mapped]
         if region.backup:  # every copy first, then every unmap: a copy must never race its unmap
             pin = self.pin_backups and be.torch_device().type != "cpu"
             for s in segments:
@@ -248,7 +269,8 @@ class MemorySaver:
         try:
             for s in segments:
                 be.unmap(s.ptr, s.size)
-                undo.push("remap", lambda s=s: be.map(s.ptr, s.size, s.handle))
+                s.mapped = False
+                undo.push("remap", lambda s=s: (be.map(s.ptr, s.size, s.handle), setattr(s, "mapped", True)))
         except BaseException:
             undo.run()
             raise
@@ -256,8 +278,8 @@ class MemorySaver:
         for s in segments:
             try:
                 be.release_phy_mem_handle(s.handle)
-            except hal.HalError as exc:  # unmapped already: keep going, the chunk stays counted
-                log.error("pause %r: a chunk could not be released: %s", region.tag, exc)
+            except hal.HalError as exc:  # unmapped already: the chunk is kept and mapped again on resume
+                log.error("pause %r: a chunk could not be released (kept for the resume): %s", region.tag, str(exc))
                 continue
             s.handle = None
             released += s.size
@@ -297,14 +319,16 @@ class MemorySaver:
         undo = _Undo()
         try:
             for s in region.segments.values():
-                if s.handle is not None:
+                if s.mapped:
                     continue
-                handle = be.create_phy_mem_handle(s.size)
-                undo.push("release chunk", lambda h=handle: be.release_phy_mem_handle(h))
-                be.map(s.ptr, s.size, handle)
-                undo.push("unmap", lambda s=s: be.unmap(s.ptr, s.size))
-                s.handle = handle
-                undo.push("forget", lambda s=s: setattr(s, "handle", None))
+                if s.handle is None:  # released at the pause: a fresh chunk
+                    handle = be.create_phy_mem_handle(s.size)
+                    undo.push("release chunk", lambda s=s, h=handle: (be.release_phy_mem_handle(h),
+                                                                       setattr(s, "handle", None)))
+                    s.handle = handle
+                be.map(s.ptr, s.size, s.handle)
+                s.mapped = True
+                undo.push("unmap", lambda s=s: (be.unmap(s.ptr, s.size), setattr(s, "mapped", False)))
             if region.backup:
                 for s in region.segments.values():
                     host = region.host.get(s.ptr)
@@ -348,6 +372,7 @@ class MemorySaver:
             self._closed = True
             for region in self._regions.values():
                 self.backend.release_pool(region.pool)
+            self._retry_zombies()
             self._allocators.clear()
             if self._owns_backend:
                 self.backend.close()

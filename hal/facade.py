@@ -441,5 +441,5 @@ def _collect(errors: list[BaseException]) -> Iterator[None]:
     try:
         yield
     except Exception as exc:  # keep releasing the rest
-        log.error("close: %s", exc)
+        log.error("close: %s", str(exc))
         errors.append(exc)

@@ -160,3 +160,22 @@ def test_an_elastic_buffer_sleeps_with_a_memory_saver(be: hal.Backend) -> None:
     kept.close(); scratch.close()
     saver.close()
     assert be.live.zero, be.live
+
+
+def test_a_surviving_slice_of_a_view_still_stops_a_shrink(be: hal.Backend) -> None:
+    buf = graphkit.ElasticBuffer(be, max_bytes=16 * G)
+    buf.resize(8 * G)
+    tail = buf.view(torch.uint8, (8 * G,))[6 * G:]  # the view itself is dropped at once
+    gc.collect()
+    with pytest.raises(hal.InvalidStateError, match="live view"):
+        buf.resize(2 * G)
+    with pytest.raises(hal.InvalidStateError, match="alive"):
+        buf.close()
+    del tail
+    buf.resize(2 * G)
+    assert be.live.chunks == 2  # a standalone buffer gives what it unmaps back at once
+    whole = buf.view(torch.uint8, (16 * G,), whole_range=True)
+    buf.resize(G)  # a whole-range view reads only what is mapped: it does not stop a shrink
+    del whole
+    buf.close()
+    assert be.live.zero
