@@ -92,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     sleep.add_argument("--sleep-sizes", type=parse_sizes, default=None,
                        help="tag sizes in MiB for --sleep, e.g. '1024,4096'")
     sleep.add_argument("--cycles", type=int, default=5, help="pause/resume cycles per case (the median is shown)")
+    elastic = bench.add_argument_group("elastic buffers (--elastic: growth in place against a bare map and "
+                                       "allocate-and-copy)")
+    elastic.add_argument("--elastic", action="store_true",
+                         help="measure elastic buffers instead of graphs: single-granule grow latency from the free "
+                              "list and with fresh chunks against a bare map, allocate-and-copy regrowth at 1, 4 and "
+                              "16 GiB on a device (16 and 64 MiB on a CPU), physical against used bytes as it grows")
+    elastic.add_argument("--elastic-sizes", type=parse_sizes, default=None,
+                         help="regrowth sizes in MiB for --elastic, e.g. '1024,4096'")
     bench.add_argument("--part", help=argparse.SUPPRESS)
     bench.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
@@ -170,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
             build_parser().error("--cycles must be at least 1")
         sizes = [mib << 20 for mib in args.sleep_sizes] if args.sleep_sizes else None
         return run_sleep_bench(args.backend, args.device, sizes, args.cycles, args.out_dir, command)
+    if args.elastic:
+        from graphkit.bench.elastic import run_elastic_bench
+
+        sizes = [mib << 20 for mib in args.elastic_sizes] if args.elastic_sizes else None
+        return run_elastic_bench(args.backend, args.device, sizes, args.out_dir, command)
     if args.workload in WORKLOADS:
         return engine_bench(args, command)
     strategies = args.strategies or [*STRATEGIES, COMPILE]

@@ -232,12 +232,12 @@ def release(graph: CudaGraph) -> None:
     if graph.released:
         return
     graph.released = True
+    if graph.pool is not None:  # before the reset: a routed graph's reset may release its pool
+        graph.pool.graphs -= 1
+        graph.pool = None
     with torch.cuda.device(graph.device):
         if graph.captured and graph.stream is not None:
             graph.stream.synchronize()
         graph.torch_graph.reset()
-    if graph.pool is not None:
-        graph.pool.graphs -= 1
-        graph.pool = None
     graph.torch_graph = None
     graph.stream = None

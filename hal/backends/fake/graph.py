@@ -86,6 +86,10 @@ class FakeGraph:
     def replay(self) -> None:
         if not self.captured:
             raise InvalidStateError("replay of a graph that was never captured", backend="fake", call="replay")
+        with torch.no_grad():  # a device graph's replay records no autograd either
+            self._replay()
+
+    def _replay(self) -> None:
         tensors = self.tensors
         for op in self.ops:
             args = tree_map(lambda a: tensors[a.index] if isinstance(a, _Ref) else a, op.args)
