@@ -483,6 +483,8 @@ def _run_case(be: hal.Backend, strategy: str, order: str, sizes: list[int], plan
         **result,
         "capture_seconds": capture_seconds,
         "replay_ms": replay_ms,
+        "replay_ms_1": replay_ms[str(smallest)],
+        "replay_ms_max": replay_ms[str(largest)],
         "eager_ms": {str(smallest): eager_ms},
         "max_abs_error": check.worst_abs,
         "max_rel_error": check.worst_rel,
