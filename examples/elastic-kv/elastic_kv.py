@@ -39,10 +39,11 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 import hal
 import graphkit
+from graphkit.bench.elastic import CopyCounter
+from graphkit.capture import release_cached_memory
 from hal.registry import select_backend_name
 from hal.types import fmt_bytes, round_up
 
@@ -207,40 +208,6 @@ def device_empty(be: hal.Backend, nbytes: int) -> torch.Tensor:
     owner = _Plain()
     weakref.finalize(owner, _release_plain, be, ptr, size, handle)
     return be.tensor_at(ptr, nbytes, owner=owner)
-
-
-def release_cached(be: hal.Backend) -> None:
-    """Give the framework allocator's cached blocks back to the device (``torch.cuda.empty_cache``)."""
-    module = getattr(torch, be.torch_device().type, None)
-    if be.torch_device().type != "cpu" and hasattr(module, "empty_cache"):
-        be.synchronize()
-        module.empty_cache()
-
-
-class CopyCounter(TorchFunctionMode):
-    """Counts the bytes moved by every framework copy issued inside it (``copy_``, ``cat``, ``t[a:b] = x``...)."""
-
-    SOURCE_ARG = {"copy_": 1, "clone": 0, "index_copy": 3, "index_copy_": 3, "__setitem__": 2}
-    CONCAT = {"cat", "concat", "concatenate"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
-        self.calls = 0
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        moved: list[Any] = []
-        if name in self.CONCAT:
-            moved = list(args[0] if args else kwargs.get("tensors", ()))
-        elif name in self.SOURCE_ARG and len(args) > self.SOURCE_ARG[name]:
-            moved = [args[self.SOURCE_ARG[name]]]
-        sizes = [t.numel() * t.element_size() for t in moved if isinstance(t, torch.Tensor)]
-        if sizes:
-            self.bytes += sum(sizes)
-            self.calls += 1
-        return func(*args, **kwargs)
 
 
 def _framework_idle(be: hal.Backend) -> int:
@@ -432,7 +399,7 @@ class RegrowCache(KVCache):
                     olds[i] = None  # type: ignore[call-overload]
                 news.append(new)
         del old_k, old_v
-        release_cached(self.be)
+        release_cached_memory(self.be)
         self.capacity = new_cap
 
 
@@ -477,7 +444,7 @@ def decode(be: hal.Backend, model: Model, wl: Workload, strategy: str, layout: s
     if wl.steps > wl.max_model_len:
         raise hal.InvalidArgumentError(f"steps={wl.steps} exceed max_model_len={wl.max_model_len}: the first "
                                        "request would outgrow its blocks", call="decode")
-    release_cached(be)
+    release_cached_memory(be)
     coef = [torch.arange(1, wl.max_batch * model.cfg.vocab + 1, device=model.device, dtype=torch.int64)]
     meter = Meter(be)
     cache = make_cache(strategy, be, model.cfg, wl, meter, layout)
@@ -537,7 +504,7 @@ def decode(be: hal.Backend, model: Model, wl: Workload, strategy: str, layout: s
     finally:
         cache.close()
         del cache
-        release_cached(be)
+        release_cached_memory(be)
 
 
 class _ScratchCache:

@@ -13,7 +13,6 @@ import contextlib
 import importlib.util
 import logging
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 import hal
+from graphkit.bench.timing import median_ms
 import graphkit
 from graphkit.capture import release_cached_memory
 
@@ -104,18 +104,6 @@ def _capture_on_demand(engine: Any, sizes: list[int], batch: Any, seed: int) -> 
     return seconds
 
 
-def _median_ms(be: hal.Backend, fn: Any, iters: int) -> float:
-    fn()  # once untimed
-    times = []
-    for _ in range(iters):
-        be.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        be.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def _check(engine: Any, sizes: list[int], seed: int) -> tuple[float, bool]:
     """Largest |graph - eager| over the logits of a few greedy steps at several batch sizes; tokens equal.
 
@@ -171,8 +159,8 @@ def run_engine_case(strategy: str, order: str, sizes: list[int], backend: hal.Ba
         memory = _used(be) - before
         chunk_bytes = pools.report().chunk_bytes if pools is not None else None
         timed = sorted({1, max(sizes)})
-        replay_ms = {str(n): _median_ms(be, lambda n=n: engine.step(_rows(batch, n)), iters) for n in timed}
-        eager_ms = {str(n): _median_ms(be, lambda n=n: engine.eager_step(_rows(batch, n)), iters) for n in timed}
+        replay_ms = {str(n): median_ms(be, lambda n=n: engine.step(_rows(batch, n)), iters) for n in timed}
+        eager_ms = {str(n): median_ms(be, lambda n=n: engine.eager_step(_rows(batch, n)), iters) for n in timed}
         error, tokens_equal = _check(engine, sizes, seed)
     finally:
         errors = _teardown(be, engine, pools)

@@ -45,7 +45,6 @@ import contextlib
 import copy
 import inspect
 import random
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -53,6 +52,7 @@ from typing import Any, Literal
 import torch
 
 import hal
+from graphkit.bench.timing import median_ms
 import graphkit
 from hal.gcguard import gc_disabled
 from graphkit.capture import release_cached_memory, weak_alias
@@ -327,19 +327,6 @@ class _Check:
         self.checks += 1
 
 
-def _median_ms(be: hal.Backend, fn: Any, iters: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        be.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        be.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def run_hf_case(strategy: str, order: str, sizes: list[int], backend: hal.Backend | str | None = None,
                 size: Size = "reference", seed: int = 0, iters: int = 20, *, decode: HFDecode | None = None,
                 max_len: int = 64) -> dict[str, Any]:
@@ -383,7 +370,7 @@ def _run_case(be: hal.Backend, strategy: str, order: str, sizes: list[int], plan
     inputs = {n: dec.example_inputs(n, seed=seed * 1000 + n) for n in sizes}
     reference = {n: dec.eager(n, *inputs[n]) for n in sizes}
     largest, smallest = max(sizes), min(sizes)
-    eager_ms = _median_ms(be, lambda: dec.step(smallest), iters)
+    eager_ms = median_ms(be, lambda: dec.step(smallest), iters, warmup=2)
     stream = be.create_stream()
 
     own_pool = be.create_pool() if strategy in ("own-kept", "own-weakref") else None
@@ -457,7 +444,7 @@ def _run_case(be: hal.Backend, strategy: str, order: str, sizes: list[int], plan
         for n in sorted({smallest, largest}):
             dec.reset_cache()
             dec.set_inputs(*inputs[n])
-            replay_ms[str(n)] = _median_ms(be, lambda n=n: be.replay(graphs[n]), iters)
+            replay_ms[str(n)] = median_ms(be, lambda n=n: be.replay(graphs[n]), iters, warmup=2)
     finally:
         outputs.clear()
         be.synchronize()

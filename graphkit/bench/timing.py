@@ -24,6 +24,22 @@ def ms_per_call(backend: hal.Backend, fn: Callable[[], Any], iters: int, warmup:
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
+def median_ms(backend: hal.Backend, fn: Callable[[], Any], iters: int, warmup: int = 1) -> float:
+    """Median milliseconds of ``fn()`` over ``iters`` calls, each synchronised on both sides."""
+    import statistics
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        backend.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        backend.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def rel_error(got: Any, want: Any) -> float:
     """Max absolute difference relative to the largest magnitude of ``want``."""
     got, want = got.float(), want.float()
