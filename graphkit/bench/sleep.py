@@ -84,6 +84,20 @@ def graphkit_case(be: hal.Backend, nbytes: int, backup: bool, cycles: int) -> di
             "resume_s": statistics.median(resumes), "asleep_bytes": max(asleep), "exact": exact}
 
 
+def _tms_in_process(tms: Any) -> None:
+    """Use torch_memory_saver's in-process allocator hook unless it was preloaded.
+
+    Its default hook needs ``LD_PRELOAD`` set before Python starts; the
+    ``"torch"`` hook goes through torch's pluggable allocator and needs nothing.
+    """
+    import os
+
+    if "torch_memory_saver" in os.environ.get("LD_PRELOAD", "") or getattr(tms, "_impl", None) is not None:
+        return
+    tms.hook_mode = "torch"
+    log.info("torch_memory_saver: hook_mode='torch' (no LD_PRELOAD)")
+
+
 def tms_case(be: hal.Backend, nbytes: int, backup: bool, cycles: int) -> dict[str, Any] | None:
     """The same through torch_memory_saver, where it is installed (CUDA only)."""
     if be.torch_device().type != "cuda":
@@ -92,6 +106,7 @@ def tms_case(be: hal.Backend, nbytes: int, backup: bool, cycles: int) -> dict[st
         from torch_memory_saver import torch_memory_saver as tms
     except ImportError:
         return None
+    _tms_in_process(tms)
     gc.collect()
     used0 = be.mem_info().used
     tag = f"bench-{nbytes}-{int(backup)}"
