@@ -6,9 +6,24 @@ from graphkit.capture import CaptureHygieneError
 from graphkit.elastic import ElasticBuffer, ElasticPool
 from graphkit.graph_pools import GraphPools, KeyReport, PoolHandle, PoolsReport, graph_memory
 from graphkit.report import RunnerReport, SizeReport
-from graphkit.runner import GraphRunner
+from graphkit.runner import GraphRunner, RunnerOptions
 from graphkit.saver import MemorySaver, TagReport
 
-__all__ = ["CaptureHygieneError", "ElasticBuffer", "ElasticPool", "GraphPools", "GraphRunner", "KeyReport", "MemorySaver", "PoolHandle",
-           "PoolsReport", "RunnerReport", "SharedVMMAllocator", "SizeReport", "StaticInputs", "TagReport",
-           "graph_memory"]
+__all__ = [
+    "CaptureHygieneError",
+    "ElasticBuffer",
+    "ElasticPool",
+    "GraphPools",
+    "GraphRunner",
+    "KeyReport",
+    "MemorySaver",
+    "PoolHandle",
+    "PoolsReport",
+    "RunnerOptions",
+    "RunnerReport",
+    "SharedVMMAllocator",
+    "SizeReport",
+    "StaticInputs",
+    "TagReport",
+    "graph_memory",
+]

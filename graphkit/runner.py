@@ -14,13 +14,14 @@ captured the first time a batch needs it.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import gc
 import logging
 import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -61,6 +62,62 @@ def _spread(piece: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+@dataclass(frozen=True)
+class RunnerOptions:
+    """How a :class:`GraphRunner` captures, answers calls and reports; every default works.
+
+    Pass one to ``GraphRunner(..., options=...)``, or give any field as a
+    keyword (``GraphRunner(step, sizes, outputs="view")``); keywords win.
+    ``dataclasses.replace(opts, on_demand=True)`` makes a variant.
+
+    :param mode: ``"full"``, ``"piecewise"`` or ``"none"`` (always eager).
+    :param between: for ``mode="piecewise"``: ``between[k]`` runs eagerly
+        between piece ``k`` and ``k + 1`` as ``between[k](piece_output, **inputs)``.
+    :param outputs: ``"copy"`` (fresh tensors that belong to the caller),
+        ``"static"`` (buffers of the runner, valid until its next call) or
+        ``"view"`` (views into the graph's memory, valid until the next
+        replay of any graph of the pool).
+    :param oversize: ``"eager"`` or ``"error"`` for batches above the largest size.
+    :param on_demand: capture a size the first time a batch needs it.
+    :param fill: per-input value for padding rows (default 0).
+    :param warmup: eager runs on the capture stream before each capture.
+    :param debug: check on every replay that the static inputs did not move.
+    :param strict_hygiene: raise (instead of warn) when memory other than the
+        outputs outlives a capture.
+    :param progress: show a progress bar while capturing.
+    :param capture_error_mode: the backend's capture error mode (cuda:
+        ``"global"``, ``"thread_local"``, ``"relaxed"``).
+    :param keep_outputs: ``"strong"`` (the runner owns each graph's outputs,
+        as SGLang and nano-vllm do) or ``"weak"`` (non-owning aliases, as vLLM
+        does: only sound when captures go largest first).
+    :param measure_memory: give cached framework memory back around each
+        capture so the per-size memory figures are exact (slower).
+    :param allocator_options: options of :class:`SharedVMMAllocator` for
+        ``pool="vmm"`` (``reserve_bytes``, ``capacity``, ...).
+    :param pool_strategy: a ready :class:`graphkit.pools.PoolStrategy`
+        (overrides ``pool`` and ``allocator_options``).
+    """
+
+    mode: Mode = "full"
+    between: Sequence[Callable[..., Any]] = ()
+    outputs: Literal["copy", "static", "view"] = "copy"
+    oversize: Literal["eager", "error"] = "eager"
+    on_demand: bool = False
+    fill: Mapping[str, Any] | None = None
+    warmup: int = 1
+    debug: bool = False
+    strict_hygiene: bool = False
+    progress: bool = True
+    capture_error_mode: str | None = None
+    keep_outputs: Literal["strong", "weak"] = "strong"
+    measure_memory: bool = False
+    allocator_options: Mapping[str, Any] | None = None
+    pool_strategy: PoolStrategy | None = None
+
+
+_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(RunnerOptions))
+
+
 class GraphRunner:
     """Capture ``fn`` for several batch sizes on any hal backend and replay the one that fits.
 
@@ -75,31 +132,14 @@ class GraphRunner:
     :param pool: ``"vmm"`` (a fresh virtual space per size over shared
         chunks: N sizes cost the largest), ``"shared"`` (one pool) or
         ``"private"`` (a pool per graph).
-    :param mode: ``"full"``, ``"piecewise"`` or ``"none"`` (always eager).
-    :param outputs: ``"copy"`` (default: fresh tensors that belong to the
-        caller, outside any graph pool), ``"static"`` (copied into buffers
-        of the runner: valid until the runner's next call) or ``"view"``
-        (views into the graph's memory: valid until the next replay of any
-        graph of the pool).
-    :param oversize: ``"eager"`` or ``"error"`` for batches above the largest size.
-    :param on_demand: capture a size the first time a batch needs it.
-    :param fill: per-input value for padding rows (default 0).
-    :param warmup: eager runs on the capture stream before each capture.
-    :param debug: check on every replay that the static inputs did not move.
-    :param strict_hygiene: raise (instead of warn) when memory other than the
-        outputs outlives a capture.
-    :param progress: show a progress bar while capturing.
-    :param keep_outputs: ``"strong"`` (the runner owns each graph's outputs,
-        as SGLang and nano-vllm do) or ``"weak"`` (non-owning aliases, as
-        vLLM does: a shared pool may then reuse output memory for the next
-        capture; only sound when captures go largest first).
-    :param measure_memory: give cached framework memory back to the device
-        around each capture so the per-size memory figures are exact (slower).
-    :param allocator_options: options of :class:`SharedVMMAllocator` for ``pool="vmm"``
-        (``reserve_bytes``, ``capacity``).
+    :param options: a :class:`RunnerOptions` (mode, outputs, on-demand
+        capture, padding fill, hygiene, progress...); defaults work.
     :param saver: a :class:`graphkit.MemorySaver`: with ``pool="vmm"`` the
         graphs' memory sleeps and wakes with its tag ``"graphs"``; calls
         while it is paused raise :class:`hal.InvalidStateError`.
+    :param overrides: any :class:`RunnerOptions` field as a keyword
+        (``outputs="view"``, ``on_demand=True``); an unknown name raises
+        :class:`hal.InvalidArgumentError`.
     """
 
     def __init__(
@@ -109,23 +149,18 @@ class GraphRunner:
         backend: hal.Backend | None = None,
         pool: str = "vmm",
         *,
-        mode: Mode = "full",
-        between: Sequence[Callable[..., Any]] = (),
-        outputs: Literal["copy", "static", "view"] = "copy",
-        oversize: Literal["eager", "error"] = "eager",
-        on_demand: bool = False,
-        fill: dict[str, Any] | None = None,
-        warmup: int = 1,
-        debug: bool = False,
-        strict_hygiene: bool = False,
-        progress: bool = True,
-        capture_error_mode: str | None = None,
-        keep_outputs: Literal["strong", "weak"] = "strong",
-        measure_memory: bool = False,
-        allocator_options: dict[str, Any] | None = None,
-        pool_strategy: PoolStrategy | None = None,
+        options: RunnerOptions | None = None,
         saver: Any = None,
+        **overrides: Any,
     ) -> None:
+        unknown = sorted(set(overrides) - _OPTION_NAMES)
+        if unknown:
+            raise hal.InvalidArgumentError(f"unknown option(s) {', '.join(unknown)}; RunnerOptions has "
+                                           f"{', '.join(sorted(_OPTION_NAMES))}", call="GraphRunner")
+        opts = dataclasses.replace(options or RunnerOptions(), **overrides)
+        self.options = opts
+        mode, between, outputs, oversize = opts.mode, opts.between, opts.outputs, opts.oversize
+        keep_outputs, fill, allocator_options = opts.keep_outputs, opts.fill, opts.allocator_options
         self._owns_backend = backend is None
         self.backend = backend or hal.get_backend()
         be = self.backend
@@ -133,6 +168,8 @@ class GraphRunner:
         def bad(message: str) -> hal.InvalidArgumentError:
             return hal.InvalidArgumentError(message, backend=be.name, call="GraphRunner")
 
+        if not isinstance(opts.warmup, int) or isinstance(opts.warmup, bool) or opts.warmup < 0:
+            raise bad(f"warmup={opts.warmup!r} must be an int >= 0")
         if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or not 1 <= s < MAX_BATCH for s in sizes):
             raise bad(f"sizes={list(sizes)!r} must be ints in [1, 2**31)")
         if mode not in ("full", "piecewise", "none"):
@@ -157,17 +194,17 @@ class GraphRunner:
         self.between = list(between)
         self.output_mode = outputs
         self.oversize = oversize
-        self.on_demand = on_demand
-        self.fill = fill
-        self.warmup = warmup
-        self.debug = debug
-        self.strict_hygiene = strict_hygiene
-        self.progress = progress
-        self.capture_error_mode = capture_error_mode
+        self.on_demand = opts.on_demand
+        self.fill = dict(fill) if fill is not None else None
+        self.warmup = opts.warmup
+        self.debug = opts.debug
+        self.strict_hygiene = opts.strict_hygiene
+        self.progress = opts.progress
+        self.capture_error_mode = opts.capture_error_mode
         self.keep_outputs = keep_outputs
-        self.measure_memory = measure_memory
-        self.strategy = pool_strategy or (
-            make_pool_strategy(pool, be, **(allocator_options or {})) if mode != "none" else None)
+        self.measure_memory = opts.measure_memory
+        self.strategy = opts.pool_strategy or (
+            make_pool_strategy(pool, be, **dict(allocator_options or {})) if mode != "none" else None)
         self.pool = self.strategy.kind if self.strategy else "none"
         self.saver = saver
         if saver is not None:
@@ -188,13 +225,28 @@ class GraphRunner:
 
     # -- capture -------------------------------------------------------------------
 
-    def capture(self, order: Order | Sequence[int] = "descending", seed: int = 0,
+    def capture(self, example: Mapping[str, torch.Tensor] | None = None, /, *,
+                order: Order | Sequence[int] = "descending", seed: int = 0,
                 **example_inputs: torch.Tensor) -> "GraphRunner":
         """Size the static buffers from the examples and capture every size (unless on demand).
 
+        :param example: the example inputs as a mapping; use it when an input
+            is named like a keyword of this method (``order``, ``seed``):
+            ``runner.capture({"order": t, "x": x})``.
         :param order: ``"descending"`` (default: largest first), ``"ascending"``,
             ``"random"`` (shuffled with ``seed``) or an explicit list of sizes.
+        :param example_inputs: the example inputs as keywords (merged with ``example``).
         """
+        if example is not None:
+            if not isinstance(example, Mapping):
+                raise hal.InvalidArgumentError(f"example={type(example).__name__} must be a mapping of input "
+                                               "names to tensors", backend=self.backend.name,
+                                               call="GraphRunner.capture")
+            twice = sorted(set(example) & set(example_inputs))
+            if twice:
+                raise hal.InvalidArgumentError(f"input(s) {', '.join(twice)} given both in example and as "
+                                               "keywords", backend=self.backend.name, call="GraphRunner.capture")
+            example_inputs = {**example, **example_inputs}
         with self._lock:
             self._check_open()
             fresh = self.inputs is None

@@ -1,0 +1,83 @@
+"""GraphRunner's options: one dataclass, keywords as overrides, inputs that share a name with a keyword."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import hal
+import graphkit
+from graphkit import GraphRunner, RunnerOptions
+
+
+@pytest.fixture
+def be():
+    backend = hal.get_backend("fake", granularity=1 << 16)
+    yield backend
+    backend.close()
+
+
+def step(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x) * 2
+
+
+def test_options_object_and_keyword_overrides_agree(be: hal.Backend) -> None:
+    opts = RunnerOptions(outputs="view", progress=False)
+    with GraphRunner(step, [2, 4], be, options=opts) as a, \
+            GraphRunner(step, [2, 4], be, outputs="view", progress=False) as b:
+        assert a.options == b.options == opts
+        x = torch.randn(3, 8)
+        a.capture(x=torch.zeros(4, 8))
+        b.capture(x=torch.zeros(4, 8))
+        torch.testing.assert_close(a(x=x), b(x=x))
+        assert a(x=x).data_ptr() != x.data_ptr()
+
+
+def test_keywords_win_over_the_options_object(be: hal.Backend) -> None:
+    with GraphRunner(step, [2], be, options=RunnerOptions(on_demand=True), on_demand=False, progress=False) as r:
+        assert r.options.on_demand is False and r.on_demand is False
+
+
+def test_an_unknown_option_is_named(be: hal.Backend) -> None:
+    with pytest.raises(hal.InvalidArgumentError, match="outptus"):
+        GraphRunner(step, [2], be, outptus="view")
+
+
+def test_a_bad_warmup_is_named(be: hal.Backend) -> None:
+    with pytest.raises(hal.InvalidArgumentError, match="warmup"):
+        GraphRunner(step, [2], be, warmup=-1)
+
+
+def test_options_are_frozen_and_replaceable() -> None:
+    opts = RunnerOptions()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.mode = "none"  # type: ignore[misc]
+    assert dataclasses.replace(opts, mode="none").mode == "none" and opts.mode == "full"
+
+
+def test_a_model_input_named_order_is_not_taken_for_the_capture_order(be: hal.Backend) -> None:
+    def ranked(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        return x * order
+
+    with GraphRunner(ranked, [2, 4], be, progress=False) as r:
+        r.capture({"order": torch.ones(4, 1)}, x=torch.zeros(4, 8), order="ascending")
+        assert r.captured_sizes == [2, 4]
+        x, order = torch.randn(3, 8), torch.randn(3, 1)
+        torch.testing.assert_close(r(x=x, order=order), x * order)
+
+
+def test_an_input_given_twice_is_refused(be: hal.Backend) -> None:
+    with GraphRunner(step, [2], be, progress=False) as r:
+        with pytest.raises(hal.InvalidArgumentError, match="x"):
+            r.capture({"x": torch.zeros(2, 8)}, x=torch.zeros(2, 8))
+        with pytest.raises(hal.InvalidArgumentError, match="mapping"):
+            r.capture([torch.zeros(2, 8)])  # type: ignore[arg-type]
+
+
+def test_the_common_call_stays_one_line(be: hal.Backend) -> None:
+    runner = graphkit.GraphRunner(step, sizes=[1, 2, 4], backend=be)
+    runner.capture(x=torch.zeros(4, 8))
+    torch.testing.assert_close(runner(x=torch.ones(3, 8)), step(torch.ones(3, 8)))
+    runner.close()
