@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
+import math
+import os
 import shlex
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NoReturn
 
 import hal
 from graphkit.bench.model import DecoderConfig
@@ -15,34 +21,94 @@ from graphkit.bench.strategies import COMPILE, ORDERS, STRATEGIES
 
 DEMO_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
 DEMO_FAKE_GRANULARITY = 64 << 10  # small granules, so a small model shows the differences
+SEED_LIMIT = 1 << 63  # torch generators take seeds below 2**64; the engine runs add the run index
+DECODER_FLAGS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab", "context")
+
+
+class CliParser(argparse.ArgumentParser):
+    """argparse with every error as one line on stderr, exit code 2 (no usage block, no traceback)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
+
+
+def fail(prog: str, message: str) -> NoReturn:
+    """Exit with code 2 and ``prog: error: message`` as the one line on stderr."""
+    CliParser(prog=prog, add_help=False).error(message)
 
 
 def parse_sizes(text: str) -> list[int]:
-    """``"1,2,4,8:257:8"``: commas separate items; ``a:b:c`` is ``range(a, b, c)``."""
+    """``"1,2,4,8:257:8"``: commas separate items; ``a:b:c`` is ``range(a, b, c)``; each size >= 1."""
     sizes: set[int] = set()
     for part in text.split(","):
         part = part.strip()
+        if not part:
+            continue
+        try:
+            bounds = [int(x) for x in part.split(":")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"element {part!r} is not an int or a range a:b[:c]") from None
         if ":" in part:
-            sizes.update(range(*(int(x) for x in part.split(":"))))
-        elif part:
-            sizes.add(int(part))
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"sizes {text!r}: need positive batch sizes")
+            if len(bounds) not in (2, 3):
+                raise argparse.ArgumentTypeError(f"element {part!r}: a range is a:b or a:b:c")
+            if len(bounds) == 3 and bounds[2] == 0:
+                raise argparse.ArgumentTypeError(f"element {part!r}: the step of a range must not be 0")
+            r = range(*bounds)
+            if not r:
+                raise argparse.ArgumentTypeError(f"element {part!r} is an empty range")
+            if min(r[0], r[-1]) < 1:
+                raise argparse.ArgumentTypeError(f"element {part!r}: sizes must be >= 1 (got {min(r[0], r[-1])})")
+            sizes.update(r)
+        else:
+            if bounds[0] < 1:
+                raise argparse.ArgumentTypeError(f"element {part!r}: sizes must be >= 1 (got {bounds[0]})")
+            sizes.add(bounds[0])
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"{text!r} names no size")
     return sorted(sizes)
 
 
-def _names(allowed: list[str]):
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an int with ``low <= value`` (and ``value < high`` when given)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low} (got {value})")
+        if high is not None and value >= high:
+            raise argparse.ArgumentTypeError(f"must be < {high} (got {value})")
+        return value
+    parse.__name__ = "int"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a float > 0 (``inf`` allowed, ``nan`` not)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if math.isnan(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (got {text})")
+    return value
+
+
+def _names(allowed: list[str]) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         names = [n.strip() for n in text.split(",") if n.strip()]
         bad = [n for n in names if n not in allowed]
         if bad:
             raise argparse.ArgumentTypeError(f"unknown: {', '.join(bad)} (choose from {', '.join(allowed)})")
+        if not names:
+            raise argparse.ArgumentTypeError(f"{text!r} names none (choose from {', '.join(allowed)})")
         return names
     return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m graphkit", description=__doc__)
+    parser = CliParser(prog="python -m graphkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="every memory strategy side by side on a small decoder (a minute on a CPU)")
@@ -59,10 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "capture loop: 'engine' (examples/engine-decode) or 'hf' (a transformers Qwen3 model)")
     w.add_argument("--engine-config", choices=["reference", "tiny"], default="reference",
                    help="model size of the engine and hf workloads")
-    w.add_argument("--runs", type=int, default=3,
+    w.add_argument("--runs", type=int_in(1), default=3,
                    help="engine and hf workloads: runs per case (fresh processes on devices); the median is shown")
-    for name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab", "context"):
-        w.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+    for name in DECODER_FLAGS:
+        w.add_argument(f"--{name.replace('_', '-')}", type=int_in(1), default=None,
                        help=f"decoder {name.replace('_', ' ')} (reference: {getattr(ref, name)})")
     w.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help=f"weights and activations (reference: {ref.dtype})")
@@ -75,11 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--orders", type=_names(list(ORDERS)), default=list(ORDERS),
                        help="comma-separated capture orders")
     bench.add_argument("--backend", help="hal backend (default: the best available)")
-    bench.add_argument("--device", type=int, default=0, help="device index")
-    bench.add_argument("--iters", type=int, default=50, help="timed calls per figure")
-    bench.add_argument("--compile-budget", type=float, default=180.0,
+    bench.add_argument("--device", type=int_in(0), default=0, help="device index")
+    bench.add_argument("--iters", type=int_in(1), default=50, help="timed calls per figure")
+    bench.add_argument("--compile-budget", type=positive_float, default=180.0,
                        help="seconds torch.compile may take before it is left out")
-    bench.add_argument("--seed", type=int, default=0, help="seed for weights, inputs and random orders")
+    bench.add_argument("--seed", type=int_in(0, SEED_LIMIT), default=0,
+                       help="seed for weights, inputs and random orders")
     bench.add_argument("--out-dir", type=Path, default=Path("bench-out"), help="where bench.json and bench.png go")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--isolate", choices=["auto", "yes", "no"], default="auto",
@@ -91,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "on a CPU), without and with backup, next to torch_memory_saver where installed")
     sleep.add_argument("--sleep-sizes", type=parse_sizes, default=None,
                        help="tag sizes in MiB for --sleep, e.g. '1024,4096'")
-    sleep.add_argument("--cycles", type=int, default=5, help="pause/resume cycles per case (the median is shown)")
+    sleep.add_argument("--cycles", type=int_in(1), default=5,
+                       help="pause/resume cycles per case (the median is shown)")
     elastic = bench.add_argument_group("elastic buffers (--elastic: growth in place against a bare map and "
                                        "allocate-and-copy)")
     elastic.add_argument("--elastic", action="store_true",
@@ -154,15 +222,101 @@ def run_bench(cfg, out_dir: Path, stem: str, isolate: bool = False, argv: list[s
     return 1 if wrong else 0
 
 
+def backend_error(name: str | None, device: int = 0, options: dict[str, Any] | None = None) -> str | None:
+    """Why ``--backend``/``$HAL_BACKEND`` and ``--device`` cannot be used, in one line; ``None`` if they can.
+
+    Known backends come from :func:`hal.list_backends`; an unavailable one gives its probe's reason;
+    a device index is checked against the backend's device count (device 0 opened to ask).
+    """
+    env = os.environ.get("HAL_BACKEND")
+    flag = "--backend" if name else "HAL_BACKEND" if env else "the default backend"
+    infos = {info.name: info for info in hal.list_backends()}
+    try:
+        chosen = hal.registry.select_backend_name(name)
+    except hal.HalError as exc:
+        return f"no backend can be selected: {exc}"
+    if chosen not in infos:
+        return f"{flag}: unknown backend {chosen!r} (known: {', '.join(infos)})"
+    if not infos[chosen].available:
+        return f"{flag}: backend {chosen!r} is not available: {infos[chosen].reason}"
+    if device > 0:
+        try:
+            with hal.get_backend(chosen, device=0, **(options or {})) as be:
+                count = be.device_count()
+        except hal.HalError as exc:
+            return f"{flag}: backend {chosen!r} cannot be opened: {exc}"
+        if device >= count:
+            return f"--device must be < {count}, the device count of backend {chosen!r} (got {device})"
+    return None
+
+
+def out_dir_error(path: Path) -> str | None:
+    """Create ``path`` (parents too) and write and delete a file in it; the reason in one line if that fails."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".graphkit-write-check-"):
+            pass
+    except OSError as exc:
+        return f"--out-dir {str(path)!r} is not a writable directory: {exc.strerror or exc}"
+    return None
+
+
+def validate_bench(args: argparse.Namespace, prog: str) -> None:
+    """Check what the flags' own types cannot: flags together, the backend, the device, the output folder."""
+    if args.sleep and args.elastic:
+        fail(prog, "--sleep and --elastic exclude each other")
+    if not (args.sleep or args.elastic):
+        if args.workload in WORKLOADS:
+            strategies = args.strategies or list(ENGINE_STRATEGIES)
+            if set(strategies) - set(ENGINE_STRATEGIES):
+                fail(prog, f"--strategies: the {args.workload} workload takes {', '.join(ENGINE_STRATEGIES)} "
+                           f"(got {', '.join(strategies)})")
+            if args.workload == "hf" and importlib.util.find_spec("transformers") is None:
+                fail(prog, "--workload hf needs transformers (pip install 'transformers>=4.51')")
+        else:
+            bad = sorted(set(args.strategies or ()) - {*STRATEGIES, COMPILE})
+            if bad:
+                fail(prog, f"--strategies: {', '.join(bad)} are strategies of the engine and hf workloads")
+            base = DecoderConfig() if args.workload == "reference" else DecoderConfig.tiny()
+            heads = args.heads or base.heads
+            kv_heads = args.kv_heads or base.kv_heads
+            head_dim = args.head_dim or base.head_dim
+            if heads % kv_heads:
+                fail(prog, f"--heads must be a multiple of --kv-heads (got {heads} and {kv_heads})")
+            if head_dim % 2:
+                fail(prog, f"--head-dim must be even (rotary embedding pairs) (got {head_dim})")
+    if args.part is not None:
+        strategy, _, order = args.part.partition(":")
+        if args.part_out is None:
+            fail(prog, "--part needs --part-out")
+        if args.part != "largest-alone" and not (strategy in {*STRATEGIES, COMPILE} and (order in ORDERS or (
+                strategy == COMPILE and not order))):
+            fail(prog, f"--part: unknown part {args.part!r}")
+        return  # a child of an isolated run: the parent checked the backend, the device and the folder
+    why = backend_error(args.backend, args.device)
+    if why:
+        fail(prog, why)
+    why = out_dir_error(args.out_dir)
+    if why:
+        fail(prog, why)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Parse and check every flag before any work; exit code 2 and one line on stderr when one is wrong."""
     from graphkit.bench.run import BenchConfig, REFERENCE_SIZES
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    prog = f"{parser.prog} {args.command}"
     command = "python -m graphkit " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     if args.command == "demo":
-        name = hal.registry.select_backend_name(args.backend)
+        for check in (lambda: backend_error(args.backend), lambda: out_dir_error(args.out_dir)):
+            why = check()
+            if why:
+                fail(prog, why)
+        name = hal.registry.select_backend_name(args.backend, requires=("graphs",))
         cfg = BenchConfig(workload=DecoderConfig.tiny(), sizes=DEMO_SIZES, strategies=list(STRATEGIES),
                           orders=["descending", "ascending"], backend=name, iters=5, command=command,
                           backend_options={"granularity": DEMO_FAKE_GRANULARITY} if name == "fake" else {})
@@ -170,12 +324,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{cfg.workload.layers}-layer decoder, {len(cfg.sizes)} batch sizes, "
               f"{len(cfg.strategies)} memory strategies x {len(cfg.orders)} capture orders")
         return run_bench(cfg, args.out_dir, "demo")
+    validate_bench(args, prog)
     given = list(argv if argv is not None else sys.argv[1:])
     if args.sleep:
         from graphkit.bench.sleep import run_sleep_bench
 
-        if args.cycles < 1:
-            build_parser().error("--cycles must be at least 1")
         sizes = [mib << 20 for mib in args.sleep_sizes] if args.sleep_sizes else None
         return run_sleep_bench(args.backend, args.device, sizes, args.cycles, args.out_dir, command)
     if args.elastic:
@@ -186,9 +339,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.workload in WORKLOADS:
         return engine_bench(args, command)
     strategies = args.strategies or [*STRATEGIES, COMPILE]
-    if set(strategies) - {*STRATEGIES, COMPILE}:
-        build_parser().error(f"--strategies: {', '.join(sorted(set(strategies) - {*STRATEGIES, COMPILE}))} "
-                             f"are strategies of the engine and hf workloads")
     base = DecoderConfig() if args.workload == "reference" else DecoderConfig.tiny()
     overrides = {k: getattr(args, k) for k in base.as_dict() if getattr(args, k, None) is not None}
     workload = DecoderConfig(**{**base.as_dict(), **overrides})
@@ -200,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.part:
         return run_part(cfg, args.part, args.part_out)
     isolate = args.isolate == "yes" or (
-        args.isolate == "auto" and hal.get_backend(args.backend, device=args.device).torch_device().type != "cpu")
+        args.isolate == "auto"
+        and hal.get_backend(args.backend, device=args.device, requires=("graphs",)).torch_device().type != "cpu")
     user_argv = given[given.index("bench") + 1:]  # the bench's own options, for the child processes
     return run_bench(cfg, args.out_dir, "bench", isolate=isolate, argv=user_argv)
 
@@ -208,11 +359,7 @@ def main(argv: list[str] | None = None) -> int:
 def engine_bench(args: argparse.Namespace, command: str) -> int:
     """``--workload engine`` / ``hf``: an engine's own capture loop under every strategy and order."""
     strategies = args.strategies or list(ENGINE_STRATEGIES)
-    if set(strategies) - set(ENGINE_STRATEGIES):
-        build_parser().error(f"--strategies: the {args.workload} workload takes {', '.join(ENGINE_STRATEGIES)}")
-    if args.runs < 1 or args.iters < 1:
-        build_parser().error("--runs and --iters must be at least 1")
-    name = hal.registry.select_backend_name(args.backend)
+    name = hal.registry.select_backend_name(args.backend, requires=("graphs",))
     isolate = args.isolate == "yes" or (args.isolate == "auto" and name != "fake")
     return run_engine_bench(args.workload, args.engine_config, args.sizes or list(ENGINE_SIZES), strategies,
                             args.orders, args.runs, args.backend, args.device, args.seed, args.iters, isolate,

@@ -3,7 +3,7 @@
 A :class:`PoolStrategy` hands out a :class:`Lease` per capture (a backend
 pool object, and for ``vmm`` the virtual space behind it) and takes it back
 when the graph is destroyed. All pieces of one piecewise bucket share one
-lease, so they never alias each other (DESIGN §6.5).
+lease, so they never alias each other (piece k's output is piece k+1's input).
 """
 
 from __future__ import annotations
@@ -55,12 +55,22 @@ class PoolStrategy:
 
 
 class PrivatePools(PoolStrategy):
-    """A pool per graph: torch's default, and the costliest."""
+    """A pool per graph: torch's default, and the costliest.
+
+    Each capture gets a fresh pool of the device's own allocator, which is
+    what a graph-private pool is; holding it by name lets capture hygiene
+    read its blocks like any other pool's.
+    """
 
     kind = "private"
 
     def lease(self) -> Lease:
-        return Lease(pool=None)
+        return Lease(pool=self.backend.create_pool())
+
+    def give_back(self, lease: Lease) -> None:
+        if lease.pool is not None:
+            pool, lease.pool = lease.pool, None
+            self.backend.release_pool(pool)
 
 
 class SharedPool(PoolStrategy):

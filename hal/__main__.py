@@ -3,17 +3,44 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import NoReturn
 
 import hal
 from hal.types import fmt_bytes
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line on stderr (exit code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
+
+
+def env_backend_error() -> str | None:
+    """Why ``$HAL_BACKEND`` names no usable backend, in one line; ``None`` when it is unset or usable."""
+    name = os.environ.get("HAL_BACKEND")
+    if not name:
+        return None
+    infos = {info.name: info for info in hal.list_backends()}
+    if name not in infos:
+        return f"HAL_BACKEND: unknown backend {name!r} (known: {', '.join(infos)})"
+    if not infos[name].available:
+        return f"HAL_BACKEND: backend {name!r} is not available: {infos[name].reason}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hal", description=__doc__)
+    """List the backends; exit code 2 and one line on stderr when ``$HAL_BACKEND`` names no usable one."""
+    parser = _Parser(prog="python -m hal", description=__doc__)
     parser.add_argument("--refresh", action="store_true", help="discover and probe again")
-    parser.parse_args(argv)
-    infos = hal.list_backends()
+    args = parser.parse_args(argv)
+    infos = hal.list_backends(refresh=args.refresh)
+    why = env_backend_error()
+    if why:
+        print(f"{parser.prog}: error: {' '.join(why.split())}", file=sys.stderr)
+        return 2
     width = max(len(i.name) for i in infos)
     print("hal backends (in the order automatic selection tries them):")
     for info in infos:

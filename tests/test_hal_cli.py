@@ -30,6 +30,8 @@ def test_python_m_hal_lists_builtins_with_reasons() -> None:
     assert {"cuda", "ascend", "mlu", "fake"} <= set(found), proc.stdout
     assert found["fake"][0] == "available"
     assert found["fake"][1].startswith("devices: "), proc.stdout
+    assert re.search(r"capabilities: \S", found["fake"][1]), proc.stdout  # an available backend's capabilities
+    assert "graphs" in found["fake"][1].partition("capabilities: ")[2].split(", ")
     for name, (state, follow) in found.items():
         if state == "unavailable":
             assert re.match(r"reason: \S", follow), f"{name} is unavailable without a reason:\n{proc.stdout}"

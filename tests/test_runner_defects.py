@@ -55,19 +55,23 @@ def test_a_failed_first_capture_does_not_pin_its_examples(be: hal.Backend) -> No
     assert be.live.graphs == 0
 
 
-def test_strict_hygiene_releases_the_graph_it_rejects(be: hal.Backend) -> None:
+@pytest.mark.parametrize("pool", ["vmm", "private", "shared"])
+def test_strict_hygiene_releases_the_graph_it_rejects(be: hal.Backend, pool: str) -> None:
+    """Every pool kind is checked, a graph-private one too."""
     cache: dict = {}
 
     def step(x: torch.Tensor) -> torch.Tensor:
         cache.setdefault("table", torch.ones(512, 4))  # born in the capture and kept
         return x + cache["table"][: x.shape[0]]
 
-    runner = graphkit.GraphRunner(step, sizes=[4], backend=be, progress=False, warmup=0, strict_hygiene=True)
+    runner = graphkit.GraphRunner(step, sizes=[4], backend=be, pool=pool, progress=False, warmup=0,
+                                  strict_hygiene=True)
     with pytest.raises(graphkit.CaptureHygieneError):
         runner.capture(x=torch.zeros(4, 4))
     assert be.live.graphs == 0  # the rejected graph was released
     cache.clear()
     runner.close()
+    assert be.live.pools == 0
 
 
 def test_close_racing_calls_gives_hal_errors_only(be: hal.Backend) -> None:

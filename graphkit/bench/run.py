@@ -50,6 +50,22 @@ class BenchConfig:
     progress: bool = True
     command: str = ""
 
+    def __post_init__(self) -> None:
+        """Refuse values that would crash the run late or give meaningless figures."""
+        bad = []
+        if not self.sizes or min(self.sizes) < 1:
+            bad.append(f"sizes={self.sizes!r} must be a non-empty list of ints >= 1")
+        if self.iters < 1:
+            bad.append(f"iters={self.iters!r} must be >= 1")
+        if self.device < 0:
+            bad.append(f"device={self.device!r} must be >= 0")
+        if not self.orders or set(self.orders) - set(ORDERS):
+            bad.append(f"orders={self.orders!r} must be a non-empty list of {', '.join(ORDERS)}")
+        if not self.compile_budget_s > 0:
+            bad.append(f"compile_budget_s={self.compile_budget_s!r} must be > 0")
+        if bad:
+            raise hal.InvalidArgumentError("; ".join(bad), call="BenchConfig")
+
 
 def machine_info(be: hal.Backend) -> dict[str, Any]:
     info: dict[str, Any] = {
@@ -79,7 +95,7 @@ def machine_info(be: hal.Backend) -> dict[str, Any]:
 class Bench:
     def __init__(self, cfg: BenchConfig) -> None:
         self.cfg = cfg
-        self.be = hal.get_backend(cfg.backend, device=cfg.device, **cfg.backend_options)
+        self.be = hal.get_backend(cfg.backend, device=cfg.device, requires=("graphs",), **cfg.backend_options)
         self.device = self.be.torch_device()
         self.model = Decoder(cfg.workload, max(cfg.sizes), self.device, seed=cfg.seed)
         largest = max(cfg.sizes)
@@ -103,8 +119,14 @@ class Bench:
         return worst
 
     def check_batches(self) -> list[int]:
+        """Batches the error check runs, none above the largest size (inputs for more do not fit the model).
+
+        1, 3 (a padded batch between the usual sizes; the smallest size when the largest is below 3),
+        up to 8, just over half the largest, and the largest.
+        """
         largest = max(self.cfg.sizes)
-        return sorted({1, 3, min(8, largest), largest // 2 + 1, largest})
+        padded = 3 if largest >= 3 else min(self.cfg.sizes)
+        return sorted({1, padded, min(8, largest), largest // 2 + 1, largest})
 
     def _runner(self, strategy: str, on_demand: bool) -> graphkit.GraphRunner:
         return graphkit.GraphRunner(self.model.step, self.cfg.sizes, backend=self.be, outputs="view",
