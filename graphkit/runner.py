@@ -162,7 +162,7 @@ class GraphRunner:
         mode, between, outputs, oversize = opts.mode, opts.between, opts.outputs, opts.oversize
         keep_outputs, fill, allocator_options = opts.keep_outputs, opts.fill, opts.allocator_options
         self._owns_backend = backend is None
-        self.backend = backend or hal.get_backend()
+        self.backend = backend or hal.get_backend(requires=("graphs",))
         be = self.backend
 
         def bad(message: str) -> hal.InvalidArgumentError:
@@ -481,6 +481,10 @@ class GraphRunner:
     def release_size(self, size: int) -> None:
         """Destroy the graph(s) of one size and give their memory back."""
         with self._lock:
+            self._check_open()
+            if size not in self._buckets:
+                raise hal.InvalidArgumentError(f"size={size!r} has no graph (captured: {self._captured})",
+                                               backend=self.backend.name, call="GraphRunner.release_size")
             self.backend.synchronize()
             gc.collect()  # tensors of its pool caught in reference cycles go while the pool exists
             self._release_bucket(self._forget(size))

@@ -98,7 +98,57 @@ def elastic_scenario(be: hal.Backend) -> None:
         del view
 
 
-SCENARIOS = {"graph_memory": scope_scenario, "saver": saver_scenario, "elastic": elastic_scenario}
+def runner_scenario(be: hal.Backend) -> None:
+    """Capture three sizes, call each, release one, call again, close: right answers throughout."""
+    runner = graphkit.GraphRunner(step, sizes=[2, 4, 8], backend=be, progress=False, on_demand=True)
+    try:
+        runner.capture(x=torch.zeros(8, 64))
+        for n in (8, 3, 1, 5):
+            try:
+                x = torch.randn(n, 64)
+                torch.testing.assert_close(runner(x=x), step(x))
+            except hal.HalError:
+                pass
+        try:
+            runner.release_size(8)
+        except hal.HalError:
+            pass
+        be.faults.clear()
+        x = torch.randn(7, 64)
+        torch.testing.assert_close(runner(x=x), step(x))
+    finally:
+        be.faults.clear()
+        runner.close()
+
+
+def pools_scenario(be: hal.Backend) -> None:
+    """GraphPools handles passed to captures by the caller, released key by key."""
+    pools = graphkit.GraphPools(be)
+    kept = {}
+    for n in (8, 2, 4):
+        graph = be.create_graph()
+        x = torch.zeros(n, 64)
+        try:
+            with be.capture(graph, pool=pools.pool(n)):
+                out = step(x)
+        except hal.HalError:
+            be.release_graph(graph)
+            continue
+        kept[n] = (graph, x, out)
+    be.faults.clear()
+    for n, (graph, x, out) in list(kept.items()):
+        x.copy_(torch.randn(n, 64))
+        be.replay(graph)
+        torch.testing.assert_close(out, step(x))
+        be.release_graph(graph)
+        del out
+        kept.pop(n)
+        pools.release(n)
+    pools.close()
+
+
+SCENARIOS = {"graph_memory": scope_scenario, "saver": saver_scenario, "elastic": elastic_scenario,
+             "runner": runner_scenario, "pools": pools_scenario}
 
 
 def run(scenario: str, be: hal.Backend) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import random
 import threading
+import time
 
 import pytest
 import torch
@@ -111,6 +113,64 @@ def test_close_racing_calls_gives_hal_errors_only(be: hal.Backend) -> None:
     with pytest.raises(hal.InvalidStateError, match="closed"):
         runner.capture(x=torch.zeros(8, 32))
     assert be.live.graphs == 0
+
+
+@pytest.mark.parametrize("pool", ["vmm", "shared"])
+def test_eight_threads_call_capture_and_release_while_close_arrives(be: hal.Backend, pool: str) -> None:
+    """Six callers capturing on demand, two releasing sizes; close() arrives mid-way."""
+    w = torch.randn(32, 32)
+    runner = graphkit.GraphRunner(lambda x: torch.tanh(x @ w), sizes=[1, 2, 4, 8, 16], backend=be, pool=pool,
+                                  progress=False, on_demand=True)
+    runner.capture(x=torch.zeros(16, 32))
+    errors: list[BaseException] = []
+    wrong: list[int] = []
+    calls = [0]
+    start = threading.Barrier(9)
+
+    def caller(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        start.wait()
+        for i in range(400):
+            x = torch.randn(1 + (i * 7 + seed) % 16, 32, generator=gen)
+            try:
+                y = runner(x=x)
+            except hal.InvalidStateError:
+                return
+            except BaseException as exc:  # anything else is a defect
+                errors.append(exc)
+                return
+            calls[0] += 1
+            if not torch.allclose(y, torch.tanh(x @ w), rtol=1e-4, atol=1e-4):
+                wrong.append(i)
+
+    def releaser(seed: int) -> None:
+        rng = random.Random(seed)
+        start.wait()
+        for _ in range(200):
+            try:
+                runner.release_size(rng.choice([1, 2, 4, 8, 16]))
+            except hal.InvalidArgumentError:
+                continue  # not captured (yet, or any more)
+            except hal.InvalidStateError:
+                return
+            except BaseException as exc:
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=caller, args=(s,)) for s in range(6)]
+    threads += [threading.Thread(target=releaser, args=(s,)) for s in range(2)]
+    for t in threads:
+        t.start()
+    start.wait()
+    while calls[0] < 60 and any(t.is_alive() for t in threads):
+        time.sleep(0.005)
+    runner.close()  # mid-way: callers and releasers are still going
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert not wrong
+    assert calls[0] >= 60
+    assert be.live.graphs == 0 and be.live.pools == 0 and be.live.mappings == 0
 
 
 @pytest.mark.parametrize("hook", ["release_graph", "release_pool", "unmap", "release_phy_mem_handle"])
