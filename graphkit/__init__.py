@@ -1,5 +1,6 @@
 """graphkit: capture device graphs for many shapes at the memory cost of the largest, on any hal backend."""
 
+from hal import __version__
 from graphkit.allocator import SharedVMMAllocator
 from graphkit.buffers import StaticInputs
 from graphkit.capture import CaptureHygieneError
@@ -10,6 +11,7 @@ from graphkit.runner import GraphRunner, RunnerOptions
 from graphkit.saver import MemorySaver, TagReport
 
 __all__ = [
+    "__version__",
     "CaptureHygieneError",
     "ElasticBuffer",
     "ElasticPool",
