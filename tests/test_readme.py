@@ -24,3 +24,19 @@ def test_ci_runs_the_readme_test_command() -> None:
     for command in commands:
         assert any(line.startswith(command) for line in ci_lines), (
             f"the README's test command {command!r} is not run verbatim by .ci/run")
+
+
+def _snippet_after(marker: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    m = re.search(re.escape(marker) + r".*?```python\n(.*?)\n```", text, re.S)
+    assert m, f"README.md has no python block after {marker!r}"
+    return m.group(1)
+
+
+def test_the_allocator_snippet_runs_and_ends_without_warnings(caplog, recwarn) -> None:
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        exec(compile(_snippet_after("is the allocator itself:"), "README.md", "exec"), {})
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert not list(recwarn), [str(w.message) for w in recwarn]
