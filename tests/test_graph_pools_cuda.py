@@ -215,8 +215,6 @@ ROUTED_SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="2,000 routed captures (2,000 torch MemPools) failed and left the process crashing "
-                          "in a later test on an H100; not diagnosed yet", strict=False)
 def test_two_thousand_routed_captures(tmp_path) -> None:
     """In a process of its own, so that a crash stays in it."""
     script = tmp_path / "routed.py"
