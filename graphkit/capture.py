@@ -1,8 +1,10 @@
 """Capturing one function into one graph, with the hygiene every backend gets for free.
 
 * warm-up on the capture stream first, so lazily created state (cuBLAS
-  workspaces, caches) is born outside the capture (DESIGN §6.1);
-* the garbage collector is off during the capture (DESIGN §6.3);
+  workspaces, caches) is born outside the capture, not in memory that other
+  graphs overwrite;
+* the garbage collector is off during the capture (a collection freeing a
+  device tensor there would need the allocator lock the capture holds);
 * afterwards, anything still allocated in the capture's pool other than the
   outputs is reported: a cache or workspace born inside a capture lives in
   memory that other graphs overwrite.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -129,7 +132,11 @@ def capture(backend: hal.Backend, fn: Callable[..., Any], inputs: dict[str, Any]
                                  capture_error_mode=capture_error_mode):
                 outputs = fn(**inputs)
         backend.synchronize(stream)
-    except BaseException:
+    except BaseException as exc:
+        # the traceback keeps the finished frames of fn alive, and with them the tensors it made
+        # inside the capture: free them now, while their pool and its memory still exist, rather
+        # than whenever the garbage collector reaches the traceback
+        traceback.clear_frames(exc.__traceback__)
         backend.release_graph(graph)
         raise
     seconds = time.perf_counter() - t0

@@ -10,6 +10,7 @@ import types
 import pytest
 
 import hal
+from hal.backends._native.callbacks import ALLOC_FN, FREE_FN, KEEP_ALIVE
 from hal.backends.ascend import locate, torch_glue
 from tests.sim import compiler_reason, home, simulated_backend
 from tests.sim.torch_stub import extension_stub
@@ -32,9 +33,10 @@ def glue(stub: types.ModuleType) -> torch_glue.NpuGlue:
 
 def test_capabilities_follow_the_installed_torch_npu() -> None:
     full, old = extension_stub("torch_npu"), extension_stub("torch_npu", mempool=False)
-    assert torch_glue.capabilities(full, full.npu) == {"graphs", "custom_pool"}
-    assert torch_glue.capabilities(old, old.npu) == {"graphs"}
-    assert torch_glue.capabilities(types.SimpleNamespace(), types.SimpleNamespace()) == frozenset()
+    capabilities = torch_glue.EXTENSION.capabilities
+    assert capabilities(full, full.npu) == {"graphs", "custom_pool"}
+    assert capabilities(old, old.npu) == {"graphs"}
+    assert capabilities(types.SimpleNamespace(), types.SimpleNamespace()) == frozenset()
 
 
 @needs_gcc
@@ -76,25 +78,26 @@ def test_a_custom_pool_hands_torch_npu_working_c_callbacks(glue: torch_glue.NpuG
     pool = glue.create_pool(lambda n: seen.append(n) or 0x10000, lambda p, n: seen.append((p, n)))
     kind, alloc_ptr, free_ptr = pool.mempool.allocator
     assert kind == "allocator" and pool.id == pool.mempool.id
-    assert torch_glue.ALLOC_FN(alloc_ptr)(4096, 0, None) == 0x10000  # called as C calls it
-    torch_glue.FREE_FN(free_ptr)(0x10000, 4096, 0, None)
+    assert ALLOC_FN(alloc_ptr)(4096, 0, None) == 0x10000  # called as C calls it
+    FREE_FN(free_ptr)(0x10000, 4096, 0, None)
     assert seen == [4096, (0x10000, 4096)]
-    assert pool.callbacks in torch_glue._KEEP_ALIVE
+    assert pool.callbacks in KEEP_ALIVE
     glue.release_pool(pool)
-    assert pool.released and pool.callbacks in torch_glue._KEEP_ALIVE  # torch may still call them
+    assert pool.released and pool.callbacks in KEEP_ALIVE  # torch may still call them
 
 
-def test_the_callbacks_never_let_an_exception_out(caplog: pytest.LogCaptureFixture) -> None:
+def test_the_callbacks_never_let_an_exception_out(glue: torch_glue.NpuGlue,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
     def boom(*args: object) -> int:
         raise RuntimeError("boom")
 
-    c_alloc, c_free = torch_glue.allocator_callbacks(boom, boom)
+    _, alloc_ptr, free_ptr = glue.create_pool(boom, boom).mempool.allocator
     with caplog.at_level(logging.ERROR, logger="hal.ascend"):
-        assert torch_glue.ALLOC_FN(torch_glue.address_of(c_alloc))(64, 0, None) is None  # NULL
-        torch_glue.FREE_FN(torch_glue.address_of(c_free))(0x40, 64, 0, None)
+        assert ALLOC_FN(alloc_ptr)(64, 0, None) is None  # NULL
+        FREE_FN(free_ptr)(0x40, 64, 0, None)
     assert "allocator callback failed" in caplog.text and "free callback failed" in caplog.text
-    c_alloc, _ = torch_glue.allocator_callbacks(lambda n: "not an address", lambda p, n: None)
-    assert torch_glue.ALLOC_FN(torch_glue.address_of(c_alloc))(64, 0, None) is None
+    _, alloc_ptr, _ = glue.create_pool(lambda n: "not an address", lambda p, n: None).mempool.allocator
+    assert ALLOC_FN(alloc_ptr)(64, 0, None) is None
 
 
 def test_a_pool_without_callbacks_is_a_graph_pool_handle(glue: torch_glue.NpuGlue) -> None:

@@ -210,3 +210,27 @@ def test_every_host_read_inside_a_fake_capture_raises(read) -> None:
     assert {name: vars(torch.Tensor).get(name) for name in before} == before  # torch as it was
     assert x.tolist() == [1.0] * 4 and "tensor" in repr(x)  # outside a capture, reads work
     be.close()
+
+
+def test_tensors_made_by_a_failed_capture_die_with_it() -> None:
+    """The traceback of a failed capture does not keep the tensors its frames made (their pool goes next)."""
+    import weakref
+
+    be = hal.get_backend("fake", granularity=1 << 16)
+    alloc = graphkit.SharedVMMAllocator(be)
+    sid = alloc.switch_to_new_virtual_space()
+    pool = be.create_pool(*alloc.pool_callbacks(sid))
+    made: list[weakref.ref] = []
+
+    def bad(x: torch.Tensor) -> torch.Tensor:
+        y = x * 3
+        made.append(weakref.ref(y.untyped_storage()))
+        return y / y.sum().item()
+
+    with pytest.raises(hal.CaptureError) as info:
+        capture(be, bad, {"x": torch.ones(4, 4)}, Lease(pool, sid), be.create_stream())
+    assert made and made[0]() is None, "a tensor of the failed capture outlived it through the traceback"
+    del info
+    be.release_pool(pool)
+    alloc.close()
+    be.close()

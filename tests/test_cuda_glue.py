@@ -1,4 +1,5 @@
-"""Parts of the cuda backend that run without a GPU: the probe and the allocator callbacks."""
+"""Parts of the cuda backend that run without a GPU: the probe, the allocator callbacks, the private
+torch APIs, the map step it shares with ascend and mlu, and its torch glue against a stand-in torch.cuda."""
 
 from __future__ import annotations
 
@@ -9,9 +10,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from hal.backends.cuda import torch_pool
-from hal.backends.cuda.torch_pool import CallbackPair
+import hal
+from hal.backends._native import torch_compat as compat
+from hal.backends._native.callbacks import ALLOC_FN, FREE_FN, CallbackPair
+from hal.backends._native.vmm import map_with_access
+from hal.backends.cuda.torch_glue import CudaGlue
+from tests.sim.torch_stub import cuda_stub
 
 
 def test_import_stays_cheap() -> None:
@@ -30,18 +36,18 @@ def test_probe_gives_a_reason_or_none() -> None:
 
 def _call_alloc(pair: CallbackPair, size: int, device: int = 0) -> int:
     """Call the C alloc callback through its function pointer, as torch would."""
-    fn = ctypes.cast(pair.addresses[0], torch_pool.ALLOC_FN)
+    fn = ctypes.cast(pair.addresses[0], ALLOC_FN)
     return fn(size, device, None) or 0
 
 
 def _call_free(pair: CallbackPair, ptr: int, size: int, device: int = 0) -> None:
-    ctypes.cast(pair.addresses[1], torch_pool.FREE_FN)(ptr, size, device, None)
+    ctypes.cast(pair.addresses[1], FREE_FN)(ptr, size, device, None)
 
 
 def test_callbacks_pass_through_and_track_segments() -> None:
     seen: list[tuple] = []
     pair = CallbackPair(lambda n: seen.append(("alloc", n)) or 0x10000, lambda p, n: seen.append(("free", p, n)),
-                        device=0, label="test pool")
+                        device=0, backend="cuda", label="test pool")
     assert _call_alloc(pair, 4096) == 0x10000
     assert pair.live == {0x10000: 4096}
     _call_free(pair, 0x10000, 4096)
@@ -53,17 +59,17 @@ def test_alloc_never_raises_and_logs_the_reason(caplog: pytest.LogCaptureFixture
     def alloc(n: int) -> int:
         raise MemoryError("capacity of 2.0 MiB reached")
 
-    pair = CallbackPair(alloc, lambda p, n: None, device=0, label="test pool")
+    pair = CallbackPair(alloc, lambda p, n: None, device=0, backend="cuda", label="test pool")
     with caplog.at_level(logging.ERROR, logger="hal.cuda"):
         assert _call_alloc(pair, 1 << 20) == 0
     assert "capacity of 2.0 MiB reached" in caplog.text
     assert "capacity of 2.0 MiB reached" in (pair.last_error or "")
-    pair2 = CallbackPair(lambda n: 0, lambda p, n: None, device=0, label="test pool")
+    pair2 = CallbackPair(lambda n: 0, lambda p, n: None, device=0, backend="cuda", label="test pool")
     assert _call_alloc(pair2, 512) == 0 and "returned no memory" in (pair2.last_error or "")
 
 
 def test_alloc_refuses_another_device() -> None:
-    pair = CallbackPair(lambda n: 0x20000, lambda p, n: None, device=1, label="test pool")
+    pair = CallbackPair(lambda n: 0x20000, lambda p, n: None, device=1, backend="cuda", label="test pool")
     assert _call_alloc(pair, 512, device=0) == 0
     assert "device 0" in (pair.last_error or "")
 
@@ -71,7 +77,7 @@ def test_alloc_refuses_another_device() -> None:
 def test_gc_is_off_inside_the_callbacks() -> None:
     states: list[bool] = []
     pair = CallbackPair(lambda n: states.append(gc.isenabled()) or 0x30000,
-                        lambda p, n: states.append(gc.isenabled()), device=0, label="test pool")
+                        lambda p, n: states.append(gc.isenabled()), device=0, backend="cuda", label="test pool")
     assert gc.isenabled()
     _call_alloc(pair, 512)
     _call_free(pair, 0x30000, 512)
@@ -79,10 +85,144 @@ def test_gc_is_off_inside_the_callbacks() -> None:
 
 
 def test_released_pair_forgets_callables_after_last_free() -> None:
-    pair = CallbackPair(lambda n: 0x40000, lambda p, n: None, device=0, label="test pool")
+    pair = CallbackPair(lambda n: 0x40000, lambda p, n: None, device=0, backend="cuda", label="test pool")
     _call_alloc(pair, 512)
     pair.pool_released = True
     assert pair.alloc is not None
     _call_free(pair, 0x40000, 512)
     assert pair.alloc is None and pair.free is None
     assert _call_alloc(pair, 512) == 0 and "released" in (pair.last_error or "")
+
+
+# -- private torch APIs ------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks a CPU build of torch")
+def test_a_cpu_torch_lacks_the_pool_apis_and_says_which() -> None:
+    glue = CudaGlue(0)
+    assert glue.capabilities == {"graphs", "capture_routing"}
+    assert glue.private(compat.END_ALLOCATE_TO_POOL) is None  # a dummy that raises when called counts as missing
+    with pytest.raises(hal.UnsupportedError, match=r"torch\._C\._cuda_customAllocator is missing in torch 2\."):
+        glue.create_pool(lambda n: 0, lambda p, n: None)
+    with pytest.raises(hal.UnsupportedError, match=r"_cuda_releasePool is missing in torch .* \(checked on torch"):
+        glue.require(compat.RELEASE_POOL, "capture")
+
+
+def test_active_blocks_reads_one_pool_of_one_device() -> None:
+    blocks = [{"size": 512, "state": "active_allocated"}, {"size": 256, "state": "inactive"},
+              {"size": 128, "state": "active_allocated"}]
+    segments = [{"address": 0x1000, "segment_pool_id": (0, 1), "device": 0, "blocks": blocks},
+                {"address": 0x9000, "segment_pool_id": (0, 1), "device": 1, "blocks": blocks},
+                {"address": 0x5000, "segment_pool_id": (0, 2), "device": 0, "blocks": blocks},
+                {"address": 0x7000, "segment_pool_id": [0, 1], "blocks": [{"address": 0x7400, "size": 64,
+                                                                          "state": "active_allocated"}]}]
+    assert compat.active_blocks(segments, (0, 1), 0) == [(0x1000, 512), (0x1300, 128), (0x7400, 64)]
+    assert len(compat.active_blocks(segments)) == 7
+
+
+# -- map, then set access ----------------------------------------------------------------------------
+
+
+def test_a_failed_access_call_unmaps_and_raises_its_own_error(caplog: pytest.LogCaptureFixture) -> None:
+    done: list[str] = []
+
+    def refuse() -> None:
+        raise hal.DriverError("cuMemSetAccess failed", backend="cuda", call="map")
+
+    with pytest.raises(hal.DriverError, match="cuMemSetAccess"):
+        map_with_access(lambda: done.append("map"), refuse, lambda: done.append("unmap"),
+                        backend="cuda", ptr=0x1000, access_call="cuMemSetAccess")
+    assert done == ["map", "unmap"]
+
+    def unmap_fails() -> None:
+        raise hal.DriverError("cuMemUnmap failed", backend="cuda", call="map")
+
+    with caplog.at_level(logging.ERROR, logger="hal.cuda"), pytest.raises(hal.DriverError, match="cuMemSetAccess"):
+        map_with_access(lambda: None, refuse, unmap_fails, backend="cuda", ptr=0x1000, access_call="cuMemSetAccess")
+    assert "undoing the map at 0x1000 after a failed cuMemSetAccess" in caplog.text
+    map_with_access(lambda: done.append("map"), None, pytest.fail, backend="cuda", ptr=0, access_call="-")
+    assert done == ["map", "unmap", "map"]
+
+
+# -- the glue against a stand-in torch.cuda ------------------------------------------------------------
+
+
+def test_capabilities_follow_the_allocator_backend() -> None:
+    assert CudaGlue(0, ext=cuda_stub()).capabilities == {"graphs", "capture_routing", "custom_pool", "use_pool"}
+    glue = CudaGlue(0, ext=cuda_stub(allocator_backend="cudaMallocAsync"))
+    assert glue.capabilities == {"graphs", "capture_routing"}
+    with pytest.raises(hal.UnsupportedError, match="cudaMallocAsync"):
+        glue.create_pool(lambda n: 0, lambda p, n: None)
+
+
+def test_a_capture_into_a_custom_pool_and_its_teardown() -> None:
+    stub = cuda_stub()
+    glue = CudaGlue(1, ext=stub)
+    pool, graph = glue.create_pool(lambda n: 0x10000, lambda p, n: None), glue.create_graph()
+    assert pool.mempool.allocator[0] == "allocator" and pool.id == pool.mempool.id and pool.device == 1
+    with glue.capture(graph, pool, None, None) as got:
+        assert got is graph and not gc.isenabled()
+    assert gc.isenabled() and graph.captured and pool.graphs == 1
+    assert ("capture_begin", graph.torch_graph, pool.id) in stub.calls and ("mode", "global") in stub.calls
+    other = glue.create_graph()
+    with glue.capture(other, None, None, "relaxed"):
+        pass
+    assert other.stream is graph.stream and graph.stream.device == torch.device("cuda", 1)  # the glue's own
+    assert stub.cuda.current_stream(1) is not graph.stream
+    glue.replay(graph)  # from the current stream: ordered both ways around the replay
+    assert [c[0] for c in stub.calls[-3:]] == ["wait_stream", "replay", "wait_stream"]
+    with pytest.raises(hal.InvalidStateError):
+        with glue.capture(graph, pool, None, None):
+            pass
+    stream = graph.stream
+    glue.release_graph(graph)
+    assert graph.released and pool.graphs == 0 and ("synchronize", stream) in stub.calls
+    glue.release_pool(pool)
+    assert pool.released and pool.mempool is None and pool.callbacks.alloc is None
+    with pytest.raises(hal.InvalidStateError, match="released"):
+        glue.pool_active_blocks(pool)
+
+
+def test_pool_active_blocks_and_device_pools() -> None:
+    stub = cuda_stub()
+    glue = CudaGlue(0, ext=stub)
+    pool = glue.create_pool(None, None)
+    stub.segments[:] = [{"address": 0x4000, "segment_pool_id": pool.id, "device": 0,
+                         "blocks": [{"size": 64, "state": "inactive"}, {"size": 32, "state": "active_allocated"}]}]
+    assert glue.pool_active_blocks(pool) == [(0x4040, 32)]
+    glue.release_pool(pool)
+    assert ("empty_cache",) in stub.calls
+
+
+def test_a_failed_capture_is_undone() -> None:
+    stub = cuda_stub()
+    glue = CudaGlue(0, ext=stub)
+    pool, graph = glue.create_pool(lambda n: 0x10000, lambda p, n: None), glue.create_graph()
+    before = stub.cuda.current_stream()
+    stub.fail_end = RuntimeError("operation not permitted when stream is capturing")
+    with pytest.raises(hal.CaptureError, match="not permitted"):
+        with glue.capture(graph, pool, None, None):
+            pass
+    assert stub.cuda.current_stream() is before
+    assert ("endAllocateToPool", 0, pool.id) in stub.calls and ("releasePool", 0, pool.id) in stub.calls
+    assert ("reset", graph.torch_graph) in stub.calls and not graph.captured and pool.graphs == 0
+    rearm = [c for c in stub.calls if c[0] == "capture_begin" and c[1] is not graph.torch_graph]
+    assert len(rearm) == 1 and rearm[0][2] is None  # an empty capture took the generators out of capture mode
+    stub.fail_begin = RuntimeError("capture_begin failed")
+    with pytest.raises(RuntimeError, match="capture_begin failed"):
+        with glue.capture(glue.create_graph(), None, None, None):
+            pass
+    assert stub.cuda.current_stream() is before
+
+
+def test_out_of_memory_in_a_capture_carries_the_pools_reason() -> None:
+    def alloc(n: int) -> int:
+        raise MemoryError("capacity of 2.0 MiB reached")
+
+    glue = CudaGlue(0, ext=cuda_stub())
+    pool = glue.create_pool(alloc, lambda p, n: None)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        with glue.capture(glue.create_graph(), pool, None, None):
+            assert ALLOC_FN(pool.callbacks.addresses[0])(4 << 20, 0, None) is None
+            raise torch.OutOfMemoryError("CUDA out of memory")
+    assert any("no segment" in note and "capacity" in note for note in info.value.__notes__)

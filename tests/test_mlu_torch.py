@@ -10,6 +10,7 @@ import types
 import pytest
 
 import hal
+from hal.backends._native.callbacks import ALLOC_FN, FREE_FN, KEEP_ALIVE
 from hal.backends.mlu import locate, torch_glue
 from tests.sim import compiler_reason, home, simulated_backend
 from tests.sim.torch_stub import extension_stub
@@ -33,9 +34,10 @@ def glue(stub: types.ModuleType) -> torch_glue.MluGlue:
 
 def test_capabilities_have_no_custom_pool_without_mempool() -> None:
     today, future = extension_stub("torch_mlu", mempool=False), extension_stub("torch_mlu", mempool=True)
-    assert torch_glue.capabilities(today, today.mlu) == {"graphs"}
-    assert torch_glue.capabilities(future, future.mlu) == {"graphs", "custom_pool"}
-    assert torch_glue.capabilities(types.SimpleNamespace(), types.SimpleNamespace()) == frozenset()
+    capabilities = torch_glue.EXTENSION.capabilities
+    assert capabilities(today, today.mlu) == {"graphs"}
+    assert capabilities(future, future.mlu) == {"graphs", "custom_pool"}
+    assert capabilities(types.SimpleNamespace(), types.SimpleNamespace()) == frozenset()
 
 
 @needs_gcc
@@ -76,19 +78,20 @@ def test_a_build_with_mempool_gets_working_c_callbacks(monkeypatch: pytest.Monke
     seen: list = []
     pool = glue.create_pool(lambda n: seen.append(n) or 0x20000, lambda p, n: seen.append((p, n)))
     _, alloc_ptr, free_ptr = pool.mempool.allocator
-    assert torch_glue.ALLOC_FN(alloc_ptr)(512, 0, None) == 0x20000
-    torch_glue.FREE_FN(free_ptr)(0x20000, 512, 0, None)
-    assert seen == [512, (0x20000, 512)] and pool.callbacks in torch_glue._KEEP_ALIVE
+    assert ALLOC_FN(alloc_ptr)(512, 0, None) == 0x20000
+    FREE_FN(free_ptr)(0x20000, 512, 0, None)
+    assert seen == [512, (0x20000, 512)] and pool.callbacks in KEEP_ALIVE
 
 
 def test_the_callbacks_never_let_an_exception_out(caplog: pytest.LogCaptureFixture) -> None:
     def boom(*args: object) -> int:
         raise MemoryError("boom")
 
-    c_alloc, c_free = torch_glue.allocator_callbacks(boom, boom)
+    glue = torch_glue.MluGlue(0, ext=extension_stub("torch_mlu", mempool=True))
+    _, alloc_ptr, free_ptr = glue.create_pool(boom, boom).mempool.allocator
     with caplog.at_level(logging.ERROR, logger="hal.mlu"):
-        assert torch_glue.ALLOC_FN(torch_glue.address_of(c_alloc))(64, 0, None) is None
-        torch_glue.FREE_FN(torch_glue.address_of(c_free))(0x40, 64, 0, None)
+        assert ALLOC_FN(alloc_ptr)(64, 0, None) is None
+        FREE_FN(free_ptr)(0x40, 64, 0, None)
     assert "allocator callback failed" in caplog.text and "free callback failed" in caplog.text
 
 

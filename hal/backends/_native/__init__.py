@@ -1,9 +1,12 @@
-"""What the ctypes vendor backends (``ascend``, ``mlu``) have in common.
+"""What the vendor backends (``cuda``, ``ascend``, ``mlu``) have in common.
 
-* :mod:`~hal.backends._native.locate` -- finding a vendor library and the shape of the cheap probe;
+* :mod:`~hal.backends._native.locate` -- finding a ctypes vendor library and the shape of the cheap probe;
 * :mod:`~hal.backends._native.library` -- a loaded library whose calls are checked in one place;
-* :mod:`~hal.backends._native.callbacks` -- C allocator callbacks for a torch extension;
-* :mod:`~hal.backends._native.torch_glue` -- graphs, streams and pools through a torch extension;
+* :mod:`~hal.backends._native.vmm` -- ``map`` then set access, undone when the access call fails;
+* :mod:`~hal.backends._native.callbacks` -- the C allocator callbacks behind a torch pool, kept alive;
+* :mod:`~hal.backends._native.torch_compat` -- every private torch / extension API, with its versions;
+* :mod:`~hal.backends._native.torch_glue` -- graphs, streams and pools through ``torch.<device>``;
+* :mod:`~hal.backends._native.routing` -- routing the captures a framework's graph class starts;
 * :mod:`~hal.backends._native.hooks` -- the backend hooks that delegate to that glue.
 
 Only vendor-neutral plumbing lives here: structs, enum values, return-code

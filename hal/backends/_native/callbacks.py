@@ -1,60 +1,144 @@
-"""C allocator callbacks for a torch extension's custom allocator.
+"""The C allocator callbacks behind a torch pool, for every backend.
 
-torch_npu (``_npu_customAllocator``) and torch_mlu (``_mlu_customAllocator``)
-take the same two C function pointers as torch itself:
+torch's pluggable allocator (``torch._C._cuda_customAllocator``) and its
+counterparts in torch_npu (``_npu_customAllocator``) and torch_mlu
+(``_mlu_customAllocator``) take the same two C function pointers:
 
     void* alloc(size_t size, int device, <stream> stream)
     void  free(void* ptr, size_t size, int device, <stream> stream)
 
-where the stream is an opaque pointer (``aclrtStream``, ``cnrtQueue_t``).
-The rules (DESIGN §6.3): never let an exception cross into C, and keep every
-pair alive for the lifetime of the process.
+where the stream is an opaque pointer (``cudaStream_t``, ``aclrtStream``,
+``cnrtQueue_t``). A :class:`CallbackPair` makes them around hal-level
+``alloc(nbytes) -> address`` and ``free(address, nbytes)``:
+
+* they run while torch's allocator holds its lock, so the garbage collector
+  is off inside them (a collection there could free a tensor and need that
+  lock again), and no exception escapes into C: a failed ``alloc`` returns
+  NULL, torch raises its own out-of-memory error, and the reason is logged
+  and kept in :attr:`CallbackPair.last_error` for the capture to attach;
+* torch keeps raw pointers to them and to the allocator object, and may call
+  ``free`` long after the pool was dropped (when the last tensor of a segment
+  dies): every pair stays in :data:`KEEP_ALIVE` until the process ends. Once
+  its pool was released and every segment came back, a pair forgets the
+  Python callables it wrapped so that they can be collected.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from typing import Any
 
 from hal.api import AllocFn, FreeFn
+from hal.gcguard import gc_disabled
+from hal.types import fmt_bytes
 
 #: ``void* alloc(size_t size, int device, void* stream)``
 ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
 #: ``void free(void* ptr, size_t size, int device, void* stream)``
 FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
 
-#: every callback pair ever handed to a torch extension: it may call them until the process ends
-KEEP_ALIVE: list[tuple[Any, Any]] = []
-
-
-def allocator_callbacks(alloc: AllocFn, free: FreeFn, *, backend: str) -> tuple[Any, Any]:
-    """C callbacks with the custom-allocator signatures around ``alloc`` and ``free``.
-
-    They never let an exception out (a failed ``alloc`` returns NULL, so torch
-    raises its own out-of-memory error; the exception is logged to
-    ``hal.<backend>``) and they stay alive for the lifetime of the process.
-    """
-    log = logging.getLogger(f"hal.{backend}")
-
-    def c_alloc(size: int, device: int, stream: Any) -> int | None:
-        try:
-            return int(alloc(size)) or None
-        except BaseException:  # noqa: BLE001 - nothing may cross into C
-            log.exception("%s: allocator callback failed for %d bytes; returning NULL", backend, size)
-            return None
-
-    def c_free(ptr: int | None, size: int, device: int, stream: Any) -> None:
-        try:
-            free(ptr or 0, size)
-        except BaseException:  # noqa: BLE001 - nothing may cross into C
-            log.exception("%s: free callback failed for %d bytes at %#x", backend, size, ptr or 0)
-
-    pair = (ALLOC_FN(c_alloc), FREE_FN(c_free))
-    KEEP_ALIVE.append(pair)
-    return pair
-
 
 def address_of(callback: Any) -> int:
     """The C function pointer of a ctypes callback, as a ``_customAllocator`` wants it."""
     return ctypes.cast(callback, ctypes.c_void_p).value or 0
+
+
+class CallbackPair:
+    """The C callbacks of one custom pool and the state they share.
+
+    :param device: the device the pool belongs to; torch asking for another one gets NULL.
+    :param backend: the backend's name: errors are logged to ``hal.<backend>``.
+    :param label: names the pool in messages, e.g. ``"cuda pool #3 (device 0)"``.
+    """
+
+    def __init__(self, alloc: AllocFn, free: FreeFn, *, device: int, backend: str, label: str) -> None:
+        self.alloc: AllocFn | None = alloc
+        self.free: FreeFn | None = free
+        self.device = device
+        self.label = label
+        self.log = logging.getLogger(f"hal.{backend}")
+        self.live: dict[int, int] = {}  # segments handed to torch: address -> bytes
+        self.pool_released = False
+        self.last_error: str | None = None
+        self.c_alloc = ALLOC_FN(self._alloc)
+        self.c_free = FREE_FN(self._free)
+        self.torch_allocator: Any = None  # what ``_customAllocator`` made of them, kept alive here
+
+    @property
+    def addresses(self) -> tuple[int, int]:
+        """Addresses of the C alloc and free functions."""
+        alloc, free = address_of(self.c_alloc), address_of(self.c_free)
+        assert alloc and free
+        return alloc, free
+
+    # ``_guard`` binds gc_disabled at definition: torch may call these while the
+    # interpreter exits, after this module's globals were cleared
+    def _alloc(self, size: int, device: int, stream: Any, _guard: Any = gc_disabled) -> int:
+        with _guard():
+            return self._alloc_body(size, device)
+
+    def _alloc_body(self, size: int, device: int) -> int:
+        try:
+            fn = self.alloc
+            if fn is None:
+                return self._fail(size, "the pool was released")
+            if device != self.device:
+                return self._fail(size, f"torch asked on device {device}, the pool belongs to device {self.device}")
+            ptr = int(fn(size) or 0)
+            if not ptr:
+                return self._fail(size, "the allocator callback returned no memory (see its own log)")
+            self.live[ptr] = size
+            return ptr
+        except BaseException as exc:  # noqa: BLE001 - nothing may escape into torch's C++
+            return self._fail(size, f"{type(exc).__name__}: {exc}")
+
+    def _free(self, ptr: int | None, size: int, device: int, stream: Any, _guard: Any = gc_disabled) -> None:
+        with _guard():
+            self._free_body(ptr, size)
+
+    def _free_body(self, ptr: int | None, size: int) -> None:
+        try:
+            if not ptr:
+                return
+            self.live.pop(ptr, None)
+            fn = self.free
+            if fn is not None:
+                fn(ptr, size)
+            if self.pool_released and not self.live:
+                self.forget()
+        except BaseException as exc:  # noqa: BLE001 - nothing may escape into torch's C++
+            self.log.error("%s: free callback failed for %s at %#x: %s: %s", self.label, fmt_bytes(size),
+                           ptr or 0, type(exc).__name__, exc)
+
+    def _fail(self, size: int, why: str) -> int:
+        """Keep and log why ``size`` bytes could not be given; return NULL."""
+        self.last_error = f"{self.label}: no segment of {fmt_bytes(size)} ({size} bytes): {why}"
+        self.log.error("allocator callback failed: %s", self.last_error)
+        return 0
+
+    def forget(self) -> None:
+        """Drop the Python callables (the C callbacks stay valid and refuse from now on)."""
+        self.alloc = None
+        self.free = None
+
+
+#: every callback pair ever made: torch may call them until the process ends
+KEEP_ALIVE: list[CallbackPair] = []
+_keep_alive_lock = threading.Lock()
+
+
+def new_pair(alloc: AllocFn, free: FreeFn, *, device: int, backend: str) -> CallbackPair:
+    """A :class:`CallbackPair` for a new pool, kept alive for the lifetime of the process."""
+    with _keep_alive_lock:
+        pair = CallbackPair(alloc, free, device=device, backend=backend,
+                            label=f"{backend} pool #{len(KEEP_ALIVE) + 1} (device {device})")
+        KEEP_ALIVE.append(pair)
+    return pair
+
+
+def live_callback_pairs() -> int:
+    """How many callback pairs still wrap Python callables (diagnostics)."""
+    with _keep_alive_lock:
+        return sum(p.alloc is not None for p in KEEP_ALIVE)

@@ -1,4 +1,4 @@
-"""The graph, stream and pool hooks of a vendor backend, delegated to its :class:`TorchGlue`.
+"""The graph, stream and pool hooks of a backend, delegated to its :class:`TorchGlue`.
 
 A backend may run without its torch extension (VMM hooks only): then
 ``"graphs"`` is absent from its capabilities and these hooks raise
@@ -46,15 +46,21 @@ class TorchHooks:
             raise BackendUnavailableError(f"{extension} is installed but does not import: {exc}",
                                           backend=backend) from exc
 
+    def _current_glue(self) -> TorchGlue | None:
+        """The glue the torch hooks use (a backend may open it lazily here), or None."""
+        return self.glue
+
     def _torch(self, call: str) -> TorchGlue:
-        if self.glue is None:
+        glue = self._current_glue()
+        if glue is None:
             raise UnsupportedError(f"needs {self.torch_extension}, which this backend runs without",
                                    backend=self.backend_name, call=call)
-        return self.glue
+        return glue
 
     @hookimpl
     def capabilities(self) -> frozenset[str]:
-        return self.glue.capabilities if self.glue is not None else frozenset()
+        glue = self._current_glue()
+        return glue.capabilities if glue is not None else frozenset()
 
     @hookimpl
     def torch_device(self) -> Any:
@@ -95,7 +101,7 @@ class TorchHooks:
         return self._torch("create_graph").create_graph()
 
     @hookimpl
-    def capture(self, graph: Any, pool: Any, stream: Any, capture_error_mode: str) -> ContextManager[Any]:
+    def capture(self, graph: Any, pool: Any, stream: Any, capture_error_mode: str | None) -> ContextManager[Any]:
         return self._torch("capture").capture(graph, pool, stream, capture_error_mode)
 
     @hookimpl

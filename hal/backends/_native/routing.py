@@ -69,6 +69,7 @@ def watch_release(graph: Any, on_release: Callable[[bool], None],
             once(False)
 
     setattr(graph, reset_name, reset)
+    return once
 
 
 class GraphClassRouting:

@@ -1,42 +1,51 @@
-"""A torch device extension (torch_npu, torch_mlu) behind the graph, stream and pool hooks.
+"""A torch device namespace (``torch.cuda``, ``torch.npu``, ``torch.mlu``) behind the graph, stream and pool hooks.
 
-The extensions mirror ``torch.cuda`` under another device type: ``Stream``,
-``graph``, ``graph_pool_handle``, a graph class, and -- in some builds -- a
-``MemPool`` over a custom allocator. A vendor subclass of :class:`TorchGlue`
-names them (:class:`TorchExtension`), picks the default capture mode and
-recognises its own capture failures. torch and the extension are imported
-only when a glue is created.
+torch.cuda and the extensions that mirror it under another device type
+(torch_npu, torch_mlu) have the same shape: ``Stream``, ``graph``,
+``graph_pool_handle``, a graph class, ``memory_snapshot`` and -- in some
+builds -- a ``MemPool`` over a custom allocator. A vendor subclass of
+:class:`TorchGlue` names them (:class:`TorchExtension`), picks the default
+capture mode and recognises its own capture failures. Private APIs are looked
+up through :mod:`hal.backends._native.torch_compat`. torch and the extension
+are imported only when a glue is created.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar, ContextManager, Iterator
 
 from hal.api import AllocFn, FreeFn
-from hal.backends._native.callbacks import address_of, allocator_callbacks
+from hal.backends._native import torch_compat as compat
+from hal.backends._native.callbacks import CallbackPair, new_pair
 from hal.backends._native.routing import GraphClassRouting, routable, routing_for
+from hal.errors import CaptureError, InvalidStateError, UnsupportedError
 from hal.gcguard import gc_disabled
-from hal.errors import CaptureError, UnsupportedError
+from hal.types import fmt_bytes
 
 
 @dataclass(frozen=True)
 class TorchExtension:
-    """The names a torch device extension uses."""
+    """The names a torch device namespace uses."""
 
-    #: module to import, e.g. ``torch_npu``
+    #: module to import: ``torch`` itself, or an extension such as ``torch_npu``
     module: str
-    #: device type and namespace (``torch.<device_type>``), e.g. ``npu``
+    #: device type and namespace (``<module>.<device_type>``), e.g. ``cuda``, ``npu``
     device_type: str
-    #: graph class in that namespace, e.g. ``NPUGraph``
+    #: graph class in that namespace, e.g. ``CUDAGraph``, ``NPUGraph``
     graph_class: str
-    #: the extension's compiled module, e.g. ``_C``
-    internals: str
-    #: the custom-allocator entry point in it, e.g. ``_npu_customAllocator``
-    custom_allocator: str
+    #: True: leave the current device alone and enter the glue's device around each call (torch.cuda,
+    #: where one process drives several GPUs); False: make the device current once, when the glue
+    #: opens (torch_npu and torch_mlu initialise their runtime for it then)
+    scoped: bool = False
+
+    def private(self, api: compat.PrivateApi, ext: Any) -> Any | None:
+        """The private API ``api`` of this device type in ``ext`` (the imported ``module``), or None."""
+        return compat.lookup(api, self.device_type, {self.module: ext})
 
     def capabilities(self, ext: Any, ns: Any) -> frozenset[str]:
         """``"graphs"``; ``"custom_pool"`` where both MemPool and the custom allocator exist;
@@ -46,43 +55,42 @@ class TorchExtension:
             caps.add("graphs")
             if routable(getattr(ns, self.graph_class)):
                 caps.add("capture_routing")
-        if hasattr(ns, "MemPool") and hasattr(getattr(ext, self.internals, None), self.custom_allocator):
+        if all(self.private(api, ext) is not None for api in (compat.MEM_POOL, compat.CUSTOM_ALLOCATOR)):
             caps.add("custom_pool")
         return frozenset(caps)
 
 
 @dataclass(eq=False)
 class TorchPool:
-    """A pool for captures: ``id`` is what ``torch.<device>.graph(pool=...)`` takes."""
+    """A pool that captures draw from: ``id`` is what ``torch.<device>.graph(pool=...)`` takes."""
 
-    id: Any
-    mempool: Any = None
-    callbacks: tuple[Any, Any] | None = None
+    id: tuple
+    device: int
+    backend: str
+    mempool: Any = None  # the MemPool of a custom pool
+    callbacks: CallbackPair | None = None
     released: bool = False
+    graphs: int = 0  # graphs captured into it and not yet released (where the glue counts)
 
+    @property
+    def custom(self) -> bool:
+        return self.callbacks is not None
 
-def active_blocks(segments: list[dict]) -> list[tuple[int, int]]:
-    """``(address, size)`` of every allocated block in a torch memory snapshot."""
-    found = []
-    for seg in segments:
-        at = int(seg.get("address", 0))
-        for block in seg.get("blocks", ()):
-            addr = int(block.get("address", at))
-            if block.get("state") == "active_allocated":
-                found.append((addr, int(block["size"])))
-            at = addr + int(block["size"])
-    return sorted(found)
+    def __repr__(self) -> str:
+        kind = "custom" if self.custom else "device"
+        state = " released" if self.released else ""
+        return f"<{self.backend} pool {self.id} {kind} device={self.device}{state}>"
 
 
 class TorchGlue:
-    """The torch side of one device of a vendor backend."""
+    """The torch side of one device of a backend."""
 
     #: the backend's name, as errors and log records carry it
     backend: ClassVar[str]
     extension: ClassVar[TorchExtension]
     #: the capture mode used when the caller asks for none
     default_capture_mode: ClassVar[str]
-    #: why ``create_pool`` with callbacks is refused when ``"custom_pool"`` is absent
+    #: why ``create_pool`` with callbacks is refused when this build lacks MemPool or the custom allocator
     no_custom_pool: ClassVar[str]
 
     def __init__(self, device: int, ext: Any = None) -> None:
@@ -93,17 +101,57 @@ class TorchGlue:
         self.ext = ext if ext is not None else importlib.import_module(names.module)
         self.ns = getattr(self.ext, names.device_type, None) or getattr(torch, names.device_type)
         self.device = device
-        self.capabilities = names.capabilities(self.ext, self.ns)
+        self.modules = {"torch": torch, names.module: self.ext}
+        self.log = logging.getLogger(f"hal.{self.backend}")
         self._no_snapshot_logged = False
-        self.ns.set_device(device)
+        if not names.scoped:
+            self.ns.set_device(device)
         self.routing: GraphClassRouting | None = None
-        if "capture_routing" in self.capabilities:
+        if "capture_routing" in names.capabilities(self.ext, self.ns):
             self.routing = routing_for(getattr(self.ns, names.graph_class), self.ns.current_device,
                                        lambda pool: pool.id)
+
+    # -- what this build offers ------------------------------------------------------------
+
+    def private(self, api: compat.PrivateApi) -> Any | None:
+        """The private API ``api`` for this device type, or None where this build lacks it."""
+        return compat.lookup(api, self.extension.device_type, self.modules)
+
+    def require(self, api: compat.PrivateApi, call: str) -> Any:
+        """The private API ``api``; :class:`hal.UnsupportedError` naming it and the versions when it is missing."""
+        return compat.require(api, self.extension.device_type, self.modules, backend=self.backend, call=call)
+
+    @functools.cached_property
+    def capabilities(self) -> frozenset[str]:
+        return self.find_capabilities()
+
+    def find_capabilities(self) -> frozenset[str]:
+        """The capabilities of this build (computed once per glue)."""
+        caps = set(self.extension.capabilities(self.ext, self.ns))
+        if self.custom_pool_problem() is not None:
+            caps.discard("custom_pool")
+        return frozenset(caps)
+
+    def custom_pool_problem(self) -> str | None:
+        """Why pools over allocator callbacks cannot work here (None when they can)."""
+        for api in (compat.CUSTOM_ALLOCATOR, compat.MEM_POOL):
+            if self.private(api) is None:
+                return (f"{self.no_custom_pool} ({api.name(self.extension.device_type)} is missing in "
+                        f"{compat.versions(self.modules)})")
+        return None
 
     def capture_error(self, exc: BaseException) -> CaptureError | None:
         """The :class:`hal.CaptureError` that ``exc`` from a capture stands for, or None."""
         return None
+
+    # -- devices and streams --------------------------------------------------------------
+
+    def on_device(self, device: int | None = None) -> ContextManager[Any]:
+        """``device`` (the glue's by default) made current for a block in a scoped namespace; otherwise
+        nothing to do."""
+        if not self.extension.scoped:
+            return contextlib.nullcontext()
+        return self.ns.device(self.device if device is None else device)
 
     def torch_device(self) -> Any:
         return self.torch.device(self.extension.device_type, self.device)
@@ -115,7 +163,7 @@ class TorchGlue:
         return self.ns.current_stream(self.torch_device())
 
     def use_stream(self, stream: Any) -> ContextManager[Any]:
-        return self.ns.stream(stream)
+        return self.ns.stream(stream)  # also makes the stream's device current
 
     def synchronize(self, stream: Any) -> None:
         if stream is None:
@@ -123,36 +171,76 @@ class TorchGlue:
         else:
             stream.synchronize()
 
+    def default_capture_stream(self) -> Any:
+        """The side stream ``torch.<device>.graph`` captures on when given none (made as torch would)."""
+        return compat.default_capture_stream(self.ns.graph, self.create_stream, self.current_stream)
+
+    # -- pools ------------------------------------------------------------------------------
+
     def create_pool(self, alloc: AllocFn | None, free: FreeFn | None) -> TorchPool:
+        """A pool over ``alloc``/``free`` (a MemPool over a custom allocator), or without them a
+        pool id of the framework's own allocator that several captures can share."""
         if alloc is None or free is None:
-            return TorchPool(id=self.ns.graph_pool_handle())
-        if "custom_pool" not in self.capabilities:
-            raise UnsupportedError(self.no_custom_pool, backend=self.backend, call="create_pool")
-        callbacks = allocator_callbacks(alloc, free, backend=self.backend)
-        custom_allocator = getattr(getattr(self.ext, self.extension.internals), self.extension.custom_allocator)
-        mempool = self.ns.MemPool(custom_allocator(*map(address_of, callbacks)))
-        return TorchPool(id=mempool.id, mempool=mempool, callbacks=callbacks)
+            with self.on_device():
+                return TorchPool(id=tuple(self.ns.graph_pool_handle()), device=self.device, backend=self.backend)
+        problem = self.custom_pool_problem()
+        if problem is not None:
+            raise UnsupportedError(problem, backend=self.backend, call="create_pool")
+        pair = new_pair(alloc, free, device=self.device, backend=self.backend)
+        pair.torch_allocator = self.require(compat.CUSTOM_ALLOCATOR, "create_pool")(*pair.addresses)
+        with self.on_device():
+            mempool = self.require(compat.MEM_POOL, "create_pool")(pair.torch_allocator)
+        return TorchPool(id=tuple(mempool.id), device=self.device, backend=self.backend, mempool=mempool,
+                         callbacks=pair)
 
     def pool_active_blocks(self, pool: TorchPool) -> list[tuple[int, int]]:
-        if pool.mempool is not None and hasattr(pool.mempool, "snapshot"):
-            return active_blocks(pool.mempool.snapshot())
-        if hasattr(self.ns, "memory_snapshot"):
-            want = tuple(pool.id)
-            return active_blocks([s for s in self.ns.memory_snapshot()
-                                  if tuple(s.get("segment_pool_id", ())) == want])
-        if not self._no_snapshot_logged:
-            logging.getLogger(f"hal.{self.backend}").info(
-                "%s: this %s has no memory snapshot API; pool_active_blocks reports nothing",
-                self.backend, self.extension.module)
-            self._no_snapshot_logged = True
-        return []
+        """``(address, bytes)`` of the blocks of ``pool`` still allocated, from the memory snapshot."""
+        if pool.released:
+            raise InvalidStateError(f"{pool!r} was released", backend=self.backend, call="pool_active_blocks")
+        snapshot = self.private(compat.MEMORY_SNAPSHOT)
+        if snapshot is None:
+            if not self._no_snapshot_logged:
+                self.log.info("%s: this %s has no memory snapshot API; pool_active_blocks reports nothing",
+                              self.backend, self.extension.module)
+                self._no_snapshot_logged = True
+            return []
+        return compat.active_blocks(compat.memory_snapshot(snapshot, pool.id), pool.id, pool.device)
 
     def release_pool(self, pool: TorchPool) -> None:
-        pool.mempool = None  # torch frees the segments once no graph holds the pool
+        """Drop a pool; idempotent. Segments still holding live tensors go back when those tensors die."""
+        if pool.released:
+            return
         pool.released = True
+        if pool.graphs:
+            self.log.warning("%r released while %d graph(s) of it are alive: its memory goes back only "
+                             "after they are released", pool, pool.graphs)
+        with self.on_device(pool.device):
+            if pool.callbacks is None:
+                self.release_device_pool(pool)
+                return
+            pool.callbacks.pool_released = True  # from now on, the last free() makes the pair forget
+            pool.mempool = None  # MemPool's destructor releases the pool and empties its cache
+            self._forget_or_warn(pool.callbacks)
+
+    def release_device_pool(self, pool: TorchPool) -> None:
+        """Release a pool id of the framework's own allocator (its segments are freed with the graphs)."""
+
+    def _forget_or_warn(self, pair: CallbackPair) -> None:
+        """After its pool was dropped: forget the callables, or warn about segments still in use."""
+        if not pair.live:
+            pair.forget()
+            return
+        self.log.warning("%s released while %d segment(s), %s, still hold live tensors: they go back "
+                         "through free() when those tensors die. Keep the memory under them mapped and "
+                         "reserved until then: a new range at the same addresses would confuse torch's "
+                         "allocator when the old tensors are freed", pair.label, len(pair.live),
+                         fmt_bytes(sum(pair.live.values())))
+
+    # -- graphs -----------------------------------------------------------------------------
 
     def create_graph(self) -> Any:
-        return getattr(self.ns, self.extension.graph_class)()
+        with self.on_device():
+            return getattr(self.ns, self.extension.graph_class)()
 
     def route_captures(self, router: Any) -> ContextManager[None]:
         if self.routing is None:
@@ -160,28 +248,31 @@ class TorchGlue:
                                    "capture_begin/capture_end to route", backend=self.backend, call="route_captures")
         return self.routing.activate(self.device, router)
 
-    def default_capture_stream(self) -> Any:
-        """The side stream ``torch.<device>.graph`` captures on when given none (made as torch would)."""
-        graph_cm = self.ns.graph
-        if getattr(graph_cm, "default_capture_stream", None) is None:
-            try:
-                graph_cm.default_capture_stream = self.create_stream()
-            except (AttributeError, TypeError):  # not a class: captures run on the current stream
-                return self.current_stream()
-        return graph_cm.default_capture_stream
+    def explain_out_of_memory(self, exc: BaseException, pool: TorchPool | None) -> None:
+        """Attach why ``pool``'s allocator callback gave no memory to torch's out-of-memory error."""
+        reason = pool.callbacks.last_error if pool is not None and pool.callbacks is not None else None
+        if reason and isinstance(exc, self.torch.OutOfMemoryError) and hasattr(exc, "add_note"):
+            exc.add_note(f"hal {self.backend}: {reason}")
+
+    def capture(self, graph: Any, pool: TorchPool | None, stream: Any,
+                capture_error_mode: str | None) -> ContextManager[Any]:
+        """``torch.<device>.graph`` with GC off (the allocator callbacks run inside it) and the
+        failures :meth:`capture_error` recognises turned into :class:`hal.CaptureError`."""
+        return self._capture(graph, pool, stream, capture_error_mode)
 
     @contextlib.contextmanager
-    def capture(self, graph: Any, pool: TorchPool | None, stream: Any,
-                capture_error_mode: str | None) -> Iterator[Any]:
-        """``torch.<device>.graph`` with GC off (hazard: Python in the allocator callbacks) and
-        the failures :meth:`capture_error` recognises turned into :class:`hal.CaptureError`."""
+    def _capture(self, graph: Any, pool: TorchPool | None, stream: Any,
+                 capture_error_mode: str | None) -> Iterator[Any]:
         if self.routing is not None:  # inside route_captures the router chooses the pool
             pool = self.routing.begin(graph, pool, self.device) or pool
+        if pool is not None and pool.callbacks is not None:
+            pool.callbacks.last_error = None
         try:
             with gc_disabled(), self.ns.graph(graph, pool=None if pool is None else pool.id, stream=stream,
                                               capture_error_mode=capture_error_mode or self.default_capture_mode):
                 yield graph
         except Exception as exc:
+            self.explain_out_of_memory(exc, pool)
             translated = self.capture_error(exc)
             if translated is None:
                 raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from hal.api import hookimpl
 from hal.backends._native.hooks import TorchHooks
 from hal.backends._native.torch_glue import TorchGlue
+from hal.backends._native.vmm import map_with_access
 from hal.backends.ascend import lib, locate
 from hal.types import MemInfo
 
@@ -121,13 +123,11 @@ class AscendBackend(TorchHooks):
 
     @hookimpl
     def map(self, ptr: int, size: int, handle: int) -> bool:
-        self._call("map", "aclrtMapMem", ptr, size, 0, handle, 0)
-        if self._access is not None:
-            try:
-                self._call("map", "aclrtMemSetAccess", ptr, size, ctypes.byref(self._access), 1)
-            except Exception:
-                self._call("map", "aclrtUnmapMem", ptr)  # leave nothing half-mapped
-                raise
+        call = functools.partial(self._call, "map")
+        access = self._access
+        set_access = None if access is None else lambda: call("aclrtMemSetAccess", ptr, size, ctypes.byref(access), 1)
+        map_with_access(lambda: call("aclrtMapMem", ptr, size, 0, handle, 0), set_access,
+                        lambda: call("aclrtUnmapMem", ptr), backend=NAME, ptr=ptr, access_call="aclrtMemSetAccess")
         return True
 
     @hookimpl

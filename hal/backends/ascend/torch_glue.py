@@ -3,47 +3,26 @@
 Imported only when an ascend backend is opened with torch_npu installed
 (``torch.npu`` is ``torch_npu.npu``). Pools over hal allocator callbacks go
 through ``torch_npu._C._npu_customAllocator`` and ``torch.npu.MemPool``, which
-older torch_npu builds lack: :func:`capabilities` reports what this build has.
-The plumbing shared with torch_mlu is in :mod:`hal.backends._native.torch_glue`;
-what is ascend's own is here: the names, the ``"global"`` capture mode, and
-turning exhausted NPU streams into advice.
+older torch_npu builds lack: the ``"custom_pool"`` capability says whether this
+build has them. The plumbing shared with torch.cuda and torch_mlu is in
+:mod:`hal.backends._native.torch_glue`; what is ascend's own is here: the
+names, the ``"global"`` capture mode, and turning exhausted NPU streams into
+advice.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
 
-from hal.api import AllocFn, FreeFn
-from hal.backends._native import callbacks
-from hal.backends._native.callbacks import ALLOC_FN, FREE_FN, address_of
-from hal.backends._native.torch_glue import TorchExtension, TorchGlue, TorchPool, active_blocks
+from hal.backends._native.torch_glue import TorchExtension, TorchGlue
 from hal.backends.ascend.lib import ACL_ERROR_RT_NO_STREAM_RESOURCE, NAME
 from hal.errors import CaptureError
 
-__all__ = ["ALLOC_FN", "EXTENSION", "FREE_FN", "NpuPool", "NpuGlue", "active_blocks", "address_of",
-           "allocator_callbacks", "capabilities", "stream_exhaustion"]
-
-EXTENSION = TorchExtension(module="torch_npu", device_type="npu", graph_class="NPUGraph", internals="_C",
-                           custom_allocator="_npu_customAllocator")
-
-#: every callback pair ever handed to torch_npu (shared with the other extensions)
-_KEEP_ALIVE = callbacks.KEEP_ALIVE
+EXTENSION = TorchExtension(module="torch_npu", device_type="npu", graph_class="NPUGraph")
 
 _STREAMS_EXHAUSTED = re.compile(
     rf"\b{ACL_ERROR_RT_NO_STREAM_RESOURCE}\b|ACL_ERROR_RT_NO_STREAM_RESOURCE|"
     r"stream resources? (are|is) insufficient|no stream resource", re.IGNORECASE)
-
-#: a pool for captures: ``id`` is what ``torch.npu.graph(pool=...)`` takes
-NpuPool = TorchPool
-
-
-def allocator_callbacks(alloc: AllocFn, free: FreeFn) -> tuple[Any, Any]:
-    """C callbacks with torch_npu's allocator signatures (``aclrtStream`` last) around ``alloc`` and ``free``.
-
-    They never let an exception out and stay alive for the lifetime of the process.
-    """
-    return callbacks.allocator_callbacks(alloc, free, backend=NAME)
 
 
 def stream_exhaustion(exc: BaseException) -> CaptureError | None:
@@ -56,11 +35,6 @@ def stream_exhaustion(exc: BaseException) -> CaptureError | None:
         "piecewise graphs cost num_layers + 1 graphs per captured size. Capture fewer sizes, or full graphs "
         f"instead of piecewise ones. [{type(exc).__name__}: {exc}]",
         backend=NAME, call="capture")
-
-
-def capabilities(ext: Any, ns: Any) -> frozenset[str]:
-    """What this torch_npu build offers: ``"graphs"``, and ``"custom_pool"`` where MemPool exists."""
-    return EXTENSION.capabilities(ext, ns)
 
 
 class NpuGlue(TorchGlue):

@@ -6,20 +6,22 @@ import contextlib
 import itertools
 import logging
 import threading
-from typing import Any, ContextManager, Iterator
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator
 
-from hal.api import AllocFn, FreeFn, hookimpl
+from hal.api import hookimpl
+from hal.backends._native.hooks import TorchHooks
+from hal.backends._native.vmm import map_with_access
+from hal.backends.cuda.errors import NAME
 from hal.backends.cuda.probe import probe_reason
 from hal.types import MemInfo
 
+if TYPE_CHECKING:
+    from hal.backends.cuda.torch_glue import CudaGlue
+
 log = logging.getLogger("hal.cuda")
 
-NAME = "cuda"
-#: torch.cuda.graph's own default
-DEFAULT_CAPTURE_ERROR_MODE = "global"
 
-
-class CudaBackend:
+class CudaBackend(TorchHooks):
     """One NVIDIA GPU: its primary context, the driver's VMM calls, torch graphs and pools.
 
     ``device`` is the CUDA device index (as torch numbers them, so mind
@@ -34,6 +36,8 @@ class CudaBackend:
 
     #: for :mod:`hal.testing`: mapped memory is device memory, reached through torch tensors
     hal_requirements = {"host_accessible": False}
+    backend_name = NAME
+    torch_extension = "torch"
 
     def __init__(self, device: int = 0) -> None:
         from hal.backends.cuda.driver import CudaDevice
@@ -43,7 +47,8 @@ class CudaBackend:
         self._handles: dict[int, Any] = {}  # hal handle -> CUmemGenericAllocationHandle
         self._handle_ids = itertools.count(1)
         self._tls = threading.local()
-        self._capture_stream: Any = None
+        self.glue: CudaGlue | None = None  # made on first use: see _current_glue
+        self._glue_lock = threading.Lock()
         self._closed = False
 
     @classmethod
@@ -91,16 +96,13 @@ class CudaBackend:
 
     @hookimpl
     def map(self, ptr: int, size: int, handle: int) -> None:
-        self.dev.map(ptr, size, self._handles[handle])
-        pending = getattr(self._tls, "pending", None)
+        pending = getattr(self._tls, "pending", None)  # inside deferred_access: access comes at its end
+        native = self._handles[handle]
+        map_with_access(lambda: self.dev.map(ptr, size, native),
+                        None if pending is not None else lambda: self.dev.set_access(ptr, size),
+                        lambda: self.dev.unmap(ptr, size), backend=NAME, ptr=ptr, access_call="cuMemSetAccess")
         if pending is not None:
             pending.append((ptr, size))
-            return
-        try:
-            self.dev.set_access(ptr, size)
-        except BaseException:
-            self._undo_map(ptr, size)
-            raise
 
     @hookimpl
     def unmap(self, ptr: int, size: int) -> None:
@@ -108,12 +110,6 @@ class CudaBackend:
         if pending is not None and (ptr, size) in pending:
             pending.remove((ptr, size))
         self.dev.unmap(ptr, size)
-
-    def _undo_map(self, ptr: int, size: int) -> None:
-        try:
-            self.dev.unmap(ptr, size)
-        except Exception as exc:  # the first failure is the one to report
-            log.error("cuda: undoing the map at %#x after a failed cuMemSetAccess: %s", ptr, exc)
 
     @contextlib.contextmanager
     def deferred_access(self) -> Iterator[None]:
@@ -144,147 +140,37 @@ class CudaBackend:
 
     def set_access_runs(self, ranges: list[tuple[int, int]]) -> int:
         """Make ``ranges`` read-write, one driver call per contiguous run; return the number of calls."""
-        calls = 0
-        start = end = None
+        runs: list[list[int]] = []  # [start, end] of each contiguous run
         for ptr, size in sorted(ranges):
-            if start is not None and ptr == end:
-                end += size
-                continue
-            if start is not None:
-                self.dev.set_access(start, end - start)
-                calls += 1
-            start, end = ptr, ptr + size
-        if start is not None:
+            if runs and ptr == runs[-1][1]:
+                runs[-1][1] += size
+            else:
+                runs.append([ptr, ptr + size])
+        for start, end in runs:
             self.dev.set_access(start, end - start)
-            calls += 1
-        return calls
+        return len(runs)
 
-    # -- graphs, streams, pools --------------------------------------------------------
+    # -- graphs, streams, pools: the shared hooks of TorchHooks over CudaGlue, plus two of cuda's own
 
-    @hookimpl
-    def capabilities(self) -> frozenset[str]:
-        from hal.backends.cuda.torch_pool import custom_pool_unavailable_reason
+    def _current_glue(self) -> CudaGlue:
+        """The torch glue, made on first use (so that the VMM hooks alone never import torch)."""
+        glue = self.glue
+        if glue is not None:
+            return glue
+        with self._glue_lock:
+            if self.glue is None:
+                from hal.backends.cuda.torch_glue import CudaGlue
 
-        reason = custom_pool_unavailable_reason()
-        if reason is not None:
-            log.warning("cuda: no pools over allocator callbacks: %s", reason)
-            return frozenset({"graphs", "capture_routing"})
-        return frozenset({"graphs", "custom_pool", "capture_routing", "use_pool"})
-
-    @hookimpl
-    def torch_device(self) -> Any:
-        import torch
-
-        return torch.device("cuda", self.device)
-
-    @hookimpl
-    def create_stream(self) -> Any:
-        import torch
-
-        return torch.cuda.Stream(device=self.device)
-
-    @hookimpl
-    def current_stream(self) -> Any:
-        import torch
-
-        return torch.cuda.current_stream(self.device)
-
-    @hookimpl
-    def use_stream(self, stream: Any) -> ContextManager[Any]:
-        import torch
-
-        return torch.cuda.stream(stream)  # also makes the stream's device current
-
-    @hookimpl
-    def synchronize(self, stream: Any) -> None:
-        import torch
-
-        if stream is None:
-            torch.cuda.synchronize(self.device)
-        else:
-            stream.synchronize()
-
-    @hookimpl
-    def create_pool(self, alloc: AllocFn | None, free: FreeFn | None) -> Any:
-        from hal.backends.cuda import torch_pool
-
-        if alloc is None or free is None:
-            return torch_pool.create_device_pool(self.device)
-        return torch_pool.create_custom_pool(alloc, free, self.device)
+                self.glue = CudaGlue(self.device)
+            return self.glue
 
     @hookimpl
     def use_pool(self, pool: Any) -> ContextManager[None]:
-        import torch
-
-        if pool.mempool is None:
-            from hal.errors import UnsupportedError
-
-            raise UnsupportedError(f"{pool!r} is not a torch.cuda.MemPool", backend="cuda", call="use_pool")
-        return torch.cuda.use_mem_pool(pool.mempool, device=self.device)
+        return self._current_glue().use_pool(pool)
 
     @hookimpl
     def tensor_at(self, ptr: int, nbytes: int, owner: Any) -> Any:
-        import torch
-
-        class _Memory:  # what torch.as_tensor reads; the tensor's storage keeps this object (and owner) alive
-            __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                        "version": 3, "strides": None}
-
-        memory = _Memory()
-        memory.owner = owner  # type: ignore[attr-defined]
-        return torch.as_tensor(memory, device=torch.device("cuda", self.device))
-
-    @hookimpl
-    def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:
-        from hal.backends.cuda import torch_pool
-
-        return torch_pool.active_blocks(pool)
-
-    @hookimpl
-    def release_pool(self, pool: Any) -> None:
-        from hal.backends.cuda import torch_pool
-
-        torch_pool.release(pool)
-
-    @hookimpl
-    def create_graph(self) -> Any:
-        from hal.backends.cuda import graph
-
-        return graph.new_graph(self.device)
-
-    @hookimpl
-    def capture(self, graph: Any, pool: Any, stream: Any, capture_error_mode: str | None) -> ContextManager[Any]:
-        from hal.backends.cuda import graph as graphs
-
-        if stream is None:
-            if self._capture_stream is None:
-                self._capture_stream = self.create_stream()
-            stream = self._capture_stream
-        return graphs.capture(graph, pool, stream, capture_error_mode or DEFAULT_CAPTURE_ERROR_MODE)
-
-    @hookimpl
-    def route_captures(self, router: Any) -> ContextManager[None]:
-        from hal.backends.cuda import graph as graphs
-
-        return graphs.routing().activate(self.device, router)
-
-    @hookimpl
-    def default_capture_stream(self) -> Any:
-        from hal.backends.cuda import graph as graphs
-
-        return graphs.default_capture_stream(self.device)
-
-    @hookimpl
-    def replay(self, graph: Any) -> None:
-        from hal.backends.cuda import graph as graphs
-
-        graphs.replay(graph)
-
-    @hookimpl
-    def release_graph(self, graph: Any) -> None:
-        from hal.backends.cuda import graph as graphs
-
-        graphs.release(graph)
+        return self._current_glue().tensor_at(ptr, nbytes, owner)
 
     # -- lifecycle -------------------------------------------------------------------
 

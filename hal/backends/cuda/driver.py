@@ -13,13 +13,11 @@ import logging
 import threading
 from typing import Any, Iterator
 
-from hal.backends.cuda.errors import check
+from hal.backends.cuda.errors import NAME, check
 from hal.errors import InvalidArgumentError
 from hal.types import MemInfo
 
 log = logging.getLogger("hal.cuda")
-
-NAME = "cuda"
 
 
 def driver_module() -> Any:

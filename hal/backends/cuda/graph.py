@@ -1,4 +1,11 @@
-"""torch.cuda graphs, streams and captures on one device."""
+"""The lifecycle of a ``torch.cuda.CUDAGraph`` in the cuda backend: capture, replay, release.
+
+Beyond the shared glue's capture, a cuda graph remembers the stream and pool
+it was captured on, replays on that stream (ordered with the caller's), and
+a capture that fails half-way is undone: torch's allocator stops routing the
+stream's allocations to the pool, the pool's reference is dropped and the
+random generators leave capture mode.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +13,19 @@ import contextlib
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-from hal.backends._native.routing import GraphClassRouting, routing_for
-from hal.backends.cuda.torch_pool import CudaPool
-from hal.gcguard import gc_disabled
+from hal.backends._native import torch_compat as compat
+from hal.backends._native.torch_glue import TorchPool
+from hal.backends.cuda.errors import NAME
 from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError
+from hal.gcguard import gc_disabled
+
+if TYPE_CHECKING:
+    from hal.backends.cuda.torch_glue import CudaGlue
 
 log = logging.getLogger("hal.cuda")
 
-NAME = "cuda"
 
 @dataclass(eq=False)
 class CudaGraph:
@@ -24,7 +34,7 @@ class CudaGraph:
     torch_graph: Any
     device: int
     stream: Any = None
-    pool: CudaPool | None = None
+    pool: TorchPool | None = None
     captured: bool = False
     released: bool = False
 
@@ -33,43 +43,21 @@ class CudaGraph:
         return f"<cuda graph device={self.device} {state}>"
 
 
-_routing: GraphClassRouting | None = None
-
-
-def routing() -> GraphClassRouting:
-    """The routing of ``torch.cuda.CUDAGraph`` captures (one per process)."""
-    global _routing
-    if _routing is None:
-        import torch
-
-        _routing = routing_for(torch.cuda.CUDAGraph, torch.cuda.current_device, lambda pool: pool.id)
-    return _routing
-
-
-def default_capture_stream(device: int) -> Any:
-    """The side stream ``torch.cuda.graph`` captures on when given none (created as torch would)."""
-    import torch
-
-    if torch.cuda.graph.default_capture_stream is None:
-        with torch.cuda.device(device):
-            torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
-    return torch.cuda.graph.default_capture_stream
-
-
-def new_graph(device: int) -> CudaGraph:
-    import torch
-
-    with torch.cuda.device(device):
-        return CudaGraph(torch.cuda.CUDAGraph(), device)
-
-
-def _note(exc: BaseException, text: str) -> None:
-    if hasattr(exc, "add_note"):
-        exc.add_note(text)
+def _check_pool(glue: CudaGlue, graph: CudaGraph, pool: TorchPool | None) -> None:
+    """Refuse a released pool or one of another device (ending a route the router began)."""
+    if pool is None:
+        return
+    problem = (f"{pool!r} was released" if pool.released
+               else f"{pool!r} is not on device {graph.device}" if pool.device != graph.device else None)
+    if problem:
+        if glue.routing is not None:
+            glue.routing.end(graph.torch_graph, False)
+        raise (InvalidStateError if pool.released else InvalidArgumentError)(problem, backend=NAME, call="capture")
 
 
 @contextlib.contextmanager
-def capture(graph: CudaGraph, pool: CudaPool | None, stream: Any, capture_error_mode: str) -> Iterator[CudaGraph]:
+def capture(glue: CudaGlue, graph: CudaGraph, pool: TorchPool | None, stream: Any,
+            capture_error_mode: str) -> Iterator[CudaGraph]:
     """Capture the work of the block into ``graph`` on ``stream``, drawing memory from ``pool``.
 
     A context manager around ``torch.cuda.graph``. The garbage collector is
@@ -79,35 +67,27 @@ def capture(graph: CudaGraph, pool: CudaPool | None, stream: Any, capture_error_
     a note. After a failure the graph is empty (release it) and torch's
     allocator no longer routes the stream's allocations to the pool.
     """
-    import torch
-
+    torch, cuda = glue.torch, glue.ns
     if graph.captured or graph.released:
         raise InvalidStateError(f"{graph!r} cannot be captured again", backend=NAME, call="capture")
     if stream is None or stream.device != torch.device("cuda", graph.device):
         raise InvalidArgumentError(f"stream={stream!r} is not a stream of device {graph.device}",
                                    backend=NAME, call="capture")
-    if _routing is not None:  # inside route_captures the router chooses the pool
-        pool = _routing.begin(graph.torch_graph, pool, graph.device) or pool
-    if pool is not None:
-        problem = (f"{pool!r} was released" if pool.released
-                   else f"{pool!r} is not on device {graph.device}" if pool.device != graph.device else None)
-        if problem:
-            if _routing is not None:
-                _routing.end(graph.torch_graph, False)
-            raise (InvalidStateError if pool.released else InvalidArgumentError)(problem, backend=NAME,
-                                                                                 call="capture")
+    if glue.routing is not None:  # inside route_captures the router chooses the pool
+        pool = glue.routing.begin(graph.torch_graph, pool, graph.device) or pool
+    _check_pool(glue, graph, pool)
     if pool is not None and pool.callbacks is not None:
         pool.callbacks.last_error = None
-    with torch.cuda.device(graph.device):
+    with cuda.device(graph.device):
         # a private pool gets an id of its own, so that a failed capture can be undone
-        pool_id = pool.id if pool is not None else tuple(torch.cuda.graph_pool_handle())
-        previous = torch.cuda.current_stream()
-        torch_capture = torch.cuda.graph(graph.torch_graph, pool=pool_id, stream=stream,
-                                         capture_error_mode=capture_error_mode)
+        pool_id = pool.id if pool is not None else tuple(cuda.graph_pool_handle())
+        previous = cuda.current_stream()
+        torch_capture = cuda.graph(graph.torch_graph, pool=pool_id, stream=stream,
+                                   capture_error_mode=capture_error_mode)
         try:
             torch_capture.__enter__()
         except BaseException:
-            _undo_failed_capture(graph, pool_id, previous, capture_ended=False)
+            _undo_failed_capture(glue, graph, pool_id, previous, capture_ended=False)
             raise
         body: BaseException | None = None
         try:
@@ -121,18 +101,16 @@ def capture(graph: CudaGraph, pool: CudaPool | None, stream: Any, capture_error_
                     warnings.simplefilter("ignore")
                 torch_capture.__exit__(type(body) if body else None, body, body.__traceback__ if body else None)
         except BaseException as end_exc:
-            _undo_failed_capture(graph, pool_id, previous, capture_ended=False)
+            _undo_failed_capture(glue, graph, pool_id, previous, capture_ended=False)
             first = body if body is not None else end_exc
             raise CaptureError(
                 f"the work inside the block could not be captured: {_first_line(first)} "
                 "(host synchronisations such as .item(), .cpu() or printing a tensor are not allowed "
                 "in a capture)", backend=NAME, call="capture") from end_exc
         if body is not None:
-            _undo_failed_capture(graph, pool_id, previous, capture_ended=True)
+            _undo_failed_capture(glue, graph, pool_id, previous, capture_ended=True)
             if isinstance(body, torch.OutOfMemoryError):
-                reason = pool.callbacks.last_error if pool is not None and pool.callbacks is not None else None
-                if reason:
-                    _note(body, f"hal cuda: {reason}")
+                glue.explain_out_of_memory(body, pool)
             elif isinstance(body, RuntimeError) and "captur" in str(body).lower():
                 raise CaptureError(f"the work inside the block could not be captured: {_first_line(body)}",
                                    backend=NAME, call="capture") from body
@@ -149,7 +127,7 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _rearm_generators(device: int) -> None:
+def _rearm_generators(glue: CudaGlue, device: int) -> None:
     """Take the device's random generators out of capture mode after a capture that never ended.
 
     torch puts them in capture mode when a capture begins and out of it when
@@ -157,22 +135,36 @@ def _rearm_generators(device: int) -> None:
     op on the device fails ("Offset increment outside graph capture"). An
     empty capture that ends well puts them back.
     """
-    import torch
-
+    cuda = glue.ns
     try:
-        with torch.cuda.device(device):
-            stream = torch.cuda.Stream()
-            empty = torch.cuda.CUDAGraph()
+        with cuda.device(device):
+            stream = cuda.Stream()
+            empty = cuda.CUDAGraph()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "the graph is empty"
-                with torch.cuda.graph(empty, stream=stream):
+                with cuda.graph(empty, stream=stream):
                     pass
             empty.reset()
     except RuntimeError as exc:  # pragma: no cover - device machines only
         log.warning("cuda: could not take the random generators out of capture mode: %s", exc)
 
 
-def _undo_failed_capture(graph: CudaGraph, pool_id: tuple[int, int], previous_stream: Any,
+def _stop_routing_to_pool(glue: CudaGlue, device: int, pool_id: tuple) -> None:
+    """Stop routing allocations to ``pool_id`` and drop the reference a failed ``capture_begin`` took."""
+    end, release = glue.private(compat.END_ALLOCATE_TO_POOL), glue.private(compat.RELEASE_POOL)
+    if end is None or release is None:
+        log.warning("cuda: this torch cannot stop routing allocations to the pool of a failed capture; "
+                    "capture on a new stream from now on")
+        return
+    try:
+        end(device, pool_id)
+    except RuntimeError:
+        return  # torch got past its own bookkeeping
+    release(device, pool_id)
+    log.debug("cuda: undid the allocator state of a failed capture into pool %s", pool_id)
+
+
+def _undo_failed_capture(glue: CudaGlue, graph: CudaGraph, pool_id: tuple, previous_stream: Any,
                          capture_ended: bool) -> None:
     """Leave torch's allocator and the current stream as they were before a failed capture.
 
@@ -182,60 +174,44 @@ def _undo_failed_capture(graph: CudaGraph, pool_id: tuple[int, int], previous_st
     pool that ``capture_begin`` took; both are undone here, or later
     allocations would still be routed to a dead capture's pool.
     """
-    import torch
-
-    if torch.cuda.current_stream() != previous_stream:  # torch skips restoring it when capture_end raises
-        torch.cuda.set_stream(previous_stream)
+    cuda = glue.ns
+    if cuda.current_stream() != previous_stream:  # torch skips restoring it when capture_end raises
+        cuda.set_stream(previous_stream)
     if not capture_ended:
-        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-        release = getattr(torch._C, "_cuda_releasePool", None)
-        if end is None or release is None:
-            log.warning("cuda: this torch cannot stop routing allocations to the pool of a failed capture; "
-                        "capture on a new stream from now on")
-        else:
-            try:
-                end(graph.device, pool_id)
-            except RuntimeError:
-                pass  # torch got past its own bookkeeping
-            else:
-                release(graph.device, pool_id)
-                log.debug("cuda: undid the allocator state of a failed capture into pool %s", pool_id)
-        _rearm_generators(graph.device)
+        _stop_routing_to_pool(glue, graph.device, pool_id)
+        _rearm_generators(glue, graph.device)
     try:
         graph.torch_graph.reset()
     except RuntimeError as exc:
         log.debug("reset of a failed capture: %s", exc)
 
 
-def replay(graph: CudaGraph) -> None:
+def replay(glue: CudaGlue, graph: CudaGraph) -> None:
     """Launch ``graph`` on its capture stream, ordered after (and before) the current stream's work."""
-    import torch
-
+    cuda = glue.ns
     if not graph.captured or graph.released:
         raise InvalidStateError(f"{graph!r} cannot be replayed", backend=NAME, call="replay")
-    with torch.cuda.device(graph.device):
-        current = torch.cuda.current_stream()
+    with cuda.device(graph.device):
+        current = cuda.current_stream()
         stream = graph.stream
         if current == stream:
             graph.torch_graph.replay()
             return
         stream.wait_stream(current)
-        with torch.cuda.stream(stream):
+        with cuda.stream(stream):
             graph.torch_graph.replay()
         current.wait_stream(stream)
 
 
-def release(graph: CudaGraph) -> None:
+def release(glue: CudaGlue, graph: CudaGraph) -> None:
     """Wait for the graph's last replay, then destroy it; idempotent."""
-    import torch
-
     if graph.released:
         return
     graph.released = True
     if graph.pool is not None:  # before the reset: a routed graph's reset may release its pool
         graph.pool.graphs -= 1
         graph.pool = None
-    with torch.cuda.device(graph.device):
+    with glue.ns.device(graph.device):
         if graph.captured and graph.stream is not None:
             graph.stream.synchronize()
         graph.torch_graph.reset()

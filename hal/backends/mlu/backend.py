@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from typing import Any
 
 from hal.api import hookimpl
 from hal.backends._native.hooks import TorchHooks
 from hal.backends._native.torch_glue import TorchGlue
+from hal.backends._native.vmm import map_with_access
 from hal.backends.mlu import lib, locate
 from hal.types import MemInfo
 
@@ -116,12 +118,10 @@ class MluBackend(TorchHooks):
 
     @hookimpl
     def map(self, ptr: int, size: int, handle: int) -> bool:
-        self._call("map", "cnMemMap", ptr, size, 0, handle, 0)
-        try:
-            self._call("map", "cnMemSetAccess", ptr, size, ctypes.byref(self._access), 1)
-        except Exception:
-            self._call("map", "cnMemUnmap", ptr, size)  # leave nothing half-mapped
-            raise
+        call = functools.partial(self._call, "map")
+        map_with_access(lambda: call("cnMemMap", ptr, size, 0, handle, 0),
+                        lambda: call("cnMemSetAccess", ptr, size, ctypes.byref(self._access), 1),
+                        lambda: call("cnMemUnmap", ptr, size), backend=NAME, ptr=ptr, access_call="cnMemSetAccess")
         return True
 
     @hookimpl

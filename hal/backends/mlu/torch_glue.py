@@ -3,52 +3,30 @@
 Imported only when an mlu backend is opened with torch_mlu installed. torch_mlu
 has ``torch.mlu.MLUGraph`` and ``torch_mlu._MLUC._mlu_customAllocator`` but no
 public ``MemPool``, so a pool over hal allocator callbacks is not possible
-there: :func:`capabilities` reports ``"custom_pool"`` only for a build that
-has both, and graphkit falls back to a shared pool otherwise.
+there: the ``"custom_pool"`` capability is reported only for a build that has
+both, and graphkit falls back to a shared pool otherwise.
 
 Capture mode: torch_mlu's own default is ``"relaxed"``; this glue passes on
 the mode the caller asks for and uses ``"relaxed"`` when none is given.
 
-The plumbing shared with torch_npu is in :mod:`hal.backends._native.torch_glue`;
+The plumbing shared with torch.cuda and torch_npu is in :mod:`hal.backends._native.torch_glue`;
 what is mlu's own is here: the names, the capture mode, and CNDrv's queue-capture errors.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
 
-from hal.api import AllocFn, FreeFn
-from hal.backends._native import callbacks
-from hal.backends._native.callbacks import ALLOC_FN, FREE_FN, address_of
-from hal.backends._native.torch_glue import TorchExtension, TorchGlue, TorchPool, active_blocks
+from hal.backends._native.torch_glue import TorchExtension, TorchGlue
 from hal.backends.mlu.lib import CAPTURE_CODES, CODE_NAMES, NAME
 from hal.errors import CaptureError
 
-__all__ = ["ALLOC_FN", "EXTENSION", "FREE_FN", "MluPool", "MluGlue", "active_blocks", "address_of",
-           "allocator_callbacks", "capabilities", "capture_failure"]
-
 DEFAULT_CAPTURE_MODE = "relaxed"
 
-EXTENSION = TorchExtension(module="torch_mlu", device_type="mlu", graph_class="MLUGraph", internals="_MLUC",
-                           custom_allocator="_mlu_customAllocator")
-
-#: every callback pair ever handed to torch_mlu (shared with the other extensions)
-_KEEP_ALIVE = callbacks.KEEP_ALIVE
+EXTENSION = TorchExtension(module="torch_mlu", device_type="mlu", graph_class="MLUGraph")
 
 _CAPTURE_FAILURE = re.compile(
     "|".join([rf"\b{c}\b" for c in sorted(CAPTURE_CODES)] + [CODE_NAMES[c] for c in sorted(CAPTURE_CODES)]))
-
-#: a pool for captures: ``id`` is what ``torch.mlu.graph(pool=...)`` takes
-MluPool = TorchPool
-
-
-def allocator_callbacks(alloc: AllocFn, free: FreeFn) -> tuple[Any, Any]:
-    """C callbacks with torch_mlu's allocator signatures (``cnrtQueue_t`` last) around ``alloc`` and ``free``.
-
-    They never let an exception out and stay alive for the lifetime of the process.
-    """
-    return callbacks.allocator_callbacks(alloc, free, backend=NAME)
 
 
 def capture_failure(exc: BaseException) -> CaptureError | None:
@@ -60,11 +38,6 @@ def capture_failure(exc: BaseException) -> CaptureError | None:
         f"the MLU refused the capture ({match.group(0)}): a host synchronisation, a foreign queue or "
         "another thread touched the capturing queue; move that work out of the captured region "
         f"[{type(exc).__name__}: {exc}]", backend=NAME, call="capture")
-
-
-def capabilities(ext: Any, ns: Any) -> frozenset[str]:
-    """What this torch_mlu build offers: ``"graphs"``, and ``"custom_pool"`` only where MemPool exists."""
-    return EXTENSION.capabilities(ext, ns)
 
 
 class MluGlue(TorchGlue):

@@ -1,0 +1,211 @@
+"""Every private torch (and torch_npu / torch_mlu) API hal uses, in one place.
+
+Each :class:`PrivateApi` says what hal uses it for, where it lives per device
+type (``cuda``, ``npu``, ``mlu``), the versions it was checked on and what
+happens without it. Look one up with :func:`lookup` (``None`` when missing) or
+:func:`require` (:class:`hal.UnsupportedError` naming the API and the installed
+versions when missing): never with a bare ``getattr`` that ends in an
+``AttributeError``.
+
+Checked on torch 2.13.0+cpu (this project's CI) and torch 2.11.0+cu130 (the
+GPU machine); ``pyproject.toml`` declares torch >= 2.8. A CPU build of torch
+defines the CUDA pool functions as dummies that raise when called: they count
+as missing here. The torch_npu / torch_mlu names were read from their sources
+and run only against the stubs in ``tests/sim``.
+
+Two structures that torch does not document are read here too: the memory
+snapshot (:func:`memory_snapshot`, :func:`active_blocks`) and the class
+attribute ``torch.<device>.graph.default_capture_stream``
+(:func:`default_capture_stream`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+from hal.errors import UnsupportedError
+
+#: the oldest torch whose graph pools route segment allocations to a MemPool's custom allocator
+MIN_TORCH_FOR_CUSTOM_POOL = (2, 8)
+
+_CPU, _GPU = "torch 2.13.0+cpu", "torch 2.11.0+cu130"
+
+
+@dataclass(frozen=True)
+class PrivateApi:
+    """One private API and its home per device type."""
+
+    #: what hal uses it for
+    purpose: str
+    #: device type -> dotted paths from the module's name; the first one present wins
+    paths: Mapping[str, tuple[str, ...]]
+    #: the versions it was checked on
+    checked: str
+    #: what hal does when it is missing
+    missing: str
+
+    def name(self, device_type: str) -> str:
+        """The preferred path of this API for ``device_type`` (for messages)."""
+        paths = self.paths.get(device_type, ())
+        return paths[0] if paths else f"<no {self.purpose} for {device_type}>"
+
+
+CUSTOM_ALLOCATOR = PrivateApi(
+    purpose="wrap two C function pointers (alloc, free) as an allocator object for a MemPool",
+    paths={"cuda": ("torch._C._cuda_customAllocator",),
+           "npu": ("torch_npu._C._npu_customAllocator",),
+           "mlu": ("torch_mlu._MLUC._mlu_customAllocator",)},
+    checked=f"{_GPU}; absent from CPU builds ({_CPU})",
+    missing='no "custom_pool" capability: create_pool with callbacks raises UnsupportedError',
+)
+
+MEM_POOL = PrivateApi(
+    purpose="a pool over a custom allocator: MemPool(allocator), its .id, use_count()",
+    paths={"cuda": ("torch.cuda.MemPool",),
+           "npu": ("torch_npu.npu.MemPool",),
+           "mlu": ("torch_mlu.mlu.MemPool",)},  # absent from today's torch_mlu
+    checked=f"{_GPU}; {_CPU} (unusable there: its base class is a dummy)",
+    missing='no "custom_pool" capability: create_pool with callbacks raises UnsupportedError',
+)
+
+END_ALLOCATE_TO_POOL = PrivateApi(
+    purpose="stop routing a stream's allocations to a pool (undo of a capture that failed half-way)",
+    paths={"cuda": ("torch._C._cuda_endAllocateToPool", "torch._C._cuda_endAllocateCurrentStreamToPool"),
+           "npu": ("torch_npu._C._npu_endAllocateCurrentStreamToPool",),
+           "mlu": ("torch_mlu._MLUC._mlu_endAllocateToPool", "torch_mlu._MLUC._mlu_endAllocateCurrentStreamToPool")},
+    checked=f"{_GPU}; a dummy in {_CPU}",
+    missing="the failed capture is not undone and a warning says so (an error would hide the capture's own)",
+)
+
+RELEASE_POOL = PrivateApi(
+    purpose="drop the reference on a pool that a failed capture took",
+    paths={"cuda": ("torch._C._cuda_releasePool",),
+           "npu": ("torch_npu._C._npu_releasePool",),
+           "mlu": ("torch_mlu._MLUC._mlu_releasePool",)},
+    checked=f"{_GPU}; a dummy in {_CPU}",
+    missing="as for END_ALLOCATE_TO_POOL",
+)
+
+MEMORY_SNAPSHOT = PrivateApi(
+    purpose="the caching allocator's segments and blocks (read by pool_active_blocks)",
+    paths={"cuda": ("torch.cuda.memory_snapshot",),
+           "npu": ("torch_npu.npu.memory_snapshot",),
+           "mlu": ("torch_mlu.mlu.memory_snapshot",)},
+    checked=f"{_GPU} (keywords mempool_id, include_traces); {_CPU} has the function",
+    missing="pool_active_blocks reports no blocks and logs why once per glue",
+)
+
+
+def _is_dummy(obj: Any) -> bool:
+    """A CPU build's stand-in for a CUDA function (a class from ``torch._utils`` that raises when called)."""
+    return isinstance(obj, type) and obj.__module__ == "torch._utils"
+
+
+def _resolve(path: str, modules: Mapping[str, Any]) -> Any | None:
+    root, *attrs = path.split(".")
+    obj = modules.get(root)
+    for attr in attrs:
+        if obj is None:
+            return None
+        obj = getattr(obj, attr, None)
+    return None if obj is None or _is_dummy(obj) else obj
+
+
+def lookup(api: PrivateApi, device_type: str, modules: Mapping[str, Any]) -> Any | None:
+    """The object ``api`` names for ``device_type``, or None when this install lacks it.
+
+    :param modules: module name -> module, e.g. ``{"torch": torch, "torch_npu": torch_npu}``.
+    """
+    for path in api.paths.get(device_type, ()):
+        found = _resolve(path, modules)
+        if found is not None:
+            return found
+    return None
+
+
+def versions(modules: Mapping[str, Any]) -> str:
+    """``"torch 2.13.0+cpu, torch_npu 2.5.1"``: the installed versions, for messages."""
+    seen: dict[int, str] = {}
+    for name, module in modules.items():
+        if module is not None and id(module) not in seen:
+            seen[id(module)] = f"{name} {getattr(module, '__version__', '(version unknown)')}"
+    return ", ".join(seen.values())
+
+
+def require(api: PrivateApi, device_type: str, modules: Mapping[str, Any], *, backend: str, call: str) -> Any:
+    """Like :func:`lookup`, but a missing API raises :class:`hal.UnsupportedError` naming it and the versions."""
+    found = lookup(api, device_type, modules)
+    if found is None:
+        raise UnsupportedError(f"{api.name(device_type)} is missing in {versions(modules)} (checked on "
+                               f"{api.checked}): {api.missing}", backend=backend, call=call)
+    return found
+
+
+def torch_version(torch: Any) -> tuple[int, int]:
+    """``(major, minor)`` of ``torch.__version__`` (``"2.13.0+cpu"`` -> ``(2, 13)``)."""
+    major, minor = (int("".join(c for c in part if c.isdigit()) or 0)
+                    for part in (torch.__version__.split(".") + ["0"])[:2])
+    return major, minor
+
+
+# -- the memory snapshot -------------------------------------------------------------------
+
+
+def memory_snapshot(snapshot: Callable[..., Iterable[dict]], pool_id: tuple) -> list[dict]:
+    """Segments from ``torch.<device>.memory_snapshot``, asking for ``pool_id``'s alone where it can.
+
+    Newer builds take ``mempool_id`` and ``include_traces`` (traces are slow
+    and unused here); older ones neither, and return every segment.
+    """
+    for kwargs in ({"mempool_id": pool_id, "include_traces": False}, {"mempool_id": pool_id}):
+        try:
+            return list(snapshot(**kwargs))
+        except TypeError:
+            continue
+    return list(snapshot())
+
+
+def active_blocks(segments: Iterable[dict], pool_id: tuple | None = None,
+                  device: int | None = None) -> list[tuple[int, int]]:
+    """``(address, bytes)`` of every allocated block in snapshot ``segments``, sorted.
+
+    A segment has ``address``, ``segment_pool_id``, ``device`` and ``blocks``;
+    a block has ``size``, ``state`` and, in some builds, its own ``address``
+    (otherwise it starts where the previous block ended).
+
+    :param pool_id: keep only the segments of this pool.
+    :param device: keep only the segments of this device (segments without one are kept).
+    """
+    found = []
+    for segment in segments:
+        if pool_id is not None and tuple(segment.get("segment_pool_id", ())) != tuple(pool_id):
+            continue
+        if device is not None and segment.get("device", device) != device:
+            continue
+        at = int(segment.get("address", 0))
+        for block in segment.get("blocks", ()):
+            address, size = int(block.get("address", at)), int(block["size"])
+            if block.get("state") == "active_allocated":
+                found.append((address, size))
+            at = address + size
+    return sorted(found)
+
+
+# -- the graph context manager's side stream -----------------------------------------------------
+
+
+def default_capture_stream(graph_cm: Any, make_stream: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
+    """The stream ``torch.<device>.graph`` captures on when given none.
+
+    It is the class attribute ``default_capture_stream``, which torch fills
+    lazily with a new stream on first use; here it is filled the same way,
+    with ``make_stream()``. Where ``graph`` is not a class (some extensions),
+    captures run on the current stream: ``fallback()``.
+    """
+    if getattr(graph_cm, "default_capture_stream", None) is None:
+        try:
+            graph_cm.default_capture_stream = make_stream()
+        except (AttributeError, TypeError):
+            return fallback()
+    return graph_cm.default_capture_stream
