@@ -236,3 +236,47 @@ def test_without_use_pool_regions_refuse_and_graph_memory_still_sleeps() -> None
     saver.close()
     be.close()
     assert be.live.zero
+
+
+@pytest.mark.parametrize("name", ["ascend", "mlu"])
+def test_graph_memory_and_elastic_buffers_sleep_on_the_vendor_simulators(name: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vendors' VMM calls give the memory back and map it again at the same addresses;
+    regions need a framework pool hook these backends do not declare, and say so."""
+    import sys
+
+    from hal.backends._native.torch_glue import TorchGlue
+    from tests.sim import compiler_reason, simulated_backend, simulator
+    from tests.sim.torch_stub import extension_stub
+
+    if compiler_reason() is not None:
+        pytest.skip(str(compiler_reason()))
+    extension = {"ascend": "torch_npu", "mlu": "torch_mlu"}[name]
+    monkeypatch.setitem(sys.modules, extension, extension_stub(extension))
+    monkeypatch.setattr(TorchGlue, "torch_device", lambda self: torch.device("meta"))  # plain torch has no npu/mlu
+    with simulated_backend(name, capacity=64 * G, granularity=G, use_torch=True) as be:
+        saver = graphkit.MemorySaver(be)
+        with pytest.raises(hal.UnsupportedError, match="use_pool"):
+            with saver.region("weights"):
+                pass
+        alloc = graphkit.SharedVMMAllocator(be, reserve_bytes=8 * G)
+        saver.adopt(alloc)
+        alloc.switch_to_new_virtual_space()
+        ptr = alloc.allocate(3 * G)
+        kv = graphkit.ElasticBuffer(be, max_bytes=16 * G, saver=saver, tag="kv_cache")
+        kv.resize(5 * G)
+        base, kv_ptr = be.live.chunk_bytes, kv.ptr
+        assert base >= 8 * G
+        assert saver.pause() >= 8 * G
+        sim = simulator(be)
+        assert be.live.chunk_bytes == 0 and sim.count("used") == 0 and sim.count("chunks") == 0
+        with pytest.raises(hal.InvalidStateError):
+            kv.resize(6 * G)  # growing a sleeping buffer is refused, not mapped behind the saver's back
+        saver.resume()
+        assert be.live.chunk_bytes == base and kv.ptr == kv_ptr and kv.mapped_bytes == 5 * G
+        kv.resize(6 * G)
+        alloc.deallocate(ptr)
+        kv.close()
+        saver.close()
+        alloc.close()
+    assert be.live.zero
