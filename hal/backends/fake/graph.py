@@ -9,20 +9,31 @@ Capture runs the user's function once under a ``TorchDispatchMode``:
 * ops that write into their arguments (in-place, ``out=``) are recorded too;
 * views are recorded once, to be rebuilt over the placed memory.
 
-Replay re-runs exactly the recorded ops on the same addresses, never the
+Replay re-runs the recorded ops on the same addresses, never the
 Python function, so its cost is proportional to the ops recorded. Ops that
 synchronise with the host (``.item()``, ``bool(t)``, printing) raise
 :class:`hal.CaptureError`, as they do inside a CUDA graph capture.
+
+At the end of a capture the tape is compiled into a flat program (see
+:func:`_compile`): every step is a pre-bound ``(callable, args, kwargs)``
+with its tensor arguments resolved once, and an op whose results were
+placed writes them straight into their placed memory through its ``out=``
+overload, so a replay neither allocates, copies nor walks pytrees for it.
+Ops without such an overload, random ops, and ops whose placed output
+overlaps one of their inputs (possible through a weak alias into a shared
+pool) run as recorded and their results are copied into place.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
+import logging
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -32,6 +43,7 @@ from hal.backends.fake.pool import BlockPool
 from hal.errors import CaptureError, InvalidStateError
 
 aten = torch.ops.aten
+log = logging.getLogger("hal.fake")
 
 #: ops that need a value on the host (or a data-dependent shape) to proceed
 HOST_SYNC_OPS = {
@@ -70,6 +82,10 @@ class _Ref:
     index: int  # into FakeGraph._tensors
 
 
+#: one step of a compiled replay: ``fn(*args, **kwargs)``
+_Step = tuple[Callable[..., Any], tuple, dict]
+
+
 @dataclass
 class FakeGraph:
     """A captured tape; build with the backend's ``create_graph``."""
@@ -78,6 +94,8 @@ class FakeGraph:
     # each recorded tensor: ("slot", _Slot) | ("view", func, args, kwargs, position) | ("const", tensor)
     entries: list[tuple] = field(default_factory=list)
     tensors: list[torch.Tensor | None] = field(default_factory=list)
+    # what a replay runs: ``fn(*args, **kwargs)`` per step, built from ``ops`` at the end of the capture
+    program: list[_Step] = field(default_factory=list)
     own_pool: BlockPool | None = None
     captured: bool = False
     released: bool = False
@@ -90,17 +108,11 @@ class FakeGraph:
             self._replay()
 
     def _replay(self) -> None:
-        tensors = self.tensors
-        for op in self.ops:
-            args = tree_map(lambda a: tensors[a.index] if isinstance(a, _Ref) else a, op.args)
-            kwargs = tree_map(lambda a: tensors[a.index] if isinstance(a, _Ref) else a, op.kwargs)
-            result = op.func(*args, **kwargs)
-            if op.fresh:
-                flat, _ = tree_flatten(result)
-                for pos, index in op.fresh:
-                    tensors[index].copy_(flat[pos])
+        for fn, args, kwargs in self.program:
+            fn(*args, **kwargs)
 
     def release(self) -> None:
+        self.program.clear()
         self.ops.clear()
         self.entries.clear()
         self.tensors.clear()
@@ -265,6 +277,121 @@ def _materialise(graph: FakeGraph) -> None:
             graph.entries[i] = ("view",)
 
 
+# -- the compiled replay ------------------------------------------------------------
+
+
+def _is_write(arg: Any) -> bool:
+    return arg.alias_info is not None and arg.alias_info.is_write
+
+
+@functools.lru_cache(maxsize=None)
+def _out_variant(func: Any) -> tuple[Callable[..., Any], tuple[str, ...]] | None:
+    """The ``out=`` overload of a functional op and its out argument names (one per return), or None.
+
+    Only for ops that write nothing, return plain tensors, draw no random
+    numbers, and whose out overload takes exactly the same arguments plus
+    keyword-only outs (``aten.mean.dim`` -> ``aten.mean.out``).
+    """
+    try:
+        return _find_out_variant(func)
+    except Exception:  # not an OpOverload as aten's are: run it as recorded
+        log.debug("no out= lookup for %s", func, exc_info=True)
+        return None
+
+
+def _find_out_variant(func: Any) -> tuple[Callable[..., Any], tuple[str, ...]] | None:
+    schema = func._schema
+    returns = schema.returns
+    if (not returns or schema.is_mutable or any(a.alias_info is not None for a in schema.arguments)
+            or any(str(r.type) != "Tensor" or r.alias_info is not None for r in returns)
+            or torch.Tag.nondeterministic_seeded in func.tags):
+        return None
+    want = [(a.name, str(a.type), a.kwarg_only) for a in schema.arguments]
+    packet = func.overloadpacket
+    for name in packet.overloads():
+        candidate = getattr(packet, name)
+        arguments = candidate._schema.arguments
+        outs = [a for a in arguments if _is_write(a)]
+        if (len(outs) != len(returns) or not all(a.kwarg_only and str(a.type) == "Tensor" for a in outs)
+                or any(a.alias_info is not None and not _is_write(a) for a in arguments)):
+            continue
+        if [(a.name, str(a.type), a.kwarg_only) for a in arguments if not _is_write(a)] == want:
+            return candidate._op, tuple(a.name for a in outs)
+    return None
+
+
+def _span(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes of ``t``'s storage, or None for an empty tensor."""
+    if not t.numel():
+        return None
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
+def _overlaps(outs: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
+    spans = [s for s in map(_span, inputs) if s is not None]
+    for out in outs:
+        mine = _span(out)
+        if mine is not None and any(lo < mine[1] and mine[0] < hi for lo, hi in spans):
+            return True
+    return False
+
+
+def _copying_step(fn: Callable[..., Any], args: tuple, kwargs: dict,
+                  targets: list[tuple[int, torch.Tensor]]) -> _Step:
+    """Run ``fn`` as recorded, then copy its fresh results into their placed tensors."""
+    if len(targets) == 1 and targets[0][0] == 0:
+        target = targets[0][1]
+
+        def run_one() -> None:
+            result = fn(*args, **kwargs)
+            target.copy_(result if isinstance(result, torch.Tensor) else tree_flatten(result)[0][0])
+
+        return run_one, (), {}
+
+    def run() -> None:
+        flat, _ = tree_flatten(fn(*args, **kwargs))
+        for pos, target in targets:
+            target.copy_(flat[pos])
+
+    return run, (), {}
+
+
+def _compile(graph: FakeGraph) -> list[_Step]:
+    """Turn the tape into pre-bound steps over the replay tensors (see the module doc)."""
+    tensors = graph.tensors
+
+    def resolve(tree: Any) -> Any:
+        return tree_map(lambda a: tensors[a.index] if isinstance(a, _Ref) else a, tree)
+
+    program: list[_Step] = []
+    direct = copied = 0
+    for op in graph.ops:
+        args, kwargs = tuple(resolve(op.args)), dict(resolve(op.kwargs))
+        fn = getattr(op.func, "_op", op.func)  # the C++ callable, without OpOverload.__call__'s frame
+        if not op.fresh:  # in place or out=: writes where it wrote at capture
+            program.append((fn, args, kwargs))
+            continue
+        targets: list[tuple[int, torch.Tensor]] = []
+        for pos, index in op.fresh:
+            target = tensors[index]
+            assert target is not None  # every slot was materialised
+            targets.append((pos, target))
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        out = _out_variant(op.func)
+        if (out is not None and sorted(pos for pos, _ in targets) == list(range(len(out[1])))
+                and not _overlaps([t for _, t in targets], inputs)):
+            out_fn, names = out
+            by_pos = dict(targets)
+            program.append((out_fn, args, {**kwargs, **{name: by_pos[i] for i, name in enumerate(names)}}))
+            direct += 1
+        else:
+            program.append(_copying_step(fn, args, kwargs, targets))
+            copied += 1
+    log.debug("compiled %d ops: %d write through out=, %d copy their results", len(graph.ops), direct, copied)
+    return program
+
+
 #: tensor methods that read values on the host without going through torch's dispatcher
 HOST_READ_METHODS = ("tolist", "numpy", "__array__", "__repr__", "__str__", "__format__")
 _capturing = threading.local()
@@ -333,4 +460,5 @@ def capture(graph: FakeGraph, pool: BlockPool) -> Iterator[FakeGraph]:
         graph.entries.clear()
         raise
     _materialise(graph)
+    graph.program = _compile(graph)
     graph.captured = True
