@@ -476,7 +476,7 @@ class SharedVMMAllocator:
 
     # -- allocation -------------------------------------------------------------------------
 
-    def allocate(self, nbytes: int, alignment: int = 512, space_id: int | None = None) -> int:
+    def allocate(self, nbytes: int, alignment: int = hal.ALLOCATION_ALIGNMENT, space_id: int | None = None) -> int:
         """Bump-allocate ``nbytes`` in a space (the current one by default); return the address."""
         with self._lock:
             self._check_open("allocate", awake=True)
@@ -566,7 +566,7 @@ class SharedVMMAllocator:
 
         def alloc(nbytes: int) -> int:
             try:
-                return self.allocate(nbytes, alignment=512, space_id=space_id)
+                return self.allocate(nbytes, alignment=hal.ALLOCATION_ALIGNMENT, space_id=space_id)
             except Exception as exc:
                 self.last_error = str(exc)
                 log.error("graph pool allocation of %s failed: %s", fmt_bytes(nbytes), str(exc))

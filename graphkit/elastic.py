@@ -52,7 +52,7 @@ class ElasticPool:
     def __init__(self, backend: hal.Backend | None = None, reserve_bytes: int = 0, *,
                  precreate_bytes: int = 0) -> None:
         self._owns_backend = backend is None
-        self.backend = be = backend if backend is not None else hal.get_backend()
+        self.backend = be = backend if backend is not None else hal.get_backend(requires=("graphs",))
         _positive(reserve_bytes, "reserve_bytes", "ElasticPool", be.name)
         _positive(precreate_bytes, "precreate_bytes", "ElasticPool", be.name, zero=True)
         self.granularity = g = be.granularity
@@ -181,7 +181,8 @@ class ElasticBuffer:
         if pool is not None and backend is not None and pool.backend is not backend:
             raise hal.InvalidArgumentError("pool= belongs to another backend", backend=backend.name,
                                            call="ElasticBuffer")
-        be = pool.backend if pool is not None else (backend if backend is not None else hal.get_backend())
+        be = pool.backend if pool is not None else (
+            backend if backend is not None else hal.get_backend(requires=("graphs",)))  # views are tensors
         _positive(max_bytes, "max_bytes", "ElasticBuffer", be.name)
         self._own_pool = pool is None
         self.pool = pool if pool is not None else ElasticPool(be, max_bytes)

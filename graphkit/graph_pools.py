@@ -163,7 +163,7 @@ class GraphPools:
     def __init__(self, backend: hal.Backend | None = None, kind: Kind = "vmm", *, hygiene: bool = False,
                  saver: Any = None, **allocator_options: Any) -> None:
         self._owns_backend = backend is None
-        self.backend = be = backend if backend is not None else hal.get_backend()
+        self.backend = be = backend if backend is not None else hal.get_backend(requires=("graphs",))
         if kind not in ("vmm", "shared"):
             raise hal.InvalidArgumentError(f"kind={kind!r} must be 'vmm' or 'shared'", backend=be.name,
                                            call="GraphPools")
@@ -499,7 +499,9 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
     :raises hal.UnsupportedError: the backend cannot route the framework's captures.
     """
     if pools is None:
-        pools = GraphPools(backend, kind, hygiene=hygiene, **allocator_options)
+        chosen = backend if backend is not None else hal.get_backend(requires=("graphs", "capture_routing"))
+        pools = GraphPools(chosen, kind, hygiene=hygiene, **allocator_options)
+        pools._owns_backend = backend is None
     with pools.backend.route_captures(pools.route):
         yield pools
 

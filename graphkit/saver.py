@@ -85,7 +85,8 @@ class MemorySaver:
 
     def __init__(self, backend: hal.Backend | None = None, *, pin_backups: bool = True) -> None:
         self._owns_backend = backend is None
-        self.backend = backend if backend is not None else hal.get_backend()
+        self.backend = backend if backend is not None else hal.get_backend(
+            requires=("graphs", "custom_pool", "use_pool"))  # regions need pools the framework allocates from
         self.pin_backups = pin_backups
         self._lock = threading.RLock()
         self._regions: dict[str, _Region] = {}

@@ -3,9 +3,10 @@
 >>> import hal
 >>> be = hal.get_backend("fake", granularity=1 << 16)
 >>> h = be.create_phy_mem_handle(be.granularity)
+>>> graphs = hal.get_backend(requires=("graphs",))  # the best backend that can capture graphs
 """
 
-from hal.api import hookimpl
+from hal.api import CAPABILITIES, hookimpl
 from hal.errors import (
     BackendUnavailableError,
     CaptureError,
@@ -19,15 +20,17 @@ from hal.errors import (
 )
 from hal.facade import Backend
 from hal.registry import get_backend, list_backends
-from hal.types import BackendInfo, MemInfo
+from hal.types import ALLOCATION_ALIGNMENT, BackendInfo, MemInfo
 from hal.wrappers import LiveCounts
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ALLOCATION_ALIGNMENT",
     "Backend",
     "BackendInfo",
     "BackendUnavailableError",
+    "CAPABILITIES",
     "CaptureError",
     "DeviceOutOfMemoryError",
     "DriverError",

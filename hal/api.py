@@ -2,10 +2,11 @@
 
 A backend is a pluggy plugin: a class whose methods are marked with
 ``@hal.hookimpl`` and named after the hooks below. One instance serves one
-device. The facade (:class:`hal.Backend`) owns a ``PluginManager`` with
-exactly one backend registered, so every ``firstresult`` hook below has a
-single answer; the other plugins on that manager are wrappers (accounting,
-fault injection) that see every call.
+device; it is built as ``cls(device=..., **options)``. The facade
+(:class:`hal.Backend`) owns a ``PluginManager`` with exactly one backend
+registered, so every hook is ``firstresult``: the backend's answer is *the*
+answer. The other plugins on that manager are wrappers (accounting, fault
+injection, tracing) that see every call and never answer one themselves.
 
 Conventions for every hook:
 
@@ -19,6 +20,34 @@ Conventions for every hook:
   runs out, ``DriverError`` (with the native code) for any other native
   failure, ``InvalidArgumentError`` when the driver refuses an argument.
 
+**Results.** A hook listed in :data:`RESULT_HOOKS` returns its value and
+never ``None``; the facade treats a ``None`` from one of them as a broken
+plugin (:class:`hal.PluginValidationError`). Every other hook performs an
+action and returns ``None``; the facade ignores whatever it returns.
+
+**"Not implemented" has one meaning**: the call raises
+:class:`hal.UnsupportedError` naming the backend and the call. A backend
+gets there in one of two ways, never by returning ``None``:
+
+* it leaves the hook out, and the facade raises the error (naming the
+  capability that would provide the hook, where one does);
+* when it knows only at run time whether it can (its torch extension is
+  missing, the framework allocator is configured without pools), it
+  implements the hook, leaves the capability out of :func:`capabilities`,
+  and the hook raises ``UnsupportedError`` with the reason.
+
+**Capabilities** (:data:`CAPABILITIES`) group the optional hooks; a backend
+declares them from :func:`capabilities`. A declared capability counts only
+when every hook :data:`CAPABILITY_HOOKS` lists for it is implemented (the
+facade drops it otherwise, with a warning). Where one hook serves with and
+without a capability, the facade refuses the capability's use before the
+backend sees it: :func:`create_pool` with callbacks without
+``"custom_pool"``, :func:`use_pool` without ``"use_pool"``,
+:func:`route_captures` without ``"capture_routing"``. Three hooks sit
+outside every capability: :func:`tensor_at` (``UnsupportedError`` when
+absent), :func:`default_capture_stream` (the current stream when absent)
+and :func:`shutdown` (nothing to do when absent).
+
 Startup: the facade adds these specs, registers the backend instance and
 calls ``check_pending()``, so a plugin that implements a hook not listed
 here fails at load, naming the plugin and the hook.
@@ -26,12 +55,17 @@ here fails at load, naming the plugin and the hook.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, ContextManager
+import sys
+from typing import TYPE_CHECKING, Callable, ContextManager, Hashable
 
 import pluggy
 
+from hal.types import Graph, MemInfo, Pool, Stream
+
 if TYPE_CHECKING:  # pragma: no cover
-    from hal.types import CaptureRouter, MemInfo
+    import torch
+
+    from hal.types import CaptureRouter
 
 hookspec = pluggy.HookspecMarker("hal")
 hookimpl = pluggy.HookimplMarker("hal")
@@ -42,18 +76,19 @@ hookimpl = pluggy.HookimplMarker("hal")
 #: it into the framework's out-of-memory error, keeping the reason.
 AllocFn = Callable[[int], int]
 #: Release callback handed to :func:`create_pool`: ``free(address, nbytes)``.
+#: It must not raise; a backend calls it once per segment ``alloc`` returned.
 FreeFn = Callable[[int, int], None]
 
 # ---------------------------------------------------------------------------
-# Device queries
+# Device queries (required)
 # ---------------------------------------------------------------------------
 
 
 @hookspec(firstresult=True)
 def device_count() -> int:
-    """Return the number of devices this backend sees (``>= 1`` when available).
+    """Return the number of devices this backend sees (``>= 1`` when it is available).
 
-    Stops at the first non-None result.
+    Must not raise once the backend was constructed.
     """
 
 
@@ -64,9 +99,7 @@ def granularity(recommended: bool) -> int:
     :param recommended: ``False`` for the minimum granularity (every size
         passed to the vmm hooks is a multiple of it), ``True`` for the
         granularity the driver recommends for performance (a multiple of the
-        minimum).
-
-    Stops at the first non-None result.
+        minimum; the minimum itself when the driver has no preference).
     """
 
 
@@ -74,12 +107,12 @@ def granularity(recommended: bool) -> int:
 def mem_info() -> MemInfo:
     """Return the device's free and total memory in bytes, as the driver sees it.
 
-    Stops at the first non-None result.
+    ``0 <= free <= total`` and ``total > 0``.
     """
 
 
 # ---------------------------------------------------------------------------
-# Virtual memory management (vmm_api)
+# Virtual memory management, the vmm_api (required)
 # ---------------------------------------------------------------------------
 
 
@@ -88,47 +121,48 @@ def create_vir_ptr(size: int) -> int:
     """Reserve ``size`` bytes of virtual address space; return its start address.
 
     :param size: a positive multiple of the minimum granularity.
-    :returns: an address aligned to the minimum granularity. Nothing is
-        accessible there until a handle is mapped.
+    :returns: a non-zero address aligned to the minimum granularity. Nothing
+        is accessible there until a handle is mapped.
     :raises DeviceOutOfMemoryError: no address space left.
-
-    Stops at the first non-None result.
     """
 
 
 @hookspec(firstresult=True)
 def release_vir_ptr(ptr: int, size: int) -> None:
-    """Free a whole range returned by :func:`create_vir_ptr` (nothing mapped in it).
+    """Free a whole range returned by :func:`create_vir_ptr`; nothing is mapped in it any more.
 
     :param ptr: the start address returned by ``create_vir_ptr``.
     :param size: the size that was reserved.
+    :raises DriverError: the driver refused.
     """
 
 
 @hookspec(firstresult=True)
-def create_phy_mem_handle(size: int) -> Any:
+def create_phy_mem_handle(size: int) -> Hashable:
     """Allocate one physical chunk of ``size`` bytes; return its handle.
 
     :param size: a positive multiple of the minimum granularity.
-    :returns: an opaque, hashable handle.
+    :returns: an opaque, hashable handle that no other live chunk has.
     :raises DeviceOutOfMemoryError: the device has not that much free memory.
-
-    Stops at the first non-None result.
     """
 
 
 @hookspec(firstresult=True)
-def release_phy_mem_handle(handle: Any) -> None:
-    """Free a physical chunk (it is mapped nowhere any more)."""
+def release_phy_mem_handle(handle: Hashable) -> None:
+    """Free a physical chunk; it is mapped nowhere any more.
+
+    :raises DriverError: the driver refused.
+    """
 
 
 @hookspec(firstresult=True)
-def map(ptr: int, size: int, handle: Any) -> None:
+def map(ptr: int, size: int, handle: Hashable) -> None:
     """Map a whole chunk at ``ptr`` and make it readable and writable by the device.
 
     :param ptr: inside a reserved range, aligned to the minimum granularity.
     :param size: exactly the size of the chunk (maps are whole handles, offset 0).
     :param handle: a live handle from :func:`create_phy_mem_handle`.
+    :raises DriverError: the driver refused; nothing stays mapped then.
 
     After it returns, bytes written through this mapping are visible through
     every other mapping of the same handle.
@@ -140,68 +174,109 @@ def unmap(ptr: int, size: int) -> None:
     """Undo exactly one earlier :func:`map` of ``size`` bytes at ``ptr``.
 
     The range stays reserved; the chunk stays allocated.
+
+    :raises DriverError: the driver refused.
     """
 
 
 # ---------------------------------------------------------------------------
-# Graphs, streams and memory pools (the half that keeps graphkit neutral)
+# Capabilities and tensors
 # ---------------------------------------------------------------------------
 
 
 @hookspec(firstresult=True)
 def capabilities() -> frozenset[str]:
-    """Return what this backend can do beyond the vmm hooks.
+    """Return the names from :data:`CAPABILITIES` this backend supports now.
 
-    Known names: ``"graphs"`` (the graph hooks below work), ``"custom_pool"``
+    ``"graphs"`` (streams, pools and the graph hooks work), ``"custom_pool"``
     (:func:`create_pool` accepts allocator callbacks), ``"capture_routing"``
     (:func:`route_captures` works), ``"use_pool"`` (:func:`use_pool` works).
     A backend that lacks ``"custom_pool"`` still supports pools drawn from
-    its own allocator.
+    its own allocator. Optional: a backend without it has no capabilities.
     """
 
 
 @hookspec(firstresult=True)
-def torch_device() -> Any:
-    """Return the ``torch.device`` whose tensors live on this backend's device."""
+def torch_device() -> torch.device:
+    """Return the ``torch.device`` whose tensors live on this backend's device.
+
+    Part of ``"graphs"``; a vmm-only backend leaves it out.
+    """
 
 
 @hookspec(firstresult=True)
-def create_stream() -> Any:
+def tensor_at(ptr: int, nbytes: int, owner: object) -> torch.Tensor:
+    """Return a ``torch.uint8`` tensor of ``nbytes`` over device memory at ``ptr`` (no copy).
+
+    The tensor (and every view of it) keeps ``owner`` alive, when given; it
+    does not own the memory, which must stay mapped where the tensor is
+    read or written. Used to copy mapped memory to and from the host, and
+    for framework views of graphkit's buffers. Optional, outside every
+    capability: leave it out when the framework cannot wrap a raw address.
+    """
+
+
+# ---------------------------------------------------------------------------
+# Streams ("graphs")
+# ---------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def create_stream() -> Stream:
     """Return a new stream (queue) on the device, for capture or for work."""
 
 
 @hookspec(firstresult=True)
-def current_stream() -> Any:
-    """Return the stream that work is submitted to now."""
+def current_stream() -> Stream:
+    """Return the stream that work is submitted to now, on this thread."""
 
 
 @hookspec(firstresult=True)
-def use_stream(stream: Any) -> ContextManager[Any]:
-    """Return a context manager inside which ``stream`` is the current stream."""
+def use_stream(stream: Stream) -> ContextManager[Stream]:
+    """Return a context manager inside which work is submitted to ``stream``.
 
-
-@hookspec(firstresult=True)
-def synchronize(stream: Any) -> None:
-    """Wait until all work on ``stream`` (the whole device when ``None``) is done.
-
-    Returns ``None``; every implementation must still return after waiting.
+    A device whose work runs when it is issued (``fake``) may return a
+    context manager that changes nothing.
     """
 
 
 @hookspec(firstresult=True)
-def create_pool(alloc: AllocFn | None, free: FreeFn | None) -> Any:
+def synchronize(stream: Stream | None) -> None:
+    """Return once all work on ``stream`` (the whole device when ``None``) is done."""
+
+
+@hookspec(firstresult=True)
+def default_capture_stream() -> Stream:
+    """Return the stream the framework's own capture API captures on when given none.
+
+    Warm-up for captures that the framework starts (``torch.cuda.graph``
+    without ``stream=``) runs there, so state born lazily on first use
+    (cuBLAS workspaces) is born outside the capture. Optional: the facade
+    uses :func:`current_stream` when it is absent.
+    """
+
+
+# ---------------------------------------------------------------------------
+# Memory pools ("graphs"; callbacks need "custom_pool", use_pool needs "use_pool")
+# ---------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def create_pool(alloc: AllocFn | None, free: FreeFn | None) -> Pool:
     """Return a memory pool that graph captures can draw from.
 
     :param alloc: with ``free``, the pool takes its segments from these
-        callbacks (needs the ``"custom_pool"`` capability); ``None`` for a
-        pool drawn from the device's own allocator, which several captures
-        may share.
+        callbacks (only called when ``"custom_pool"`` is declared; the
+        facade refuses the call otherwise); ``None`` for a pool drawn from
+        the device's own allocator, which several captures may share.
     :returns: an opaque pool object, passed to :func:`capture`.
+    :raises UnsupportedError: callbacks given but the framework cannot use
+        them (for a reason only known at run time).
     """
 
 
 @hookspec(firstresult=True)
-def use_pool(pool: Any) -> ContextManager[None]:
+def use_pool(pool: Pool) -> ContextManager[None]:
     """Return a context manager inside which the framework's allocations on this thread come from ``pool``.
 
     Outside any capture: ``torch.randn(...)`` made inside the block lives in
@@ -211,37 +286,36 @@ def use_pool(pool: Any) -> ContextManager[None]:
 
 
 @hookspec(firstresult=True)
-def tensor_at(ptr: int, nbytes: int, owner: Any) -> Any:
-    """Return a ``torch.uint8`` tensor of ``nbytes`` over device memory at ``ptr`` (no copy).
-
-    The tensor (and every view of it) keeps ``owner`` alive, when given; it
-    does not own the memory, which must stay mapped where the tensor is
-    read or written. Used to copy mapped memory to and from the host, and
-    for framework views of graphkit's buffers.
-    """
-
-
-@hookspec(firstresult=True)
-def pool_active_blocks(pool: Any) -> list[tuple[int, int]]:
-    """Return ``(address, nbytes)`` of every block of ``pool`` still in use.
+def pool_active_blocks(pool: Pool) -> list[tuple[int, int]]:
+    """Return ``(address, nbytes)`` of every block of ``pool`` still in use (``[]`` when none).
 
     Used after a capture to find memory that outlived it other than the
-    outputs (a cache or workspace created inside a capture).
+    outputs (a cache or workspace created inside a capture). A framework
+    that cannot enumerate a pool's blocks returns ``[]`` and logs that once.
     """
 
 
 @hookspec(firstresult=True)
-def release_pool(pool: Any) -> None:
-    """Drop a pool; its segments go back to the allocator they came from."""
+def release_pool(pool: Pool) -> None:
+    """Drop a pool; its segments go back to the allocator they came from.
+
+    Segments still holding live tensors go back when those tensors die;
+    with callbacks, every segment ``alloc`` gave is handed to ``free`` once.
+    """
+
+
+# ---------------------------------------------------------------------------
+# Graphs ("graphs"; route_captures needs "capture_routing")
+# ---------------------------------------------------------------------------
 
 
 @hookspec(firstresult=True)
-def create_graph() -> Any:
+def create_graph() -> Graph:
     """Return a new, empty graph object."""
 
 
 @hookspec(firstresult=True)
-def capture(graph: Any, pool: Any, stream: Any, capture_error_mode: str | None) -> ContextManager[Any]:
+def capture(graph: Graph, pool: Pool | None, stream: Stream, capture_error_mode: str | None) -> ContextManager[Graph]:
     """Return a context manager that captures the work inside it into ``graph``.
 
     :param pool: a pool from :func:`create_pool`, or ``None`` for a pool
@@ -252,8 +326,19 @@ def capture(graph: Any, pool: Any, stream: Any, capture_error_mode: str | None) 
         default (``"global"`` on CUDA and Ascend, ``"relaxed"`` on MLU).
     :raises CaptureError: when the captured work cannot be captured (a host
         synchronisation, an exhausted resource), with advice where there is
-        some.
+        some; the graph is then empty and the backend still usable.
+    :raises InvalidStateError: ``graph`` was captured or released before.
     """
+
+
+@hookspec(firstresult=True)
+def replay(graph: Graph) -> None:
+    """Launch a captured graph on the stream it was captured on, without running Python again."""
+
+
+@hookspec(firstresult=True)
+def release_graph(graph: Graph) -> None:
+    """Destroy a graph; the memory of its pool is not freed by this."""
 
 
 @hookspec(firstresult=True)
@@ -273,26 +358,6 @@ def route_captures(router: CaptureRouter) -> ContextManager[None]:
     """
 
 
-@hookspec(firstresult=True)
-def default_capture_stream() -> Any:
-    """Return the stream the framework's own capture API captures on when given none.
-
-    Warm-up for captures that the framework starts (``torch.cuda.graph``
-    without ``stream=``) runs there, so state born lazily on first use
-    (cuBLAS workspaces) is born outside the capture.
-    """
-
-
-@hookspec(firstresult=True)
-def replay(graph: Any) -> None:
-    """Launch a captured graph on the stream it was captured on."""
-
-
-@hookspec(firstresult=True)
-def release_graph(graph: Any) -> None:
-    """Destroy a graph; the memory of its pool is not freed by this."""
-
-
 # ---------------------------------------------------------------------------
 # Lifecycle
 # ---------------------------------------------------------------------------
@@ -302,10 +367,26 @@ def release_graph(graph: Any) -> None:
 def shutdown() -> None:
     """Release whatever the backend itself holds (contexts, libraries).
 
-    Called once by ``Backend.close()`` after every handle, mapping and range
-    has been released.
+    Called once by ``Backend.close()`` after every graph, pool, mapping,
+    range and handle has been released. Optional.
     """
 
+
+# ---------------------------------------------------------------------------
+# The contract as data: what the registry and the facade check
+# ---------------------------------------------------------------------------
+
+
+def _spec_names() -> tuple[str, ...]:
+    """Every hookspec of this module, in the order of definition (through pluggy's public parser)."""
+    parser = pluggy.PluginManager("hal")
+    module = sys.modules[__name__]
+    return tuple(name for name in list(vars(module))
+                 if callable(getattr(module, name)) and parser.parse_hookspec_opts(module, name) is not None)
+
+
+#: Every hook name of the contract.
+ALL_HOOKS: tuple[str, ...] = _spec_names()
 
 #: Hooks of the vmm half, in the order of the design card.
 VMM_HOOKS = (
@@ -317,7 +398,36 @@ VMM_HOOKS = (
     "unmap",
 )
 
-#: Every hook name of the contract.
-ALL_HOOKS = tuple(
-    name for name, obj in list(globals().items()) if callable(obj) and hasattr(obj, "hal_spec")
+#: Hooks every backend implements (the plugin is refused at load without them).
+REQUIRED_HOOKS = ("device_count", "granularity", "mem_info", *VMM_HOOKS)
+
+#: Hooks whose result is their point: they never return ``None``.
+RESULT_HOOKS = frozenset({
+    "device_count", "granularity", "mem_info", "create_vir_ptr", "create_phy_mem_handle", "capabilities",
+    "torch_device", "tensor_at", "create_stream", "current_stream", "use_stream", "default_capture_stream",
+    "create_pool", "use_pool", "pool_active_blocks", "create_graph", "capture", "route_captures",
+})
+
+#: The hooks of the ``"graphs"`` capability.
+GRAPH_HOOKS = (
+    "torch_device", "create_stream", "current_stream", "use_stream", "synchronize",
+    "create_pool", "pool_active_blocks", "release_pool", "create_graph", "capture", "replay", "release_graph",
 )
+
+#: Capability name -> the hooks it needs implemented. Every capability builds on ``"graphs"``.
+CAPABILITY_HOOKS: dict[str, tuple[str, ...]] = {
+    "graphs": GRAPH_HOOKS,
+    "custom_pool": GRAPH_HOOKS,  # and create_pool accepts alloc/free callbacks
+    "capture_routing": (*GRAPH_HOOKS, "route_captures"),
+    "use_pool": (*GRAPH_HOOKS, "use_pool"),
+}
+
+#: The capability names hal knows (``hal.get_backend(requires=...)`` accepts these).
+CAPABILITIES: frozenset[str] = frozenset(CAPABILITY_HOOKS)
+
+#: Optional hook -> the capability it belongs to, for the error when it is missing.
+HOOK_CAPABILITY: dict[str, str] = {
+    **{hook: "graphs" for hook in GRAPH_HOOKS},
+    "route_captures": "capture_routing",
+    "use_pool": "use_pool",
+}

@@ -14,6 +14,8 @@ class HalError(Exception):
     def __init__(self, message: str, *, backend: str | None = None, call: str | None = None) -> None:
         self.backend = backend
         self.call = call
+        self.message = message
+        """The explanation alone, without the ``backend.call:`` prefix (to wrap it without repeating it)."""
         prefix = ".".join(p for p in (backend, call) if p)
         super().__init__(f"{prefix}: {message}" if prefix else message)
 
@@ -40,6 +42,10 @@ class PluginValidationError(HalError):
 
 class CaptureError(HalError):
     """A graph capture failed (host synchronisation inside a capture, exhausted streams...)."""
+
+
+class UnsupportedError(HalError, NotImplementedError):
+    """The backend lacks the hook or the capability the call needs (see ``Backend.capabilities``)."""
 
 
 class DriverError(HalError):
@@ -71,11 +77,5 @@ __all__ = [
     "PluginValidationError",
     "CaptureError",
     "DriverError",
+    "UnsupportedError",
 ]
-
-
-class UnsupportedError(HalError, NotImplementedError):
-    """The backend lacks the capability the call needs (see ``Backend.capabilities``)."""
-
-
-__all__.append("UnsupportedError")

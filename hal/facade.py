@@ -1,4 +1,11 @@
-"""The typed facade over one backend plugin on one device."""
+"""The typed facade over one backend plugin on one device.
+
+It applies the conventions of :mod:`hal.api`: arguments are checked before
+the backend sees them, a missing hook or an absent capability raises
+:class:`hal.UnsupportedError` naming the backend, the call and the
+capability, and a ``None`` from a hook that must return a value is a broken
+plugin (:class:`hal.PluginValidationError`).
+"""
 
 from __future__ import annotations
 
@@ -57,8 +64,7 @@ class Backend:
         self._untrace = install_tracing(self._pm, name) if os.environ.get("HAL_TRACE") else None
         self._hook = self._pm.hook
         self._implemented = frozenset(
-            h for h in api.ALL_HOOKS
-            if any(not i.wrapper and not i.hookwrapper for i in getattr(self._hook, h).get_hookimpls())
+            caller.name for caller in self._pm.get_hookcallers(plugin) or () if caller.name in api.ALL_HOOKS
         )
         self._lock = threading.RLock()
         self._ranges: dict[int, int] = {}
@@ -98,7 +104,23 @@ class Backend:
 
     def _require(self, hook: str) -> None:
         if hook not in self._implemented:
-            raise self._err(UnsupportedError, hook, "this backend does not implement it")
+            capability = api.HOOK_CAPABILITY.get(hook)
+            needs = f"; it is part of the {capability!r} capability" if capability else ""
+            has = ", ".join(sorted(self.capabilities)) or "none"
+            raise self._err(UnsupportedError, hook,
+                            f"this backend does not implement it{needs} (the backend's capabilities: {has})")
+
+    def _result(self, hook: str, value: Any) -> Any:
+        """``value``, unless a hook that must return something returned ``None`` (a broken plugin)."""
+        if value is None and hook in api.RESULT_HOOKS:
+            raise self._err(PluginValidationError, hook,
+                            "the backend returned None; a hook it cannot serve must be left out or raise "
+                            "hal.UnsupportedError (see hal.api)")
+        return value
+
+    def _refuse_without(self, capability: str, call: str, what: str) -> None:
+        if capability not in self.capabilities:
+            raise self._err(UnsupportedError, call, f"{what} (capability {capability!r} is absent)")
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -116,7 +138,7 @@ class Backend:
     def granularity(self) -> int:
         """Minimum physical granularity in bytes; every vmm size is a multiple of it."""
         if self._granularity is None:
-            g = self._hook.granularity(recommended=False)
+            g = self._result("granularity", self._hook.granularity(recommended=False))
             if not isinstance(g, int) or g <= 0:
                 raise self._err(HalError, "granularity", f"backend returned {g!r}")
             self._granularity = g
@@ -125,14 +147,15 @@ class Backend:
     @property
     def recommended_granularity(self) -> int:
         """The granularity the driver recommends (a multiple of :attr:`granularity`)."""
-        return int(self._hook.granularity(recommended=True))
+        return int(self._result("granularity", self._hook.granularity(recommended=True)))
 
     def device_count(self) -> int:
-        return int(self._hook.device_count())
+        """How many devices this backend sees."""
+        return int(self._result("device_count", self._hook.device_count()))
 
     def mem_info(self) -> MemInfo:
         """Free and total device memory, as the driver sees it."""
-        return self._hook.mem_info()
+        return self._result("mem_info", self._hook.mem_info())
 
     @property
     def live(self) -> LiveCounts:
@@ -146,7 +169,7 @@ class Backend:
         with self._lock:
             self._check_open("create_vir_ptr")
             self._check_size("create_vir_ptr", size)
-            ptr = int(self._hook.create_vir_ptr(size=size))
+            ptr = int(self._result("create_vir_ptr", self._hook.create_vir_ptr(size=size)))
             self._ranges[ptr] = size
             bisect.insort(self._range_starts, ptr)
             return ptr
@@ -176,7 +199,7 @@ class Backend:
         with self._lock:
             self._check_open("create_phy_mem_handle")
             self._check_size("create_phy_mem_handle", size)
-            handle = self._hook.create_phy_mem_handle(size=size)
+            handle = self._result("create_phy_mem_handle", self._hook.create_phy_mem_handle(size=size))
             self._handles[handle] = size
             self._handle_maps[handle] = 0
             return handle
@@ -262,28 +285,51 @@ class Backend:
 
     @property
     def capabilities(self) -> frozenset[str]:
-        """What the backend can do beyond vmm: ``"graphs"``, ``"custom_pool"``."""
+        """What the backend can do beyond vmm (names of :data:`hal.api.CAPABILITIES`).
+
+        What the backend declares, less any capability whose hooks it does not
+        all implement (logged once: that is a bug in the plugin).
+        """
         if self._capabilities is None:
-            caps = self._hook.capabilities() if "capabilities" in self._implemented else None
-            self._capabilities = frozenset(caps or ())
+            declared: frozenset[str] = frozenset()
+            if "capabilities" in self._implemented:
+                declared = frozenset(self._result("capabilities", self._hook.capabilities()))
+            kept = set()
+            for capability in declared:
+                missing = [h for h in api.CAPABILITY_HOOKS.get(capability, ()) if h not in self._implemented]
+                if missing:
+                    log.warning("%s: declares capability %r but does not implement %s; ignored", self.name,
+                                capability, ", ".join(missing))
+                else:
+                    kept.add(capability)
+            self._capabilities = frozenset(kept)
         return self._capabilities
 
     def supports(self, capability: str) -> bool:
+        """Whether ``capability`` is in :attr:`capabilities`."""
         return capability in self.capabilities
+
+    def implements(self, hook: str) -> bool:
+        """Whether the backend implements ``hook`` (a name of :data:`hal.api.ALL_HOOKS`)."""
+        if hook not in api.ALL_HOOKS:
+            raise self._err(InvalidArgumentError, "implements", f"hook={hook!r} is not a hook of the hal contract")
+        return hook in self._implemented
 
     def _graph_call(self, hook: str, **kwargs: Any) -> Any:
         self._check_open(hook)
         self._require(hook)
-        return getattr(self._hook, hook)(**kwargs)
+        return self._result(hook, getattr(self._hook, hook)(**kwargs))
 
     def torch_device(self) -> Any:
         """The ``torch.device`` of this backend's device."""
         return self._graph_call("torch_device")
 
     def create_stream(self) -> Any:
+        """A new stream on the device."""
         return self._graph_call("create_stream")
 
     def current_stream(self) -> Any:
+        """The stream work is submitted to now."""
         return self._graph_call("current_stream")
 
     def use_stream(self, stream: Any) -> ContextManager[Any]:
@@ -301,10 +347,9 @@ class Backend:
         """
         if (alloc is None) != (free is None):
             raise self._err(InvalidArgumentError, "create_pool", "give both alloc and free, or neither")
-        if alloc is not None and not self.supports("custom_pool"):
-            raise self._err(UnsupportedError, "create_pool",
-                            "no pools over custom allocator callbacks on this backend "
-                            "(capability 'custom_pool' is absent)")
+        if alloc is not None:
+            self._refuse_without("custom_pool", "create_pool",
+                                 "no pools over custom allocator callbacks on this backend")
         return self._graph_call("create_pool", alloc=alloc, free=free)
 
     def use_pool(self, pool: Any) -> ContextManager[None]:
@@ -312,10 +357,7 @@ class Backend:
 
         :raises UnsupportedError: the backend lacks ``"use_pool"``.
         """
-        if not self.supports("use_pool"):
-            raise self._err(UnsupportedError, "use_pool",
-                            "this backend cannot direct the framework's allocations to a pool (capability "
-                            "'use_pool' is absent)")
+        self._refuse_without("use_pool", "use_pool", "this backend cannot direct the framework's allocations to a pool")
         return self._graph_call("use_pool", pool=backend_pool(pool))
 
     def tensor_at(self, ptr: int, nbytes: int, owner: Any = None) -> Any:
@@ -331,12 +373,14 @@ class Backend:
 
     def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:
         """``(address, nbytes)`` of every block of ``pool`` still in use."""
-        return list(self._graph_call("pool_active_blocks", pool=pool) or ())
+        return list(self._graph_call("pool_active_blocks", pool=pool))
 
     def release_pool(self, pool: Any) -> None:
+        """Drop a pool; its segments go back where they came from (once their tensors die)."""
         self._graph_call("release_pool", pool=pool)
 
     def create_graph(self) -> Any:
+        """A new, empty graph."""
         return self._graph_call("create_graph")
 
     def capture(self, graph: Any, pool: Any = None, stream: Any = None,
@@ -360,10 +404,7 @@ class Backend:
         """
         if not callable(router):
             raise self._err(InvalidArgumentError, "route_captures", f"router={router!r} must be callable")
-        if not self.supports("capture_routing"):
-            raise self._err(UnsupportedError, "route_captures",
-                            "this backend cannot route the framework's captures (capability 'capture_routing' "
-                            "is absent)")
+        self._refuse_without("capture_routing", "route_captures", "this backend cannot route the framework's captures")
         return self._graph_call("route_captures", router=router)
 
     def default_capture_stream(self) -> Any:
@@ -377,6 +418,7 @@ class Backend:
         self._graph_call("replay", graph=graph)
 
     def release_graph(self, graph: Any) -> None:
+        """Destroy a graph (its pool's memory stays with the pool)."""
         self._graph_call("release_graph", graph=graph)
 
     # -- lifecycle --------------------------------------------------------

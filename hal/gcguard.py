@@ -1,4 +1,8 @@
-"""The garbage collector off for a block: captures and allocator callbacks need it (DESIGN §6.3)."""
+"""The garbage collector off for a block, for captures and allocator callbacks.
+
+A collection there could free a device tensor, which needs the framework
+allocator's lock that the capture or the callback already holds: a deadlock.
+"""
 
 from __future__ import annotations
 

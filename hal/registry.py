@@ -9,6 +9,11 @@ A backend class has a ``probe()`` classmethod returning ``None`` when the
 backend can be used here, or the reason it cannot; it is instantiated as
 ``cls(device=..., **options)`` and its methods marked ``@hal.hookimpl``
 implement :mod:`hal.api`.
+
+Selection by capability: what a backend can do (:data:`hal.api.CAPABILITIES`)
+is known only once it is constructed, so ``get_backend(requires=...)``
+without a name constructs the available backends in priority order, keeps
+the first that has every required capability and closes the others.
 """
 
 from __future__ import annotations
@@ -19,15 +24,17 @@ import os
 import threading
 from dataclasses import dataclass
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import pluggy
 
 from hal import api
 from hal.errors import (
     BackendUnavailableError,
+    HalError,
     InvalidArgumentError,
     PluginValidationError,
+    UnsupportedError,
 )
 from hal.types import BackendInfo
 
@@ -48,7 +55,7 @@ BUILTINS: dict[str, tuple[str, int]] = {
 }
 
 #: hooks a backend must implement; the graph hooks are optional (capabilities)
-REQUIRED_HOOKS = ("device_count", "granularity", "mem_info", *api.VMM_HOOKS)
+REQUIRED_HOOKS = api.REQUIRED_HOOKS
 
 
 @dataclass
@@ -59,14 +66,16 @@ class _Entry:
     loader: Any  # callable returning the class
     cls: type | None = None
     error: str | None = None
+    """Why the plugin cannot be loaded, without the ``name:`` prefix the raised error adds."""
 
     def load(self) -> type:
         if self.cls is None and self.error is None:
             try:
-                self.cls = self.loader()
-                validate_plugin_class(self.name, self.cls)
+                cls = self.loader()
+                validate_plugin_class(self.name, cls)
+                self.cls = cls
             except PluginValidationError as exc:
-                self.error = str(exc)
+                self.error = exc.message
             except Exception as exc:  # a broken third-party package must not break listing
                 self.error = f"failed to load: {type(exc).__name__}: {exc}"
         if self.error is not None:
@@ -115,17 +124,12 @@ def validate_plugin_class(name: str, cls: Any) -> None:
         pm.register(cls, name=plugin_name)
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        hooks = sorted(
-            h for h in dir(cls)
-            if getattr(getattr(cls, h, None), "hal_impl", None) is not None
-            and (getattr(getattr(cls, h), "hal_impl").get("specname") or h) not in api.ALL_HOOKS
-        )
-        detail = f"unknown hook(s) {', '.join(hooks)}" if hooks else str(exc)
+        unknown = sorted(h for h in _hook_names(pm, cls) if h not in api.ALL_HOOKS)
+        detail = f"unknown hook(s) {', '.join(unknown)}" if unknown else str(exc)
         raise PluginValidationError(
             f"plugin {plugin_name} does not fit the hal contract: {detail}", backend=name
         ) from exc
-    implemented = {impl_hook for impl_hook in api.ALL_HOOKS
-                   if getattr(pm.hook, impl_hook).get_hookimpls()}
+    implemented = {caller.name for caller in pm.get_hookcallers(cls) or ()}
     missing = [h for h in REQUIRED_HOOKS if h not in implemented]
     if missing:
         raise PluginValidationError(
@@ -136,11 +140,24 @@ def validate_plugin_class(name: str, cls: Any) -> None:
         raise PluginValidationError(f"plugin {plugin_name} has no probe() classmethod", backend=name)
 
 
+def _hook_names(pm: pluggy.PluginManager, cls: Any) -> list[str]:
+    """The hook names ``cls`` implements (``specname`` applied), read through pluggy's public parser."""
+    names = []
+    for attr in dir(cls):
+        try:
+            opts = pm.parse_hookimpl_opts(cls, attr)
+        except Exception:  # a descriptor that fails on the class is no hook
+            continue
+        if opts is not None:
+            names.append(opts.get("specname") or attr)
+    return names
+
+
 def _probe(entry: _Entry) -> str | None:
     try:
         cls = entry.load()
     except PluginValidationError as exc:
-        return str(exc)
+        return exc.message
     try:
         return cls.probe()
     except Exception as exc:  # a probe must never break discovery
@@ -168,33 +185,129 @@ def list_backends(refresh: bool = False) -> list[BackendInfo]:
     return infos
 
 
-def select_backend_name(name: str | None = None) -> str:
-    """Resolve a backend name: explicit, else ``HAL_BACKEND``, else the first available."""
-    if name:
-        return name
-    env = os.environ.get("HAL_BACKEND")
-    if env:
-        return env
-    for info in list_backends():
-        if info.available:
-            return info.name
-    raise BackendUnavailableError("no backend is available (not even 'fake')")
+def required_capabilities(requires: Iterable[str]) -> frozenset[str]:
+    """Check ``requires`` (capability names; one name as a str is fine) and return them as a set.
+
+    :raises InvalidArgumentError: not an iterable of known capability names.
+    """
+    names = (requires,) if isinstance(requires, str) else requires
+    try:
+        needed = frozenset(names)
+    except TypeError:
+        raise InvalidArgumentError(f"requires={requires!r} must be an iterable of capability names",
+                                   call="get_backend") from None
+    unknown = sorted(repr(n) for n in needed if n not in api.CAPABILITIES)
+    if unknown:
+        raise InvalidArgumentError(f"requires: unknown capability {', '.join(unknown)}; known: "
+                                   f"{', '.join(sorted(api.CAPABILITIES))}", call="get_backend")
+    return needed
 
 
-def get_backend(name: str | None = None, device: int = 0, **options: Any) -> "Backend":
+def select_backend_name(name: str | None = None, *, requires: Iterable[str] = (), device: int = 0) -> str:
+    """Resolve a backend name: explicit, else ``HAL_BACKEND``, else the first available.
+
+    With ``requires``, the name is checked to have those capabilities (an
+    explicit one or ``$HAL_BACKEND``; :class:`hal.UnsupportedError` if not),
+    or is the first available backend that has them; this constructs
+    backends for ``device`` to ask them, and closes them again.
+    """
+    needed = required_capabilities(requires)
+    if not needed:
+        if name:
+            return name
+        env = os.environ.get("HAL_BACKEND")
+        if env:
+            return env
+        for info in list_backends():
+            if info.available:
+                return info.name
+        raise BackendUnavailableError("no backend is available (not even 'fake')")
+    be = get_backend(name, device, requires=needed)
+    be.close()
+    return be.name
+
+
+def get_backend(name: str | None = None, device: int = 0, *, requires: Iterable[str] = (),
+                **options: Any) -> "Backend":
     """Return a :class:`hal.Backend` for ``device`` of the chosen backend.
 
     :param name: backend name; when ``None``, ``$HAL_BACKEND``, else the first
-        available backend by priority (cuda, ascend, mlu, third-party, fake).
+        available backend by priority (cuda, ascend, mlu, third-party, fake)
+        that has every capability in ``requires``.
     :param device: device index.
+    :param requires: capability names the backend must have (``"graphs"``,
+        ``"custom_pool"``, ``"capture_routing"``, ``"use_pool"``: see
+        :data:`hal.api.CAPABILITIES`). Without a name, backends lacking one
+        are passed over (they are constructed to ask, then closed).
     :param options: backend options (``fake``: ``granularity``, ``capacity``,
-        ``device_count``).
+        ``device_count``), given to whichever backend is tried.
     :raises BackendUnavailableError: unknown or unavailable backend, with the reason.
-    :raises InvalidArgumentError: an option the backend does not know, or a bad value.
+    :raises UnsupportedError: the named backend (or every available one)
+        lacks a required capability; the message says which lacks what.
+    :raises InvalidArgumentError: an option the backend does not know, a bad
+        value, or an unknown capability name.
     """
+    needed = required_capabilities(requires)
+    named = name or os.environ.get("HAL_BACKEND")
+    if named or not needed:
+        be = _open(select_backend_name(name), device, options)
+        _check_capabilities(be, needed, by_env=not name)
+        return be
+    lacking: list[str] = []
+    for info in list_backends():
+        if not info.available:
+            continue
+        try:
+            be = _open(info.name, device, options)
+        except BackendUnavailableError as exc:  # probed fine, but cannot start here
+            lacking.append(f"{info.name} cannot start ({exc.message})")
+            continue
+        missing = needed - be.capabilities
+        if not missing:
+            _report_passed_over(lacking, be.name)
+            return be
+        be.close()
+        lacking.append(f"{info.name} lacks {', '.join(sorted(missing))}")
+    raise UnsupportedError(f"no available backend has the capabilities {', '.join(sorted(needed))}: "
+                           f"{'; '.join(lacking) or 'none is available'}", call="get_backend")
+
+
+_passed_over_reported: set[tuple[str, ...]] = set()
+
+
+def _report_passed_over(lacking: list[str], chosen: str) -> None:
+    """Warn (once per process for the same story) that preferred backends were passed over for ``chosen``.
+
+    A device backend lacking a capability would otherwise give way to
+    ``fake`` (host memory) without a word.
+    """
+    story = (*lacking, chosen)
+    if lacking and story not in _passed_over_reported:
+        _passed_over_reported.add(story)
+        log.warning("using backend %s for the required capabilities: %s", chosen, "; ".join(lacking))
+
+
+def _check_capabilities(be: "Backend", needed: frozenset[str], *, by_env: bool) -> None:
+    """Close ``be`` and raise :class:`UnsupportedError` when it lacks one of ``needed``."""
+    missing = needed - be.capabilities
+    if not missing:
+        return
+    has = ", ".join(sorted(be.capabilities)) or "none"
+    try:
+        be.close()
+    except HalError as exc:  # the capability error is the one to report
+        log.warning("%s: close() after a capability check failed: %s", be.name, exc)
+    advice = ("$HAL_BACKEND names it: set it to another backend, or unset it" if by_env
+              else "name another backend, or none")
+    raise UnsupportedError(
+        f"lacks the required capabilit{'y' if len(missing) == 1 else 'ies'} {', '.join(sorted(missing))} "
+        f"(it has: {has}); {advice} to let hal choose one that has them", backend=be.name, call="get_backend")
+
+
+def _open(chosen: str, device: int, options: dict[str, Any]) -> "Backend":
+    """Construct backend ``chosen`` for ``device`` with ``options``, behind a facade."""
     from hal.facade import Backend
 
-    chosen = select_backend_name(name)
     entries = _all()
     if chosen not in entries:
         known = ", ".join(sorted(entries))

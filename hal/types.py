@@ -5,6 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+ALLOCATION_ALIGNMENT = 512
+"""Bytes every framework block starts on and is a multiple of (torch's caching allocator rounds to it).
+
+graphkit's bump allocator aligns pool segments to it and the fake device's
+block pool rounds blocks to it, so both place tensors where a device would.
+"""
+
+#: A device stream: the framework's stream object (``torch.cuda.Stream``...) or the backend's stand-in.
+Stream = Any
+#: A memory pool graph captures draw from: an object of the backend's own (``hal.Backend.create_pool``).
+Pool = Any
+#: A graph: an object of the backend's own (``hal.Backend.create_graph``).
+Graph = Any
+
 
 @dataclass(frozen=True)
 class MemInfo:

@@ -41,6 +41,9 @@ def backend_options(name: str) -> dict:
 @pytest.fixture(params=GRAPH_BACKENDS)
 def graph_backend(request: pytest.FixtureRequest):
     """A fresh backend of each graph-capable kind; checks that nothing is left live at the end."""
-    be = hal.get_backend(request.param, **backend_options(request.param))
+    be = hal.get_backend(request.param, requires=("graphs",), **backend_options(request.param))
     yield be
+    leftover = be.live
     be.close()
+    assert leftover.zero, f"{be.name}: the test left {leftover} live (close() had to release it)"
+    assert be.live.zero, f"{be.name}: still live after close(): {be.live}"

@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import Phase, settings
 
 import hal
-from hal.testing import Requirements
+from hal.backends.fake import FakeBackend
+from hal.testing import Requirements, graph_suite
 from hal.testing.distributions import importable, write_distribution
 from hal.testing.machine import SETTINGS, run_vmm_machine
 from hal.testing.memory import HostAccess, TorchAccess, memory_access
@@ -29,7 +31,7 @@ def test_documented_command() -> None:
 def test_fake_passes_the_suite() -> None:
     result = run_suite("fake", FAKE)
     assert result.ok, result.output
-    assert result.passed >= 40 and result.skipped == 0, result.skip_reasons
+    assert result.passed >= 60 and result.skipped == 0, result.skip_reasons  # the vmm half alone has 47
 
 
 def test_fake_passes_through_torch_when_not_host_accessible() -> None:
@@ -154,3 +156,67 @@ def test_memory_access_follows_requirements() -> None:
         access.write(va1 + 8, b"torch")
         assert HostAccess().read(va2 + 8, 5) == b"torch"
         assert access.read(va2 + 8, 5) == b"torch"
+
+
+# -- the graph half ---------------------------------------------------------------------------
+
+GRAPH_CASES = "Streams or Pools or CaptureReplay or CaptureRouting or UsePool or GraphLifecycle or TensorAt"
+
+VMM_ONLY_FAKE = textwrap.dedent('''
+    from hal.api import ALL_HOOKS, REQUIRED_HOOKS
+    from hal.backends.fake import FakeBackend
+
+
+    class VmmOnlyFake(FakeBackend):
+        """fake without a single optional hook: the vmm half only."""
+
+
+    for _hook in set(ALL_HOOKS) - set(REQUIRED_HOOKS):
+        setattr(VmmOnlyFake, _hook, None)
+''')
+
+
+class LazyReplay(FakeBackend):
+    """replay() returns without running the graph."""
+
+    @hal.hookimpl
+    def replay(self, graph: Any) -> None:
+        return None
+
+
+class IgnoresCallbacks(FakeBackend):
+    """create_pool() hands out a device pool even when given allocator callbacks."""
+
+    @hal.hookimpl
+    def create_pool(self, alloc: Any, free: Any) -> Any:
+        return FakeBackend.create_pool(self, None, None)
+
+
+def test_the_graph_half_skips_on_a_backend_without_graphs(tmp_path: Path) -> None:
+    site = write_distribution(tmp_path / "site", "hal-vmm-only-fake", "0.1", {"hal_vmm_only_fake": VMM_ONLY_FAKE},
+                              {"hal.backends": {"vmmonlyfake": "hal_vmm_only_fake:VmmOnlyFake"}})
+    result = run_suite("vmmonlyfake", FAKE, extra_paths=[site], extra_args=["-k", GRAPH_CASES])
+    assert result.returncode == 0 and result.tests >= 15, result.output
+    assert result.skipped == result.tests, result.output
+    reasons = set(result.skip_reasons)
+    assert any("vmmonlyfake lacks capability graphs (it declares: none)" in r for r in reasons), reasons
+    assert any("does not implement tensor_at" in r for r in reasons), reasons
+
+
+def test_the_graph_half_catches_a_replay_that_does_nothing() -> None:
+    with hal.Backend("lazyreplay", LazyReplay(**FAKE)) as be:
+        with pytest.raises(AssertionError, match="replay did not recompute"):
+            graph_suite.TestCaptureReplay().test_replay_recomputes_from_the_inputs(be)
+    with hal.get_backend("fake", **FAKE) as be:  # the real fake passes the same test
+        graph_suite.TestCaptureReplay().test_replay_recomputes_from_the_inputs(be)
+
+
+def test_the_graph_half_catches_a_pool_that_ignores_its_callbacks() -> None:
+    with hal.Backend("ignorescallbacks", IgnoresCallbacks(**FAKE)) as be:
+        segments = graph_suite.Segments(be)
+        with pytest.raises(AssertionError, match="never called alloc"):
+            graph_suite.TestCustomPools().test_a_capture_draws_from_the_callbacks_and_release_gives_it_back(
+                be, segments)
+        segments = graph_suite.Segments(be)
+        with pytest.raises(AssertionError, match="does not live in the pool"):
+            graph_suite.TestUsePool().test_allocations_inside_the_block_live_in_the_pool(be, segments)

@@ -80,7 +80,11 @@ def test_passes_the_conformance_suite(hostmem_site: Path) -> None:
     result = run_suite("hostmem", extra_paths=[hostmem_site])
     assert result.ok, result.output
     assert result.passed >= 40 and not result.failed_tests
-    assert all("torch" in reason for reason in result.skip_reasons), result.skip_reasons
+    # a vmm-only plugin: the torch-based byte checks and the whole graph half skip, saying why
+    graph_skips = [r for r in result.skip_reasons if "hostmem lacks capability" in r]
+    assert len(graph_skips) >= 15 and all("(it declares: none)" in r for r in graph_skips), result.skip_reasons
+    others = [r for r in result.skip_reasons if r not in graph_skips]
+    assert others and all("torch" in r or "tensor_at" in r for r in others), others
 
 
 def test_its_own_one_file_suite_passes(hostmem_site: Path, tmp_path: Path) -> None:

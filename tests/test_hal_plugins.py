@@ -134,6 +134,18 @@ def test_get_backend_of_a_bad_entry_point_raises(bad_distribution: Path) -> None
         hal.get_backend("unimportable")
 
 
+def test_a_load_error_names_the_backend_once(bad_distribution: Path) -> None:
+    reasons = {i.name: i.reason for i in hal.list_backends()}
+    for name in ("extrahook", "unimportable"):
+        assert not reasons[name].startswith(f"{name}:"), reasons[name]  # the listing shows the name beside it
+        for _ in range(2):  # the first load and the remembered failure read the same
+            with pytest.raises(hal.PluginValidationError) as info:
+                hal.get_backend(name)
+            text = str(info.value)
+            assert text == f"{name}: {reasons[name]}", text
+            assert text.count(f"{name}:") == 1 and info.value.backend == name
+
+
 # -- options and selection -----------------------------------------------------------------
 
 

@@ -323,7 +323,7 @@ def growing_run(be: hal.Backend, total: int, steps: int = TRACE_STEPS, seed: int
 def run_elastic_bench(backend: str | None, device: int, sizes_bytes: list[int] | None, out_dir: Path,
                       command: str) -> int:
     """Grow latencies, regrowth at every size, a growing run; targets, JSON and a table."""
-    be = hal.get_backend(backend, device=device)
+    be = hal.get_backend(backend, device=device, requires=("graphs",))
     try:
         on_cpu = be.torch_device().type == "cpu"
         sizes = sizes_bytes or (CPU_SIZES if on_cpu else DEVICE_SIZES)

@@ -60,7 +60,7 @@ def case_runner(workload: str) -> Callable[..., dict]:
 def run_one(workload: str, strategy: str, order: str, sizes: list[int], backend: str | None, device: int,
             config: str, seed: int, iters: int) -> dict:
     """One case in this process."""
-    be = hal.get_backend(backend, device=device)
+    be = hal.get_backend(backend, device=device, requires=("graphs",))
     try:
         result = case_runner(workload)(strategy, order, sizes, be, config, seed, iters)
     finally:

@@ -354,7 +354,7 @@ def run_hf_case(strategy: str, order: str, sizes: list[int], backend: hal.Backen
         raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}")
     plan = capture_order(order, sizes, seed)
     owns_backend = not isinstance(backend, hal.Backend)
-    be = hal.get_backend(backend) if owns_backend else backend
+    be = hal.get_backend(backend, requires=("graphs",)) if owns_backend else backend
     try:
         return _run_case(be, strategy, order, sorted(set(sizes)), plan, size, seed, iters, decode, max_len)
     finally:

@@ -8,7 +8,7 @@ torch.set_num_threads(1)
 sizes = [1, 2, 4] + list(range(8, 65, 8))
 cfg = DecoderConfig(hidden=256, layers=4, heads=8, kv_heads=4, head_dim=32, mlp=768, vocab=4096, context=32, dtype="float32")
 for order in ("descending", "ascending"):
-    be = hal.get_backend("fake", granularity=64 << 10)
+    be = hal.get_backend("fake", requires=("graphs", "custom_pool"), granularity=64 << 10)
     model = Decoder(cfg, max(sizes), be.torch_device())
     runner = graphkit.GraphRunner(model.step, sizes, backend=be, pool="vmm", progress=False)
     runner.capture(order=order, **model.example_inputs(max(sizes)))

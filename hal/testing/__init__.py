@@ -9,6 +9,10 @@ true/false are parsed); keys that name a :class:`Requirements` field
 (``host_accessible``) configure the suite instead. Without ``--hal-backend``
 the suite uses ``$HAL_BACKEND``, or skips with a reason.
 
+The suite has a vmm half (every backend) and a graph half (streams, pools,
+capture, replay, routing) whose tests skip, naming the capability, on a
+backend that does not declare it in ``capabilities()``.
+
 A plugin declares what it cannot do on its class::
 
     class MyBackend:
@@ -28,7 +32,7 @@ returns its counts.
 
 import pytest
 
-pytest.register_assert_rewrite("hal.testing.suite", "hal.testing.machine")
+pytest.register_assert_rewrite("hal.testing.suite", "hal.testing.graph_suite", "hal.testing.machine")
 
 from hal.testing.requirements import Requirements  # noqa: E402
 from hal.testing.runner import SuiteResult, run_suite  # noqa: E402

@@ -33,8 +33,17 @@ def write_distribution(root: Path, name: str, version: str, modules: Mapping[str
 
 @contextlib.contextmanager
 def importable(root: Path) -> Iterator[Path]:
-    """``root`` is on ``sys.path`` and hal's backends are re-discovered, inside the block only."""
+    """``root`` is on ``sys.path`` and hal's backends are re-discovered, inside the block only.
+
+    Modules of the same top-level names imported before (the same plugin
+    installed for real, say) are set aside for the block, so imports inside
+    it find ``root``'s copies; they are put back afterwards.
+    """
     path = str(root)
+    provided = {p.stem for p in root.glob("*.py")} | {p.name for p in root.iterdir() if (p / "__init__.py").is_file()}
+    shadowed = {name: module for name, module in sys.modules.items() if name.partition(".")[0] in provided}
+    for name in shadowed:
+        del sys.modules[name]
     before = set(sys.modules)
     sys.path.insert(0, path)
     importlib.invalidate_caches()
@@ -47,5 +56,6 @@ def importable(root: Path) -> Iterator[Path]:
             module_file = getattr(sys.modules[name], "__file__", None) or ""
             if module_file.startswith(path):
                 del sys.modules[name]
+        sys.modules.update(shadowed)
         importlib.invalidate_caches()
         hal.list_backends(refresh=True)

@@ -13,6 +13,9 @@ or, from a plugin's own test directory, with one file::
         return "mybackend"
 
 The fixtures (``hal_backend``, ``hal_memory``...) come from :mod:`hal.testing.plugin`.
+The graph half (streams, pools, capture, replay, routing) lives in
+:mod:`hal.testing.graph_suite` and comes with the same import; its tests
+skip, naming the capability, on backends that do not declare it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import pytest
 
 import hal
 from hal.api import VMM_HOOKS
+from hal.testing.graph_suite import *  # noqa: F401,F403  (the graph half)
+from hal.testing.graph_suite import __all__ as _GRAPH_TESTS
 from hal.testing.memory import MemoryAccess, memory_access, torch_access
 from hal.testing.requirements import Requirements
 from hal.testing.state import snapshot
@@ -37,6 +42,7 @@ __all__ = [
     "TestFaultRollback",
     "TestLifecycle",
     "TestStateMachine",
+    *_GRAPH_TESTS,
 ]
 
 PROBE = 64  # bytes written at each probed offset

@@ -14,9 +14,9 @@ import threading
 from typing import Callable
 
 from hal.errors import DeviceOutOfMemoryError, InvalidStateError
-from hal.types import fmt_bytes, round_up
+from hal.types import ALLOCATION_ALIGNMENT, fmt_bytes, round_up
 
-BLOCK_ROUND = 512
+BLOCK_ROUND = ALLOCATION_ALIGNMENT
 """Every block is a multiple of this (as in torch's caching allocator)."""
 
 
