@@ -239,6 +239,10 @@ def backend_error(name: str | None, device: int = 0, options: dict[str, Any] | N
         return f"{flag}: unknown backend {chosen!r} (known: {', '.join(infos)})"
     if not infos[chosen].available:
         return f"{flag}: backend {chosen!r} is not available: {infos[chosen].reason}"
+    try:  # every command captures graphs: a backend without them is named here, not in a traceback
+        hal.registry.select_backend_name(chosen, requires=("graphs",))
+    except hal.HalError as exc:
+        return f"{flag}: {exc}"
     if device > 0:
         try:
             with hal.get_backend(chosen, device=0, **(options or {})) as be:

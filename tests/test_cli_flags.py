@@ -197,3 +197,16 @@ def test_hal_listing_refuses_an_unavailable_hal_backend(monkeypatch: pytest.Monk
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
     assert "HAL_BACKEND" in captured.err and down.name in captured.err
+
+
+def test_a_backend_without_graphs_is_named_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A VMM-only plugin chosen by name ends in one line naming the missing capability."""
+    from graphkit.__main__ import backend_error
+
+    def refuse(name, *, requires=(), device=0):  # what hal says of a backend that lacks 'graphs'
+        raise hal.UnsupportedError("lacks capability 'graphs'", backend=name, call="get_backend")
+
+    monkeypatch.setattr(hal.registry, "select_backend_name",
+                        lambda name=None, *, requires=(), device=0: refuse(name) if requires else (name or "fake"))
+    why = backend_error("fake")
+    assert why is not None and "graphs" in why and "--backend" in why and "\n" not in why

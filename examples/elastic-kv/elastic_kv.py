@@ -597,7 +597,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if not strategies or set(strategies) - set(STRATEGIES):
         parser.error(f"--strategies: choose from {', '.join(STRATEGIES)}")
-    name = select_backend_name(args.backend)
+    name = select_backend_name(args.backend, requires=("graphs",))
     be = hal.get_backend(name, **({"granularity": args.granularity} if name == "fake" else {}))
     try:
         config = args.config or ("reference" if be.torch_device().type == "cuda" else "tiny")

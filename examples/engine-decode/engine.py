@@ -401,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 
-    name = select_backend_name(args.backend)
+    name = select_backend_name(args.backend, requires=("graphs",))
     be = hal.get_backend(name, **({"granularity": 1 << 16} if name == "fake" else {}))  # small chunks on fake
     try:
         return _run(be, args)
