@@ -25,6 +25,7 @@ where the stream is an opaque pointer (``cudaStream_t``, ``aclrtStream``,
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import threading
@@ -62,8 +63,22 @@ class CallbackPair:
         self.live: dict[int, int] = {}  # segments handed to torch: address -> bytes
         self.pool_released = False
         self.last_error: str | None = None
-        self.c_alloc = ALLOC_FN(self._alloc)
-        self.c_free = FREE_FN(self._free)
+        # closures, not bound methods over module globals: torch may call them while the interpreter
+        # exits, after this module's globals were cleared
+        guard = gc_disabled
+
+        def c_alloc(size: int, device: int, stream: Any) -> int:
+            with guard():
+                return self._alloc_body(size, device)
+
+        def c_free(ptr: int | None, size: int, device: int, stream: Any) -> None:
+            if self.free is None and not self.live:
+                return  # forgotten (released, or the process is exiting): nothing to give back
+            with guard():
+                self._free_body(ptr, size)
+
+        self.c_alloc = ALLOC_FN(c_alloc)
+        self.c_free = FREE_FN(c_free)
         self.torch_allocator: Any = None  # what ``_customAllocator`` made of them, kept alive here
 
     @property
@@ -73,10 +88,8 @@ class CallbackPair:
         assert alloc and free
         return alloc, free
 
-    # ``_guard`` binds gc_disabled at definition: torch may call these while the
-    # interpreter exits, after this module's globals were cleared
-    def _alloc(self, size: int, device: int, stream: Any, _guard: Any = gc_disabled) -> int:
-        with _guard():
+    def _alloc(self, size: int, device: int, stream: Any) -> int:
+        with gc_disabled():
             return self._alloc_body(size, device)
 
     def _alloc_body(self, size: int, device: int) -> int:
@@ -94,8 +107,8 @@ class CallbackPair:
         except BaseException as exc:  # noqa: BLE001 - nothing may escape into torch's C++
             return self._fail(size, f"{type(exc).__name__}: {exc}")
 
-    def _free(self, ptr: int | None, size: int, device: int, stream: Any, _guard: Any = gc_disabled) -> None:
-        with _guard():
+    def _free(self, ptr: int | None, size: int, device: int, stream: Any) -> None:
+        with gc_disabled():
             self._free_body(ptr, size)
 
     def _free_body(self, ptr: int | None, size: int) -> None:
@@ -127,6 +140,15 @@ class CallbackPair:
 #: every callback pair ever made: torch may call them until the process ends
 KEEP_ALIVE: list[CallbackPair] = []
 _keep_alive_lock = threading.Lock()
+
+
+@atexit.register
+def _forget_all() -> None:
+    """At exit, before modules are torn down: segments freed from now on go nowhere (the process ends)."""
+    with _keep_alive_lock:
+        for pair in KEEP_ALIVE:
+            pair.forget()
+            pair.live.clear()
 
 
 def new_pair(alloc: AllocFn, free: FreeFn, *, device: int, backend: str) -> CallbackPair:

@@ -19,13 +19,15 @@ import contextlib
 import logging
 import threading
 import weakref
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from hal.types import CaptureRouter, Route
 
 log = logging.getLogger("hal.routing")
 
 _ROUTE = "_hal_route"  # attribute of a graph whose capture is being routed
+UNROUTED = "_hal_unrouted"  # set on a graph the backend captures for itself (no router sees it)
 
 
 class _Once:
@@ -41,7 +43,7 @@ class _Once:
         if fn is not None:
             try:
                 fn(collected)
-            except Exception as exc:  # a graph's teardown must not fail because of its router
+            except Exception as exc:  # noqa: BLE001 - a graph's teardown must not fail because of its router
                 log.error("on_release of a routed graph failed: %s: %s", type(exc).__name__, exc)
 
 
@@ -115,13 +117,13 @@ class GraphClassRouting:
             return stack[-1] if stack else None
 
     def _patch(self) -> None:
-        cls = self.graph_class
+        cls: Any = self.graph_class  # a framework's graph class: routable() checked its two methods; patched here
         self._originals = {name: cls.__dict__.get(name) for name in ("capture_begin", "capture_end")}
-        begin, end = getattr(cls, "capture_begin"), getattr(cls, "capture_end")
+        begin, end = cls.capture_begin, cls.capture_end
         routing = self
 
         def capture_begin(graph: Any, pool: Any = None, *args: Any, **kwargs: Any) -> Any:
-            if getattr(graph, _ROUTE, None) is None:
+            if getattr(graph, _ROUTE, None) is None and not getattr(graph, UNROUTED, False):
                 chosen = routing.begin(graph, pool, routing.current_device())
                 if chosen is not None:
                     pool = routing.pool_id(chosen)

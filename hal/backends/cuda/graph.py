@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from hal.backends._native import torch_compat as compat
+from hal.backends._native.routing import UNROUTED
 from hal.backends._native.torch_glue import TorchPool
 from hal.backends.cuda.errors import NAME
 from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError
@@ -93,7 +95,7 @@ def capture(glue: CudaGlue, graph: CudaGraph, pool: TorchPool | None, stream: An
         try:
             with gc_disabled():
                 yield graph
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - kept, then re-raised as CaptureError or undone after exit
             body = exc
         try:
             with warnings.catch_warnings():
@@ -140,6 +142,7 @@ def _rearm_generators(glue: CudaGlue, device: int) -> None:
         with cuda.device(device):
             stream = cuda.Stream()
             empty = cuda.CUDAGraph()
+            setattr(empty, UNROUTED, True)  # housekeeping: a router inside route_captures must not see it
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "the graph is empty"
                 with cuda.graph(empty, stream=stream):
