@@ -40,3 +40,7 @@ def test_the_allocator_snippet_runs_and_ends_without_warnings(caplog, recwarn) -
         exec(compile(_snippet_after("is the allocator itself:"), "README.md", "exec"), {})
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert not list(recwarn), [str(w.message) for w in recwarn]
+
+
+def test_the_elastic_buffer_snippet_runs() -> None:
+    exec(compile(_snippet_after("copy nothing."), "README.md", "exec"), {})
