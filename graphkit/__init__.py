@@ -1,6 +1,5 @@
 """graphkit: capture device graphs for many shapes at the memory cost of the largest, on any hal backend."""
 
-from hal import __version__
 from graphkit.allocator import SharedVMMAllocator
 from graphkit.buffers import StaticInputs
 from graphkit.capture import CaptureHygieneError
@@ -9,6 +8,7 @@ from graphkit.graph_pools import GraphPools, KeyReport, PoolHandle, PoolsReport,
 from graphkit.report import RunnerReport, SizeReport
 from graphkit.runner import GraphRunner, RunnerOptions
 from graphkit.saver import MemorySaver, TagReport
+from hal import __version__
 
 __all__ = [
     "__version__",

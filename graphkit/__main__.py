@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import hal
-from graphkit.bench.model import DecoderConfig
 from graphkit.bench.engines import ENGINE_SIZES, ENGINE_STRATEGIES, WORKLOADS, run_engine_bench
+from graphkit.bench.model import DecoderConfig
 from graphkit.bench.strategies import COMPILE, ORDERS, STRATEGIES
 
 DEMO_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
@@ -307,7 +307,7 @@ def validate_bench(args: argparse.Namespace, prog: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse and check every flag before any work; exit code 2 and one line on stderr when one is wrong."""
-    from graphkit.bench.run import BenchConfig, REFERENCE_SIZES
+    from graphkit.bench.run import REFERENCE_SIZES, BenchConfig
 
     parser = build_parser()
     args = parser.parse_args(argv)

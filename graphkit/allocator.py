@@ -23,12 +23,14 @@ the allocator stays consistent and usable and nothing leaks.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import hal
 from hal.types import fmt_bytes, round_up
@@ -46,7 +48,7 @@ class VirtualSpace:
     id: int
     base: int
     size: int
-    arena: "_Arena" = field(repr=False)
+    arena: _Arena = field(repr=False)
     offset: int = 0  # bump pointer: bytes handed out so far
     mapped: int = 0  # chunks 0 .. mapped-1 are mapped at base + i * granularity
     live_allocations: int = 0
@@ -114,7 +116,7 @@ class _Undo:
         for what, fn in reversed(self._steps):
             try:
                 fn()
-            except Exception as exc:  # a second failure: log it, undo the rest
+            except Exception as exc:  # noqa: BLE001 - a second failure is logged; the rest of the rollback still runs
                 log.error("rollback step %r failed: %s", what, str(exc))
         self._steps.clear()
 
@@ -254,7 +256,7 @@ class SharedVMMAllocator:
                     for index in reversed(range(space.mapped)):
                         ptr, handle = space.base + index * self.granularity, self._chunks[index]
                         self.backend.unmap(ptr, self.granularity)
-                        undo.push(f"remap {ptr:#x}", lambda p=ptr, h=handle: self.backend.map(p, self.granularity, h))
+                        undo.push(f"remap {ptr:#x}", functools.partial(self.backend.map, ptr, self.granularity, handle))
             except BaseException:
                 undo.run()
                 raise
@@ -295,7 +297,7 @@ class SharedVMMAllocator:
         for arena in self._arenas:
             start = arena.take(size)
             if start is not None:
-                undo.push("give the range back", lambda a=arena, s=start: a.give(s, size))
+                undo.push("give the range back", functools.partial(arena.give, start, size))
                 return arena, start
         nbytes = max(self.arena_bytes, size)
         base = self.backend.create_vir_ptr(nbytes)
@@ -369,7 +371,7 @@ class SharedVMMAllocator:
                 for index in reversed(range(0 if self.paused else space.mapped)):
                     ptr, handle = space.base + index * self.granularity, self._chunks[index]
                     self.backend.unmap(ptr, self.granularity)
-                    undo.push(f"remap {ptr:#x}", lambda p=ptr, h=handle: self.backend.map(p, self.granularity, h))
+                    undo.push(f"remap {ptr:#x}", functools.partial(self.backend.map, ptr, self.granularity, handle))
             except BaseException:
                 undo.run()
                 raise
@@ -575,7 +577,7 @@ class SharedVMMAllocator:
         def free(ptr: int, nbytes: int) -> None:
             try:
                 self.deallocate(ptr)
-            except Exception as exc:  # pragma: no cover - deallocate does not raise
+            except Exception as exc:  # noqa: BLE001  # pragma: no cover - deallocate does not raise; a free must not raise into torch
                 log.error("graph pool free failed: %s", str(exc))
 
         return alloc, free
@@ -610,7 +612,7 @@ class SharedVMMAllocator:
                 for index in range(0 if self.paused else space.mapped):
                     try:
                         self.backend.unmap(space.base + index * self.granularity, self.granularity)
-                    except Exception as exc:
+                    except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after releasing the rest
                         errors.append(exc)
             keep = {id(s.arena) for s in parked}
             for arena in self._arenas:
@@ -618,7 +620,7 @@ class SharedVMMAllocator:
                     continue
                 try:
                     self.backend.release_vir_ptr(arena.base, arena.size)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after releasing the rest
                     errors.append(exc)
             self._spaces.clear()
             self._arenas.clear()
@@ -647,7 +649,7 @@ class SharedVMMAllocator:
                 try:
                     self.backend.unmap(ptr, g)
                     self.backend.map(ptr, g, scratch)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after releasing the rest
                     errors.append(exc)
         self.parked_bytes = sum(s.size for s in busy)
         log.warning("closing with allocations still live in space(s) %s: their %s stay reserved over a scratch "
@@ -655,7 +657,7 @@ class SharedVMMAllocator:
                     fmt_bytes(self.parked_bytes))
         return busy
 
-    def __enter__(self) -> "SharedVMMAllocator":
+    def __enter__(self) -> SharedVMMAllocator:
         return self
 
     def __exit__(self, *exc: object) -> None:

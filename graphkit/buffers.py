@@ -9,7 +9,8 @@ a scratch slot).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -60,9 +61,9 @@ class StaticInputs:
                 raise hal.InvalidArgumentError(f"input {name!r} has dtype {t.dtype}, expected {buf.dtype}",
                                                call="GraphRunner")
             if t.dim() != buf.dim() or t.shape[1:] != buf.shape[1:]:
+                expected = ", ".join(map(str, buf.shape[1:]))
                 raise hal.InvalidArgumentError(
-                    f"input {name!r} has shape {tuple(t.shape)}, expected (batch, {', '.join(map(str, buf.shape[1:]))})",
-                    call="GraphRunner")
+                    f"input {name!r} has shape {tuple(t.shape)}, expected (batch, {expected})", call="GraphRunner")
             if t.device != buf.device:
                 raise hal.InvalidArgumentError(f"input {name!r} is on {t.device}, expected {buf.device}",
                                                call="GraphRunner")

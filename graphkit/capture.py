@@ -15,16 +15,18 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 import hal
+from graphkit.pools import Lease
 from hal.gcguard import gc_disabled
 from hal.types import fmt_bytes
-from graphkit.pools import Lease
 
 log = logging.getLogger("graphkit.capture")
 
@@ -67,7 +69,7 @@ def active_blocks(backend: hal.Backend, lease: Lease) -> set[tuple[int, int]]:
 
 
 def leftover_blocks(backend: hal.Backend, lease: Lease, outputs: Any,
-                    before: set[tuple[int, int]] = frozenset()) -> list[tuple[int, int]]:
+                    before: AbstractSet[tuple[int, int]] = frozenset()) -> list[tuple[int, int]]:
     """Blocks of the lease's pool in use now, not in use ``before``, holding none of the outputs."""
     if lease.pool is None:
         return []
@@ -100,7 +102,7 @@ def release_cached_memory(backend: hal.Backend) -> None:
     """Give memory cached by the framework's allocator back to the device (torch.cuda/npu/mlu.empty_cache)."""
     device = backend.torch_device()
     module = getattr(torch, device.type, None)
-    if device.type != "cpu" and hasattr(module, "empty_cache"):
+    if device.type != "cpu" and module is not None and hasattr(module, "empty_cache"):
         backend.synchronize()
         module.empty_cache()
 

@@ -17,6 +17,7 @@ a map call, not a driver allocation.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
@@ -25,8 +26,8 @@ from typing import Any
 import torch
 
 import hal
-from hal.types import fmt_bytes, round_up
 from graphkit.allocator import _Arena, _Undo
+from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.elastic")
 
@@ -84,7 +85,7 @@ class ElasticPool:
             try:
                 for _ in range(-(-nbytes // self.granularity)):
                     handle = self.backend.create_phy_mem_handle(self.granularity)
-                    undo.push("release", lambda h=handle: self.backend.release_phy_mem_handle(h))
+                    undo.push("release", functools.partial(self.backend.release_phy_mem_handle, handle))
                     made.append(handle)
             except BaseException:
                 undo.run()
@@ -102,7 +103,7 @@ class ElasticPool:
                 released += self.granularity
             return released
 
-    def buffer(self, max_bytes: int, **options: Any) -> "ElasticBuffer":
+    def buffer(self, max_bytes: int, **options: Any) -> ElasticBuffer:
         """A new elastic range of up to ``max_bytes`` out of this pool's reservation."""
         return ElasticBuffer(self.backend, max_bytes, pool=self, **options)
 
@@ -143,7 +144,7 @@ class ElasticPool:
             if self._owns_backend:
                 self.backend.close()
 
-    def __enter__(self) -> "ElasticPool":
+    def __enter__(self) -> ElasticPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -153,9 +154,9 @@ class ElasticPool:
 class _ViewToken:
     """Owned by the storage of one view: alive while the view or any slice of it is."""
 
-    __slots__ = ("buffer", "__weakref__")
+    __slots__ = ("__weakref__", "buffer")
 
-    def __init__(self, buffer: "ElasticBuffer") -> None:
+    def __init__(self, buffer: ElasticBuffer) -> None:
         self.buffer = buffer
 
 
@@ -308,7 +309,7 @@ class ElasticBuffer:
             for index in reversed(range(target, len(self._chunks))):
                 handle = self._chunks[index]
                 be.unmap(self.ptr + index * g, g)
-                undo.push("remap", lambda p=self.ptr + index * g, h=handle: be.map(p, g, h))
+                undo.push("remap", functools.partial(be.map, self.ptr + index * g, g, handle))
         except BaseException:
             undo.run()
             raise
@@ -387,7 +388,7 @@ class ElasticBuffer:
                 for index in reversed(range(len(self._chunks))):
                     handle = self._chunks[index]
                     be.unmap(self.ptr + index * g, g)
-                    undo.push("remap", lambda p=self.ptr + index * g, h=handle: be.map(p, g, h))
+                    undo.push("remap", functools.partial(be.map, self.ptr + index * g, g, handle))
             except BaseException:
                 undo.run()
                 raise
@@ -408,9 +409,9 @@ class ElasticBuffer:
             try:
                 for index in range(self._paused_chunks):
                     handle = be.create_phy_mem_handle(g)
-                    undo.push("release", lambda h=handle: be.release_phy_mem_handle(h))
+                    undo.push("release", functools.partial(be.release_phy_mem_handle, handle))
                     be.map(self.ptr + index * g, g, handle)
-                    undo.push("unmap", lambda p=self.ptr + index * g: be.unmap(p, g))
+                    undo.push("unmap", functools.partial(be.unmap, self.ptr + index * g, g))
                     made.append(handle)
             except BaseException:
                 undo.run()
@@ -452,7 +453,7 @@ class ElasticBuffer:
             log.debug("elastic buffer at %#x closed", self.ptr)
             del be
 
-    def __enter__(self) -> "ElasticBuffer":
+    def __enter__(self) -> ElasticBuffer:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -24,14 +24,15 @@ import logging
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterator, Literal
+from typing import Any, Literal
 
 import hal
-from hal.types import Route, fmt_bytes
 from graphkit.allocator import SharedVMMAllocator
 from graphkit.capture import CaptureHygieneError, leftover_blocks, report_leftovers
 from graphkit.pools import Lease
+from hal.types import Route, fmt_bytes
 
 log = logging.getLogger("graphkit.graph_pools")
 
@@ -39,7 +40,7 @@ Kind = Literal["vmm", "shared"]
 _serial = itertools.count(1)
 
 
-class PoolHandle(tuple):  # type: ignore[type-arg]
+class PoolHandle(tuple):
     """The pool of one key of a :class:`GraphPools`, in the form capture APIs take.
 
     A tuple equal to the framework's pool id (what ``torch.cuda.graph(pool=...)``
@@ -48,10 +49,10 @@ class PoolHandle(tuple):  # type: ignore[type-arg]
     which every capture API does -- raises :class:`hal.InvalidStateError`.
     """
 
-    _owner: "GraphPools"
+    _owner: GraphPools
     _key: Hashable
 
-    def __new__(cls, ident: tuple[int, int], owner: "GraphPools", key: Hashable) -> "PoolHandle":
+    def __new__(cls, ident: tuple[int, int], owner: GraphPools, key: Hashable) -> PoolHandle:
         handle = super().__new__(cls, ident)
         handle._owner, handle._key = owner, key
         return handle
@@ -228,7 +229,7 @@ class GraphPools:
         """The framework's id of ``pool`` (what its capture API takes); a made-up one where it has none."""
         ident = getattr(pool, "id", None)
         if isinstance(ident, tuple) and len(ident) == 2:
-            return tuple(ident)  # type: ignore[return-value]
+            return tuple(ident)
         if pool is self._shared_pool:
             self._shared_ident = getattr(self, "_shared_ident", None) or (0, next(_serial))
             return self._shared_ident
@@ -470,7 +471,7 @@ class GraphPools:
             if errors:
                 raise errors[0]
 
-    def __enter__(self) -> "GraphPools":
+    def __enter__(self) -> GraphPools:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -32,9 +32,9 @@ class RunnerReport:
         return sum(s.capture_seconds for s in self.sizes)
 
     def __str__(self) -> str:
-        lines = [f"GraphRunner on {self.backend}: pool={self.pool} mode={self.mode}, "
-                 f"{len(self.sizes)} size(s) captured in {self.capture_seconds:.3f} s, "
-                 f"graph memory {fmt_bytes(self.graph_memory)}"]
+        lines = [(f"GraphRunner on {self.backend}: pool={self.pool} mode={self.mode}, "
+                  f"{len(self.sizes)} size(s) captured in {self.capture_seconds:.3f} s, "
+                  f"graph memory {fmt_bytes(self.graph_memory)}")]
         for key, value in self.pool_figures.items():
             lines.append(f"  {key}: {fmt_bytes(value) if key.endswith('bytes') else value}")
         lines.append(f"  {'batch':>6} {'capture s':>10} {'memory +':>11} {'chunks':>11}")

@@ -20,19 +20,21 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Literal, cast
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from tqdm.auto import tqdm
 
 import hal
-from hal.types import fmt_bytes
 from graphkit import capture as cap
+from graphkit.allocator import SharedVMMAllocator
 from graphkit.buffers import StaticInputs
 from graphkit.pools import Lease, PoolStrategy, make_pool_strategy
 from graphkit.report import RunnerReport, SizeReport
+from hal.types import fmt_bytes
 
 log = logging.getLogger("graphkit.runner")
 
@@ -174,7 +176,9 @@ class GraphRunner:
             raise bad(f"sizes={list(sizes)!r} must be ints in [1, 2**31)")
         if mode not in ("full", "piecewise", "none"):
             raise bad(f"mode={mode!r} must be full, piecewise or none")
-        pieces = list(fn) if mode == "piecewise" else [fn]
+        # the mode says which of the two fn is
+        pieces = (list(cast("Sequence[Callable[..., Any]]", fn)) if mode == "piecewise"
+                  else [cast("Callable[..., Any]", fn)])
         if mode == "piecewise" and len(between) != len(pieces) - 1:
             raise bad(f"piecewise: {len(pieces)} pieces need {len(pieces) - 1} eager step(s) between them, "
                       f"got {len(between)}")
@@ -207,19 +211,21 @@ class GraphRunner:
             make_pool_strategy(pool, be, **dict(allocator_options or {})) if mode != "none" else None)
         self.pool = self.strategy.kind if self.strategy else "none"
         self.saver = saver
+        self._adopted: SharedVMMAllocator | None = None  # the allocator the saver sleeps and wakes
         if saver is not None:
             allocator = getattr(self.strategy, "allocator", None)
             if allocator is None:
                 raise hal.UnsupportedError(f"pool={self.pool!r} cannot sleep with a MemorySaver: use pool='vmm' "
                                            "on a backend with 'custom_pool'", backend=be.name, call="GraphRunner")
             saver.adopt(allocator)
+            self._adopted = allocator
         self.inputs: StaticInputs | None = None
         self._buckets: dict[int, _Bucket] = {}
         self._captured: list[int] = []  # sorted sizes with graphs
         self._capture_order: list[int] = []  # sizes in the order they were captured
         self._stream = be.create_stream() if mode != "none" else None
         self._lock = threading.RLock()  # graphs of one pool never run concurrently
-        self._static_out: list[torch.Tensor] | None = None
+        self._static_out: list[torch.Tensor | None] | None = None  # None: a leaf that is no batched tensor
         self._mem_before: int | None = None
         self._closed = False
 
@@ -227,7 +233,7 @@ class GraphRunner:
 
     def capture(self, example: Mapping[str, torch.Tensor] | None = None, /, *,
                 order: Order | Sequence[int] = "descending", seed: int = 0,
-                **example_inputs: torch.Tensor) -> "GraphRunner":
+                **example_inputs: torch.Tensor) -> GraphRunner:
         """Size the static buffers from the examples and capture every size (unless on demand).
 
         :param example: the example inputs as a mapping; use it when an input
@@ -299,7 +305,9 @@ class GraphRunner:
         if self.measure_memory:
             cap.release_cached_memory(be)
         used0 = be.mem_info().used
-        lease = self.strategy.lease()
+        strategy = self.strategy
+        assert strategy is not None  # there is one whenever mode != "none"
+        lease = strategy.lease()
         bucket = _Bucket(size, lease)
         t0 = time.perf_counter()
         try:
@@ -323,14 +331,14 @@ class GraphRunner:
                 del outputs
         except BaseException:
             self._release_bucket(bucket)
-            self.strategy.settle()
+            strategy.settle()
             raise
         be.synchronize()
         seconds = time.perf_counter() - t0
         if self.measure_memory:
             cap.release_cached_memory(be)
         bucket.report = SizeReport(size, seconds, be.mem_info().used - used0,
-                                   self.strategy.figures().get("chunk_bytes"))
+                                   strategy.figures().get("chunk_bytes"))
         self._buckets[size] = bucket
         bisect.insort(self._captured, size)
         self._capture_order.append(size)
@@ -351,7 +359,7 @@ class GraphRunner:
 
     def _eager_pipeline(self, **inputs: torch.Tensor) -> Any:
         out = self.pieces[0](**inputs)
-        for step, piece in zip(self.between, self.pieces[1:]):
+        for step, piece in zip(self.between, self.pieces[1:], strict=True):
             mid = step(out, **inputs)
             out = piece(*mid) if isinstance(mid, tuple) else piece(mid)
         return out
@@ -400,9 +408,11 @@ class GraphRunner:
         for k, graph in enumerate(bucket.graphs):
             be.replay(graph)
             if k + 1 < len(bucket.graphs):
-                views = views or self.inputs.views(bucket.size)
+                if not views:
+                    assert self.inputs is not None  # buckets exist only once capture() sized the inputs
+                    views = self.inputs.views(bucket.size)
                 mid = self.between[k](bucket.outputs[k], **views)
-                for buf, leaf in zip(bucket.piece_inputs[k], mid if isinstance(mid, tuple) else (mid,)):
+                for buf, leaf in zip(bucket.piece_inputs[k], mid if isinstance(mid, tuple) else (mid,), strict=False):
                     buf.copy_(leaf)
         return bucket.outputs[-1]
 
@@ -418,7 +428,7 @@ class GraphRunner:
             self._static_out = [torch.empty((self.max_size, *t.shape[1:]), dtype=t.dtype, device=t.device)
                                 if isinstance(t, torch.Tensor) and t.dim() else None for t in leaves]
         result = []
-        for buf, t in zip(self._static_out, rows):
+        for buf, t in zip(self._static_out, rows, strict=False):
             if buf is None:
                 result.append(t.clone() if isinstance(t, torch.Tensor) else t)
             else:
@@ -427,6 +437,7 @@ class GraphRunner:
         return tree_unflatten(result, spec)
 
     def _check_addresses(self) -> None:
+        assert self.inputs is not None
         moved = self.inputs.moved()
         if moved:
             raise hal.InvalidStateError(
@@ -465,6 +476,7 @@ class GraphRunner:
         bucket.graphs.clear()
         bucket.outputs.clear()
         bucket.piece_inputs.clear()
+        assert self.strategy is not None  # buckets exist only when mode != "none"
         try:
             self.strategy.give_back(bucket.lease)
         except hal.HalError as exc:
@@ -488,6 +500,7 @@ class GraphRunner:
             self.backend.synchronize()
             gc.collect()  # tensors of its pool caught in reference cycles go while the pool exists
             self._release_bucket(self._forget(size))
+            assert self.strategy is not None
             self.strategy.settle()
 
     def _check_open(self) -> None:
@@ -509,8 +522,8 @@ class GraphRunner:
                 except hal.HalError as exc:  # keep going: release what can be released
                     errors.append(exc)
             if self.strategy is not None:
-                if self.saver is not None:
-                    self.saver.forget(self.strategy.allocator)
+                if self._adopted is not None:  # set exactly when a saver was given
+                    self.saver.forget(self._adopted)
                 try:
                     self.strategy.close()
                 except hal.HalError as exc:
@@ -524,7 +537,7 @@ class GraphRunner:
                           "releases it)", len(errors))
                 raise errors[0]
 
-    def __enter__(self) -> "GraphRunner":
+    def __enter__(self) -> GraphRunner:
         return self
 
     def __exit__(self, *exc: object) -> None:

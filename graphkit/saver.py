@@ -26,14 +26,15 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 import hal
-from hal.types import fmt_bytes, round_up
 from graphkit.allocator import SharedVMMAllocator, _Undo
+from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.saver")
 
@@ -205,7 +206,7 @@ class MemorySaver:
     def forget(self, allocator: Any) -> None:
         """Stop managing ``allocator`` (its owner closes it)."""
         with self._lock:
-            for tag, allocators in list(self._allocators.items()):
+            for _tag, allocators in list(self._allocators.items()):
                 if allocator in allocators:
                     allocators.remove(allocator)
 
@@ -271,7 +272,11 @@ class MemorySaver:
             for s in segments:
                 be.unmap(s.ptr, s.size)
                 s.mapped = False
-                undo.push("remap", lambda s=s: (be.map(s.ptr, s.size, s.handle), setattr(s, "mapped", True)))
+
+                def remap(s: _Segment = s) -> None:
+                    be.map(s.ptr, s.size, s.handle)
+                    s.mapped = True
+                undo.push("remap", remap)
         except BaseException:
             undo.run()
             raise
@@ -324,12 +329,19 @@ class MemorySaver:
                     continue
                 if s.handle is None:  # released at the pause: a fresh chunk
                     handle = be.create_phy_mem_handle(s.size)
-                    undo.push("release chunk", lambda s=s, h=handle: (be.release_phy_mem_handle(h),
-                                                                       setattr(s, "handle", None)))
+
+                    def release_chunk(s: _Segment = s, h: Any = handle) -> None:
+                        be.release_phy_mem_handle(h)
+                        s.handle = None
+                    undo.push("release chunk", release_chunk)
                     s.handle = handle
                 be.map(s.ptr, s.size, s.handle)
                 s.mapped = True
-                undo.push("unmap", lambda s=s: (be.unmap(s.ptr, s.size), setattr(s, "mapped", False)))
+
+                def unmap(s: _Segment = s) -> None:
+                    be.unmap(s.ptr, s.size)
+                    s.mapped = False
+                undo.push("unmap", unmap)
             if region.backup:
                 for s in region.segments.values():
                     host = region.host.get(s.ptr)
@@ -378,7 +390,7 @@ class MemorySaver:
             if self._owns_backend:
                 self.backend.close()
 
-    def __enter__(self) -> "MemorySaver":
+    def __enter__(self) -> MemorySaver:
         return self
 
     def __exit__(self, *exc: object) -> None:

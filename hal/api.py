@@ -56,7 +56,9 @@ here fails at load, naming the plugin and the hook.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Callable, ContextManager, Hashable
+from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
 import pluggy
 
@@ -232,7 +234,7 @@ def current_stream() -> Stream:
 
 
 @hookspec(firstresult=True)
-def use_stream(stream: Stream) -> ContextManager[Stream]:
+def use_stream(stream: Stream) -> AbstractContextManager[Stream]:
     """Return a context manager inside which work is submitted to ``stream``.
 
     A device whose work runs when it is issued (``fake``) may return a
@@ -276,7 +278,7 @@ def create_pool(alloc: AllocFn | None, free: FreeFn | None) -> Pool:
 
 
 @hookspec(firstresult=True)
-def use_pool(pool: Pool) -> ContextManager[None]:
+def use_pool(pool: Pool) -> AbstractContextManager[None]:
     """Return a context manager inside which the framework's allocations on this thread come from ``pool``.
 
     Outside any capture: ``torch.randn(...)`` made inside the block lives in
@@ -315,7 +317,8 @@ def create_graph() -> Graph:
 
 
 @hookspec(firstresult=True)
-def capture(graph: Graph, pool: Pool | None, stream: Stream, capture_error_mode: str | None) -> ContextManager[Graph]:
+def capture(graph: Graph, pool: Pool | None, stream: Stream,
+            capture_error_mode: str | None) -> AbstractContextManager[Graph]:
     """Return a context manager that captures the work inside it into ``graph``.
 
     :param pool: a pool from :func:`create_pool`, or ``None`` for a pool
@@ -342,7 +345,7 @@ def release_graph(graph: Graph) -> None:
 
 
 @hookspec(firstresult=True)
-def route_captures(router: CaptureRouter) -> ContextManager[None]:
+def route_captures(router: CaptureRouter) -> AbstractContextManager[None]:
     """Return a context manager inside which every capture on this device asks ``router`` for its pool.
 
     Every capture that *starts* inside the block counts: through the

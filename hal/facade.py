@@ -14,7 +14,9 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Any, ContextManager, Iterator
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any
 
 import pluggy
 
@@ -126,7 +128,7 @@ class Backend:
         state = "closed" if self._closed else "open"
         return f"<hal.Backend {self.name} device={self.device} {state}>"
 
-    def __enter__(self) -> "Backend":
+    def __enter__(self) -> Backend:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -332,7 +334,7 @@ class Backend:
         """The stream work is submitted to now."""
         return self._graph_call("current_stream")
 
-    def use_stream(self, stream: Any) -> ContextManager[Any]:
+    def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
         """Context manager: ``stream`` is the current stream inside it."""
         return self._graph_call("use_stream", stream=stream)
 
@@ -352,7 +354,7 @@ class Backend:
                                  "no pools over custom allocator callbacks on this backend")
         return self._graph_call("create_pool", alloc=alloc, free=free)
 
-    def use_pool(self, pool: Any) -> ContextManager[None]:
+    def use_pool(self, pool: Any) -> AbstractContextManager[None]:
         """Context manager: the framework's allocations on this thread inside it come from ``pool``.
 
         :raises UnsupportedError: the backend lacks ``"use_pool"``.
@@ -384,7 +386,7 @@ class Backend:
         return self._graph_call("create_graph")
 
     def capture(self, graph: Any, pool: Any = None, stream: Any = None,
-                capture_error_mode: str | None = None) -> ContextManager[Any]:
+                capture_error_mode: str | None = None) -> AbstractContextManager[Any]:
         """Context manager that captures the work done inside it into ``graph``.
 
         ``capture_error_mode=None`` uses the backend's default mode.
@@ -395,7 +397,7 @@ class Backend:
         return self._graph_call("capture", graph=graph, pool=backend_pool(pool), stream=stream,
                                 capture_error_mode=capture_error_mode)
 
-    def route_captures(self, router: CaptureRouter) -> ContextManager[None]:
+    def route_captures(self, router: CaptureRouter) -> AbstractContextManager[None]:
         """Context manager: every capture started inside it takes the pool ``router`` chooses.
 
         See :func:`hal.api.route_captures`.
@@ -482,6 +484,6 @@ def backend_pool(pool: Any) -> Any:
 def _collect(errors: list[BaseException]) -> Iterator[None]:
     try:
         yield
-    except Exception as exc:  # keep releasing the rest
+    except Exception as exc:  # noqa: BLE001 - keep releasing the rest
         log.error("close: %s", str(exc))
         errors.append(exc)

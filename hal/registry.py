@@ -22,9 +22,10 @@ import importlib
 import logging
 import os
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pluggy
 
@@ -58,17 +59,27 @@ BUILTINS: dict[str, tuple[str, int]] = {
 REQUIRED_HOOKS = api.REQUIRED_HOOKS
 
 
+class _PluginClass(Protocol):
+    """A backend plugin class as the registry uses it (what :func:`validate_plugin_class` checks)."""
+
+    def probe(self) -> str | None:
+        """``None`` when the backend can run here, else why not (a classmethod of the plugin)."""
+
+    def __call__(self, device: int, **options: Any) -> Any:
+        """Construct the plugin for ``device``."""
+
+
 @dataclass
 class _Entry:
     name: str
     priority: int
     origin: str
     loader: Any  # callable returning the class
-    cls: type | None = None
+    cls: _PluginClass | None = None
     error: str | None = None
     """Why the plugin cannot be loaded, without the ``name:`` prefix the raised error adds."""
 
-    def load(self) -> type:
+    def load(self) -> _PluginClass:
         if self.cls is None and self.error is None:
             try:
                 cls = self.loader()
@@ -76,7 +87,7 @@ class _Entry:
                 self.cls = cls
             except PluginValidationError as exc:
                 self.error = exc.message
-            except Exception as exc:  # a broken third-party package must not break listing
+            except Exception as exc:  # noqa: BLE001 - a broken third-party package must not break listing
                 self.error = f"failed to load: {type(exc).__name__}: {exc}"
         if self.error is not None:
             raise PluginValidationError(self.error, backend=self.name)
@@ -146,7 +157,7 @@ def _hook_names(pm: pluggy.PluginManager, cls: Any) -> list[str]:
     for attr in dir(cls):
         try:
             opts = pm.parse_hookimpl_opts(cls, attr)
-        except Exception:  # a descriptor that fails on the class is no hook
+        except Exception:  # noqa: BLE001 - a descriptor that fails on the class is no hook
             continue
         if opts is not None:
             names.append(opts.get("specname") or attr)
@@ -160,7 +171,7 @@ def _probe(entry: _Entry) -> str | None:
         return exc.message
     try:
         return cls.probe()
-    except Exception as exc:  # a probe must never break discovery
+    except Exception as exc:  # noqa: BLE001 - a probe must never break discovery
         return f"probe failed: {type(exc).__name__}: {exc}"
 
 
@@ -228,7 +239,7 @@ def select_backend_name(name: str | None = None, *, requires: Iterable[str] = ()
 
 
 def get_backend(name: str | None = None, device: int = 0, *, requires: Iterable[str] = (),
-                **options: Any) -> "Backend":
+                **options: Any) -> Backend:
     """Return a :class:`hal.Backend` for ``device`` of the chosen backend.
 
     :param name: backend name; when ``None``, ``$HAL_BACKEND``, else the first
@@ -287,7 +298,7 @@ def _report_passed_over(lacking: list[str], chosen: str) -> None:
         log.warning("using backend %s for the required capabilities: %s", chosen, "; ".join(lacking))
 
 
-def _check_capabilities(be: "Backend", needed: frozenset[str], *, by_env: bool) -> None:
+def _check_capabilities(be: Backend, needed: frozenset[str], *, by_env: bool) -> None:
     """Close ``be`` and raise :class:`UnsupportedError` when it lacks one of ``needed``."""
     missing = needed - be.capabilities
     if not missing:
@@ -304,7 +315,7 @@ def _check_capabilities(be: "Backend", needed: frozenset[str], *, by_env: bool) 
         f"(it has: {has}); {advice} to let hal choose one that has them", backend=be.name, call="get_backend")
 
 
-def _open(chosen: str, device: int, options: dict[str, Any]) -> "Backend":
+def _open(chosen: str, device: int, options: dict[str, Any]) -> Backend:
     """Construct backend ``chosen`` for ``device`` with ``options``, behind a facade."""
     from hal.facade import Backend
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 ALLOCATION_ALIGNMENT = 512
 """Bytes every framework block starts on and is a multiple of (torch's caching allocator rounds to it).

@@ -14,8 +14,9 @@ import threading
 import time
 import weakref
 from collections import Counter
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pluggy
 
@@ -71,7 +72,7 @@ class Accounting:
             )
 
     @hookimpl(wrapper=True)
-    def create_vir_ptr(self, size: int) -> Iterator[None]:
+    def create_vir_ptr(self, size: int) -> Generator[None, int, int]:
         ptr = yield
         with self._lock:
             self.ranges[ptr] = size
@@ -79,7 +80,7 @@ class Accounting:
         return ptr
 
     @hookimpl(wrapper=True)
-    def release_vir_ptr(self, ptr: int) -> Iterator[None]:
+    def release_vir_ptr(self, ptr: int) -> Generator[None, None, None]:
         result = yield
         with self._lock:
             self.ranges.pop(ptr, None)
@@ -87,7 +88,7 @@ class Accounting:
         return result
 
     @hookimpl(wrapper=True)
-    def create_phy_mem_handle(self, size: int) -> Iterator[None]:
+    def create_phy_mem_handle(self, size: int) -> Generator[None, Any, Any]:
         handle = yield
         with self._lock:
             self.chunks[handle] = size
@@ -95,7 +96,7 @@ class Accounting:
         return handle
 
     @hookimpl(wrapper=True)
-    def release_phy_mem_handle(self, handle: Any) -> Iterator[None]:
+    def release_phy_mem_handle(self, handle: Any) -> Generator[None, None, None]:
         result = yield
         with self._lock:
             self.chunks.pop(handle, None)
@@ -103,7 +104,7 @@ class Accounting:
         return result
 
     @hookimpl(wrapper=True)
-    def map(self, ptr: int, size: int) -> Iterator[None]:
+    def map(self, ptr: int, size: int) -> Generator[None, None, None]:
         result = yield
         with self._lock:
             self.mappings[ptr] = size
@@ -111,7 +112,7 @@ class Accounting:
         return result
 
     @hookimpl(wrapper=True)
-    def unmap(self, ptr: int) -> Iterator[None]:
+    def unmap(self, ptr: int) -> Generator[None, None, None]:
         result = yield
         with self._lock:
             self.mappings.pop(ptr, None)
@@ -119,28 +120,28 @@ class Accounting:
         return result
 
     @hookimpl(wrapper=True)
-    def create_pool(self) -> Iterator[None]:
+    def create_pool(self) -> Generator[None, Any, Any]:
         pool = yield
         with self._lock:
             self.pools.add(pool)
         return pool
 
     @hookimpl(wrapper=True)
-    def release_pool(self, pool: Any) -> Iterator[None]:
+    def release_pool(self, pool: Any) -> Generator[None, None, None]:
         result = yield
         with self._lock:
             self.pools.discard(pool)
         return result
 
     @hookimpl(wrapper=True)
-    def create_graph(self) -> Iterator[None]:
+    def create_graph(self) -> Generator[None, Any, Any]:
         graph = yield
         with self._lock:
             self.graphs.add(graph)
         return graph
 
     @hookimpl(wrapper=True)
-    def release_graph(self, graph: Any) -> Iterator[None]:
+    def release_graph(self, graph: Any) -> Generator[None, None, None]:
         result = yield
         with self._lock:
             self.graphs.discard(graph)
@@ -257,7 +258,7 @@ class FaultInjector:
 
 def _fault_wrapper(name: str) -> Callable[..., Any]:
     @hookimpl(wrapper=True, tryfirst=True, specname=name)
-    def wrapper(self: FaultInjector) -> Iterator[None]:
+    def wrapper(self: FaultInjector) -> Generator[None, Any, Any]:
         self._check(name)
         return (yield)
 
@@ -276,10 +277,11 @@ def install_tracing(pm: pluggy.PluginManager, backend_name: str) -> Callable[[],
     """
     starts: dict[tuple[int, str], float] = {}
 
-    def before(hook_name: str, impls: Any, kwargs: dict[str, Any]) -> None:
+    def before(hook_name: str, impls: Sequence[pluggy.HookImpl], kwargs: Mapping[str, Any]) -> None:
         starts[(threading.get_ident(), hook_name)] = time.perf_counter()
 
-    def after(outcome: Any, hook_name: str, impls: Any, kwargs: dict[str, Any]) -> None:
+    def after(outcome: pluggy.Result[Any], hook_name: str, impls: Sequence[pluggy.HookImpl],
+              kwargs: Mapping[str, Any]) -> None:
         t0 = starts.pop((threading.get_ident(), hook_name), time.perf_counter())
         us = (time.perf_counter() - t0) * 1e6
         args = ", ".join(f"{k}={_short(v)}" for k, v in kwargs.items())

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import ctypes
-from typing import Callable
+import itertools
+from collections.abc import Callable
 
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import hal
 import graphkit
+import hal
 from hal.api import VMM_HOOKS
 
 
@@ -86,7 +87,7 @@ def allocator_machine(make_backend: Callable[[], hal.Backend], host_visible: boo
         def allocations_of_one_space_never_overlap(self) -> None:
             for spans in self.allocs.values():
                 spans = sorted(spans)
-                for (_, end), (start, _) in zip(spans, spans[1:]):
+                for (_, end), (start, _) in itertools.pairwise(spans):
                     assert end <= start
 
         @invariant()
@@ -108,7 +109,7 @@ def allocator_machine(make_backend: Callable[[], hal.Backend], host_visible: boo
         @invariant()
         def spaces_never_overlap_and_only_the_current_one_can_grow(self) -> None:
             spans = sorted((s.base, s.base + s.size) for s in self.alloc.spaces.values())
-            for (_, end), (start, _) in zip(spans, spans[1:]):
+            for (_, end), (start, _) in itertools.pairwise(spans):
                 assert end <= start
             for sid, space in self.alloc.spaces.items():
                 assert space.sealed == (sid != self.alloc.current)

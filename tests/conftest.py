@@ -20,13 +20,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if item.get_closest_marker(marker) and reasons.get(marker, "not installed"):
                 item.add_marker(pytest.mark.skip(reason=f"{marker} unavailable: {reasons.get(marker)}"))
         if item.get_closest_marker("multi_gpu") and not reasons.get("cuda"):
+            why = ""
             try:
                 with hal.get_backend("cuda") as be:
                     n = be.device_count()
             except hal.HalError as exc:  # pragma: no cover - device machines only
-                n, why = 0, str(exc)
+                n, why = 0, f" ({exc})"
             if n < 2:
-                item.add_marker(pytest.mark.skip(reason=f"needs 2 GPUs, found {n}"))
+                item.add_marker(pytest.mark.skip(reason=f"needs 2 GPUs, found {n}{why}"))
 
 
 #: parametrize a test over every backend that can run graphs: fake always, cuda where present

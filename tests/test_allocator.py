@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
 
 import pytest
 
-import hal
 import graphkit
+import hal
 from hal.api import VMM_HOOKS
 from tests.allocator_machine import allocator_machine
 
@@ -25,8 +26,10 @@ def be():
 def test_the_documented_example_works_as_written() -> None:
     be = hal.get_backend("fake", granularity=1 << 16)
     a = graphkit.SharedVMMAllocator(be)
-    a.switch_to_new_virtual_space(); p1 = a.allocate(3 * (1 << 16) + 5)
-    a.switch_to_new_virtual_space(); p2 = a.allocate(1 << 16)
+    a.switch_to_new_virtual_space()
+    p1 = a.allocate(3 * (1 << 16) + 5)
+    a.switch_to_new_virtual_space()
+    p2 = a.allocate(1 << 16)
     assert p1 != p2 and a.physical_bytes == 4 * (1 << 16) and a.num_virtual_spaces == 2
     ctypes.memmove(p2, b"shared!!", 8)
     assert ctypes.string_at(p1, 8) == b"shared!!"
@@ -40,8 +43,10 @@ TestFakeAllocatorMachine = allocator_machine(lambda: hal.get_backend("fake", gra
 
 def test_release_keeps_other_spaces_and_trims_chunks(be: hal.Backend) -> None:
     a = graphkit.SharedVMMAllocator(be, reserve_bytes=16 * G)
-    big = a.switch_to_new_virtual_space(); a.allocate(5 * G)
-    small = a.switch_to_new_virtual_space(); p = a.allocate(G)
+    big = a.switch_to_new_virtual_space()
+    a.allocate(5 * G)
+    small = a.switch_to_new_virtual_space()
+    p = a.allocate(G)
     ctypes.memmove(p, b"kept", 4)
     a.release_virtual_space(big)
     assert a.physical_bytes == G and a.num_virtual_spaces == 1
@@ -51,7 +56,8 @@ def test_release_keeps_other_spaces_and_trims_chunks(be: hal.Backend) -> None:
     assert a.physical_bytes == 0 and be.live.chunks == 0
     with pytest.raises(hal.InvalidStateError, match="not a live virtual space"):
         a.release_virtual_space(small)
-    a.close(); a.close()
+    a.close()
+    a.close()
     assert be.live.zero
 
 
@@ -59,8 +65,10 @@ def test_release_keeps_other_spaces_and_trims_chunks(be: hal.Backend) -> None:
 @pytest.mark.parametrize("step", ["switch", "extend", "release"])
 def test_a_fault_in_any_driver_call_rolls_back(be: hal.Backend, hook: str, step: str) -> None:
     a = graphkit.SharedVMMAllocator(be, reserve_bytes=16 * G)
-    s1 = a.switch_to_new_virtual_space(); a.allocate(3 * G)
-    s2 = a.switch_to_new_virtual_space(); a.allocate(G)
+    s1 = a.switch_to_new_virtual_space()
+    a.allocate(3 * G)
+    s2 = a.switch_to_new_virtual_space()
+    a.allocate(G)
     before = (be.live, a.physical_bytes, a.num_virtual_spaces, a.chunks, a.spaces)
     be.faults.fail(hook, nth=2 if hook == "map" else 1)
     action = {"switch": a.switch_to_new_virtual_space,
@@ -73,7 +81,8 @@ def test_a_fault_in_any_driver_call_rolls_back(be: hal.Backend, hook: str, step:
         assert (be.live, a.physical_bytes, a.num_virtual_spaces, a.chunks, a.spaces) == before
     be.faults.clear()
     # usable afterwards, and nothing leaks
-    a.switch_to_new_virtual_space(); p = a.allocate(4 * G)
+    a.switch_to_new_virtual_space()
+    p = a.allocate(4 * G)
     ctypes.memmove(p + 3 * G, b"ok", 2)
     assert ctypes.string_at(a.spaces[s2].base, 2) == ctypes.string_at(p, 2)  # chunk 0 is shared
     if s1 in a.spaces:  # s1 used 3 granules: it maps chunks 0-2
@@ -147,7 +156,7 @@ def test_threads_allocating_concurrently_get_disjoint_memory(be: hal.Backend) ->
     for t in threads:
         t.join()
     got.sort()
-    assert len(got) == 800 and all(e <= s for (_, e), (s, _) in zip(got, got[1:]))
+    assert len(got) == 800 and all(e <= s for (_, e), (s, _) in itertools.pairwise(got))
     assert a.physical_bytes == -(-(got[-1][1] - a.spaces[a.current].base) // G) * G
     assert a.stats().map_calls == a.physical_bytes // G
     a.close()

@@ -48,12 +48,12 @@ def test_the_library_override_makes_the_vmm_hooks_available(clean_env: pytest.Mo
 
 def test_an_override_that_does_not_exist_is_named(clean_env: pytest.MonkeyPatch, tmp_path) -> None:
     clean_env.setenv(locate.ENV_LIBRARY, str(tmp_path / "libascendcl.so"))
-    assert AscendBackend.probe() == f"libascendcl.so not found: {tmp_path}/libascendcl.so does not exist " \
-                                    "(from $HAL_ASCEND_LIBRARY)"
+    assert AscendBackend.probe() == (f"libascendcl.so not found: {tmp_path}/libascendcl.so does not exist "
+                                     "(from $HAL_ASCEND_LIBRARY)")
 
 
 def test_a_library_without_the_vmm_api_is_refused() -> None:
-    with pytest.raises(hal.BackendUnavailableError, match="lacks aclInit.*aclrtMallocPhysical"):
+    with pytest.raises(hal.BackendUnavailableError, match=r"lacks aclInit.*aclrtMallocPhysical"):
         AscendBackend(library="libc.so.6", use_torch=False)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import shutil
 import subprocess
@@ -181,7 +182,7 @@ def test_wrong_prop_fields_are_rejected(be: hal.Backend, field: str, value: int)
 def test_a_cuda_style_access_flag_is_rejected_and_the_map_rolled_back(be: hal.Backend) -> None:
     be.plugin._access.flags = 0  # CNDrv's read-write value; ACL's is 3
     va, h = be.create_vir_ptr(G), be.create_phy_mem_handle(G)
-    with pytest.raises(hal.InvalidArgumentError, match="aclrtMemSetAccess.*READWRITE"):
+    with pytest.raises(hal.InvalidArgumentError, match=r"aclrtMemSetAccess.*READWRITE"):
         be.map(va, G, h)
     assert simulator(be).count("mappings") == 0 and be.live.mappings == 0
     be.plugin._access.flags = lib.ACL_RT_MEM_ACCESS_FLAGS_READWRITE
@@ -200,10 +201,8 @@ def raw(be: hal.Backend):
     acl.call("t", "aclrtMallocPhysical", ctypes.byref(h), 2 * G, ctypes.byref(be.plugin._prop), 0)
     yield acl, va.value, h.value
     for ptr in (va.value, va.value + 2 * G):
-        try:
+        with contextlib.suppress(hal.HalError):
             acl.call("t", "aclrtUnmapMem", ptr)
-        except hal.HalError:
-            pass
     acl.call("t", "aclrtFreePhysical", h.value)
     acl.call("t", "aclrtReleaseMemAddress", va.value)
 

@@ -7,8 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import hal
 import graphkit
+import hal
 
 G = 1 << 16
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -44,8 +45,8 @@ def test_bench_help_documents_every_option() -> None:
 
 
 def test_sizes_syntax() -> None:
-    assert parse_sizes("1,2,4,8:257:8") == [1, 2, 4] + list(range(8, 257, 8))
-    with pytest.raises(Exception):
+    assert parse_sizes("1,2,4,8:257:8") == [1, 2, 4, *range(8, 257, 8)]
+    with pytest.raises(argparse.ArgumentTypeError):
         parse_sizes("0")
 
 

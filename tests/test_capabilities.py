@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-import hal
 import graphkit
+import hal
 from graphkit.capture import CaptureHygieneError, capture, warm_up
 from graphkit.pools import Lease
 
@@ -148,7 +148,7 @@ def test_item_inside_a_capture_raises_and_everything_stays_usable(graph_backend:
         y = x * 3
         return y / y.sum().item()
 
-    with pytest.raises(hal.CaptureError, match="_local_scalar_dense|item|capturing|synchron"):
+    with pytest.raises(hal.CaptureError, match=r"_local_scalar_dense|item|capturing|synchron"):
         capture(be, bad, {"x": x}, Lease(pool, sid), stream)
     assert be.live.graphs == 0
     # the same allocator captures fine afterwards; on fake the same pool too (torch retires a

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import gc
+import itertools
 
 import pytest
 import torch
 
-import hal
 import graphkit
+import hal
 
 G = 1 << 16
 
@@ -102,7 +103,7 @@ def test_many_ranges_grow_from_pre_created_chunks(be: hal.Backend) -> None:
     for i, buf in enumerate(buffers):
         assert int(buf.view(torch.int32, (2 * G // 4,)).sum()) == i * (2 * G // 4)
     ptrs = sorted(b.ptr for b in buffers)
-    assert all(b - a >= 32 * G for a, b in zip(ptrs, ptrs[1:]))  # disjoint ranges of one reservation
+    assert all(b - a >= 32 * G for a, b in itertools.pairwise(ptrs))  # disjoint ranges of one reservation
     pool.close()
     assert all(b.closed for b in buffers)
     assert be.live.zero
@@ -120,7 +121,7 @@ def test_a_graph_reading_an_elastic_kv_cache_stays_right_after_growth(be: hal.Ba
     query = torch.randn(dim)
 
     def step() -> torch.Tensor:
-        keys = cache.index_select(0, table).reshape(-1, dim)
+        keys = cache.index_select(0, table).reshape(-1, dim)  # noqa: F821 - ruff reads the `del cache` below
         return torch.softmax(keys @ query, dim=0) @ keys
 
     graph = be.create_graph()
@@ -157,7 +158,8 @@ def test_an_elastic_buffer_sleeps_with_a_memory_saver(be: hal.Backend) -> None:
     assert torch.equal(kept.view(torch.float32, (5 * G // 4,)), data)  # bit-exact at the same address
     report = {r.tag: r for r in saver.report()}
     assert report["weights"].bytes == 5 * G and report["weights"].backup and not report["kv_cache"].backup
-    kept.close(); scratch.close()
+    kept.close()
+    scratch.close()
     saver.close()
     assert be.live.zero, be.live
 

@@ -52,7 +52,7 @@ def check(out: dict) -> None:
         assert r["digests"] == first["digests"], r["strategy"]
         if r["logits"] is not None:
             assert len(r["logits"]) == len(first["logits"]) == out["workload"]["steps"]
-            assert all(torch.equal(a, b) for a, b in zip(r["logits"], first["logits"])), r["strategy"]
+            assert all(torch.equal(a, b) for a, b in zip(r["logits"], first["logits"], strict=True)), r["strategy"]
     assert out["checks"]["tokens_equal"] and out["checks"]["logits_equal"]
 
     el, pre, regrow = res["elastic"], res["prealloc"], res["regrow"]

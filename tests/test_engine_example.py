@@ -11,8 +11,8 @@ from types import ModuleType
 import pytest
 import torch
 
-import hal
 import graphkit
+import hal
 from graphkit.bench.engine_cases import run_engine_case
 
 ENGINE_PATH = Path(__file__).resolve().parents[1] / "examples" / "engine-decode" / "engine.py"
@@ -80,11 +80,11 @@ def assert_matches_eager(engine, n: int, steps: int = 4) -> None:
     assert got.tokens == want.tokens
     assert len(got.tokens) == n and all(len(t) == steps for t in got.tokens)
     assert len(got.logits) == len(want.logits) == max(len(p) for p in batch) + steps - 1
-    for a, b in zip(got.logits, want.logits):
+    for a, b in zip(got.logits, want.logits, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     padded = engine.generate(batch, steps, use_graphs=False, padded=True)  # eager on the graph's own inputs
     assert padded.tokens == got.tokens
-    for a, b in zip(got.logits, padded.logits):
+    for a, b in zip(got.logits, padded.logits, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -150,7 +150,7 @@ def test_graph_pools_cost_the_largest_capture(be: hal.Backend) -> None:
 
 
 def test_the_torch_api_needs_cuda(be: hal.Backend) -> None:
-    with pytest.raises(hal.UnsupportedError, match="torch.cuda.graph"):
+    with pytest.raises(hal.UnsupportedError, match=r"torch.cuda.graph"):
         engine_decode.Engine(be, "tiny", use_torch_api=True)
 
 

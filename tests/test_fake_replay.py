@@ -12,7 +12,8 @@ disagrees with its functional op, an output overlapping an input.
 from __future__ import annotations
 
 import gc
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -20,8 +21,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import hal
 import graphkit
+import hal
 from graphkit.bench.fakereplay import SmallOpModel
 from graphkit.bench.model import Decoder, DecoderConfig
 from graphkit.capture import weak_alias
@@ -53,7 +54,7 @@ def assert_same(got: Any, want: Any) -> None:
     """Bitwise equal, leaf by leaf (the replay runs the kernels eager runs)."""
     got, want = leaves(got), leaves(want)
     assert len(got) == len(want)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape
         assert torch.equal(g, w), (g - w).abs().max() if g.is_floating_point() else (g, w)
 

@@ -1,4 +1,5 @@
-"""GraphPools and graph_memory on fake: keys, groups, routing, lifetimes, misuse, and the routing of a framework class."""
+"""GraphPools and graph_memory on fake: keys, groups, routing, lifetimes, misuse,
+and the routing of a framework class."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import logging
 import pytest
 import torch
 
-import hal
 import graphkit
+import hal
 from hal.backends._native.routing import GraphClassRouting
 from hal.types import Route
 
@@ -109,7 +110,8 @@ def test_same_key_same_handle_and_space(be: hal.Backend) -> None:
         space = pools.allocator.spaces[pools._entries[8].space_id]
         assert len(pools.report().keys) == 1 and space.contains(o1.data_ptr()) and space.contains(o2.data_ptr())
         x.copy_(torch.randn(8, 256))
-        be.replay(g1); be.replay(g2)
+        be.replay(g1)
+        be.replay(g2)
         torch.testing.assert_close(o2, 2 * o1)
         for g in (g1, g2):
             be.release_graph(g)
@@ -131,10 +133,12 @@ def test_a_group_keeps_the_pieces_of_one_batch_in_one_space(be: hal.Backend) -> 
     assert sorted(k.key for k in pools.report().keys) == sorted(("batch", n) for n in SIZES)
     for n, (x, g0, g1, out) in pieces.items():
         x.copy_(torch.randn(n, 256))
-        be.replay(g0); be.replay(g1)
+        be.replay(g0)
+        be.replay(g1)
         torch.testing.assert_close(out, step(step(x)), rtol=1e-5, atol=1e-5)
     for _, g0, g1, _ in pieces.values():
-        be.release_graph(g0); be.release_graph(g1)
+        be.release_graph(g0)
+        be.release_graph(g1)
     del pieces, out, mid
     pools.close()
     assert be.live.zero, be.live
@@ -155,10 +159,12 @@ def test_without_a_group_the_pieces_would_alias(be: hal.Backend) -> None:
         g1, out = capture(be, residual, mid)
     for _ in range(3):
         x.copy_(torch.randn(16, 256))
-        be.replay(g0); be.replay(g1)
+        be.replay(g0)
+        be.replay(g1)
         wrong += not torch.allclose(out, residual(step(x)), rtol=1e-4, atol=1e-4)
     assert wrong
-    be.release_graph(g0); be.release_graph(g1)
+    be.release_graph(g0)
+    be.release_graph(g1)
     del out, mid
     pools.close()
 
@@ -185,7 +191,7 @@ def test_a_stale_handle_raises_a_hal_error(be: hal.Backend) -> None:
     pools = graphkit.GraphPools(be)
     h = pools.pool("b1")
     pools.release("b1")
-    with pytest.raises(hal.InvalidStateError, match="'b1'.*released"):
+    with pytest.raises(hal.InvalidStateError, match=r"'b1'.*released"):
         capture(be, make_step(), torch.zeros(1, 256), pool=h)
     with pytest.raises(hal.InvalidStateError):
         tuple(h)  # what a framework does with a pool id
@@ -262,7 +268,7 @@ def test_the_scope_restores_the_backend_also_on_errors(be: hal.Backend) -> None:
             capture(be, step, torch.zeros(2, 256))
             raise RuntimeError("engine failed")
     assert be.plugin._routers == []
-    graph, out = capture(be, step, torch.zeros(2, 256))  # outside: a private pool, not graphkit's
+    graph, _out = capture(be, step, torch.zeros(2, 256))  # outside: a private pool, not graphkit's
     assert len(pools.keys) == 1
     be.release_graph(graph)
     pools.close()
@@ -376,7 +382,8 @@ def test_framework_graph_class_routing_patches_and_restores_exactly() -> None:
     assert events[:4] == [("begin", (1, 2)), ("end", True), ("begin", None), ("end", False)]
     released = events.count(("released", True)) + events.count(("released", False))
     assert released == 1  # the graph that died on reset's lookup
-    g.reset(); g.reset()
+    g.reset()
+    g.reset()
     assert g.resets == 2 and events.count(("released", False)) + events.count(("released", True)) == 2
     del other_device
     gc.collect()

@@ -10,7 +10,7 @@ import hal
 
 
 def test_issue_scenario_as_written() -> None:
-    import ctypes, hal  # noqa: E401,F811 - verbatim
+    import ctypes, hal  # noqa: E401,I001 - verbatim
     names = {b.name: b for b in hal.list_backends()}
     assert {"cuda", "ascend", "mlu", "fake"} <= set(names) and names["fake"].available
     be = hal.get_backend("fake", granularity=1 << 16, capacity=1 << 22)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from hypothesis import Phase, settings
@@ -104,7 +104,7 @@ def test_the_state_machine_catches_it_too(tmp_path: Path) -> None:
                               {"hal.backends": {"noalias": "hal_noalias:NoAliasBackend"}})
     quick = settings(SETTINGS, phases=[Phase.generate])  # no shrinking: only "it fails" matters here
     with importable(site):
-        with pytest.raises(AssertionError, match="reads .* wrote"):
+        with pytest.raises(AssertionError, match=r"reads .* wrote"):
             run_vmm_machine(lambda: hal.get_backend("noalias", **FAKE), HostAccess(), quick)
     run_vmm_machine(lambda: hal.get_backend("fake", **FAKE), HostAccess(), quick)  # the real fake passes
 
@@ -130,7 +130,7 @@ def test_parse_and_split_options() -> None:
 
 
 class _DeviceOnly:
-    hal_requirements = {"host_accessible": False}
+    hal_requirements: ClassVar[dict[str, Any]] = {"host_accessible": False}
 
 
 def test_requirements_from_plugin_then_overrides() -> None:

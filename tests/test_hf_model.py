@@ -13,9 +13,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-import hal  # noqa: E402
-import graphkit  # noqa: E402
-from graphkit.bench.hf import ORDERS, STRATEGIES, TOLERANCE, build_hf_decoder, run_hf_case  # noqa: E402
+import graphkit
+import hal
+from graphkit.bench.hf import ORDERS, STRATEGIES, TOLERANCE, build_hf_decoder, run_hf_case
 
 SIZES = [1, 2, 3, 4, 6, 8, 12, 16]
 MiB = 1 << 20

@@ -52,7 +52,7 @@ def test_an_override_that_does_not_exist_is_named(clean_env: pytest.MonkeyPatch,
 
 
 def test_a_library_without_the_vmm_api_is_refused() -> None:
-    with pytest.raises(hal.BackendUnavailableError, match="lacks cnInit.*cnMemCreate"):
+    with pytest.raises(hal.BackendUnavailableError, match=r"lacks cnInit.*cnMemCreate"):
         MluBackend(library="libc.so.6", use_torch=False)
 
 

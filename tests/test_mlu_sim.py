@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import shutil
 import subprocess
@@ -187,10 +188,8 @@ def raw(be: hal.Backend):
     cndrv.call("t", "cnMemAddressReserve", ctypes.byref(va), 4 * G, 0, 0, 0)
     cndrv.call("t", "cnMemCreate", ctypes.byref(h), 2 * G, ctypes.byref(be.plugin._prop), 0)
     yield cndrv, va.value, h.value
-    try:
+    with contextlib.suppress(hal.HalError):
         cndrv.call("t", "cnMemUnmap", va.value, 2 * G)
-    except hal.HalError:
-        pass
     cndrv.call("t", "cnMemRelease", h.value)
     cndrv.call("t", "cnMemAddressFree", va.value, 4 * G)
 

@@ -8,11 +8,11 @@ import threading
 import pytest
 import torch
 
-import hal
 import graphkit
+import hal
 from hal.backends.fake import FakeBackend
 
-SIZES = [1, 2, 4] + list(range(8, 8 * 18 + 1, 8))  # 21 sizes
+SIZES = [1, 2, 4, *range(8, 8 * 18 + 1, 8)]  # 21 sizes
 WIDTH = 128
 
 
@@ -114,7 +114,7 @@ def test_piecewise_pieces_share_one_space_per_size(graph_backend: hal.Backend) -
     runner = graphkit.GraphRunner(pieces, sizes=sizes, backend=be, mode="piecewise", between=between,
                                   progress=False)
     runner.capture(order="ascending", x=torch.zeros(128, WIDTH, device=dev))
-    for n in sizes + [3, 50, 127]:
+    for n in [*sizes, 3, 50, 127]:
         x = torch.randn(n, WIDTH, device=dev)
         assert close_to(runner(x=x), eager(x)), n
     figures = runner.strategy.figures()
@@ -183,7 +183,8 @@ def test_close_leaves_nothing_live_and_is_idempotent(graph_backend: hal.Backend)
     runner = graphkit.GraphRunner(mlp(dev), sizes=[1, 8, 32], backend=be, progress=False)
     runner.capture(x=torch.zeros(32, WIDTH, device=dev))
     assert be.live.graphs == 3 and be.live.chunks > 0
-    runner.close(); runner.close()
+    runner.close()
+    runner.close()
     assert be.live.zero, be.live
     with pytest.raises(hal.InvalidStateError, match="closed"):
         runner(x=torch.zeros(1, WIDTH, device=dev))
@@ -237,7 +238,9 @@ def test_view_outputs_are_valid_until_the_next_replay() -> None:
     kept = copy(x=torch.zeros(4, 2))
     copy(x=torch.full((8, 2), 5.0))
     assert torch.equal(kept, torch.ones(4, 2))
-    runner.close(); copy.close(); be.close()
+    runner.close()
+    copy.close()
+    be.close()
 
 
 class NoCustomPool(FakeBackend):
@@ -255,7 +258,8 @@ def test_vmm_falls_back_to_a_shared_pool_with_a_warning(caplog) -> None:
     assert runner.pool == "shared" and "custom_pool" in caplog.text
     runner.capture(x=torch.zeros(4, 2))
     assert torch.equal(runner(x=torch.ones(1, 2)), torch.full((1, 2), 3.0))
-    runner.close(); be.close()
+    runner.close()
+    be.close()
     assert be.live.zero
 
 

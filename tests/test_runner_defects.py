@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-import hal
 import graphkit
+import hal
 
 G = 1 << 16
 
@@ -93,7 +93,7 @@ def test_close_racing_calls_gives_hal_errors_only(be: hal.Backend) -> None:
                 y = runner(x=x)
             except hal.InvalidStateError:
                 return
-            except BaseException as exc:  # anything else is a defect
+            except BaseException as exc:  # noqa: BLE001 - anything else is a defect
                 errors.append(exc)
                 return
             if not torch.allclose(y, x @ w, rtol=1e-4, atol=1e-4):
@@ -136,7 +136,7 @@ def test_eight_threads_call_capture_and_release_while_close_arrives(be: hal.Back
                 y = runner(x=x)
             except hal.InvalidStateError:
                 return
-            except BaseException as exc:  # anything else is a defect
+            except BaseException as exc:  # noqa: BLE001 - anything else is a defect
                 errors.append(exc)
                 return
             calls[0] += 1
@@ -153,7 +153,7 @@ def test_eight_threads_call_capture_and_release_while_close_arrives(be: hal.Back
                 continue  # not captured (yet, or any more)
             except hal.InvalidStateError:
                 return
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - anything else is a defect
                 errors.append(exc)
                 return
 

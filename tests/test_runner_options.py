@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-import hal
 import graphkit
+import hal
 from graphkit import GraphRunner, RunnerOptions
 
 

@@ -7,8 +7,8 @@ import gc
 import pytest
 import torch
 
-import hal
 import graphkit
+import hal
 from hal.backends.fake import FakeBackend
 
 G = 1 << 16
@@ -69,7 +69,8 @@ def test_pause_and_resume_of_one_tag_leave_the_others(be: hal.Backend) -> None:
     assert saver.is_paused("a") and not saver.is_paused("b")
     assert float(b.sum()) == 2 * float(torch.arange(4096.0).sum())  # b is still mapped and readable
     saver.pause("a")  # idempotent
-    saver.resume("a"); saver.resume("a")
+    saver.resume("a")
+    saver.resume("a")
     assert torch.equal(a, torch.arange(4096, dtype=torch.float32))
     with pytest.raises(hal.InvalidArgumentError, match="unknown"):
         saver.pause("nope")
@@ -87,7 +88,7 @@ def test_graphs_replay_after_resume_without_recapture(be: hal.Backend) -> None:
     saver = graphkit.MemorySaver(be)
     with saver.region("weights", backup=True):
         w = torch.randn(256, 256) / 16
-    step = lambda x: torch.tanh(x @ w) + x  # noqa: E731
+    step = lambda x: torch.tanh(x @ w) + x  # noqa: E731,F821 - F821: ruff reads the `del w` below
     pools = graphkit.GraphPools(be, saver=saver)
     graphs = {}
     for n in (16, 4, 1):
@@ -161,7 +162,8 @@ def test_a_failed_pause_leaves_the_tag_awake(be: hal.Backend) -> None:
         saver.pause("weights")
     be.faults.clear()
     assert not saver.is_paused("weights") and torch.equal(w, expected)  # still mapped, data intact
-    saver.pause("weights"); saver.resume("weights")
+    saver.pause("weights")
+    saver.resume("weights")
     assert torch.equal(w, expected)
     del w, w2
     saver.close()

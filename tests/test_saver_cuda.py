@@ -7,8 +7,8 @@ import gc
 import pytest
 import torch
 
-import hal
 import graphkit
+import hal
 
 pytestmark = pytest.mark.cuda
 MIB = 1 << 20
@@ -32,7 +32,7 @@ def test_pause_gives_memory_back_and_resume_keeps_weights_and_graphs(be: hal.Bac
     expected = w.clone()
     pools = graphkit.GraphPools(be, saver=saver)
     x = torch.randn(64, 4096, device="cuda")
-    pools.warm_up(lambda: x @ w)
+    pools.warm_up(lambda: x @ w)  # noqa: F821 - ruff reads the `del w` below
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pools.pool(64)):
         out = x @ w
@@ -45,7 +45,8 @@ def test_pause_gives_memory_back_and_resume_keeps_weights_and_graphs(be: hal.Bac
     assert torch.equal(w, expected)  # bit-exact, same address
     torch.cuda.empty_cache()  # the comparison's 32 MiB result sits in torch's own cache, not ours
     for _ in range(100):  # cycles grow nothing
-        saver.pause(); saver.resume()
+        saver.pause()
+        saver.resume()
     assert abs(be.mem_info().used - used) <= 4 * MIB
     x.copy_(torch.randn_like(x))
     graph.replay()

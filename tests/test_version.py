@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 
-import hal
 import graphkit
+import hal
 
 
 def test_one_version_everywhere() -> None:

@@ -33,15 +33,16 @@ import math
 import statistics
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-import hal
 import graphkit
+import hal
 from graphkit.bench.elastic import CopyCounter
 from graphkit.capture import release_cached_memory
 from hal.registry import select_backend_name
@@ -72,7 +73,7 @@ class ModelConfig:
     eps: float = 1e-6
 
     @classmethod
-    def tiny(cls) -> "ModelConfig":
+    def tiny(cls) -> ModelConfig:
         return cls(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=512, dtype="float32")
 
     @property
@@ -135,7 +136,7 @@ class Model:
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
     @torch.no_grad()
-    def forward(self, cache: "KVCache", input_ids: torch.Tensor, positions: torch.Tensor, slot_blocks: torch.Tensor,
+    def forward(self, cache: KVCache, input_ids: torch.Tensor, positions: torch.Tensor, slot_blocks: torch.Tensor,
                 slot_offsets: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
         """One decode step: write each new k/v at (block, offset) of the cache, attend through the block table."""
         cfg = self.cfg
@@ -483,7 +484,7 @@ def decode(be: hal.Backend, model: Model, wl: Workload, strategy: str, layout: s
             digests.append(_digest(logits, coef))
             if keep_logits:
                 logits_seen.append(logits.float().cpu())
-            for s, token in zip(seqs, new_tokens):
+            for s, token in zip(seqs, new_tokens, strict=True):
                 s.pos += 1
                 if s.pos >= len(s.tokens):
                     s.tokens.append(token)
@@ -538,7 +539,8 @@ def run(be: hal.Backend, config: str = "tiny", workload: Workload | None = None,
     digests_equal = all(r["digests"] == first["digests"] for r in results.values())
     logits_equal = digests_equal and (not keep or all(
         len(r["logits"]) == len(first["logits"])
-        and all(torch.equal(a, b) for a, b in zip(r["logits"], first["logits"])) for r in results.values()))
+        and all(torch.equal(a, b) for a, b in zip(r["logits"], first["logits"], strict=True))
+        for r in results.values()))
     checks: dict[str, Any] = {"tokens_equal": tokens_equal, "logits_equal": logits_equal,
                               "logits_compared": "bit-exact" if keep else "digests"}
     el = results.get("elastic")

@@ -27,16 +27,17 @@ import logging
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
-import hal
 import graphkit
-from hal.registry import select_backend_name
+import hal
 from graphkit.capture import release_cached_memory, weak_alias
+from hal.registry import select_backend_name
 
 log = logging.getLogger("engine_decode")
 
@@ -59,7 +60,7 @@ class ModelConfig:
     eps: float = 1e-6
 
     @classmethod
-    def tiny(cls) -> "ModelConfig":
+    def tiny(cls) -> ModelConfig:
         """Small enough for a 2-core CPU in well under a second per capture."""
         return cls(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=512, dtype="float32")
 
@@ -370,10 +371,10 @@ class Engine:
             logits = self.step(batch, replay=use_graphs) if use_graphs or padded else self.eager_step(batch)
             if keep_logits:
                 logits_seen.append(logits.clone())
-            for s, token, length in zip(seqs, logits.argmax(dim=-1).tolist(), lengths):
+            for s, token, length in zip(seqs, logits.argmax(dim=-1).tolist(), lengths, strict=True):
                 if t + 1 >= length:
                     s.append(token)
-        return Generation([s[length:length + steps] for s, length in zip(seqs, lengths)], logits_seen)
+        return Generation([s[length:length + steps] for s, length in zip(seqs, lengths, strict=True)], logits_seen)
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -414,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(be: hal.Backend, args: argparse.Namespace) -> int:
     config = args.config or ("reference" if be.torch_device().type == "cuda" else "tiny")
-    default_sizes = [1, 2, 4] + list(range(8, 257, 8)) if config == "reference" else [1, 2, 4, 8, 16]
+    default_sizes = [1, 2, 4, *range(8, 257, 8)] if config == "reference" else [1, 2, 4, 8, 16]
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else default_sizes
     pools = graphkit.GraphPools(be) if args.mode == "pools" else None
     engine = Engine(be, config, max_batch=max(sizes), max_model_len=128 if config == "reference" else 64,

@@ -22,6 +22,7 @@ counts the bytes of every framework copy issued (``copy_``, ``cat``, ``clone``..
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
@@ -29,15 +30,17 @@ import random
 import statistics
 import time
 import weakref
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, ClassVar
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-import hal
 import graphkit
+import hal
+from graphkit.bench.timing import Thunk
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.bench")
@@ -61,8 +64,8 @@ HEADROOM = 0.9
 class CopyCounter(TorchFunctionMode):
     """Counts the bytes moved by every framework copy issued inside it (``copy_``, ``cat``, ``t[a:b] = x``...)."""
 
-    SOURCE_ARG = {"copy_": 1, "clone": 0, "index_copy": 3, "index_copy_": 3, "__setitem__": 2}
-    CONCAT = {"cat", "concat", "concatenate"}
+    SOURCE_ARG: ClassVar[dict[str, int]] = {"copy_": 1, "clone": 0, "index_copy": 3, "index_copy_": 3, "__setitem__": 2}
+    CONCAT: ClassVar[set[str]] = {"cat", "concat", "concatenate"}
 
     def __init__(self) -> None:
         super().__init__()
@@ -129,7 +132,7 @@ def device_empty(be: hal.Backend, nbytes: int) -> torch.Tensor:
 def _release_cached(be: hal.Backend) -> None:
     gc.collect()
     module = getattr(torch, be.torch_device().type, None)
-    if be.torch_device().type != "cpu" and hasattr(module, "empty_cache"):
+    if be.torch_device().type != "cpu" and module is not None and hasattr(module, "empty_cache"):
         be.synchronize()
         module.empty_cache()
 
@@ -147,13 +150,13 @@ def _quiet_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _host_timed(fn: Callable[[], Any]) -> float:
+def _host_timed(fn: Thunk) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
 
 
-def _device_timed(be: hal.Backend, fn: Callable[[], Any]) -> float:
+def _device_timed(be: hal.Backend, fn: Thunk) -> float:
     be.synchronize()
     t0 = time.perf_counter()
     fn()
@@ -190,19 +193,19 @@ def grow_cases(be: hal.Backend, granules: int, rounds: int) -> dict[str, Any]:
         with _quiet_gc():
             for _ in range(rounds):
                 for i in range(granules):
-                    bare.append(_host_timed(lambda: be.map(base_ptr + i * g, g, handles[i])))
+                    bare.append(_host_timed(lambda i=i: be.map(base_ptr + i * g, g, handles[i])))
                 for i in range(granules):
                     be.unmap(base_ptr + i * g, g)
                 made = calls["create_phy_mem_handle"]
                 with copies:
                     for i in range(1, granules + 1):
-                        free_list.append(_host_timed(lambda: warm_buf.resize(i * g)))
+                        free_list.append(_host_timed(lambda i=i: warm_buf.resize(i * g)))
                 driver_allocs["free_list"] += calls["create_phy_mem_handle"] - made
                 warm_buf.resize(0)  # the chunks go back to the free list
                 made = calls["create_phy_mem_handle"]
                 with copies:
                     for i in range(1, granules + 1):
-                        fresh.append(_host_timed(lambda: cold_buf.resize(i * g)))
+                        fresh.append(_host_timed(lambda i=i: cold_buf.resize(i * g)))
                 driver_allocs["fresh"] += calls["create_phy_mem_handle"] - made
                 cold_buf.resize(0)
                 cold.trim()  # the next round allocates again
@@ -224,6 +227,13 @@ def _free_bytes(be: hal.Backend) -> int:
     return be.mem_info().free
 
 
+def _grow_copy(be: hal.Backend, old: torch.Tensor, nbytes: int, g: int, holder: list[torch.Tensor]) -> None:
+    """Allocate ``nbytes + g`` and copy ``old`` (``nbytes``) into its start: growth by reallocation."""
+    new = device_empty(be, nbytes + g)
+    new[:nbytes].copy_(old)
+    holder.append(new)
+
+
 def regrow_case(be: hal.Backend, nbytes: int, cycles: int) -> dict[str, Any]:
     """Grow ``nbytes`` by one granule: allocate-and-copy, then an elastic buffer of the same size."""
     g = be.granularity
@@ -240,11 +250,8 @@ def regrow_case(be: hal.Backend, nbytes: int, cycles: int) -> dict[str, Any]:
     for _ in range(cycles):
         holder: list[torch.Tensor] = []
         with CopyCounter() as copies:
-            def grow() -> None:
-                new = device_empty(be, nbytes + g)
-                new[:nbytes].copy_(old)
-                holder.append(new)
-            times.append(_device_timed(be, grow))
+            # bound, not closed over: the `del`s below must drop the last references
+            times.append(_device_timed(be, functools.partial(_grow_copy, be, old, nbytes, g, holder)))
         copied = copies.bytes
         exact = exact and bool((holder[0][:nbytes:stride] == 0x5A).all())
         del holder

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+import graphkit
 import hal
 from graphkit.bench.timing import median_ms
-import graphkit
 from graphkit.capture import release_cached_memory
 
 log = logging.getLogger("graphkit.bench.engine")
@@ -120,7 +120,7 @@ def _check(engine: Any, sizes: list[int], seed: int) -> tuple[float, bool]:
         got = engine.generate(prompts, 3)
         want = engine.generate(prompts, 3, use_graphs=False, padded=True)
         same &= got.tokens == want.tokens
-        for a, b in zip(got.logits, want.logits):
+        for a, b in zip(got.logits, want.logits, strict=True):
             worst = max(worst, float((a.float() - b.float()).abs().max()))
     return worst, same
 
@@ -176,12 +176,13 @@ def run_engine_case(strategy: str, order: str, sizes: list[int], backend: hal.Ba
 def _teardown(be: hal.Backend, engine: Any, pools: graphkit.GraphPools | None) -> list[BaseException]:
     """Graphs, then pools, then cached memory; keeps going past a failure (logged and returned)."""
     errors: list[BaseException] = []
-    for step in (engine.close if engine is not None else None, pools.close if pools is not None else None, lambda: release_cached_memory(be)):
+    for step in (engine.close if engine is not None else None, pools.close if pools is not None else None,
+                 lambda: release_cached_memory(be)):
         if step is None:
             continue
         try:
             step()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - collected and returned; teardown goes on
             log.error("engine case teardown: %s: %s", type(exc).__name__, exc)
             errors.append(exc)
     return errors

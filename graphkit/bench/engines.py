@@ -23,8 +23,8 @@ import logging
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
 
 import hal
 from hal.types import fmt_bytes
@@ -117,9 +117,9 @@ def check_targets(rows: list[dict]) -> list[dict]:
     for order in ENGINE_ORDERS:
         own = by.get(("own-kept", order))
         for strategy in GRAPHKIT:
-            r = by.get((strategy, order))
-            if own and r and own["capture_seconds"]:
-                ratio = r["capture_seconds"] / own["capture_seconds"]
+            row = by.get((strategy, order))
+            if own and row and own["capture_seconds"]:
+                ratio = row["capture_seconds"] / own["capture_seconds"]
                 targets.append({"target": f"{strategy} {order}: capture time <= {CAPTURE_TIME_LIMIT}x own pool",
                                 "measured": round(ratio, 3), "limit": CAPTURE_TIME_LIMIT,
                                 "met": ratio <= CAPTURE_TIME_LIMIT})
@@ -127,8 +127,8 @@ def check_targets(rows: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'strategy':<14}{'order':<12}{'graph memory':>14}{'chunks':>12}{'capture s':>11}"
-             f"{'replay ms @1':>14}{'@max':>9}  correct"]
+    lines = [(f"{'strategy':<14}{'order':<12}{'graph memory':>14}{'chunks':>12}{'capture s':>11}"
+              f"{'replay ms @1':>14}{'@max':>9}  correct")]
     for r in rows:
         chunks = fmt_bytes(r["chunk_bytes"]) if r["chunk_bytes"] is not None else "-"
         lines.append(f"{r['strategy']:<14}{r['order']:<12}{fmt_bytes(r['graph_memory_bytes']):>14}{chunks:>12}"

@@ -29,14 +29,15 @@ import pstats
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-import hal
 import graphkit
+import hal
 from graphkit.bench.model import Decoder, DecoderConfig
 
 log = logging.getLogger("graphkit.bench.fakereplay")
@@ -104,7 +105,7 @@ def interleaved_medians(be: hal.Backend, fns: list[Callable[[], Any]], iters: in
             fn()
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(iters):
-        for fn, out in zip(fns, times):
+        for fn, out in zip(fns, times, strict=True):
             be.synchronize()
             t0 = time.perf_counter()
             fn()
@@ -124,7 +125,7 @@ def measure(be: hal.Backend, name: str, fn: Callable[..., Any], inputs: dict[str
 
     graph, out = graph_of(be, fn, inputs)
     runner = graphkit.GraphRunner(fn, [batch], backend=be, pool="shared", outputs="view", progress=False)
-    runner.capture(**inputs)
+    runner.capture(inputs)
     try:
         for _ in range(2):  # all three agree before anything is timed
             if reset:
@@ -167,7 +168,7 @@ def op_breakdown(graph: Any, calls: int, top: int) -> str:
     counts: dict[str, int] = {}
     with torch.no_grad():
         for _ in range(calls):
-            for (fn, args, kwargs), op in zip(program, ops):
+            for (fn, args, kwargs), op in zip(program, ops, strict=True):
                 how = "copies" if getattr(fn, "__self__", None) is None and hasattr(fn, "__code__") else "writes"
                 key = f"{op.func} ({how})"
                 t0 = time.perf_counter()
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps([{**asdict(r), "replay_ratio": r.replay_ratio, "runner_ratio": r.runner_ratio}
                               for r in rows], indent=1))
         if args.profile:
-            for r, (graph, _) in zip(rows, graphs):
+            for r, (graph, _) in zip(rows, graphs, strict=True):
                 print(f"\n--- cProfile: {r.workload}, 50 replays ---")
                 print(profile(be, graph, 50, args.top))
                 print(f"--- steps of {r.workload} by time, 50 replays ---")

@@ -51,11 +51,11 @@ from typing import Any, Literal
 
 import torch
 
+import graphkit
 import hal
 from graphkit.bench.timing import median_ms
-import graphkit
-from hal.gcguard import gc_disabled
 from graphkit.capture import release_cached_memory, weak_alias
+from hal.gcguard import gc_disabled
 
 Size = Literal["tiny", "reference"]
 STRATEGIES = ("own-kept", "own-weakref", "graph_memory", "graph_pools")
@@ -149,7 +149,7 @@ class HFDecode:
         self.layered = hasattr(self.cache, "layers")
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = (
             [(layer.keys, layer.values) for layer in self.cache.layers] if self.layered
-            else list(zip(self.cache.key_cache, self.cache.value_cache)))
+            else list(zip(self.cache.key_cache, self.cache.value_cache, strict=True)))
         # transformers >= 5.x: the write position is a tensor of each layer, advanced in place
         self.cumulative = [layer.cumulative_length for layer in getattr(self.cache, "layers", [])
                            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
@@ -353,8 +353,10 @@ def run_hf_case(strategy: str, order: str, sizes: list[int], backend: hal.Backen
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}")
     plan = capture_order(order, sizes, seed)
-    owns_backend = not isinstance(backend, hal.Backend)
-    be = hal.get_backend(backend, requires=("graphs",)) if owns_backend else backend
+    if isinstance(backend, hal.Backend):
+        be, owns_backend = backend, False
+    else:
+        be, owns_backend = hal.get_backend(backend, requires=("graphs",)), True
     try:
         return _run_case(be, strategy, order, sorted(set(sizes)), plan, size, seed, iters, decode, max_len)
     finally:
@@ -390,7 +392,8 @@ def _run_case(be: hal.Backend, strategy: str, order: str, sizes: list[int], plan
             for _ in range(2):
                 dec.step(n)
         be.synchronize(stream)
-        pool = own_pool if own_pool is not None else pools.pool(n) if strategy == "graph_pools" else None
+        pool = (own_pool if own_pool is not None
+                else pools.pool(n) if pools is not None and strategy == "graph_pools" else None)
         graph = be.create_graph()
         t0 = time.perf_counter()
         try:

@@ -2,28 +2,36 @@
 
 ``python -m graphkit.bench.mapcalls``: a 4-layer decoder, 11 sizes, 64 KiB granules; counts, not times.
 """
-import torch, hal, graphkit
+import torch
+
+import graphkit
+import hal
 from graphkit.bench.model import Decoder, DecoderConfig
+from graphkit.pools import VmmPools
+
 torch.set_num_threads(1)
-sizes = [1, 2, 4] + list(range(8, 65, 8))
-cfg = DecoderConfig(hidden=256, layers=4, heads=8, kv_heads=4, head_dim=32, mlp=768, vocab=4096, context=32, dtype="float32")
+sizes = [1, 2, 4, *range(8, 65, 8)]
+cfg = DecoderConfig(hidden=256, layers=4, heads=8, kv_heads=4, head_dim=32, mlp=768, vocab=4096, context=32,
+                    dtype="float32")
 for order in ("descending", "ascending"):
     be = hal.get_backend("fake", requires=("graphs", "custom_pool"), granularity=64 << 10)
     model = Decoder(cfg, max(sizes), be.torch_device())
     runner = graphkit.GraphRunner(model.step, sizes, backend=be, pool="vmm", progress=False)
-    runner.capture(order=order, **model.example_inputs(max(sizes)))
+    runner.capture(model.example_inputs(max(sizes)), order=order)
+    assert isinstance(runner.strategy, VmmPools)
     alloc = runner.strategy.allocator
     spaces = alloc.spaces.values()
     lazy = alloc.map_calls
     chunks = len(alloc.chunks)
     # the eager policy maps every chunk that exists when a space opens, and every new chunk into every live space
-    eager = 0; live = 0; existing = 0
-    for s in sorted(spaces, key=lambda s: s.id):
+    eager = existing = 0
+    for live, s in enumerate(sorted(spaces, key=lambda s: s.id), start=1):
         eager += existing            # switch: map all existing chunks into the new space
-        live += 1
         if s.mapped > existing:      # extend: new chunks mapped into every live space
             eager += (s.mapped - existing) * live
             existing = s.mapped
-    print(f"{order}: {len(sizes)} spaces, {chunks} chunks of 64 KiB, map calls lazy {lazy} vs every-chunk-everywhere {eager}"
-          f" ({eager / lazy:.1f}x), arenas {alloc.num_arenas}, reserved {alloc.reserved_bytes >> 20} MiB of spaces")
-    runner.close(); be.close()
+    print(f"{order}: {len(sizes)} spaces, {chunks} chunks of 64 KiB, map calls lazy {lazy} "
+          f"vs every-chunk-everywhere {eager} ({eager / lazy:.1f}x), arenas {alloc.num_arenas}, "
+          f"reserved {alloc.reserved_bytes >> 20} MiB of spaces")
+    runner.close()
+    be.close()

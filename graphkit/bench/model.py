@@ -33,7 +33,7 @@ class DecoderConfig:
     dtype: str = "bfloat16"
 
     @classmethod
-    def tiny(cls) -> "DecoderConfig":
+    def tiny(cls) -> DecoderConfig:
         """Small enough for a 2-core CPU in seconds."""
         return cls(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=512, context=16,
                    dtype="float32")

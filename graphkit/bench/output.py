@@ -7,8 +7,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from hal.types import fmt_bytes
 from graphkit.bench.strategies import DESCRIPTIONS
+from hal.types import fmt_bytes
 
 log = logging.getLogger("graphkit.bench")
 
@@ -16,12 +16,12 @@ log = logging.getLogger("graphkit.bench")
 def summary_table(out: dict[str, Any]) -> str:
     """One row per strategy and order, then the targets."""
     m = out["machine"]
-    lines = [f"backend {m['backend']} ({m.get('device_name', m['processor'])}), torch {m['torch']}, "
-             f"{len(out['sizes'])} sizes {out['sizes'][0]}..{out['sizes'][-1]}; "
-             f"largest size alone: {fmt_bytes(out['largest_alone_bytes'])}",
+    lines = [(f"backend {m['backend']} ({m.get('device_name', m['processor'])}), torch {m['torch']}, "
+              f"{len(out['sizes'])} sizes {out['sizes'][0]}..{out['sizes'][-1]}; "
+              f"largest size alone: {fmt_bytes(out['largest_alone_bytes'])}"),
              "eager ms/step: " + ", ".join(f"batch {k}: {v:.3f}" for k, v in out["eager_ms"].items())]
-    head = f"{'strategy':<15} {'order':<11} {'graph memory':>13} {'chunks':>10} {'capture s':>10} " \
-           f"{'ms @1':>8} {'hand @1':>8} {'max rel err':>11}  ok"
+    head = (f"{'strategy':<15} {'order':<11} {'graph memory':>13} {'chunks':>10} {'capture s':>10} "
+            f"{'ms @1':>8} {'hand @1':>8} {'max rel err':>11}  ok")
     lines += [head, "-" * len(head)]
     for r in out["results"]:
         chunks = fmt_bytes(r["chunk_bytes"]) if "chunk_bytes" in r else "-"
@@ -58,7 +58,7 @@ def plot(out: dict[str, Any], path: Path) -> bool:
     orders = [o for o in ("descending", "ascending", "random", "on-demand")
               if any(r["order"] == o and "memory_after_each_capture" in r for r in out["results"])]
     fig, axes = plt.subplots(1, len(orders), figsize=(5 * len(orders), 4), squeeze=False, sharey=True)
-    for ax, order in zip(axes[0], orders):
+    for ax, order in zip(axes[0], orders, strict=True):
         for r in out["results"]:
             if r["order"] != order or "memory_after_each_capture" not in r:
                 continue

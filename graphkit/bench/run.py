@@ -14,23 +14,25 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, cast
 
 import torch
 from tqdm.auto import tqdm
 
-import hal
 import graphkit
+import hal
 from graphkit.bench.model import Decoder, DecoderConfig
 from graphkit.bench.strategies import COMPILE, ORDERS, STRATEGIES
 from graphkit.bench.targets import check_targets
 from graphkit.bench.timing import ms_per_call, rel_error
 from graphkit.capture import release_cached_memory
+from graphkit.runner import Order
 
 log = logging.getLogger("graphkit.bench")
 
-REFERENCE_SIZES = [1, 2, 4] + list(range(8, 257, 8))
+REFERENCE_SIZES = [1, 2, 4, *range(8, 257, 8)]
 
 
 @dataclass
@@ -87,7 +89,7 @@ def machine_info(be: hal.Backend) -> dict[str, Any]:
 
             _, version = driver.cuDriverGetVersion()
             info["cuda_driver_api"] = f"{version // 1000}.{version % 1000 // 10}"
-        except Exception:  # pragma: no cover - only informative
+        except Exception:  # noqa: BLE001  # pragma: no cover - only informative
             pass
     return info
 
@@ -138,8 +140,9 @@ class Bench:
         release_cached_memory(be)
         runner = self._runner(strategy, on_demand=order == "on-demand")
         t0 = time.perf_counter()
-        runner.capture(order="descending" if order == "on-demand" else order, seed=cfg.seed,
-                       **self.inputs[max(cfg.sizes)])
+        # ORDERS (checked by the CLI): GraphRunner's orders and on-demand
+        capture_order = cast(Order, "descending" if order == "on-demand" else order)
+        runner.capture(self.inputs[max(cfg.sizes)], order=capture_order, seed=cfg.seed)
         if order == "on-demand":  # a stream of batches whose sizes arrive in random order
             arrivals = list(cfg.sizes)
             random.Random(cfg.seed).shuffle(arrivals)
@@ -167,7 +170,9 @@ class Bench:
 
     def _hand_loop(self, runner: graphkit.GraphRunner, n: int) -> Callable[[], Any]:
         """Copy inputs into the static buffers, ``graph.replay()``, slice: on the runner's own graph."""
-        bucket = runner._buckets[runner.bucket_for(n)]
+        size = runner.bucket_for(n)
+        assert size is not None and runner.inputs is not None  # n is a captured size
+        bucket = runner._buckets[size]
         graph, out = bucket.graphs[0], bucket.outputs[0]
         buffers = [(runner.inputs.buffers[k], v) for k, v in self.inputs[n].items()]
         native = getattr(graph, "torch_graph", graph)  # cuda: the torch.cuda.CUDAGraph itself
@@ -185,7 +190,7 @@ class Bench:
         release_cached_memory(self.be)
         runner = graphkit.GraphRunner(self.model.step, [max(self.cfg.sizes)], backend=self.be,
                                       fill=self.model.padding(), progress=False, pool="vmm", measure_memory=True)
-        runner.capture(**self.inputs[max(self.cfg.sizes)])
+        runner.capture(self.inputs[max(self.cfg.sizes)])
         memory = runner.graph_memory()
         runner.close()
         return memory

@@ -14,13 +14,14 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-import hal
 import graphkit
+import hal
 from hal.types import fmt_bytes
 
 log = logging.getLogger("graphkit.bench")
@@ -164,7 +165,8 @@ def run_sleep_bench(backend: str | None, device: int, sizes: list[int] | None, c
                 rate = row["bytes"] / row[key]
                 targets.append({"target": f"{what} with backup {fmt_bytes(row['bytes'])}: >= {BANDWIDTH_SHARE:.0%} "
                                           f"of the pinned {bw} bandwidth", "measured": rate,
-                                "limit": BANDWIDTH_SHARE * bandwidth[bw], "met": rate >= BANDWIDTH_SHARE * bandwidth[bw]})
+                                "limit": BANDWIDTH_SHARE * bandwidth[bw],
+                                "met": rate >= BANDWIDTH_SHARE * bandwidth[bw]})
         else:
             tms = next((r for r in rows if r["impl"] == "torch_memory_saver" and r["bytes"] == row["bytes"]
                         and not r["backup"]), None)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import hal
 
+Thunk = Callable[..., Any]
+"""What the timers call, always with no arguments. ``...`` rather than ``[]``: mypy cannot match a lambda that
+binds a loop value as a default (``lambda n=n: runner(**inputs[n])``) to ``Callable[[], Any]``."""
 
-def ms_per_call(backend: hal.Backend, fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
+
+def ms_per_call(backend: hal.Backend, fn: Thunk, iters: int, warmup: int = 3) -> float:
     """Mean milliseconds per ``fn()`` over ``iters`` calls, synchronising the device at both ends.
 
     Calls are issued back to back, as a decode loop issues them; the device
@@ -24,7 +29,7 @@ def ms_per_call(backend: hal.Backend, fn: Callable[[], Any], iters: int, warmup:
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
-def median_ms(backend: hal.Backend, fn: Callable[[], Any], iters: int, warmup: int = 1) -> float:
+def median_ms(backend: hal.Backend, fn: Thunk, iters: int, warmup: int = 1) -> float:
     """Median milliseconds of ``fn()`` over ``iters`` calls, each synchronised on both sides."""
     import statistics
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Iterator, Mapping
 
 import hal
 

@@ -12,7 +12,8 @@ They come with ``from hal.testing.suite import *`` like the vmm half.
 from __future__ import annotations
 
 import gc
-from typing import Any, ClassVar, Iterator
+from collections.abc import Iterator
+from typing import Any, ClassVar
 
 import pytest
 
@@ -130,7 +131,7 @@ class Segments:
             size, handle = self.live.pop(ptr)
             self.be.unmap(ptr, size)
             self.be.release_phy_mem_handle(handle)
-        except Exception as exc:  # a callback must never raise into the framework
+        except Exception as exc:  # noqa: BLE001 - a callback must never raise into the framework
             self.errors.append(f"free({ptr:#x}, {nbytes}): {type(exc).__name__}: {exc}")
 
     def holds(self, t: Any) -> bool:
@@ -500,7 +501,7 @@ class TestGraphLifecycle(_NeedsCapabilities):
     def test_close_releases_live_graphs_and_pools(self, hal_backend: hal.Backend) -> None:
         be = hal_backend
         pool = be.create_pool()
-        graph, y = captured(be, full(be, 1.0), pool)
+        _graph, y = captured(be, full(be, 1.0), pool)
         be.create_graph()  # never captured
         assert (be.live.graphs, be.live.pools) == (2, 1)
         del y

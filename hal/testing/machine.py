@@ -7,8 +7,9 @@ error the facade raises, and what every mapping must read back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings

@@ -82,7 +82,7 @@ def torch_access(be: Backend) -> tuple[TorchAccess | None, str]:
         return None, f"torch is not importable: {exc}"
     try:
         device = be.torch_device()
-    except Exception as exc:  # UnsupportedError, or the vendor's torch extension is missing
+    except Exception as exc:  # noqa: BLE001 - UnsupportedError, or the vendor's torch extension is missing
         return None, f"the backend has no torch device: {type(exc).__name__}: {exc}"
     if device is None or getattr(device, "type", None) not in ("cpu", "cuda"):
         return None, f"no generic way to build a tensor at a raw address on torch device {device!r}"

@@ -8,7 +8,8 @@ plugin's own repository can pin ``hal_backend_name``.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 

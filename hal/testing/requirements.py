@@ -14,8 +14,9 @@ suite, not the backend).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class Requirements:
         """Names of the fields (the keys ``--hal-option`` hands to the suite)."""
         return tuple(f.name for f in dataclasses.fields(cls))
 
-    def with_overrides(self, overrides: Mapping[str, Any], source: str) -> "Requirements":
+    def with_overrides(self, overrides: Mapping[str, Any], source: str) -> Requirements:
         """Return a copy with ``overrides`` applied; reject unknown keys and wrong types."""
         known = {f.name: f for f in dataclasses.fields(self)}
         values: dict[str, Any] = {}
@@ -48,7 +49,7 @@ class Requirements:
         return dataclasses.replace(self, **values)
 
     @classmethod
-    def for_plugin(cls, plugin: Any, overrides: Mapping[str, Any] | None = None) -> "Requirements":
+    def for_plugin(cls, plugin: Any, overrides: Mapping[str, Any] | None = None) -> Requirements:
         """The requirements a backend plugin declares (``hal_requirements``), then ``overrides``."""
         req = cls()
         declared = getattr(plugin, "hal_requirements", None)

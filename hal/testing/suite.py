@@ -20,13 +20,16 @@ skip, naming the capability, on backends that do not declare it.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import functools
+import itertools
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 import hal
 from hal.api import VMM_HOOKS
-from hal.testing.graph_suite import *  # noqa: F401,F403  (the graph half)
+from hal.testing.graph_suite import *  # noqa: F403  (the graph half)
 from hal.testing.graph_suite import __all__ as _GRAPH_TESTS
 from hal.testing.memory import MemoryAccess, memory_access, torch_access
 from hal.testing.requirements import Requirements
@@ -111,7 +114,7 @@ class TestReserveCreateMap:
     def test_reservations_do_not_overlap(self, hal_backend: hal.Backend) -> None:
         be, g = hal_backend, hal_backend.granularity
         ranges = sorted((be.create_vir_ptr(n * g), n * g) for n in (1, 3, 2))
-        for (lo, size), (next_lo, _) in zip(ranges, ranges[1:]):
+        for (lo, size), (next_lo, _) in itertools.pairwise(ranges):
             assert lo + size <= next_lo, "two live reservations overlap"
         for ptr, size in ranges:
             be.release_vir_ptr(ptr, size)
@@ -267,9 +270,9 @@ class TestErrors:
         be, g = hal_backend, hal_backend.granularity
         fn = getattr(be, call)
         for size in {g + 1, 2 * g - 1, g // 2} if g > 1 else ():
-            expect(be, hal.InvalidArgumentError, call, lambda: fn(size))
+            expect(be, hal.InvalidArgumentError, call, functools.partial(fn, size))
         for size in (0, -g):
-            expect(be, hal.InvalidArgumentError, call, lambda: fn(size))
+            expect(be, hal.InvalidArgumentError, call, functools.partial(fn, size))
         fn(g)  # a right size still works
 
     def test_map_size_must_equal_chunk_size(self, hal_backend: hal.Backend) -> None:

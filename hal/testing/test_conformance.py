@@ -1,3 +1,3 @@
 """Collected by ``python -m pytest --pyargs hal.testing --hal-backend NAME``."""
 
-from hal.testing.suite import *  # noqa: F401,F403
+from hal.testing.suite import *  # noqa: F403

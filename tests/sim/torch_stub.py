@@ -136,7 +136,7 @@ class _CudaStream:
 
         self.stub, self.device = stub, torch.device("cuda", index)
 
-    def wait_stream(self, other: "_CudaStream") -> None:
+    def wait_stream(self, other: _CudaStream) -> None:
         self.stub.calls.append(("wait_stream", self, other))
 
     def synchronize(self) -> None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, ClassVar
 
 import hal
 from hal.backends.fake import hostvm
@@ -49,7 +50,7 @@ class HostMemBackend:
     """
 
     #: What the conformance suite may assume (see ``hal.testing.Requirements``).
-    hal_requirements = {"host_accessible": True}
+    hal_requirements: ClassVar[dict[str, Any]] = {"host_accessible": True}
 
     def __init__(self, device: int = 0, *, granularity: int = 64 << 10, capacity: int = 1 << 30) -> None:
         if device != 0:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hal.testing.suite import *  # noqa: F401,F403
+from hal.testing.suite import *  # noqa: F403
 
 
 @pytest.fixture(scope="session")

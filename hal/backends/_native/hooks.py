@@ -7,7 +7,9 @@ A backend may run without its torch extension (VMM hooks only): then
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
 
 from hal.api import AllocFn, FreeFn, hookimpl
 from hal.backends._native.torch_glue import TorchGlue
@@ -75,7 +77,7 @@ class TorchHooks:
         return self._torch("current_stream").current_stream()
 
     @hookimpl
-    def use_stream(self, stream: Any) -> ContextManager[Any]:
+    def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
         return self._torch("use_stream").use_stream(stream)
 
     @hookimpl
@@ -101,11 +103,12 @@ class TorchHooks:
         return self._torch("create_graph").create_graph()
 
     @hookimpl
-    def capture(self, graph: Any, pool: Any, stream: Any, capture_error_mode: str | None) -> ContextManager[Any]:
+    def capture(self, graph: Any, pool: Any, stream: Any,
+                capture_error_mode: str | None) -> AbstractContextManager[Any]:
         return self._torch("capture").capture(graph, pool, stream, capture_error_mode)
 
     @hookimpl
-    def route_captures(self, router: Any) -> ContextManager[None]:
+    def route_captures(self, router: Any) -> AbstractContextManager[None]:
         return self._torch("route_captures").route_captures(router)
 
     @hookimpl

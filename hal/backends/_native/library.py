@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any, Callable, ClassVar, Generic, Mapping, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Generic, TypeVar
 
 from hal.errors import BackendUnavailableError, DeviceOutOfMemoryError, DriverError, HalError
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from hal.backends._native.library import NativeLibrary
 from hal.errors import BackendUnavailableError

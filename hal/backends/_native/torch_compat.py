@@ -21,8 +21,9 @@ attribute ``torch.<device>.graph.default_capture_stream``
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from hal.errors import UnsupportedError
 
@@ -145,7 +146,7 @@ def require(api: PrivateApi, device_type: str, modules: Mapping[str, Any], *, ba
 def torch_version(torch: Any) -> tuple[int, int]:
     """``(major, minor)`` of ``torch.__version__`` (``"2.13.0+cpu"`` -> ``(2, 13)``)."""
     major, minor = (int("".join(c for c in part if c.isdigit()) or 0)
-                    for part in (torch.__version__.split(".") + ["0"])[:2])
+                    for part in [*torch.__version__.split("."), "0"][:2])
     return major, minor
 
 

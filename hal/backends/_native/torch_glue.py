@@ -16,8 +16,10 @@ import contextlib
 import functools
 import importlib
 import logging
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ClassVar, ContextManager, Iterator
+from typing import Any, ClassVar
 
 from hal.api import AllocFn, FreeFn
 from hal.backends._native import torch_compat as compat
@@ -146,7 +148,7 @@ class TorchGlue:
 
     # -- devices and streams --------------------------------------------------------------
 
-    def on_device(self, device: int | None = None) -> ContextManager[Any]:
+    def on_device(self, device: int | None = None) -> AbstractContextManager[Any]:
         """``device`` (the glue's by default) made current for a block in a scoped namespace; otherwise
         nothing to do."""
         if not self.extension.scoped:
@@ -162,7 +164,7 @@ class TorchGlue:
     def current_stream(self) -> Any:
         return self.ns.current_stream(self.torch_device())
 
-    def use_stream(self, stream: Any) -> ContextManager[Any]:
+    def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
         return self.ns.stream(stream)  # also makes the stream's device current
 
     def synchronize(self, stream: Any) -> None:
@@ -242,7 +244,7 @@ class TorchGlue:
         with self.on_device():
             return getattr(self.ns, self.extension.graph_class)()
 
-    def route_captures(self, router: Any) -> ContextManager[None]:
+    def route_captures(self, router: Any) -> AbstractContextManager[None]:
         if self.routing is None:
             raise UnsupportedError(f"{self.extension.module}'s {self.extension.graph_class} has no "
                                    "capture_begin/capture_end to route", backend=self.backend, call="route_captures")
@@ -255,7 +257,7 @@ class TorchGlue:
             exc.add_note(f"hal {self.backend}: {reason}")
 
     def capture(self, graph: Any, pool: TorchPool | None, stream: Any,
-                capture_error_mode: str | None) -> ContextManager[Any]:
+                capture_error_mode: str | None) -> AbstractContextManager[Any]:
         """``torch.<device>.graph`` with GC off (the allocator callbacks run inside it) and the
         failures :meth:`capture_error` recognises turned into :class:`hal.CaptureError`."""
         return self._capture(graph, pool, stream, capture_error_mode)

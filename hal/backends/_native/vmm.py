@@ -10,7 +10,8 @@ nothing half-mapped; the access call's error is the one raised.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def map_with_access(map_chunk: Callable[[], Any], set_access: Callable[[], Any] | None,
@@ -35,5 +36,5 @@ def undo_map(unmap: Callable[[], Any], *, backend: str, ptr: int, why: str) -> N
     """Unmap after ``why``; a failure here is logged, since the first failure is the one to report."""
     try:
         unmap()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - logged; the first failure is the one raised
         logging.getLogger(f"hal.{backend}").error("%s: undoing the map at %#x after %s: %s", backend, ptr, why, exc)

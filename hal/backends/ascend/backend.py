@@ -6,7 +6,7 @@ import ctypes
 import functools
 import logging
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 from hal.api import hookimpl
 from hal.backends._native.hooks import TorchHooks
@@ -43,7 +43,7 @@ class AscendBackend(TorchHooks):
 
     #: device memory is not host-accessible; the conformance suite over a
     #: simulator overrides this with ``--hal-option host_accessible=true``
-    hal_requirements = {"host_accessible": False}
+    hal_requirements: ClassVar[dict[str, Any]] = {"host_accessible": False}
     backend_name = NAME
     torch_extension = locate.EXTENSION
 

@@ -6,7 +6,9 @@ import contextlib
 import itertools
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, ContextManager, Iterator
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from hal.api import hookimpl
 from hal.backends._native.hooks import TorchHooks
@@ -35,7 +37,7 @@ class CudaBackend(TorchHooks):
     """
 
     #: for :mod:`hal.testing`: mapped memory is device memory, reached through torch tensors
-    hal_requirements = {"host_accessible": False}
+    hal_requirements: ClassVar[dict[str, Any]] = {"host_accessible": False}
     backend_name = NAME
     torch_extension = "torch"
 
@@ -165,7 +167,7 @@ class CudaBackend(TorchHooks):
             return self.glue
 
     @hookimpl
-    def use_pool(self, pool: Any) -> ContextManager[None]:
+    def use_pool(self, pool: Any) -> AbstractContextManager[None]:
         return self._current_glue().use_pool(pool)
 
     @hookimpl

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from hal.backends.cuda.errors import NAME, check
 from hal.errors import InvalidArgumentError

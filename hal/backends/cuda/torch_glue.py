@@ -14,7 +14,8 @@ glue is created.
 from __future__ import annotations
 
 import logging
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
 
 from hal.backends._native import torch_compat as compat
 from hal.backends._native.torch_glue import TorchExtension, TorchGlue, TorchPool
@@ -72,7 +73,7 @@ class CudaGlue(TorchGlue):
     def release_device_pool(self, pool: TorchPool) -> None:
         self.ns.empty_cache()  # a handle-only pool's segments are freed with the device's cache
 
-    def use_pool(self, pool: TorchPool) -> ContextManager[None]:
+    def use_pool(self, pool: TorchPool) -> AbstractContextManager[None]:
         """The framework's allocations on this thread inside the block come from ``pool``'s MemPool."""
         if pool.mempool is None:
             raise UnsupportedError(f"{pool!r} is not a torch.cuda.MemPool", backend=NAME, call="use_pool")
@@ -82,8 +83,8 @@ class CudaGlue(TorchGlue):
         """A ``torch.uint8`` tensor over ``nbytes`` at ``ptr``; its storage keeps ``owner`` alive."""
 
         class _Memory:  # what torch.as_tensor reads; the tensor's storage keeps this object (and owner) alive
-            __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                        "version": 3, "strides": None}
+            __cuda_array_interface__: ClassVar[dict[str, Any]] = {
+                "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None}
 
         memory = _Memory()
         memory.owner = owner  # type: ignore[attr-defined]
@@ -95,7 +96,7 @@ class CudaGlue(TorchGlue):
         return graphs.CudaGraph(super().create_graph(), self.device)
 
     def capture(self, graph: graphs.CudaGraph, pool: TorchPool | None, stream: Any,
-                capture_error_mode: str | None) -> ContextManager[graphs.CudaGraph]:
+                capture_error_mode: str | None) -> AbstractContextManager[graphs.CudaGraph]:
         """:func:`hal.backends.cuda.graph.capture`, on a stream of this backend's own when given none."""
         if stream is None:
             if self._capture_stream is None:

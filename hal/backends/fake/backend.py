@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from typing import Any, ContextManager, Iterator
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any
 
 from hal.api import AllocFn, FreeFn, hookimpl
 from hal.backends.fake import hostvm
@@ -198,7 +200,7 @@ class FakeBackend:
         return _DEFAULT_STREAM
 
     @hookimpl
-    def use_stream(self, stream: Any) -> ContextManager[Any]:
+    def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
         return contextlib.nullcontext(stream)
 
     @hookimpl
@@ -214,7 +216,7 @@ class FakeBackend:
         return BlockPool(alloc, free, self._granularity, "fake custom pool")  # type: ignore[arg-type]
 
     @hookimpl
-    def use_pool(self, pool: Any) -> ContextManager[None]:
+    def use_pool(self, pool: Any) -> AbstractContextManager[None]:
         from hal.backends.fake.graph import Placer
 
         return Placer(pool)
@@ -244,7 +246,7 @@ class FakeBackend:
         return FakeGraph()
 
     @hookimpl
-    def capture(self, graph: Any, pool: Any, stream: Any, capture_error_mode: str) -> ContextManager[Any]:
+    def capture(self, graph: Any, pool: Any, stream: Any, capture_error_mode: str) -> AbstractContextManager[Any]:
         return self._capture(graph, pool)
 
     @contextlib.contextmanager
@@ -271,7 +273,7 @@ class FakeBackend:
             graph.on_release = watch_release(graph, route.on_release, reset_name=None)
 
     @hookimpl
-    def route_captures(self, router: Any) -> ContextManager[None]:
+    def route_captures(self, router: Any) -> AbstractContextManager[None]:
         return self._routing(router)
 
     @contextlib.contextmanager

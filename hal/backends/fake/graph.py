@@ -32,8 +32,9 @@ import functools
 import logging
 import threading
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -284,7 +285,7 @@ def _is_write(arg: Any) -> bool:
     return arg.alias_info is not None and arg.alias_info.is_write
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _out_variant(func: Any) -> tuple[Callable[..., Any], tuple[str, ...]] | None:
     """The ``out=`` overload of a functional op and its out argument names (one per return), or None.
 

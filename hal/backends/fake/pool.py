@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from hal.errors import DeviceOutOfMemoryError, InvalidStateError
 from hal.types import ALLOCATION_ALIGNMENT, fmt_bytes, round_up

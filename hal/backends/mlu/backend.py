@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 from hal.api import hookimpl
 from hal.backends._native.hooks import TorchHooks
@@ -44,7 +44,7 @@ class MluBackend(TorchHooks):
 
     #: device memory is not host-accessible; the conformance suite over a
     #: simulator overrides this with ``--hal-option host_accessible=true``
-    hal_requirements = {"host_accessible": False}
+    hal_requirements: ClassVar[dict[str, Any]] = {"host_accessible": False}
     backend_name = NAME
     torch_extension = locate.EXTENSION
 
