@@ -242,7 +242,10 @@ class MemorySaver:
             self._check_open("pause")
             released = 0
             self.backend.synchronize()
-            for tag in self._select(tags, "pause"):
+            selected = self._select(tags, "pause")
+            if GRAPHS in selected and GRAPHS not in self._paused:
+                _warn_nccl_graph_register()
+            for tag in selected:
                 if tag in self._paused:
                     continue
                 t0 = time.perf_counter()
@@ -395,3 +398,41 @@ class MemorySaver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _nccl_graph_register_hazard() -> str | None:
+    """Why sleeping graph memory may break NCCL collectives captured in graphs, or None.
+
+    With ``NCCL_GRAPH_REGISTER`` on (NCCL's default), a collective captured in
+    a graph registers its buffers by virtual address and keeps the physical
+    pages they had at capture; a resume maps other pages at that address.
+    """
+    import os
+
+    if os.environ.get("NCCL_GRAPH_REGISTER", "1") == "0":
+        return None
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        uses_nccl = "nccl" in str(dist.get_backend()).lower()
+    except (ImportError, RuntimeError, ValueError):
+        return None
+    if not uses_nccl:
+        return None
+    return ("pausing graph memory while torch.distributed uses NCCL with NCCL_GRAPH_REGISTER on: collectives "
+            "captured in these graphs may keep moving data through the pages released now; set "
+            "NCCL_GRAPH_REGISTER=0 before the graphs are captured (as vLLM does for its sleep mode)")
+
+
+_nccl_warned = False
+
+
+def _warn_nccl_graph_register() -> None:
+    """Log the NCCL graph-registration hazard once per process, where it applies."""
+    global _nccl_warned
+    why = None if _nccl_warned else _nccl_graph_register_hazard()
+    if why is not None:
+        _nccl_warned = True
+        log.warning("%s", why)

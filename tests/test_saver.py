@@ -282,3 +282,33 @@ def test_graph_memory_and_elastic_buffers_sleep_on_the_vendor_simulators(name: s
         saver.close()
         alloc.close()
     assert be.live.zero
+
+
+def test_pausing_graphs_under_nccl_with_graph_register_on_warns_once(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """The NCCL graph-registration hazard is named when it applies, and only then."""
+    import logging
+
+    import torch.distributed as dist
+
+    from graphkit import saver as saver_module
+
+    monkeypatch.setattr(saver_module, "_nccl_warned", False)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    be = hal.get_backend("fake", granularity=G)
+    saver = graphkit.MemorySaver(be)
+    pools = graphkit.GraphPools(be, saver=saver)
+    with caplog.at_level(logging.WARNING, logger="graphkit.saver"):
+        monkeypatch.setenv("NCCL_GRAPH_REGISTER", "0")
+        saver.pause()
+        saver.resume()
+        assert "NCCL_GRAPH_REGISTER" not in caplog.text  # turned off: no hazard
+        monkeypatch.delenv("NCCL_GRAPH_REGISTER")
+        for _ in range(2):
+            saver.pause()
+            saver.resume()
+    assert caplog.text.count("NCCL_GRAPH_REGISTER=0") == 1
+    pools.close()
+    saver.close()
+    be.close()
