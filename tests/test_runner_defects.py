@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -76,28 +77,37 @@ def test_strict_hygiene_releases_the_graph_it_rejects(be: hal.Backend, pool: str
     assert be.live.pools == 0
 
 
+def _call_until_closed(runner: graphkit.GraphRunner, step: Callable[[torch.Tensor], torch.Tensor],
+                       start: threading.Barrier, seed: int, rounds: int, batch: Callable[[int], int],
+                       errors: list[BaseException], wrong: list[int], calls: list[int] | None = None) -> None:
+    """One calling thread: compare each answer with ``step``; stop at the runner's close (a hal error)."""
+    gen = torch.Generator().manual_seed(seed)
+    start.wait()
+    for i in range(rounds):
+        x = torch.randn(batch(i), 32, generator=gen)
+        try:
+            y = runner(x=x)
+        except hal.InvalidStateError:
+            return
+        except BaseException as exc:  # noqa: BLE001 - anything else is a defect
+            errors.append(exc)
+            return
+        if calls is not None:
+            calls[0] += 1
+        if not torch.allclose(y, step(x), rtol=1e-4, atol=1e-4):
+            wrong.append(i)
+
+
 def test_close_racing_calls_gives_hal_errors_only(be: hal.Backend) -> None:
     w = torch.randn(32, 32)
     runner = graphkit.GraphRunner(lambda x: x @ w, sizes=[1, 2, 4, 8], backend=be, progress=False, on_demand=True)
     runner.capture(x=torch.zeros(8, 32))
     errors: list[BaseException] = []
-    wrong = []
+    wrong: list[int] = []
     start = threading.Barrier(5)
 
     def caller(seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        start.wait()
-        for i in range(200):
-            x = torch.randn(1 + i % 8, 32, generator=gen)
-            try:
-                y = runner(x=x)
-            except hal.InvalidStateError:
-                return
-            except BaseException as exc:  # noqa: BLE001 - anything else is a defect
-                errors.append(exc)
-                return
-            if not torch.allclose(y, x @ w, rtol=1e-4, atol=1e-4):
-                wrong.append(i)
+        _call_until_closed(runner, lambda x: x @ w, start, seed, 200, lambda i: 1 + i % 8, errors, wrong)
 
     threads = [threading.Thread(target=caller, args=(s,)) for s in range(4)]
     for t in threads:
@@ -128,20 +138,8 @@ def test_eight_threads_call_capture_and_release_while_close_arrives(be: hal.Back
     start = threading.Barrier(9)
 
     def caller(seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        start.wait()
-        for i in range(400):
-            x = torch.randn(1 + (i * 7 + seed) % 16, 32, generator=gen)
-            try:
-                y = runner(x=x)
-            except hal.InvalidStateError:
-                return
-            except BaseException as exc:  # noqa: BLE001 - anything else is a defect
-                errors.append(exc)
-                return
-            calls[0] += 1
-            if not torch.allclose(y, torch.tanh(x @ w), rtol=1e-4, atol=1e-4):
-                wrong.append(i)
+        _call_until_closed(runner, lambda x: torch.tanh(x @ w), start, seed, 400,
+                           lambda i: 1 + (i * 7 + seed) % 16, errors, wrong, calls)
 
     def releaser(seed: int) -> None:
         rng = random.Random(seed)

@@ -32,7 +32,6 @@ import json
 import math
 import statistics
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -43,7 +42,7 @@ import torch.nn.functional as F
 
 import graphkit
 import hal
-from graphkit.bench.elastic import CopyCounter
+from graphkit.bench.elastic import CopyCounter, device_empty
 from graphkit.capture import release_cached_memory
 from hal.registry import select_backend_name
 from hal.types import fmt_bytes, round_up
@@ -168,47 +167,6 @@ class Model:
 
 
 # -- device memory and copies ----------------------------------------------------------------------
-
-
-def _release_plain(be: hal.Backend, ptr: int, size: int, handle: Any) -> None:
-    if be.closed:
-        return
-    be.unmap(ptr, size)
-    be.release_phy_mem_handle(handle)
-    be.release_vir_ptr(ptr, size)
-
-
-class _Plain:
-    """Owner of one plain allocation; the allocation goes when the last tensor over it does."""
-
-
-def device_empty(be: hal.Backend, nbytes: int) -> torch.Tensor:
-    """``nbytes`` of uninitialised device memory as a ``uint8`` tensor: what a plain allocation costs.
-
-    On a device, ``torch.empty`` (the framework's caching allocator). Where the
-    framework's device is the CPU (``fake``), one driver allocation rounded to the
-    granularity, mapped at a range of its own, so that the fake device's used
-    memory counts it as a ``cudaMalloc`` would.
-    """
-    dev = be.torch_device()
-    if dev.type != "cpu":
-        return torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    size = round_up(max(nbytes, 1), be.granularity)
-    ptr = be.create_vir_ptr(size)
-    try:
-        handle = be.create_phy_mem_handle(size)
-    except BaseException:
-        be.release_vir_ptr(ptr, size)
-        raise
-    try:
-        be.map(ptr, size, handle)
-    except BaseException:
-        be.release_phy_mem_handle(handle)
-        be.release_vir_ptr(ptr, size)
-        raise
-    owner = _Plain()
-    weakref.finalize(owner, _release_plain, be, ptr, size, handle)
-    return be.tensor_at(ptr, nbytes, owner=owner)
 
 
 def _framework_idle(be: hal.Backend) -> int:

@@ -41,6 +41,7 @@ from torch.overrides import TorchFunctionMode
 import graphkit
 import hal
 from graphkit.bench.timing import Thunk
+from graphkit.capture import release_cached_memory
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.bench")
@@ -130,11 +131,9 @@ def device_empty(be: hal.Backend, nbytes: int) -> torch.Tensor:
 
 
 def _release_cached(be: hal.Backend) -> None:
+    """Collect what Python dropped, then give the framework's cached memory back to the device."""
     gc.collect()
-    module = getattr(torch, be.torch_device().type, None)
-    if be.torch_device().type != "cpu" and module is not None and hasattr(module, "empty_cache"):
-        be.synchronize()
-        module.empty_cache()
+    release_cached_memory(be)
 
 
 @contextmanager
