@@ -88,10 +88,6 @@ class CallbackPair:
         assert alloc and free
         return alloc, free
 
-    def _alloc(self, size: int, device: int, stream: Any) -> int:
-        with gc_disabled():
-            return self._alloc_body(size, device)
-
     def _alloc_body(self, size: int, device: int) -> int:
         try:
             fn = self.alloc
@@ -106,10 +102,6 @@ class CallbackPair:
             return ptr
         except BaseException as exc:  # noqa: BLE001 - nothing may escape into torch's C++
             return self._fail(size, f"{type(exc).__name__}: {exc}")
-
-    def _free(self, ptr: int | None, size: int, device: int, stream: Any) -> None:
-        with gc_disabled():
-            self._free_body(ptr, size)
 
     def _free_body(self, ptr: int | None, size: int) -> None:
         try:
