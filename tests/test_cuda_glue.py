@@ -123,6 +123,26 @@ def test_active_blocks_reads_one_pool_of_one_device() -> None:
 # -- map, then set access ----------------------------------------------------------------------------
 
 
+def _snapshot_that_drops_pool_id_references(mempool_id: tuple | None = None,
+                                             include_traces: bool = True) -> list[dict]:
+    """torch.cuda.memory_snapshot as torch 2.11 runs it: its C entry drops a reference to each pool id element."""
+    for part in (mempool_id or (0, 0))[:2]:
+        ctypes.pythonapi.Py_DecRef(ctypes.py_object(part))
+    return []
+
+
+def test_snapshots_leave_the_callers_pool_id_alone() -> None:
+    """Pool ids above 256 are heap integers: a snapshot must not free the caller's (an H100 soak crashed)."""
+    pool_id = (0, int("1000003"))
+    refs = sys.getrefcount(pool_id[1])
+    for _ in range(1000):
+        assert compat.memory_snapshot(_snapshot_that_drops_pool_id_references, pool_id) == []
+        assert compat.memory_snapshot(lambda mempool_id=None, include_traces=True: [], pool_id) == []
+    refs_after = sys.getrefcount(pool_id[1])
+    assert refs_after == refs
+    assert pool_id == (0, 1000003)
+
+
 def test_a_failed_access_call_unmaps_and_raises_its_own_error(caplog: pytest.LogCaptureFixture) -> None:
     done: list[str] = []
 

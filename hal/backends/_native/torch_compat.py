@@ -21,6 +21,8 @@ attribute ``torch.<device>.graph.default_capture_stream``
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -158,13 +160,41 @@ def memory_snapshot(snapshot: Callable[..., Iterable[dict]], pool_id: tuple) -> 
 
     Newer builds take ``mempool_id`` and ``include_traces`` (traces are slow
     and unused here); older ones neither, and return every segment.
+
+    torch's C entry behind it (``_cuda_memorySnapshot`` up to at least 2.11)
+    drops one reference to each element of the pool id it is given, which it
+    only borrowed (pytorch/pytorch#196366). Pool ids above 256 are heap
+    integers, so after a few snapshots the caller's pool id is freed while
+    still in use and the process crashes later, far from the cause. The pool
+    id is therefore passed as private copies, and whatever references the
+    call took from them are given back before they can be freed.
     """
-    for kwargs in ({"mempool_id": pool_id, "include_traces": False}, {"mempool_id": pool_id}):
-        try:
-            return list(snapshot(**kwargs))
-        except TypeError:
-            continue
-    return list(snapshot())
+    ids = tuple(int(str(int(part))) for part in pool_id)  # new objects, referenced here alone
+    spare = list(ids) * 3  # references the call may take (one per attempt) without freeing the copies
+    before = _refcounts(ids)
+    try:
+        for kwargs in ({"mempool_id": ids, "include_traces": False}, {"mempool_id": ids}):
+            try:
+                return list(snapshot(**kwargs))
+            except TypeError:
+                continue
+        return list(snapshot())
+    finally:
+        _give_back_references(ids, before)
+        del spare
+
+
+def _refcounts(values: tuple) -> list[int]:
+    """Reference counts of ``values``' elements, each read the same way (no temporaries)."""
+    return [sys.getrefcount(values[i]) for i in range(len(values))]
+
+
+def _give_back_references(values: tuple, before: list[int]) -> None:
+    """Add back the references a call took from ``values``' elements without owning them."""
+    after = _refcounts(values)
+    for i in range(len(values)):
+        for _ in range(before[i] - after[i]):
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(values[i]))
 
 
 def active_blocks(segments: Iterable[dict], pool_id: tuple | None = None,
