@@ -144,18 +144,20 @@ def run_engine_bench(workload: str, config: str, sizes: list[int], strategies: l
     from tqdm.auto import tqdm
 
     cases = [(s, o, i) for s in strategies for o in orders for i in range(runs)]
-    results = []
+    results: list[dict] = []
+    out = {"command": command, "workload": workload, "config": config, "sizes": sizes, "runs": runs,
+           "isolated": isolate, "results": results}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"bench-{workload}.json"
     for strategy, order, i in tqdm(cases, desc=f"bench {workload}", unit="case", disable=not progress):
         args = [workload, strategy, order, ",".join(map(str, sizes)), backend or "", str(device), config,
                 str(seed + i), str(iters)]
         results.append(run_isolated(args) if isolate else
                        run_one(workload, strategy, order, sizes, backend, device, config, seed + i, iters))
+        path.write_text(json.dumps({**out, "partial": True}, indent=1))  # an interrupted run keeps its cases
     rows = summarise(results)
     targets = check_targets(rows)
-    out = {"command": command, "workload": workload, "config": config, "sizes": sizes, "runs": runs,
-           "isolated": isolate, "results": results, "summary": rows, "targets": targets}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"bench-{workload}.json"
+    out.update(summary=rows, targets=targets)
     path.write_text(json.dumps(out, indent=1))
     print(table(rows))
     for t in targets:
