@@ -242,8 +242,8 @@ class Engine:
         with be.use_stream(self.capture_stream):  # lazily made state is born outside the capture
             self.forward(**inputs)
         be.synchronize(self.capture_stream)
+        t0 = time.perf_counter()  # getting the pool counts: graph_memory makes its space inside the capture
         pool = self._pool_for(bs)
-        t0 = time.perf_counter()
         if self.use_torch_api:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=self.capture_stream):

@@ -392,10 +392,10 @@ def _run_case(be: hal.Backend, strategy: str, order: str, sizes: list[int], plan
             for _ in range(2):
                 dec.step(n)
         be.synchronize(stream)
+        t0 = time.perf_counter()  # getting the pool counts: graph_memory makes its space inside the capture
         pool = (own_pool if own_pool is not None
                 else pools.pool(n) if pools is not None and strategy == "graph_pools" else None)
         graph = be.create_graph()
-        t0 = time.perf_counter()
         try:
             with gc_disabled(), torch.no_grad(), be.capture(graph, pool=pool, stream=stream):
                 out = dec.step(n)
