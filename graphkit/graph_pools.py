@@ -119,11 +119,14 @@ class PoolsReport:
     reserved_bytes: int = 0  # address space of the live spaces
     arena_bytes: int = 0  # address space reserved from the driver
     device_bytes: int | None = None  # device memory used now beyond the start, driver-measured
+    map_calls: int = 0  # map calls made so far (each maps one chunk into one space)
+    map_seconds: float = 0.0  # wall time those map calls took
 
     def __str__(self) -> str:
         lines = [f"graph pools on {self.backend} ({self.kind}): {len(self.keys)} key(s), "
                  f"{fmt_bytes(self.chunk_bytes)} of chunks, {fmt_bytes(self.reserved_bytes)} of spaces"
-                 + (f", device memory +{fmt_bytes(self.device_bytes)}" if self.device_bytes is not None else "")]
+                 + (f", device memory +{fmt_bytes(self.device_bytes)}" if self.device_bytes is not None else "")
+                 + (f", {self.map_calls} map calls in {self.map_seconds * 1e3:.1f} ms" if self.map_calls else "")]
         for k in self.keys:
             lines.append(f"  {k.key!r:>16}  used {fmt_bytes(k.used_bytes):>10}  mapped {fmt_bytes(k.mapped_bytes):>10}"
                          f"  graphs {k.graphs}")
@@ -421,7 +424,8 @@ class GraphPools:
             report = PoolsReport(self.backend.name, self.kind, keys,
                                  alloc.physical_bytes if alloc else 0, alloc.reserved_bytes if alloc else 0,
                                  alloc.arena_reserved_bytes if alloc else 0,
-                                 self.backend.mem_info().used - self._used_at_start)
+                                 self.backend.mem_info().used - self._used_at_start,
+                                 alloc.map_calls if alloc else 0, alloc.map_seconds if alloc else 0.0)
         return report
 
     # -- teardown -------------------------------------------------------------------------

@@ -157,7 +157,8 @@ def run_engine_case(strategy: str, order: str, sizes: list[int], backend: hal.Ba
                 seconds = engine.capture_graphs(sizes, order, seed)
         wall = time.perf_counter() - t0
         memory = _used(be) - before
-        chunk_bytes = pools.report().chunk_bytes if pools is not None else None
+        report = pools.report() if pools is not None else None
+        chunk_bytes = report.chunk_bytes if report is not None else None
         timed = sorted({1, max(sizes)})
         replay_ms = {str(n): median_ms(be, lambda n=n: engine.step(_rows(batch, n)), iters) for n in timed}
         eager_ms = {str(n): median_ms(be, lambda n=n: engine.eager_step(_rows(batch, n)), iters) for n in timed}
@@ -168,6 +169,8 @@ def run_engine_case(strategy: str, order: str, sizes: list[int], backend: hal.Ba
         raise errors[0]
     return {"strategy": strategy, "order": order, "sizes": sizes, "config": config,
             "graph_memory_bytes": memory, "chunk_bytes": chunk_bytes, "capture_seconds": seconds,
+            "map_calls": report.map_calls if report is not None else None,
+            "map_seconds": report.map_seconds if report is not None else None,
             "capture_wall_seconds": wall, "replay_ms": replay_ms, "eager_ms": eager_ms,
             "replay_ms_1": replay_ms["1"], "replay_ms_max": replay_ms[str(max(sizes))],
             "max_abs_error": error, "tokens_equal": tokens_equal}

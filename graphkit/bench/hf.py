@@ -438,7 +438,8 @@ def _run_case(be: hal.Backend, strategy: str, order: str, sizes: list[int], plan
         if pools is not None:
             report = pools.report()
             result.update(chunk_bytes=report.chunk_bytes, reserved_bytes=report.reserved_bytes,
-                          spaces=len(report.keys), graphs_per_space=sorted({k.graphs for k in report.keys}))
+                          spaces=len(report.keys), graphs_per_space=sorted({k.graphs for k in report.keys}),
+                          map_calls=report.map_calls, map_seconds=report.map_seconds)
         else:
             result["chunk_bytes"] = 0
         for n in sizes:
