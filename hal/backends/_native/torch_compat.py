@@ -169,7 +169,7 @@ def memory_snapshot(snapshot: Callable[..., Iterable[dict]], pool_id: tuple) -> 
     id is therefore passed as private copies, and whatever references the
     call took from them are given back before they can be freed.
     """
-    ids = tuple(int(str(int(part))) for part in pool_id)  # new objects, referenced here alone
+    ids = tuple(_private_copy(part) for part in pool_id)
     spare = list(ids) * 3  # references the call may take (one per attempt) without freeing the copies
     before = _refcounts(ids)
     try:
@@ -182,6 +182,13 @@ def memory_snapshot(snapshot: Callable[..., Iterable[dict]], pool_id: tuple) -> 
     finally:
         _give_back_references(ids, before)
         del spare
+
+
+def _private_copy(part: Any) -> Any:
+    """A new integer equal to ``part``, referenced by the caller alone (other values as they are)."""
+    if isinstance(part, int) and not isinstance(part, bool):
+        return int(str(int(part)))
+    return part
 
 
 def _refcounts(values: tuple) -> list[int]:
