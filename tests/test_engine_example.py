@@ -4,6 +4,7 @@ the scope gives each capture its own space at the cost of the largest, and every
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -182,3 +183,23 @@ def test_the_framework_capture_api_is_intercepted_on_cuda(backend_name: str, mod
         assert_matches_eager(engine, 3)
         assert_matches_eager(engine, 8)
         teardown(be, engine, pools)
+
+
+def test_an_interrupted_bench_keeps_the_cases_it_measured(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from graphkit.bench import engines
+
+    done: list[str] = []
+
+    def one_case(workload: str, strategy: str, *args: object) -> dict:
+        if done:
+            raise KeyboardInterrupt  # the second case never finishes
+        done.append(strategy)
+        return {"strategy": strategy, "order": "descending"}
+
+    monkeypatch.setattr(engines, "run_one", one_case)
+    with pytest.raises(KeyboardInterrupt):
+        engines.run_engine_bench("engine", "tiny", [1, 2], ["own-kept", "graph_memory"], ["descending"], runs=1,
+                                 backend="fake", device=0, seed=0, iters=1, isolate=False, out_dir=tmp_path,
+                                 command="test", progress=False)
+    saved = json.loads((tmp_path / "bench-engine.json").read_text())
+    assert saved["partial"] is True and saved["results"] == [{"strategy": "own-kept", "order": "descending"}]

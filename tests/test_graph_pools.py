@@ -72,6 +72,7 @@ def test_each_capture_in_the_scope_gets_its_own_space_over_shared_chunks(be: hal
     assert report.chunk_bytes == max(k.mapped_bytes for k in report.keys)  # N captures cost the largest one
     # every space maps what it uses: at least one map call per space, counted with its time
     assert report.map_calls == pools.allocator.stats().map_calls >= len(SIZES) and report.map_seconds > 0
+    assert f"{report.map_calls} map calls in" in str(report)
     be.release_pool(engine_pool)
     replays_match(be, step, graphs)
     for graph, _, _ in graphs.values():

@@ -22,6 +22,14 @@ def _rss() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def _sample(be: hal.Backend) -> tuple[int, int]:
+    """Device memory in use and host RSS, after everything that can be given back was."""
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return be.mem_info().used, _rss()
+
+
 @pytest.fixture
 def be():
     backend = hal.get_backend("cuda")
@@ -53,10 +61,7 @@ def test_a_thousand_capture_replay_release_cycles_grow_nothing(be: hal.Backend) 
         del graph, out
         pools.release(i)
         if i in (99, CYCLES - 1):  # after a warm first hundred, and at the end
-            torch.cuda.synchronize()
-            gc.collect()
-            torch.cuda.empty_cache()
-            samples.append((be.mem_info().used, _rss()))
+            samples.append(_sample(be))
     (dev0, rss0), (dev1, rss1) = samples
     assert dev1 - dev0 <= 4 * MIB, f"device memory grew by {(dev1 - dev0) / MIB:.1f} MiB over {CYCLES - 100} cycles"
     assert rss1 - rss0 <= 32 * MIB, f"host RSS grew by {(rss1 - rss0) / MIB:.1f} MiB over {CYCLES - 100} cycles"
@@ -73,16 +78,13 @@ def test_a_thousand_runner_cycles_grow_nothing(be: hal.Backend) -> None:
                                   on_demand=True)
     runner.capture(x=torch.zeros(16, 256, device="cuda"))
     samples: list[tuple[int, int]] = []
-    cycles = CYCLES  # every on-demand capture snapshots its pool: pool ids pass 256 (see torch_compat.memory_snapshot)
-    for i in range(cycles):
+    # every on-demand capture snapshots its pool: pool ids pass 256 (see torch_compat.memory_snapshot)
+    for i in range(CYCLES):
         x = torch.randn(1 + i % 16, 256, device="cuda")
         torch.testing.assert_close(runner(x=x), torch.tanh(x @ w))
         runner.release_size(runner.bucket_for(x.shape[0]))
-        if i in (99, cycles - 1):
-            torch.cuda.synchronize()
-            gc.collect()
-            torch.cuda.empty_cache()
-            samples.append((be.mem_info().used, _rss()))
+        if i in (99, CYCLES - 1):
+            samples.append(_sample(be))
     (dev0, rss0), (dev1, rss1) = samples
     assert dev1 - dev0 <= 4 * MIB, f"device memory grew by {(dev1 - dev0) / MIB:.1f} MiB"
     assert rss1 - rss0 <= 32 * MIB, f"host RSS grew by {(rss1 - rss0) / MIB:.1f} MiB"
