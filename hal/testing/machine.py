@@ -176,4 +176,10 @@ class VMMMachine(RuleBasedStateMachine):
 def run_vmm_machine(open_backend: Callable[[], hal.Backend], access: MemoryAccess | None,
                     run_settings: settings = SETTINGS) -> None:
     """Run :class:`VMMMachine` against fresh backends from ``open_backend``."""
-    run_state_machine_as_test(lambda: VMMMachine(open_backend, access), settings=run_settings)
+
+    class BoundVMMMachine(VMMMachine):
+        # hypothesis types its argument as a machine class: bind the arguments in a subclass, not a lambda
+        def __init__(self) -> None:
+            super().__init__(open_backend, access)
+
+    run_state_machine_as_test(BoundVMMMachine, settings=run_settings)
