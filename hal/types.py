@@ -56,6 +56,27 @@ class Mapping:
     handle: object
 
 
+@dataclass(frozen=True)
+class GraphAddresses:
+    """The device memory one captured graph's replay reads or writes, as the graph itself says.
+
+    ``spans`` are ``(address, nbytes)``; a backend that finds pointers but not
+    the sizes behind them (arguments of device kernels) reports ``nbytes=1``.
+    ``nodes`` counts what was inspected (ops of a recording, nodes of a device
+    graph); ``missed`` what could not be read (a kernel whose argument layout
+    is unknown): the answer is complete when it is 0.
+    """
+
+    spans: tuple[tuple[int, int], ...]
+    nodes: int = 0
+    missed: int = 0
+    seconds: float = 0.0  # time the backend spent reading the graph
+
+    @property
+    def complete(self) -> bool:
+        return self.missed == 0
+
+
 def _nothing(*_: Any) -> None:
     return None
 
@@ -71,17 +92,26 @@ class Route:
     exactly once when the graph is destroyed: reset or released
     (``collected=False``) or garbage-collected (``collected=True``: the
     callback runs inside the garbage collector and must only take note).
+
+    ``on_end(True)`` may refuse the graph by raising a :class:`hal.HalError`
+    (graphkit does when the graph reads memory it must not): the backend
+    then releases the graph, as after a failed capture, lets the error
+    through, and never calls ``on_release``. With ``inspect`` set, a backend
+    with ``"graph_addresses"`` records the graph's addresses before it calls
+    ``on_end(True)``, so the router can ask for them there.
     """
 
     pool: Any
     on_end: Callable[[bool], None] = field(default=_nothing)
     on_release: Callable[[bool], None] = field(default=_nothing)
+    inspect: bool = False
 
 
-#: ``router(graph, requested_pool) -> Route``: chooses the pool of a capture that is starting.
+#: ``router(graph, requested_pool) -> Route | None``: chooses the pool of a capture that is starting,
+#: or passes it on (None) to the next router out; a capture no router takes runs as the caller asked.
 #: ``graph`` is the framework's graph object (``torch.cuda.CUDAGraph``...) or the backend's;
 #: ``requested_pool`` is whatever the caller passed (None, a pool id, a backend pool).
-CaptureRouter = Callable[[Any, Any], Route]
+CaptureRouter = Callable[[Any, Any], "Route | None"]
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -111,10 +111,10 @@ class GraphClassRouting:
                 if not self._routers:
                     self._unpatch()
 
-    def router_for(self, device: int) -> CaptureRouter | None:
+    def routers_for(self, device: int) -> list[CaptureRouter]:
+        """The active routers of ``device``, innermost first."""
         with self._lock:
-            stack = self._routers.get(device)
-            return stack[-1] if stack else None
+            return list(reversed(self._routers.get(device, ())))
 
     def _patch(self) -> None:
         cls: Any = self.graph_class  # a framework's graph class: routable() checked its two methods; patched here
@@ -159,16 +159,13 @@ class GraphClassRouting:
     # -- one capture ------------------------------------------------------------
 
     def begin(self, graph: Any, requested_pool: Any, device: int) -> Any | None:
-        """Ask the router of ``device`` for the capture's pool; None when no router is active.
+        """Ask the routers of ``device`` for the capture's pool; None when none routes it.
 
         The route is kept on the graph until :meth:`end`.
         """
-        router = self.router_for(device)
-        if router is None:
+        route = choose_route(self.routers_for(device), graph, requested_pool)
+        if route is None:
             return None
-        route = router(graph, requested_pool)
-        if not isinstance(route, Route):
-            raise TypeError(f"a capture router must return a hal.types.Route, not {type(route).__name__}")
         setattr(graph, _ROUTE, route)
         return route.pool
 
@@ -180,6 +177,18 @@ class GraphClassRouting:
         route.on_end(ok)
         if ok:
             watch_release(graph, route.on_release)
+
+
+def choose_route(routers: list[CaptureRouter], graph: Any, requested_pool: Any) -> Route | None:
+    """The route of the innermost router that takes the capture (a router returns None to pass it on)."""
+    for router in routers:
+        route = router(graph, requested_pool)
+        if route is None:
+            continue
+        if not isinstance(route, Route):
+            raise TypeError(f"a capture router must return a hal.types.Route or None, not {type(route).__name__}")
+        return route
+    return None
 
 
 _by_class: dict[type, GraphClassRouting] = {}

@@ -12,7 +12,7 @@ from typing import Any
 from hal.api import AllocFn, FreeFn, hookimpl
 from hal.backends.fake import hostvm
 from hal.errors import DeviceOutOfMemoryError, DriverError, InvalidArgumentError
-from hal.types import MemInfo, fmt_bytes
+from hal.types import GraphAddresses, MemInfo, fmt_bytes
 
 NAME = "fake"
 
@@ -183,7 +183,7 @@ class FakeBackend:
 
     @hookimpl
     def capabilities(self) -> frozenset[str]:
-        return frozenset({"graphs", "custom_pool", "capture_routing", "use_pool"})
+        return frozenset({"graphs", "custom_pool", "capture_routing", "use_pool", "graph_addresses"})
 
     @hookimpl
     def torch_device(self) -> Any:
@@ -251,11 +251,11 @@ class FakeBackend:
 
     @contextlib.contextmanager
     def _capture(self, graph: Any, pool: Any) -> Iterator[Any]:
-        from hal.backends._native.routing import watch_release
+        from hal.backends._native.routing import choose_route, watch_release
         from hal.backends.fake import graph as tape
         from hal.backends.fake.pool import BlockPool
 
-        route = self._routers[-1](graph, pool) if self._routers and not graph.captured else None
+        route = choose_route(list(reversed(self._routers)), graph, pool) if not graph.captured else None
         if route is not None:
             pool = route.pool
         if pool is None:
@@ -269,8 +269,16 @@ class FakeBackend:
                 route.on_end(False)
             raise
         if route is not None:
-            route.on_end(True)
+            try:
+                route.on_end(True)  # the tape knows its addresses: nothing to record first
+            except BaseException:
+                graph.release()  # refused by the router: empty, as after a failed capture
+                raise
             graph.on_release = watch_release(graph, route.on_release, reset_name=None)
+
+    @hookimpl
+    def graph_addresses(self, graph: Any) -> GraphAddresses:
+        return graph.addresses()
 
     @hookimpl
     def route_captures(self, router: Any) -> AbstractContextManager[None]:

@@ -31,6 +31,7 @@ import ctypes
 import functools
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from hal.backends.fake.pool import BlockPool
 from hal.errors import CaptureError, InvalidStateError
+from hal.types import GraphAddresses
 
 aten = torch.ops.aten
 log = logging.getLogger("hal.fake")
@@ -111,6 +113,16 @@ class FakeGraph:
     def _replay(self) -> None:
         for fn, args, kwargs in self.program:
             fn(*args, **kwargs)
+
+    def addresses(self) -> GraphAddresses:
+        """Every byte span a replay reads or writes: the storage of each tensor on the tape."""
+        if not self.captured or self.released:
+            raise InvalidStateError("graph_addresses of a graph that is not captured", backend="fake",
+                                    call="graph_addresses")
+        start = time.perf_counter()
+        spans = {(s.data_ptr(), s.nbytes()) for s in
+                 (t.untyped_storage() for t in self.tensors if t is not None and t.numel())}
+        return GraphAddresses(tuple(sorted(spans)), nodes=len(self.ops), seconds=time.perf_counter() - start)
 
     def release(self) -> None:
         self.program.clear()
