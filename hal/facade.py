@@ -455,7 +455,7 @@ class Backend:
             raise self._err(InvalidArgumentError, "route_captures", f"router={router!r} must be callable")
         self._refuse_without("capture_routing", "route_captures", "this backend cannot route the framework's captures")
 
-        def noted(graph: Any, requested_pool: Any) -> Route:
+        def noted(graph: Any, requested_pool: Any) -> Route | None:
             route = router(graph, requested_pool)
             stack = self._capturing()
             if stack and isinstance(route, Route):  # a capture through this facade: replay checks this pool
@@ -559,8 +559,13 @@ class _ByIdentity:
 
     def put(self, obj: Any, value: Any) -> None:
         key = id(obj)
+        items = self._items
+
+        def forget(_: object) -> None:
+            items.pop(key, None)
+
         try:
-            ref: Callable[[], Any] = weakref.ref(obj, lambda _, k=key: self._items.pop(k, None))
+            ref: Callable[[], Any] = weakref.ref(obj, forget)
         except TypeError:  # not weakly referable: held until popped
             ref = functools.partial(_same, obj)
         with self._lock:
