@@ -120,10 +120,13 @@ def warm_up(backend: hal.Backend, fn: Callable[..., Any], inputs: dict[str, Any]
 
 def capture(backend: hal.Backend, fn: Callable[..., Any], inputs: dict[str, Any], lease: Lease,
             stream: Any, *, capture_error_mode: str | None = None, what: str = "capture",
-            strict_hygiene: bool = False) -> Captured:
+            strict_hygiene: bool = False, verify: Callable[[Any], None] | None = None) -> Captured:
     """Capture ``fn(**inputs)`` into a new graph drawing from ``lease``'s pool.
 
-    The graph is released again if the capture fails.
+    :param verify: called with the captured graph (recorded with
+        ``inspect=True``); it raises to refuse the graph.
+
+    The graph is released again if the capture fails or is refused.
     """
     before = active_blocks(backend, lease)
     graph = backend.create_graph()
@@ -131,9 +134,11 @@ def capture(backend: hal.Backend, fn: Callable[..., Any], inputs: dict[str, Any]
     try:
         with gc_disabled(), torch.no_grad():
             with backend.capture(graph, pool=lease.pool, stream=stream,
-                                 capture_error_mode=capture_error_mode):
+                                 capture_error_mode=capture_error_mode, inspect=verify is not None):
                 outputs = fn(**inputs)
         backend.synchronize(stream)
+        if verify is not None:
+            verify(graph)
     except BaseException as exc:
         # the traceback keeps the finished frames of fn alive, and with them the tensors it made
         # inside the capture: free them now, while their pool and its memory still exist, rather

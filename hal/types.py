@@ -95,8 +95,8 @@ class Route:
 
     ``on_end(True)`` may refuse the graph by raising a :class:`hal.HalError`
     (graphkit does when the graph reads memory it must not): the backend
-    then releases the graph, as after a failed capture, lets the error
-    through, and never calls ``on_release``. With ``inspect`` set, a backend
+    then empties the graph, as after a failed capture (its caller releases
+    it as usual), lets the error through, and never calls ``on_release``. With ``inspect`` set, a backend
     with ``"graph_addresses"`` records the graph's addresses before it calls
     ``on_end(True)``, so the router can ask for them there.
     """

@@ -272,7 +272,7 @@ class FakeBackend:
             try:
                 route.on_end(True)  # the tape knows its addresses: nothing to record first
             except BaseException:
-                graph.release()  # refused by the router: empty, as after a failed capture
+                graph.discard()  # refused by the router: empty, as after a failed capture
                 raise
             graph.on_release = watch_release(graph, route.on_release, reset_name=None)
 

@@ -124,6 +124,14 @@ class FakeGraph:
                  (t.untyped_storage() for t in self.tensors if t is not None and t.numel())}
         return GraphAddresses(tuple(sorted(spans)), nodes=len(self.ops), seconds=time.perf_counter() - start)
 
+    def discard(self) -> None:
+        """Forget a capture that was refused after it ended: the graph is empty again, as after a failed one."""
+        self.program.clear()
+        self.ops.clear()
+        self.entries.clear()
+        self.tensors.clear()
+        self.captured = False
+
     def release(self) -> None:
         self.program.clear()
         self.ops.clear()
