@@ -103,7 +103,7 @@ def check(backend: hal.Backend, found: GraphAddresses, spaces: Mapping[int, Virt
         f"the graph of key {key!r} uses memory that another capture allocated and left alive: "
         f"{'; '.join(parts)}. Keys share physical memory, so those bytes are overwritten by this graph's "
         f"own intermediates before it reads them, and replay gives wrong results. {fix}. The graph was "
-        "released; the pools stay usable", backend=backend.name, call="capture")
+        "refused (its capture undone); the pools stay usable", backend=backend.name, call="capture")
 
 
 def readable(backend: hal.Backend, logged: list[bool]) -> bool:

@@ -185,6 +185,51 @@ def test_the_framework_capture_api_is_intercepted_on_cuda(backend_name: str, mod
         teardown(be, engine, pools)
 
 
+def piecewise_pair(be: hal.Backend, use_torch_api: bool = False) -> None:
+    """Piecewise capture in the scope: refused without a group, equal to eager with the one group line."""
+    engine = engine_decode.Engine(be, "tiny", max_batch=MAX_BATCH, max_model_len=32, pieces=2,
+                                  use_torch_api=use_torch_api)
+    with graphkit.graph_memory(be) as pools:
+        with pytest.raises(graphkit.IsolationError, match=r"pools\.group\(key\)") as info:
+            engine.capture_graphs(SIZES)
+    assert "('capture', 2)" in str(info.value) and "('capture', 1)" in str(info.value)
+    del info  # its traceback holds the first piece's output
+    teardown(be, engine, pools, last=False)
+
+    engine = engine_decode.Engine(be, "tiny", max_batch=MAX_BATCH, max_model_len=32, pieces=2,
+                                  use_torch_api=use_torch_api)
+    with graphkit.graph_memory(be) as pools:
+        engine.group = pools.group  # the one line: the pieces of one batch in one space
+        engine.capture_graphs(SIZES)
+    assert sorted(pools.keys) == SIZES and all(k.graphs == 2 for k in pools.report().keys)
+    assert pools.report().verified_graphs == 2 * len(SIZES)
+    assert_matches_eager(engine, 3)
+    assert_matches_eager(engine, 8)
+    teardown(be, engine, pools)
+
+
+def test_piecewise_graphs_fail_loudly_without_a_group_and_match_eager_with_one(be: hal.Backend) -> None:
+    piecewise_pair(be)
+
+
+def test_piecewise_without_verification_replays_wrong_results(be: hal.Backend) -> None:
+    """What the check prevents: the same loop with verify=False replays garbage, silently."""
+    engine = engine_decode.Engine(be, "tiny", max_batch=MAX_BATCH, max_model_len=32, pieces=2)
+    with graphkit.graph_memory(be, verify=False) as pools:
+        engine.capture_graphs([8])
+    batch = prompts(8, engine.cfg.vocab)
+    got, want = engine.generate(batch, 2), engine.generate(batch, 2, use_graphs=False)
+    assert max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits, strict=True)) > 1e-2
+    teardown(be, engine, pools)
+
+
+@pytest.mark.parametrize("use_torch_api", [False, True], ids=["hal-capture", "torch.cuda.graph"])
+@pytest.mark.parametrize("backend_name", [pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)])
+def test_piecewise_pair_on_cuda(backend_name: str, use_torch_api: bool) -> None:
+    with backend(backend_name) as be:
+        piecewise_pair(be, use_torch_api=use_torch_api)
+
+
 def test_an_interrupted_bench_keeps_the_cases_it_measured(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from graphkit.bench import engines
 

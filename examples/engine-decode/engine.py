@@ -17,17 +17,28 @@ shared pool, and the outputs kept. Adopting graphkit takes no change
 (``with graphkit.graph_memory(be): engine.capture_graphs(sizes)``) or one
 (``Engine(..., pools=graphkit.GraphPools(be))``: ``pool=pools.pool(bs)``).
 
+``pieces=N`` captures each batch as N graphs over consecutive layers, as
+vLLM's and SGLang's piecewise modes do: each piece reads the residual stream
+that the previous piece's graph left in its own memory. Inside
+``graph_memory`` the pieces of one batch must share one space: give the
+engine ``group=pools.group`` (the one line), or graphkit refuses the second
+piece's capture (``graphkit.IsolationError``) instead of letting it replay
+wrong results.
+
     python examples/engine-decode/engine.py --backend fake --mode {own,scope,pools} --order descending
+    python examples/engine-decode/engine.py --backend fake --mode scope --pieces 2 [--group]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -108,12 +119,17 @@ class Engine:
     :param keep_outputs: ``"strong"`` keeps every graph's output tensor (nano-vllm, SGLang);
         ``"weak"`` keeps a non-owning alias (vLLM), so later captures may reuse its memory.
     :param use_torch_api: capture with ``torch.cuda.CUDAGraph`` / ``torch.cuda.graph`` directly (CUDA only).
+    :param pieces: 0 captures one graph per batch size; ``N`` captures N graphs over consecutive layers,
+        each reading the previous one's output (the residual stream) directly.
+    :param group: around the capture of one batch's pieces, ``group(bs)`` (``pools.group`` inside
+        ``graphkit.graph_memory``: the pieces share one space).
     """
 
     def __init__(self, backend: hal.Backend, config: str | ModelConfig = "tiny", *, max_batch: int = 16,
                  max_model_len: int = 64, block_size: int = 16, seed: int = 0,
                  pools: graphkit.GraphPools | None = None, keep_outputs: Literal["strong", "weak"] = "strong",
-                 use_torch_api: bool = False) -> None:
+                 use_torch_api: bool = False, pieces: int = 0,
+                 group: Callable[[int], AbstractContextManager[Any]] | None = None) -> None:
         self.backend = be = backend
         self.cfg = cfg = CONFIGS[config] if isinstance(config, str) else config
         self.device = be.torch_device()
@@ -124,6 +140,12 @@ class Engine:
             raise hal.InvalidArgumentError(f"keep_outputs={keep_outputs!r} must be strong or weak", call="Engine")
         self.max_batch, self.max_model_len, self.block_size = max_batch, max_model_len, block_size
         self.pools, self.keep_outputs, self.use_torch_api = pools, keep_outputs, use_torch_api
+        if not isinstance(pieces, int) or not 0 <= pieces <= cfg.layers:
+            raise hal.InvalidArgumentError(f"pieces={pieces!r} must be an int in 0..{cfg.layers} (the layers)",
+                                           call="Engine")
+        self.pieces, self.group = pieces, group
+        # piece k runs layers bounds[k]..bounds[k+1]
+        self.bounds = [round(k * cfg.layers / max(pieces, 1)) for k in range(max(pieces, 1) + 1)]
         self._init_weights(seed)
         # paged KV cache: every sequence can hold max_model_len tokens; the last block is the scratch
         # block that padded rows read and write, so they never touch a live sequence
@@ -141,8 +163,9 @@ class Engine:
         self.buffers = DecodeBatch(**{name: torch.full(shapes.get(name, (max_batch,)), value, dtype=torch.long,
                                                        device=self.device) for name, value in self.padding.items()})
         self.capture_stream = be.create_stream()
-        self.graphs: dict[int, Any] = {}
+        self.graphs: dict[int, Any] = {}  # one graph per batch size, or the list of its pieces' graphs
         self.graph_outputs: dict[int, torch.Tensor] = {}
+        self.piece_outputs: dict[int, list[torch.Tensor]] = {}  # what each piece hands the next one
         self.capture_seconds: dict[int, float] = {}
         self.graph_pool: Any = None  # the engine's own shared pool, created at the first capture
 
@@ -192,11 +215,31 @@ class Engine:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 context_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
         """One decode step: write each sequence's new k/v into its slot, return the logits ``[n, vocab]``."""
+        h = self._layers(F.embedding(input_ids, self.embed), 0, self.cfg.layers, positions, slot_mapping,
+                         context_lens, block_tables)
+        return self._head(h)
+
+    def forward_piece(self, k: int, h: torch.Tensor | None, input_ids: torch.Tensor, positions: torch.Tensor,
+                      slot_mapping: torch.Tensor, context_lens: torch.Tensor,
+                      block_tables: torch.Tensor) -> torch.Tensor:
+        """Piece ``k`` of the step: its layers over the residual stream ``h`` (the embedding for piece 0);
+        the last piece returns the logits."""
+        if k == 0:
+            h = F.embedding(input_ids, self.embed)
+        assert h is not None
+        h = self._layers(h, self.bounds[k], self.bounds[k + 1], positions, slot_mapping, context_lens, block_tables)
+        return self._head(h) if k == len(self.bounds) - 2 else h
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.rms_norm(h, (self.cfg.hidden,), self.norm, self.cfg.eps), self.embed)
+
+    def _layers(self, h: torch.Tensor, start: int, stop: int, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                context_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        n = input_ids.shape[0]
+        n = h.shape[0]
         q_size, kv_size = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        h = F.embedding(input_ids, self.embed)
-        for i, p in enumerate(self.layers):
+        for i in range(start, stop):
+            p = self.layers[i]
             x = F.rms_norm(h, (cfg.hidden,), p["input_norm"], cfg.eps)
             q, k, v = F.linear(x, p["qkv"]).split([q_size, kv_size, kv_size], dim=-1)
             q = F.rms_norm(q.view(n, cfg.heads, cfg.head_dim), (cfg.head_dim,), p["q_norm"], cfg.eps)
@@ -209,7 +252,7 @@ class Engine:
             x = F.rms_norm(h, (cfg.hidden,), p["post_norm"], cfg.eps)
             gate, up = F.linear(x, p["gate_up"]).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, p["down"])
-        return F.linear(F.rms_norm(h, (cfg.hidden,), self.norm, cfg.eps), self.embed)
+        return h
 
     # -- capture ---------------------------------------------------------------------------
 
@@ -243,25 +286,40 @@ class Engine:
             self.forward(**inputs)
         be.synchronize(self.capture_stream)
         t0 = time.perf_counter()  # getting the pool counts: graph_memory makes its space inside the capture
-        pool = self._pool_for(bs)
-        if self.use_torch_api:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=self.capture_stream):
-                out = self.forward(**inputs)
+        if self.pieces:
+            graphs: list[Any] = []
+            self.graphs[bs], self.piece_outputs[bs] = graphs, []
+            with self.group(bs) if self.group is not None else contextlib.nullcontext():
+                h = None
+                for k in range(self.pieces):
+                    graph, h = self._capture_one(bs, lambda h=h, k=k: self.forward_piece(k, h, **inputs))
+                    graphs.append(graph)
+                    self.piece_outputs[bs].append(h)
+            out = h
         else:
-            graph = be.create_graph()
-            try:
-                with be.capture(graph, pool=pool, stream=self.capture_stream):
-                    out = self.forward(**inputs)
-            except BaseException:
-                be.release_graph(graph)
-                raise
+            self.graphs[bs], out = self._capture_one(bs, lambda: self.forward(**inputs))
         be.synchronize()
         seconds = self.capture_seconds[bs] = time.perf_counter() - t0
-        self.graphs[bs] = graph
         self.graph_outputs[bs] = weak_alias(out) if self.keep_outputs == "weak" else out
         log.debug("captured batch %d in %.3f s", bs, seconds)
         return seconds
+
+    def _capture_one(self, bs: int, run: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """One graph of batch ``bs``: ``run()`` captured into the engine's pool (or graphkit's)."""
+        be, pool = self.backend, self._pool_for(bs)
+        if self.use_torch_api:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=self.capture_stream):
+                out = run()
+            return graph, out
+        graph = be.create_graph()
+        try:
+            with be.capture(graph, pool=pool, stream=self.capture_stream):
+                out = run()
+        except BaseException:
+            be.release_graph(graph)
+            raise
+        return graph, out
 
     def capture_graphs(self, sizes: Sequence[int], order: Order = "descending", seed: int = 0) -> float:
         """Capture every size of ``sizes`` in ``order``; return the total capture seconds."""
@@ -277,7 +335,8 @@ class Engine:
         """Drop every graph and output, then the engine's own pool."""
         self.backend.synchronize()
         self.graph_outputs.clear()
-        for graph in self.graphs.values():
+        self.piece_outputs.clear()
+        for graph in self._each_graph():
             graph.reset() if self.use_torch_api else self.backend.release_graph(graph)
         self.graphs.clear()
         if self.graph_pool is not None:
@@ -287,6 +346,9 @@ class Engine:
     def close(self) -> None:
         """Release what the engine holds on the device through hal (graphs, its pool); idempotent."""
         self.reset_graphs()
+
+    def _each_graph(self) -> list[Any]:
+        return [g for value in self.graphs.values() for g in (value if isinstance(value, list) else [value])]
 
     # -- decoding --------------------------------------------------------------------------
 
@@ -315,8 +377,9 @@ class Engine:
             buf[n:bs].fill_(self.padding[name])
         if not replay:
             return self.forward(**self._static(bs))[:n]
-        graph = self.graphs[bs]
-        graph.replay() if self.use_torch_api else self.backend.replay(graph)
+        value = self.graphs[bs]
+        for graph in value if isinstance(value, list) else [value]:
+            graph.replay() if self.use_torch_api else self.backend.replay(graph)
         return self.graph_outputs[bs][:n]
 
     def block_tables_for(self, n: int, tokens: int, seed: int = 0) -> torch.Tensor:
@@ -398,6 +461,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", default=None, help="comma-separated batch sizes to capture")
     parser.add_argument("--keep-outputs", choices=("strong", "weak"), default="strong")
     parser.add_argument("--torch-api", action="store_true", help="capture with torch.cuda.graph (CUDA only)")
+    parser.add_argument("--pieces", type=int, default=0,
+                        help="capture each batch as this many graphs over consecutive layers (0: one graph)")
+    parser.add_argument("--group", action="store_true",
+                        help="with --mode scope and --pieces: capture the pieces of a batch in pools.group(bs)")
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -417,13 +484,15 @@ def _run(be: hal.Backend, args: argparse.Namespace) -> int:
     config = args.config or ("reference" if be.torch_device().type == "cuda" else "tiny")
     default_sizes = [1, 2, 4, *range(8, 257, 8)] if config == "reference" else [1, 2, 4, 8, 16]
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else default_sizes
-    pools = graphkit.GraphPools(be) if args.mode == "pools" else None
+    pools = graphkit.GraphPools(be) if args.mode in ("pools", "scope") else None
     engine = Engine(be, config, max_batch=max(sizes), max_model_len=128 if config == "reference" else 64,
-                    pools=pools, keep_outputs=args.keep_outputs, use_torch_api=args.torch_api)
+                    pools=pools if args.mode == "pools" else None, keep_outputs=args.keep_outputs,
+                    use_torch_api=args.torch_api, pieces=args.pieces,
+                    group=pools.group if args.group and pools is not None else None)
     try:
         before = _used(be)
         if args.mode == "scope":
-            with graphkit.graph_memory(be) as pools:  # no line of the engine changes
+            with graphkit.graph_memory(be, pools=pools):  # no line of the engine changes
                 seconds = engine.capture_graphs(sizes, args.order)
         else:
             seconds = engine.capture_graphs(sizes, args.order)
