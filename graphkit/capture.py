@@ -13,11 +13,13 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -57,6 +59,31 @@ def weak_alias(t: Any) -> Any:
     storage = torch._C._construct_storage_from_data_pointer(
         t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes())
     return torch.empty((), dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
+
+
+#: where torch.compile's CUDA graph trees capture: they manage one pool of their own and check it
+GRAPH_TREES_MODULE = "torch._inductor.cudagraph_trees"
+#: make_graphed_callables: forward and backward graphs share one pool (backward reads forward's memory)
+GRAPHED_CALLABLES = ("torch.cuda.graphs", frozenset({"make_graphed_callables", "_make_graphed_callables"}))
+
+
+def framework_capturer(depth: int = 48) -> str | None:
+    """Which part of torch started the capture now beginning, when it is one that needs its own pool logic.
+
+    ``"graph_trees"`` (torch.compile ``mode="reduce-overhead"``),
+    ``"graphed_callables"`` (``torch.cuda.make_graphed_callables``) or None.
+    Read from the calling frames: cheap, and needs no change in torch.
+    """
+    frame: FrameType | None = sys._getframe(1)
+    module, names = GRAPHED_CALLABLES
+    while frame is not None and depth:
+        name = frame.f_globals.get("__name__")
+        if name == GRAPH_TREES_MODULE:
+            return "graph_trees"
+        if name == module and frame.f_code.co_name in names:
+            return "graphed_callables"
+        frame, depth = frame.f_back, depth - 1
+    return None
 
 
 def tensors_of(tree: Any) -> list[torch.Tensor]:

@@ -32,7 +32,7 @@ from typing import Any, Literal
 import hal
 from graphkit import isolation
 from graphkit.allocator import SharedVMMAllocator
-from graphkit.capture import CaptureHygieneError, leftover_blocks, report_leftovers
+from graphkit.capture import CaptureHygieneError, framework_capturer, leftover_blocks, report_leftovers
 from graphkit.isolation import IsolationError
 from graphkit.pools import Lease
 from hal.types import Route, fmt_bytes
@@ -215,6 +215,7 @@ class GraphPools:
         self.verify_stats = isolation.VerifyStats()
         self._verifying = bool(verify) and self.allocator is not None and isolation.readable(be, [])
         self._watching: contextlib.ExitStack | None = None  # sees captures into pools.pool(key) handles
+        self._trees_logged = False
         self._finalizer = weakref.finalize(self, _abandoned, be.name, self._entries)
 
     # -- keys -----------------------------------------------------------------------
@@ -355,15 +356,32 @@ class GraphPools:
             stack = self._groups.stack = []
         return stack
 
-    def route(self, graph: Any, requested_pool: Any) -> Route:
-        """The router :func:`graph_memory` installs: a fresh space per capture, or the current group's."""
+    def route(self, graph: Any, requested_pool: Any) -> Route | None:
+        """The router :func:`graph_memory` installs: a fresh space per capture, or the current group's.
+
+        Two captures of torch's own are special: torch.compile's CUDA graph
+        trees keep one pool of their own and check it, so their captures are
+        left to torch (logged once); the forward and backward graphs of one
+        ``torch.cuda.make_graphed_callables`` call share one space, as they
+        share one pool without graphkit (backward reads forward's memory).
+        """
+        capturer = framework_capturer() if not isinstance(requested_pool, PoolHandle) else None
+        if capturer == "graph_trees":
+            if not self._trees_logged:
+                self._trees_logged = True
+                log.info("a capture of torch.compile's CUDA graph trees (mode='reduce-overhead'): left to torch, "
+                         "which keeps one pool of its own for them and checks it; graph_memory routes the others")
+            return None
         with self._lock:
             self._check_open("graph_memory")
             self._settle()
             stack = self._group_stack()
-            grouped = bool(stack)
-            if grouped:
+            grouped = bool(stack) or capturer == "graphed_callables"
+            if stack:
                 entry = self._entries.get(stack[-1]) or self._new_entry(stack[-1], auto=False)
+            elif capturer == "graphed_callables":  # one key per call: the pool id it made for its graphs
+                key = ("make_graphed_callables", _pool_ident(requested_pool))
+                entry = self._entries.get(key) or self._new_entry(key, auto=True)
             else:
                 entry = self._new_entry(("capture", next(self._auto)), auto=True)
             entry.graphs += 1
@@ -569,6 +587,13 @@ class GraphPools:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._entries)} key(s)"
         return f"<graphkit.GraphPools {self.backend.name} {self.kind} {state}>"
+
+
+def _pool_ident(pool: Any) -> Any:
+    """A hashable name of the pool a caller passed (a framework pool id, or the object's identity)."""
+    if isinstance(pool, tuple):
+        return tuple(pool)
+    return id(pool) if pool is not None else None
 
 
 def _watcher(ref: weakref.ref[GraphPools]) -> Callable[[Any, Any], Route | None]:

@@ -228,3 +228,57 @@ def test_replaying_a_graph_whose_memory_sleeps_raises(be: hal.Backend) -> None:
         be.release_graph(graph)
     pools.close()
     saver.close()
+
+
+def _as_if_from(module: str, name: str, body):
+    """``body`` called from a function named ``name`` of module ``module`` (how torch's own callers look)."""
+    namespace: dict = {"__name__": module, "body": body}
+    exec(f"def {name}(*args):\n    return body(*args)\n", namespace)
+    return namespace[name]
+
+
+def test_graph_tree_captures_are_left_to_torch(be: hal.Backend, caplog: pytest.LogCaptureFixture) -> None:
+    first, _ = pieces()
+    own_pool = be.create_pool()
+    trees_capture = _as_if_from("torch._inductor.cudagraph_trees", "_record", lambda x: capture(be, first, x,
+                                                                                                 pool=own_pool))
+    with caplog.at_level(logging.INFO, logger="graphkit.graph_pools"), graphkit.graph_memory(be) as pools:
+        g1, out1 = trees_capture(torch.zeros(4, 256))
+        g2, out2 = trees_capture(torch.zeros(2, 256))
+    assert pools.keys == [] and be.pool_active_blocks(own_pool) != []  # torch's own pool, not graphkit's
+    assert sum("graph trees" in r.getMessage() for r in caplog.records) == 1
+    for g in (g1, g2):
+        be.release_graph(g)
+    del out1, out2
+    gc.collect()
+    be.release_pool(own_pool)
+    pools.close()
+
+
+def test_the_graphs_of_one_make_graphed_callables_call_share_a_space(be: hal.Backend) -> None:
+    first, second = pieces()
+    call_pools = []
+
+    def forward_then_backward(x):
+        call_pool = be.create_pool()  # the pool id one make_graphed_callables call makes for its graphs
+        call_pools.append(call_pool)
+        g_fwd, h = capture(be, first, x, pool=call_pool)
+        g_bwd, out = capture(be, second, h, pool=call_pool)  # reads forward's memory, as backward does
+        return [g_fwd, g_bwd], h, out
+
+    graphed = _as_if_from("torch.cuda.graphs", "make_graphed_callables", forward_then_backward)
+    x = torch.zeros(4, 256)
+    with graphkit.graph_memory(be) as pools:
+        graphs, h, out = graphed(x)
+        other, h2, out2 = graphed(torch.zeros(2, 256))  # another call: another space
+    assert len(pools.keys) == 2 and all(k[0] == "make_graphed_callables" for k in pools.keys)
+    x.copy_(torch.randn(4, 256))
+    for g in graphs:
+        be.replay(g)
+    torch.testing.assert_close(out, second(first(x)))
+    for g in graphs + other:
+        be.release_graph(g)
+    del h, out, h2, out2
+    pools.close()
+    for pool in call_pools:
+        be.release_pool(pool)
