@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 from hal.api import AllocFn, FreeFn
 from hal.backends._native import torch_compat as compat
-from hal.backends._native.callbacks import CallbackPair, new_pair
+from hal.backends._native.callbacks import CallbackPair, keep_forever, new_pair
 from hal.backends._native.routing import GraphClassRouting, routable, routing_for
 from hal.errors import CaptureError, InvalidStateError, UnsupportedError
 from hal.gcguard import gc_disabled
@@ -190,6 +190,7 @@ class TorchGlue:
             raise UnsupportedError(problem, backend=self.backend, call="create_pool")
         pair = new_pair(alloc, free, device=self.device, backend=self.backend)
         pair.torch_allocator = self.require(compat.CUSTOM_ALLOCATOR, "create_pool")(*pair.addresses)
+        keep_forever(pair.torch_allocator)  # torch's pools point at it until the process ends
         with self.on_device():
             mempool = self.require(compat.MEM_POOL, "create_pool")(pair.torch_allocator)
         return TorchPool(id=tuple(mempool.id), device=self.device, backend=self.backend, mempool=mempool,
