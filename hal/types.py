@@ -63,8 +63,8 @@ class GraphAddresses:
     ``spans`` are ``(address, nbytes)``; a backend that finds pointers but not
     the sizes behind them (arguments of device kernels) reports ``nbytes=1``.
     ``nodes`` counts what was inspected (ops of a recording, nodes of a device
-    graph); ``missed`` what could not be read (a kernel whose argument layout
-    is unknown): the answer is complete when it is 0.
+    graph); ``missed`` how many of those could not be read (a kernel whose
+    argument layout is unknown): the answer is complete when it is 0.
     """
 
     spans: tuple[tuple[int, int], ...]

@@ -165,6 +165,8 @@ def test_engine_case_of_the_bench(be: hal.Backend, strategy: str, order: str) ->
     assert (result["replay_ms_1"], result["replay_ms_max"]) == (result["replay_ms"]["1"], result["replay_ms"]["8"])
     if strategy == "graph_memory":
         assert result["chunk_bytes"] == result["graph_memory_bytes"]  # on fake, the chunks are all it adds
+        assert result["verified_graphs"] == 4 and result["inspected_nodes"] > 0 and result["missed_nodes"] == 0
+        assert 0 < result["verify_seconds"] < result["capture_seconds"]
     else:
         assert result["chunk_bytes"] is None
     assert be.live.zero, be.live

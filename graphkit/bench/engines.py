@@ -96,6 +96,11 @@ def summarise(results: list[dict]) -> list[dict]:
             "capture_seconds": median_of(runs, "capture_seconds"),
             "map_calls": median_of(runs, "map_calls"),
             "map_seconds": median_of(runs, "map_seconds"),
+            "verify_seconds": median_of(runs, "verify_seconds"),
+            "verify_share": median_of([{"v": r["verify_seconds"] / r["capture_seconds"]} for r in runs
+                                       if r.get("verify_seconds") is not None and r.get("capture_seconds")], "v"),
+            "inspected_nodes": median_of(runs, "inspected_nodes"),
+            "missed_nodes": median_of(runs, "missed_nodes"),
             "replay_ms_1": median_of(runs, "replay_ms_1"),
             "replay_ms_max": median_of(runs, "replay_ms_max"),
             "max_abs_error": max((r.get("max_abs_error") or 0.0) for r in runs),
@@ -130,13 +135,18 @@ def check_targets(rows: list[dict]) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = [(f"{'strategy':<14}{'order':<12}{'graph memory':>14}{'chunks':>12}{'capture s':>11}{'map ms':>8}"
-              f"{'replay ms @1':>14}{'@max':>9}  correct")]
+              f"{'verify':>8}{'nodes':>8}{'replay ms @1':>14}{'@max':>9}  correct")]
     for r in rows:
         chunks = fmt_bytes(r["chunk_bytes"]) if r["chunk_bytes"] is not None else "-"
         map_ms = f"{r['map_seconds'] * 1e3:.1f}" if r.get("map_seconds") is not None else "-"
+        verify = f"{r['verify_share'] * 100:.1f}%" if r.get("verify_share") is not None else "-"
+        nodes = "-"
+        if r.get("inspected_nodes"):
+            missed = r.get("missed_nodes") or 0
+            nodes = f"{100 * (1 - missed / r['inspected_nodes']):.0f}%" if missed else f"{r['inspected_nodes']:.0f}"
         lines.append(f"{r['strategy']:<14}{r['order']:<12}{fmt_bytes(r['graph_memory_bytes']):>14}{chunks:>12}"
-                     f"{r['capture_seconds']:>11.3f}{map_ms:>8}{r['replay_ms_1']:>14.3f}{r['replay_ms_max']:>9.3f}  "
-                     f"{'yes' if r['correct'] else 'NO'}")
+                     f"{r['capture_seconds']:>11.3f}{map_ms:>8}{verify:>8}{nodes:>8}{r['replay_ms_1']:>14.3f}"
+                     f"{r['replay_ms_max']:>9.3f}  {'yes' if r['correct'] else 'NO'}")
     return "\n".join(lines)
 
 
