@@ -303,6 +303,8 @@ class ExtensionGlue(TorchGlue):
 
     #: the allocator config variables the extension reads, in the order it reads them
     alloc_conf_vars: ClassVar[tuple[str, ...]]
+    #: added to the reason a routed capability is on (what is known about that routing)
+    routed_note: ClassVar[str] = ""
 
     def __init__(self, device: int, ext: Any = None) -> None:
         super().__init__(device, ext)
@@ -357,7 +359,7 @@ class ExtensionGlue(TorchGlue):
         reasons = {"graphs": f"{graph_api} {'are there' if 'graphs' in caps else 'are missing'}"}
         for cap in ROUTED_CAPABILITIES:
             if cap in caps:
-                reasons[cap] = "the pool's allocator takes its segments in this build"
+                reasons[cap] = f"{self.extension_version} gives a pool's segments to its allocator{self.routed_note}"
             elif problem is not None:
                 reasons[cap] = problem
             elif cap == "capture_routing":

@@ -67,6 +67,8 @@ class MluGlue(ExtensionGlue):
                       "torch-mlu 1.27 and later do): pools over allocator callbacks are not possible; "
                       "use a shared pool")
     alloc_conf_vars = ("PYTORCH_MLU_ALLOC_CONF",)
+    routed_note = (" (the sources of the builds with MemPool are not public: that a capture with "
+                   "pool=MemPool.id takes the pool's allocator is not confirmed)")
 
     def capture_error(self, exc: BaseException) -> CaptureError | None:
         """CNRT's queue-capture errors become a :class:`hal.CaptureError`."""
