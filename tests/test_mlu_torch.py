@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import sys
@@ -11,8 +12,8 @@ import pytest
 
 import hal
 from hal.backends._native.callbacks import ALLOC_FN, FREE_FN, KEEP_ALIVE
-from hal.backends.mlu import locate, torch_glue
-from tests.sim import compiler_reason, home, simulated_backend
+from hal.backends.mlu import MluBackend, locate, torch_glue
+from tests.sim import compiler_reason, home, private_copy, simulated_backend
 from tests.sim.torch_stub import extension_stub, generation
 
 needs_gcc = pytest.mark.skipif(compiler_reason() is not None, reason=str(compiler_reason()))
@@ -254,3 +255,24 @@ def test_vmm_chunks_are_device_memory_on_an_mlu(mlu: hal.Backend) -> None:
     mlu.unmap(va, 2 * g)
     mlu.release_phy_mem_handle(h)
     mlu.release_vir_ptr(va, 2 * g)
+
+
+@needs_gcc
+def test_the_context_torch_mlu_binds_is_the_one_the_backend_uses(monkeypatch: pytest.MonkeyPatch) -> None:
+    stub = generation("torch_mlu 1.24")
+    monkeypatch.setitem(sys.modules, "torch_mlu", stub)
+    bound: list[int] = []
+
+    def set_device(device: int) -> None:  # as torch_mlu does: the device's context becomes current
+        cndrv = locate.open_library(library_path[0])
+        cndrv.init_once()  # torch_mlu initialises the driver itself
+        dev, ctx = ctypes.c_uint64(), ctypes.c_void_p()
+        cndrv.call("t", "cnDeviceGet", ctypes.byref(dev), device)
+        cndrv.call("t", "cnCtxCreate", ctypes.byref(ctx), 0, dev.value)
+        bound.append(int(ctx.value or 0))
+
+    library_path = [str(private_copy("mlu"))]
+    stub.mlu.set_device = set_device
+    plugin = MluBackend(library=library_path[0], use_torch=True)
+    assert not plugin.made_context and plugin.library.current_context("t") == bound[-1]
+    plugin.mem_info()
