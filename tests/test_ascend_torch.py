@@ -394,7 +394,7 @@ def test_capture_into_a_pool_of_vmm_chunks_on_an_npu(npu: hal.Backend) -> None:
     import torch
 
     if not npu.supports("custom_pool"):
-        pytest.skip("this torch_npu has no MemPool")
+        pytest.skip("this torch_npu gives no pool's segments to a custom allocator (see python -m hal)")
     g, segments = npu.granularity, {}
 
     def alloc(n: int) -> int:
