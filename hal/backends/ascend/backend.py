@@ -7,14 +7,14 @@ import logging
 import os
 import threading
 from contextlib import AbstractContextManager
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from hal.api import hookimpl
 from hal.backends._native import torch_compat as compat
 from hal.backends._native.hooks import TorchHooks, extension_report
 from hal.backends._native.torch_glue import ExtensionGlue, TorchGlue
 from hal.backends.ascend import lib, locate
-from hal.errors import InvalidArgumentError, UnsupportedError
+from hal.errors import InvalidArgumentError
 from hal.types import MemInfo
 
 log = logging.getLogger("hal.ascend")
@@ -60,6 +60,7 @@ class AscendBackend(TorchHooks):
     def __init__(self, device: int = 0, *, library: str | None = None, use_torch: bool | None = None,
                  reserve_flags: int | None = None) -> None:
         self.device = device
+        override = self._reserve_flags_override(reserve_flags)  # a bad value fails before anything is opened
         self.library = locate.open_library(library)
         self.glue = self._open_glue(use_torch, locate.extension_installed, lambda: _npu_glue(device))
         if self.glue is None:
@@ -67,7 +68,10 @@ class AscendBackend(TorchHooks):
         self._thread = threading.local()  # ACL binds a device per thread: aclrtSetDevice once in each
         self._prop = lib.physical_prop(device)
         self.cann_version = self.library.cann_version()
-        self.reserve_flags, self.reserve_flags_from = self._choose_reserve_flags(reserve_flags)
+        cann = compat.version_tuple(self.cann_version) if self.cann_version else None
+        self.reserve_flags, self.reserve_flags_from = override or (
+            lib.reserve_flags_for(cann),
+            f"CANN {self.cann_version}" if self.cann_version else "an unknown CANN version (before CANN 9)")
         self._granularity = {rec: self._query_granularity(rec) for rec in (False, True)}
         log.debug("%s: device %d over %s (CANN %s, reserve flags %d from %s, torch_npu: %s)", NAME, device,
                   self.library.path, self.cann_version or "unknown", self.reserve_flags, self.reserve_flags_from,
@@ -77,16 +81,15 @@ class AscendBackend(TorchHooks):
     def probe(cls) -> str | None:
         return locate.probe_reason()
 
-    def _choose_reserve_flags(self, option: int | None) -> tuple[int, str]:
-        """``(flags, where they come from)``: the option, else the variable, else the CANN version."""
+    @staticmethod
+    def _reserve_flags_override(option: int | None) -> tuple[int, str] | None:
+        """``(flags, where they come from)`` from the option, else the variable; None when neither is set."""
         if option is not None:
             source, raw = "the reserve_flags option", str(option)
         elif os.environ.get(ENV_RESERVE_FLAGS, "").strip():
             source, raw = f"${ENV_RESERVE_FLAGS}", os.environ[ENV_RESERVE_FLAGS].strip()
         else:
-            cann = self.cann_version
-            return (lib.reserve_flags_for(compat.version_tuple(cann) if cann else None),
-                    f"CANN {cann}" if cann else "an unknown CANN version (before CANN 9)")
+            return None
         if raw not in ("0", "1"):
             raise InvalidArgumentError(f"reserve_flags: {source} is {raw!r}; aclrtReserveMemAddress takes 0 "
                                        "(normal pages, or reserved on CANN 9) or 1 (huge pages)",
@@ -168,10 +171,7 @@ class AscendBackend(TorchHooks):
 
     @hookimpl
     def use_pool(self, pool: Any) -> AbstractContextManager[None]:
-        glue = self._torch("use_pool")
-        if not isinstance(glue, ExtensionGlue):
-            raise UnsupportedError("this glue cannot direct allocations to a pool", backend=NAME, call="use_pool")
-        return glue.use_pool(pool)
+        return cast(ExtensionGlue, self._torch("use_pool")).use_pool(pool)
 
     @hookimpl
     def shutdown(self) -> bool:

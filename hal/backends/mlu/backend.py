@@ -7,14 +7,13 @@ import functools
 import logging
 import threading
 from contextlib import AbstractContextManager
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from hal.api import hookimpl
 from hal.backends._native.hooks import TorchHooks, extension_report
 from hal.backends._native.torch_glue import ExtensionGlue, TorchGlue
 from hal.backends._native.vmm import map_with_access
 from hal.backends.mlu import lib, locate
-from hal.errors import UnsupportedError
 from hal.types import MemInfo
 
 log = logging.getLogger("hal.mlu")
@@ -161,10 +160,7 @@ class MluBackend(TorchHooks):
 
     @hookimpl
     def use_pool(self, pool: Any) -> AbstractContextManager[None]:
-        glue = self._torch("use_pool")
-        if not isinstance(glue, ExtensionGlue):
-            raise UnsupportedError("this glue cannot direct allocations to a pool", backend=NAME, call="use_pool")
-        return glue.use_pool(pool)
+        return cast(ExtensionGlue, self._torch("use_pool")).use_pool(pool)
 
     @hookimpl
     def shutdown(self) -> bool:
