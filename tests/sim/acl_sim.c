@@ -2,7 +2,7 @@
  * acl_sim.c -- a host-memory simulator of the VMM part of libascendcl (acl_rt.h).
  *
  * Exports the prototypes, struct layouts and enum values of the Ascend runtime
- * (see VENDOR_APIS.md) and enforces their documented rules:
+ * (acl_rt.h) and enforces the rules its documentation gives:
  *
  *   - the CANN version (ACL_SIM_CANN_VERSION, default "8.3.RC1"; "" makes
  *     aclsysGetCANNVersion fail) decides what is valid, as the CANN docs of

@@ -2,7 +2,7 @@
  * cndrv_sim.c -- a host-memory simulator of the VMM part of libcndrv (cn_api.h).
  *
  * Exports the prototypes, struct layouts and enum values of Cambricon CNDrv
- * (see VENDOR_APIS.md) and enforces their documented rules:
+ * (cn_api.h) and enforces the rules its documentation gives:
  *
  *   - cnInit(0) before anything else (CN_ERROR_NOT_INITIALIZED otherwise);
  *   - cnMemGetInfo and the VMM calls need a context current on the calling
