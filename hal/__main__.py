@@ -31,6 +31,17 @@ def env_backend_error() -> str | None:
     return None
 
 
+def print_capability_report(be: hal.Backend, indent: str) -> None:
+    """The torch extension a backend found and why each capability is on or off, where the backend says."""
+    report = getattr(be.plugin, "capability_report", None)
+    if report is None:
+        return
+    extension, reasons = report()
+    print(f"{indent}torch extension: {extension or 'none (VMM hooks only)'}")
+    for capability, why in sorted(reasons.items()):
+        print(f"{indent}  {capability}: {'on' if be.supports(capability) else 'off'} ({why})")
+
+
 def main(argv: list[str] | None = None) -> int:
     """List the backends; exit code 2 and one line on stderr when ``$HAL_BACKEND`` names no usable one."""
     parser = _Parser(prog="python -m hal", description=__doc__)
@@ -56,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{fmt_bytes(be.granularity)} (recommended {fmt_bytes(be.recommended_granularity)})  "
                       f"memory: {fmt_bytes(mem.free)} free of {fmt_bytes(mem.total)}  "
                       f"capabilities: {', '.join(sorted(be.capabilities)) or '-'}")
+                print_capability_report(be, f"  {'':<{width}}  ")
         except hal.HalError as exc:
             print(f"  {'':<{width}}  error while opening: {exc}")
     try:

@@ -16,6 +16,19 @@ from hal.backends._native.torch_glue import TorchGlue
 from hal.errors import BackendUnavailableError, UnsupportedError
 
 
+def extension_report(glue: TorchGlue | None, extension: str) -> tuple[str | None, dict[str, str]]:
+    """``(extension and version, {capability: why it is on or off})`` for ``python -m hal``.
+
+    :param glue: the backend's glue, None when it runs without its extension.
+    :param extension: the extension's module name.
+    """
+    if glue is None:
+        return None, {"graphs": f"the backend runs without {extension} (VMM hooks only)"}
+    reasons = getattr(glue, "capability_reasons", None)
+    version = getattr(glue, "extension_version", extension)
+    return version, (reasons() if reasons is not None else {})
+
+
 class TorchHooks:
     """Mixin for a backend plugin with a ``glue`` attribute (a :class:`TorchGlue`, or None)."""
 

@@ -286,3 +286,112 @@ class TorchGlue:
 
     def release_graph(self, graph: Any) -> None:
         graph.reset()
+
+
+#: the capabilities that depend on the extension giving a pool's segments to the pool's allocator
+ROUTED_CAPABILITIES = ("custom_pool", "use_pool", "capture_routing")
+
+
+class ExtensionGlue(TorchGlue):
+    """The glue of a vendor extension (torch_npu, torch_mlu) whose routing of pool memory depends on its release.
+
+    ``"custom_pool"``, ``"use_pool"`` and ``"capture_routing"`` are reported only
+    where :meth:`routing_problem` finds nothing: otherwise a capture into a pool
+    over hal's callbacks would silently take the extension's own memory. When it
+    finds something, the three are absent, a warning names the version or the
+    setting, and graphkit falls back as it does for any backend without them.
+    """
+
+    #: the allocator config variables the extension reads, in the order it reads them
+    alloc_conf_vars: ClassVar[tuple[str, ...]]
+    #: added to the reason a routed capability is on (what is known about that routing)
+    routed_note: ClassVar[str] = ""
+
+    def __init__(self, device: int, ext: Any = None) -> None:
+        super().__init__(device, ext)
+        if "capture_routing" not in self.capabilities:
+            self.routing = None  # captures are never routed where the pools would not take hal's memory
+
+    @property
+    def extension_version(self) -> str:
+        """``"torch_npu 2.13.0"``: the extension's name and ``__version__``."""
+        return f"{self.extension.module} {getattr(self.ext, '__version__', '(version unknown)')}"
+
+    def expandable_segments(self) -> str | None:
+        """The setting (``"VAR=value"``) that turns expandable segments on, or None."""
+        return compat.alloc_conf_setting(self.alloc_conf_vars, "expandable_segments")
+
+    def routing_problem(self) -> str | None:
+        """Why this build would not give a pool's segments to the pool's allocator, or None.
+
+        Here: expandable segments, which the extension's allocator tries before a
+        pool's own allocator (graph pools included). Vendor glues add their version rules.
+        """
+        setting = self.expandable_segments()
+        if setting is not None:
+            return (f"expandable segments are on ({setting}): {self.extension.module} serves every pool, "
+                    "graph pools included, from expandable segments before the pool's allocator; unset "
+                    "expandable_segments to let graphkit's allocator back the pools")
+        return None
+
+    def find_capabilities(self) -> frozenset[str]:
+        """The shared ones, without the routed ones where :meth:`routing_problem` finds something,
+        plus ``"use_pool"`` where ``"custom_pool"`` works and the build has ``use_mem_pool``."""
+        caps = set(super().find_capabilities())
+        problem = self.routing_problem()
+        if problem is not None:
+            self.log.warning("%s: no pools over allocator callbacks, no use_pool, no capture routing: %s",
+                             self.backend, problem)
+            return frozenset(caps - set(ROUTED_CAPABILITIES))
+        if "custom_pool" in caps and self.private(compat.USE_MEM_POOL) is not None:
+            caps.add("use_pool")
+        return frozenset(caps)
+
+    def custom_pool_problem(self) -> str | None:
+        """:meth:`routing_problem` first, then what the build lacks."""
+        return self.routing_problem() or super().custom_pool_problem()
+
+    def capability_reasons(self) -> dict[str, str]:
+        """Why each capability beyond the VMM hooks is on or off here, for ``python -m hal``."""
+        caps, names = self.capabilities, self.extension
+        problem = self.routing_problem()
+        missing = super().custom_pool_problem()
+        graph_api = f"{names.module}.{names.device_type}.{names.graph_class}, graph and graph_pool_handle"
+        reasons = {"graphs": f"{graph_api} {'are there' if 'graphs' in caps else 'are missing'}"}
+        for cap in ROUTED_CAPABILITIES:
+            if cap in caps:
+                reasons[cap] = f"{self.extension_version} gives a pool's segments to its allocator{self.routed_note}"
+            elif problem is not None:
+                reasons[cap] = problem
+            elif cap == "capture_routing":
+                reasons[cap] = f"{names.graph_class} has no capture_begin/capture_end to route"
+            elif missing is not None:
+                reasons[cap] = missing
+            else:
+                reasons[cap] = f"{compat.USE_MEM_POOL.name(names.device_type)} is missing"
+        return reasons
+
+    def use_pool(self, pool: TorchPool) -> AbstractContextManager[None]:
+        """The framework's allocations on this thread inside the block come from ``pool``'s MemPool."""
+        if pool.mempool is None:
+            raise UnsupportedError(f"{pool!r} is not a {self.extension.module} MemPool", backend=self.backend,
+                                   call="use_pool")
+        use_mem_pool = self.require(compat.USE_MEM_POOL, "use_pool")
+        return use_mem_pool(pool.mempool, device=self.device)
+
+    def pool_active_blocks(self, pool: TorchPool) -> list[tuple[int, int]]:
+        """As :meth:`TorchGlue.pool_active_blocks`; where the snapshot has no pool ids, a custom pool's
+        segments are recognised by the addresses its allocator handed out."""
+        if pool.released:
+            raise InvalidStateError(f"{pool!r} was released", backend=self.backend, call="pool_active_blocks")
+        snapshot = self.private(compat.MEMORY_SNAPSHOT)
+        if snapshot is None:
+            return super().pool_active_blocks(pool)
+        segments = compat.memory_snapshot(snapshot, pool.id)
+        addresses = set(pool.callbacks.live) if pool.callbacks is not None else None
+        unattributed = addresses is None and segments and not any("segment_pool_id" in s for s in segments)
+        if unattributed and not self._no_snapshot_logged:
+            self.log.info("%s: the memory snapshot of %s has no segment_pool_id; pool_active_blocks reports "
+                          "nothing for pools of the framework's own allocator", self.backend, self.extension_version)
+            self._no_snapshot_logged = True
+        return compat.active_blocks(segments, pool.id, pool.device, addresses)

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
+import os
 import threading
-from typing import Any, ClassVar
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar, cast
 
 from hal.api import hookimpl
-from hal.backends._native.hooks import TorchHooks
-from hal.backends._native.torch_glue import TorchGlue
-from hal.backends._native.vmm import map_with_access
+from hal.backends._native import torch_compat as compat
+from hal.backends._native.hooks import TorchHooks, extension_report
+from hal.backends._native.torch_glue import ExtensionGlue, TorchGlue
 from hal.backends.ascend import lib, locate
+from hal.errors import InvalidArgumentError
 from hal.types import MemInfo
 
 log = logging.getLogger("hal.ascend")
 NAME = lib.NAME
+#: overrides the aclrtReserveMemAddress flags chosen from the CANN version: "0" or "1"
+ENV_RESERVE_FLAGS = "HAL_ASCEND_RESERVE_FLAGS"
 
 
 def _npu_glue(device: int) -> TorchGlue:
@@ -34,11 +38,17 @@ class AscendBackend(TorchHooks):
       ``$HAL_ASCEND_LIBRARY``, else ``$ASCEND_HOME_PATH/lib64/libascendcl.so``,
       else the soname on the loader path;
     * ``use_torch`` -- ``None`` (default): use torch_npu when it is installed;
-      ``False``: VMM hooks only, torch_npu is never imported; ``True``: require it.
+      ``False``: VMM hooks only, torch_npu is never imported; ``True``: require it;
+    * ``reserve_flags`` -- the ``flags`` of ``aclrtReserveMemAddress``, 0 or 1;
+      default ``$HAL_ASCEND_RESERVE_FLAGS``, else chosen from the CANN version
+      the runtime reports (:func:`~hal.backends.ascend.lib.reserve_flags_for`:
+      1, the huge-page type, up to CANN 8; 0 from CANN 9).
 
     Without torch_npu the ``"graphs"`` capability is absent and the graph hooks
     raise :class:`hal.UnsupportedError`; the runtime is then initialised with
-    ``aclInit`` here instead of by torch_npu.
+    ``aclInit`` here instead of by torch_npu. Maps are ``aclrtMapMem`` alone:
+    the owning device may use the memory at once, and ``aclrtMemSetAccess`` is
+    for other devices.
     """
 
     #: device memory is not host-accessible; the conformance suite over a
@@ -47,22 +57,48 @@ class AscendBackend(TorchHooks):
     backend_name = NAME
     torch_extension = locate.EXTENSION
 
-    def __init__(self, device: int = 0, *, library: str | None = None, use_torch: bool | None = None) -> None:
+    def __init__(self, device: int = 0, *, library: str | None = None, use_torch: bool | None = None,
+                 reserve_flags: int | None = None) -> None:
         self.device = device
+        override = self._reserve_flags_override(reserve_flags)  # a bad value fails before anything is opened
         self.library = locate.open_library(library)
         self.glue = self._open_glue(use_torch, locate.extension_installed, lambda: _npu_glue(device))
         if self.glue is None:
             self.library.init_once()  # otherwise torch_npu ran aclInit
         self._thread = threading.local()  # ACL binds a device per thread: aclrtSetDevice once in each
         self._prop = lib.physical_prop(device)
-        self._access = lib.access_desc(device) if self.library.has("aclrtMemSetAccess") else None
+        self.cann_version = self.library.cann_version()
+        cann = compat.version_tuple(self.cann_version) if self.cann_version else None
+        self.reserve_flags, self.reserve_flags_from = override or (
+            lib.reserve_flags_for(cann),
+            f"CANN {self.cann_version}" if self.cann_version else "an unknown CANN version (before CANN 9)")
         self._granularity = {rec: self._query_granularity(rec) for rec in (False, True)}
-        log.debug("%s: device %d over %s (set access: %s, torch_npu: %s)", NAME, device, self.library.path,
-                  self._access is not None, self.glue is not None)
+        log.debug("%s: device %d over %s (CANN %s, reserve flags %d from %s, torch_npu: %s)", NAME, device,
+                  self.library.path, self.cann_version or "unknown", self.reserve_flags, self.reserve_flags_from,
+                  self.glue is not None)
 
     @classmethod
     def probe(cls) -> str | None:
         return locate.probe_reason()
+
+    @staticmethod
+    def _reserve_flags_override(option: int | None) -> tuple[int, str] | None:
+        """``(flags, where they come from)`` from the option, else the variable; None when neither is set."""
+        if option is not None:
+            source, raw = "the reserve_flags option", str(option)
+        elif os.environ.get(ENV_RESERVE_FLAGS, "").strip():
+            source, raw = f"${ENV_RESERVE_FLAGS}", os.environ[ENV_RESERVE_FLAGS].strip()
+        else:
+            return None
+        if raw not in ("0", "1"):
+            raise InvalidArgumentError(f"reserve_flags: {source} is {raw!r}; aclrtReserveMemAddress takes 0 "
+                                       "(normal pages, or reserved on CANN 9) or 1 (huge pages)",
+                                       backend=NAME, call="open")
+        return int(raw), source
+
+    def capability_report(self) -> tuple[str | None, dict[str, str]]:
+        """The torch extension in use (None without one) and why each capability is on or off."""
+        return extension_report(self.glue, self.torch_extension)
 
     def _call(self, call: str, native: str, *args: Any) -> None:
         if not getattr(self._thread, "device_set", False):
@@ -101,7 +137,7 @@ class AscendBackend(TorchHooks):
     @hookimpl
     def create_vir_ptr(self, size: int) -> int:
         ptr = ctypes.c_void_p()
-        self._call("create_vir_ptr", "aclrtReserveMemAddress", ctypes.byref(ptr), size, 0, None, 0)
+        self._call("create_vir_ptr", "aclrtReserveMemAddress", ctypes.byref(ptr), size, 0, None, self.reserve_flags)
         return int(ptr.value or 0)
 
     @hookimpl
@@ -123,11 +159,7 @@ class AscendBackend(TorchHooks):
 
     @hookimpl
     def map(self, ptr: int, size: int, handle: int) -> bool:
-        call = functools.partial(self._call, "map")
-        access = self._access
-        set_access = None if access is None else lambda: call("aclrtMemSetAccess", ptr, size, ctypes.byref(access), 1)
-        map_with_access(lambda: call("aclrtMapMem", ptr, size, 0, handle, 0), set_access,
-                        lambda: call("aclrtUnmapMem", ptr), backend=NAME, ptr=ptr, access_call="aclrtMemSetAccess")
+        self._call("map", "aclrtMapMem", ptr, size, 0, handle, 0)  # usable by the owning device at once
         return True
 
     @hookimpl
@@ -136,6 +168,10 @@ class AscendBackend(TorchHooks):
         return True
 
     # -- graphs, streams, pools: inherited from TorchHooks, over torch_npu when it is there
+
+    @hookimpl
+    def use_pool(self, pool: Any) -> AbstractContextManager[None]:
+        return cast(ExtensionGlue, self._torch("use_pool")).use_pool(pool)
 
     @hookimpl
     def shutdown(self) -> bool:

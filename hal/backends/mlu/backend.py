@@ -5,11 +5,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from typing import Any, ClassVar
+import threading
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar, cast
 
 from hal.api import hookimpl
-from hal.backends._native.hooks import TorchHooks
-from hal.backends._native.torch_glue import TorchGlue
+from hal.backends._native.hooks import TorchHooks, extension_report
+from hal.backends._native.torch_glue import ExtensionGlue, TorchGlue
 from hal.backends._native.vmm import map_with_access
 from hal.backends.mlu import lib, locate
 from hal.types import MemInfo
@@ -35,11 +37,16 @@ class MluBackend(TorchHooks):
     * ``use_torch`` -- ``None`` (default): use torch_mlu when it is installed;
       ``False``: VMM hooks only, torch_mlu is never imported; ``True``: require it.
 
-    ``cnInit(0)`` runs once per library and process. Every map is followed by
-    ``cnMemSetAccess`` (read-write is flag 0); a failed SetAccess unmaps again.
-    Captures use the mode the caller passes, ``"relaxed"`` (torch_mlu's
-    default) when it passes none. The ``"custom_pool"`` capability is absent
-    with today's torch_mlu (no public MemPool).
+    ``cnInit(0)`` runs once per library and process, when the backend opens
+    (never when it is probed). ``cnMemGetInfo`` and the VMM calls need a current
+    CNDrv context: on each thread, before its first call, the backend keeps the
+    one that is current; where none is, it asks torch_mlu to make its device
+    current, and failing that binds a context of its own (``cnDeviceGet`` +
+    ``cnCtxCreate`` once per device and process, then ``cnCtxSetCurrent``).
+    Every map is followed by ``cnMemSetAccess`` (read-write is flag 0); a failed
+    SetAccess unmaps again. Captures use the mode the caller passes,
+    ``"relaxed"`` (torch_mlu's default) when it passes none. ``"custom_pool"``
+    and ``"use_pool"`` need a torch_mlu with ``MemPool`` and expandable segments off.
     """
 
     #: device memory is not host-accessible; the conformance suite over a
@@ -53,6 +60,8 @@ class MluBackend(TorchHooks):
         self.library = locate.open_library(library)
         self.glue = self._open_glue(use_torch, locate.extension_installed, lambda: _mlu_glue(device))
         self.library.init_once()
+        self._thread = threading.local()  # CNDrv binds a context per thread: made sure of once in each
+        self.made_context = False  # whether a context of the backend's own was bound on some thread
         self._prop = lib.allocation_prop(device)
         self._access = lib.access_desc(device)
         self._granularity = {rec: self._query_granularity(rec) for rec in (False, True)}
@@ -64,7 +73,25 @@ class MluBackend(TorchHooks):
         return locate.probe_reason()
 
     def _call(self, call: str, native: str, *args: Any) -> None:
+        if not getattr(self._thread, "has_context", False):
+            self._bind_context(call)
         self.library.call(call, native, *args)
+
+    def _bind_context(self, call: str) -> None:
+        """Make sure a CNDrv context is current on this thread (see the class docstring)."""
+        cndrv = self.library
+        if not cndrv.current_context(call) and self.glue is not None:
+            self.glue.ns.set_device(self.device)  # torch_mlu binds the device's context
+        if not cndrv.current_context(call):
+            cndrv.call(call, "cnCtxSetCurrent", cndrv.own_context(self.device, call))
+            self.made_context = True
+            log.debug("%s: bound a context of its own for device %d on thread %s", NAME, self.device,
+                      threading.current_thread().name)
+        self._thread.has_context = True
+
+    def capability_report(self) -> tuple[str | None, dict[str, str]]:
+        """The torch extension in use (None without one) and why each capability is on or off."""
+        return extension_report(self.glue, self.torch_extension)
 
     def _query_granularity(self, recommended: bool) -> int:
         gran = ctypes.c_uint64(0)
@@ -130,6 +157,10 @@ class MluBackend(TorchHooks):
         return True
 
     # -- graphs, streams, pools: inherited from TorchHooks, over torch_mlu when it is there
+
+    @hookimpl
+    def use_pool(self, pool: Any) -> AbstractContextManager[None]:
+        return cast(ExtensionGlue, self._torch("use_pool")).use_pool(pool)
 
     @hookimpl
     def shutdown(self) -> bool:
