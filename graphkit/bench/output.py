@@ -53,7 +53,8 @@ def plot(out: dict[str, Any], path: Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log.warning("matplotlib is not installed (pip install matplotlib): no plot written")
+        log.warning("matplotlib is not installed: no plot written, the JSON and the table are (for the plot: "
+                    "pip install 'hal-graphkit[bench]')")
         return False
     orders = [o for o in ("descending", "ascending", "random", "on-demand")
               if any(r["order"] == o and "memory_after_each_capture" in r for r in out["results"])]

@@ -15,6 +15,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--scope", action="store_true")
     parser.add_argument("--no-static-launcher", action="store_true")
+    parser.add_argument("--manual-compile", action="store_true",
+                        help="torch.compile the forward by hand (otherwise generate compiles it for a static cache)")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="with --manual-compile: inductor (mode reduce-overhead) or cudagraphs (graph trees "
+                             "over the eager kernels)")
     args = parser.parse_args()
     if args.no_static_launcher:
         torch._inductor.config.use_static_cuda_launcher = False
@@ -23,7 +28,11 @@ def main() -> None:
                                       max_position_embeddings=256)
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(config).to("cuda", torch.bfloat16).eval()
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    if args.manual_compile:
+        if args.compile_backend == "inductor":
+            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        else:
+            model.forward = torch.compile(model.forward, backend=args.compile_backend, fullgraph=True)
     prompt = torch.randint(0, 4096, (2, 12), device="cuda")
     run = lambda: model.generate(prompt, max_new_tokens=12, do_sample=False,  # noqa: E731
                                  cache_implementation="static", pad_token_id=0)
