@@ -56,10 +56,11 @@ MAX_PARAMS = 4096  # a kernel's parameter space holds at most 32 KiB
 MAX_PARAM_BYTES = 32 << 10
 MAX_DEPTH = 16  # child graphs nested deeper are not read
 
-#: the driver calls the walk needs
-REQUIRED = ("cuStreamGetCaptureInfo", "cuGraphGetNodes", "cuGraphNodeGetType", "cuGraphKernelNodeGetParams",
-            "cuFuncGetParamInfo", "cuGraphMemcpyNodeGetParams", "cuGraphMemsetNodeGetParams",
-            "cuGraphChildGraphNodeGetGraph")
+#: the driver calls the walk needs (the first name a cuda-python release has of each)
+REQUIRED = (("cuStreamGetCaptureInfo", "cuStreamGetCaptureInfo_v3", "cuStreamGetCaptureInfo_v2"),
+            ("cuGraphGetNodes",), ("cuGraphNodeGetType",),
+            ("cuGraphKernelNodeGetParams", "cuGraphKernelNodeGetParams_v2"), ("cuFuncGetParamInfo",),
+            ("cuGraphMemcpyNodeGetParams",), ("cuGraphMemsetNodeGetParams",), ("cuGraphChildGraphNodeGetGraph",))
 MIN_DRIVER = 12040  # cuFuncGetParamInfo came with CUDA 12.4
 
 # -- reading argument memory (host addresses the driver hands out) -------------------------------
@@ -173,6 +174,8 @@ class GraphWalker:
 
             driver = bindings
         self.d = driver
+        self._capture_info = _first(driver, REQUIRED[0])
+        self._kernel_params = _first(driver, REQUIRED[3])
         types = driver.CUgraphNodeType
         names = {"KERNEL": self._kernel, "MEMCPY": self._memcpy, "MEMSET": self._memset, "GRAPH": self._child,
                  "MEM_ALLOC": self._mem_alloc, "MEM_FREE": self._mem_free}
@@ -186,7 +189,7 @@ class GraphWalker:
                 self._readers[int(member)] = names[short]
             elif short in quiet:
                 self._readers[int(member)] = _nothing
-        self._layouts: dict[tuple[str, int], tuple[tuple[int, int], ...] | None] = {}
+        self._layouts: dict[tuple[int, int], tuple[tuple[int, int], ...] | None] = {}  # by (func, kern)
         self._lock = threading.Lock()
         self._device_memory = {int(m) for m in driver.CUmemorytype
                                if m.name in ("CU_MEMORYTYPE_DEVICE", "CU_MEMORYTYPE_UNIFIED")}
@@ -210,7 +213,7 @@ class GraphWalker:
 
         :raises InvalidStateError: the stream is not capturing.
         """
-        result = self.d.cuStreamGetCaptureInfo(stream)
+        result = self._capture_info(stream)
         code = int(result[0])
         if code != CUDA_SUCCESS:
             from hal.backends.cuda.errors import error_for
@@ -255,7 +258,7 @@ class GraphWalker:
 
     def _kernel(self, node: Any, walk: Walk, depth: int) -> bool:
         walk.kernels += 1
-        err, params = self.d.cuGraphKernelNodeGetParams(node)
+        err, params = self._kernel_params(node)
         _check(err, "cuGraphKernelNodeGetParams")
         kernel_params, extra = address(params.kernelParams), address(params.extra)
         found = walk.addresses
@@ -322,25 +325,38 @@ class GraphWalker:
     # -- argument layouts -----------------------------------------------------------------------
 
     def layout(self, params: Any) -> tuple[tuple[int, int], ...] | None:
-        """``(offset, size)`` of each argument of the node's kernel; None when the driver does not say."""
-        func = address(params.func)
-        kern = address(getattr(params, "kern", None))
-        if func:
-            key, handle, call = ("function", func), params.func, self.d.cuFuncGetParamInfo
-        elif kern and hasattr(self.d, "cuKernelGetParamInfo"):
-            key, handle, call = ("kernel", kern), params.kern, self.d.cuKernelGetParamInfo
-        else:
-            return None
+        """``(offset, size)`` of each argument of the node's kernel; None when the driver does not say.
+
+        The node names a ``CUfunction`` (``func``) or a context-free ``CUkernel`` (``kern``, used when
+        ``func`` is NULL); a ``CUkernel`` may also come cast to a ``CUfunction``, so a function the
+        driver does not take is asked again as a kernel.
+        """
+        func, kern = address(params.func), address(getattr(params, "kern", None))
+        key = (func, kern)
         with self._lock:
             if key in self._layouts:
                 return self._layouts[key]
-        found = _ask_layout(call, handle)
+        asks: list[tuple[Any, Any]] = []
+        if func:
+            asks.append((self.d.cuFuncGetParamInfo, params.func))
+        by_kernel = getattr(self.d, "cuKernelGetParamInfo", None)
+        if by_kernel is not None:
+            if func:
+                asks.append((by_kernel, self.d.CUkernel(func)))
+            if kern:
+                asks.append((by_kernel, params.kern))
+        found = None
+        for call, handle in asks:
+            found = _ask_layout(call, handle)
+            if found is not None:
+                break
         with self._lock:
             self._layouts[key] = found
         return found
 
 
 def _ask_layout(call: Any, handle: Any) -> tuple[tuple[int, int], ...] | None:
+    """The layout ``call`` (``cuFuncGetParamInfo`` or ``cuKernelGetParamInfo``) gives; None when it refuses."""
     layout: list[tuple[int, int]] = []
     for index in range(MAX_PARAMS):
         err, offset, size = call(handle, index)
@@ -363,6 +379,15 @@ def address(value: Any) -> int:
     if isinstance(value, int):
         return value
     return int(value)
+
+
+def _first(driver: Any, names: tuple[str, ...]) -> Any:
+    """The first of ``names`` that ``driver`` has."""
+    for name in names:
+        fn = getattr(driver, name, None)
+        if fn is not None:
+            return fn
+    raise AttributeError(f"cuda-python lacks {names[0]}")
 
 
 def _nothing(node: Any, walk: Walk, depth: int) -> bool:
@@ -394,7 +419,7 @@ def _find_problem() -> str | None:
         from cuda.bindings import driver
     except ImportError as exc:
         return f"cuda-python does not import ({exc})"
-    missing = [name for name in REQUIRED if not hasattr(driver, name)]
+    missing = [names[0] for names in REQUIRED if not any(hasattr(driver, name) for name in names)]
     if missing:
         return f"this cuda-python lacks {', '.join(missing)}"
     err, version = driver.cuDriverGetVersion()
