@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hal.backends.cuda.errors import CUDA_ERROR_INVALID_VALUE, CUDA_SUCCESS, NAME
-from hal.errors import DriverError, InvalidStateError
+from hal.errors import InvalidStateError
 from hal.types import GraphAddresses
 
 log = logging.getLogger("hal.cuda")
@@ -243,8 +243,8 @@ class GraphWalker:
             reader = self._readers.get(kind)
             try:
                 ok = reader is not None and reader(node, walk, depth)
-            except (DriverError, ValueError, TypeError, OSError) as exc:
-                log.debug("cuda: %s node %#x not read: %s", name, int(node), exc)
+            except Exception as exc:  # noqa: BLE001 - one unreadable node is counted, not fatal to the walk
+                log.debug("cuda: %s node %#x not read: %s: %s", name, int(node), type(exc).__name__, exc)
                 ok = False
             else:
                 if not ok:
