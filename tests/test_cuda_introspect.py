@@ -18,6 +18,7 @@ import logging
 import os
 import struct
 import time
+import types
 from typing import Any, ClassVar
 
 import pytest
@@ -48,7 +49,8 @@ def test_candidates_are_the_aligned_words_that_look_like_device_addresses() -> N
            + struct.pack("<ii", 4096, 4096)  # two ints packed in one word: a (false) candidate
            + b"\0" * 4 + struct.pack("<Q", PTR_B) + b"\0" * 4  # a pointer straddling two words: not one
            + struct.pack("<Q", PTR_C) + b"\x01\x02\x03")  # a trailing partial word is ignored
-    assert candidates(buf) == [PTR_A, (4096 << 32) | 4096, PTR_C]
+    assert candidates(buf) == [(4096 << 32) | 4096, PTR_A, PTR_C]  # distinct and sorted
+    assert candidates(struct.pack("<QQQ", PTR_A, 0, PTR_A)) == [PTR_A]
     assert candidates(b"") == [] and candidates(b"\xff" * 7) == []
 
 
@@ -132,6 +134,7 @@ class StandInDriver:
     """The calls of cuda.bindings.driver the walk makes, over nodes described in Python."""
 
     CUgraphNodeType, CUmemorytype, CUstreamCaptureStatus, CUgraph = NodeType, MemoryType, CaptureStatus, CUgraph
+    CUgraphNode = CUfunction = Handle
 
     def __init__(self) -> None:
         self.graphs: dict[int, list[tuple[NodeType, Any]]] = {}
@@ -232,8 +235,40 @@ def test_a_kernel_without_arguments_is_read_and_one_without_a_layout_is_missed()
                     (NodeType.CU_GRAPH_NODE_TYPE_KERNEL, Params(func=Handle(0x200), kernelParams=0, extra=0)),
                     (NodeType.CU_GRAPH_NODE_TYPE_KERNEL, Params(func=Handle(0), kernelParams=0, extra=0))]}
     walk = introspect.Walk()
-    GraphWalker(d).walk(CUgraph(1), walk)
+    GraphWalker(d).walk(1, walk)
     assert (walk.kernels, walk.kernels_missed, walk.addresses) == (3, 2, set())
+
+
+def test_the_calls_straight_into_libcuda_fill_what_the_walk_reads() -> None:
+    d = StandInDriver()  # the layouts still come through cuda-python
+    d.layouts = {0x100: ((0, 8), (8, 8))}
+    a, b = ctypes.c_uint64(PTR_A), ctypes.c_uint64(PTR_B)
+    args = (ctypes.c_void_p * 2)(addr(a), addr(b))
+    kinds = {0x11: NodeType.CU_GRAPH_NODE_TYPE_KERNEL, 0x12: NodeType.CU_GRAPH_NODE_TYPE_EMPTY}
+    vp = ctypes.c_void_p
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, ctypes.POINTER(ctypes.c_size_t))
+    def get_nodes(graph: int, out: int | None, count: Any) -> int:
+        if out:
+            (vp * count[0]).from_address(out)[:] = list(kinds)
+        count[0] = len(kinds)
+        return 0
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, vp, ctypes.POINTER(ctypes.c_int))
+    def get_type(node: int, kind: Any) -> int:
+        kind[0] = kinds[node]
+        return 0
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, vp, ctypes.POINTER(introspect.KernelNodeParams))
+    def get_params(node: int, params: Any) -> int:
+        params[0].func, params[0].kernelParams, params[0].extra, params[0].kern = 0x100, addr(args), None, None
+        return 0
+
+    lib = types.SimpleNamespace(cuGraphGetNodes=get_nodes, cuGraphNodeGetType=get_type,
+                                cuGraphKernelNodeGetParams_v2=get_params)
+    walk = introspect.Walk()
+    GraphWalker(d, introspect.Libcuda(d, lib)).walk(7, walk)  # type: ignore[arg-type]
+    assert walk.words == {PTR_A, PTR_B} and (walk.nodes, walk.kernels, walk.missed) == (2, 1, 0)
 
 
 # -- routed captures: inspected before their end, refused by their route ------------------------------
@@ -605,6 +640,76 @@ def decoder(layers: list[dict[str, torch.Tensor]], kv: list[tuple[torch.Tensor, 
     return step
 
 
+def measure(be: hal.Backend, step: Any, inputs: dict[int, torch.Tensor], used: list[torch.Tensor],
+            name: str) -> dict:
+    """Capture ``step`` for every input through hal, with and without ``inspect``; the walk's cost and coverage.
+
+    Each capture is also walked a second time through cuda-python's objects alone, for comparison.
+    """
+    stream = be.create_stream()
+    with torch.no_grad(), be.use_stream(stream):
+        for x in inputs.values():
+            step(x)
+    be.synchronize(stream)
+    glue = be.plugin.glue
+    walks: list[tuple[introspect.Walk, introspect.Walk]] = []
+    real = glue.inspector
+    plain = GraphWalker()  # every node through cuda-python's objects
+
+    def keeping(s: Any) -> GraphAddresses:
+        walk = introspect.walker().capture_addresses(int(s.cuda_stream))
+        walks.append((walk, plain.capture_addresses(int(s.cuda_stream))))
+        return walk.result()
+
+    unrelated = torch.randn(1 << 20, device="cuda")
+    glue.use_inspector(keeping)
+    rows = []
+    try:
+        for n, x in inputs.items():
+            timing = {}
+            for inspect in (False, True, False, True):  # alternated, the second of each kept
+                graph = be.create_graph()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                with torch.no_grad(), be.capture(graph, None, stream, inspect=inspect):
+                    out = step(x)
+                timing[inspect] = time.perf_counter() - start
+                if inspect:
+                    found, (walk, through_bindings) = be.graph_addresses(graph), walks[-1]
+                    be.replay(graph)
+                    torch.cuda.synchronize()
+                    torch.testing.assert_close(out, step(x), rtol=2e-2, atol=2e-2)
+                be.release_graph(graph)
+            rows.append({
+                "batch": n, "capture_ms": timing[False] * 1e3, "capture_inspected_ms": timing[True] * 1e3,
+                "walk_ms": found.seconds * 1e3, "walk_share_of_capture": found.seconds / timing[False],
+                "walk_ms_through_cuda_python": through_bindings.seconds * 1e3,
+                "nodes": walk.nodes, "nodes_missed": walk.missed, "kernel_nodes": walk.kernels,
+                "kernel_nodes_read": walk.kernels - walk.kernels_missed, "by_type": dict(walk.by_type),
+                "spans": len(found.spans), "used_found": sum(covers(found.spans, t) for t in used),
+                "used": len(used), "input_found": covers(found.spans, x),
+                "unrelated_found": covers(found.spans, unrelated)})
+            log.info("%s batch %d: %s", name, n, walk.summary())
+    finally:
+        glue.use_inspector(real)
+    report = {"workload": name, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
+              "first_walk_ms": walks[0][0].seconds * 1e3}
+    text = json.dumps(report, indent=1)
+    log.info("walk cost and coverage:\n%s", text)
+    print(text)  # the benchmark's own output (pytest -s)
+    out_dir = os.environ.get("HAL_INTROSPECT_OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, f"introspect_{name}.json"), "w") as fh:
+            fh.write(text)
+    return report
+
+
+def check_coverage(report: dict) -> None:
+    for row in report["rows"]:
+        assert row["kernel_nodes_read"] >= 0.95 * row["kernel_nodes"], row
+        assert row["used_found"] == row["used"] and row["input_found"] and not row["unrelated_found"], row
+
+
 @pytest.mark.cuda
 def test_walk_cost_and_coverage_on_a_decoder_step(be: hal.Backend) -> None:
     from tests.cuda_scripts.decoder_capture import make_layers
@@ -615,64 +720,26 @@ def test_walk_cost_and_coverage_on_a_decoder_step(be: hal.Backend) -> None:
     kv = [(torch.randn(max(sizes), heads, context, hidden // heads, device=dev, dtype=torch.bfloat16),
            torch.randn(max(sizes), heads, context, hidden // heads, device=dev, dtype=torch.bfloat16))
           for _ in layers]
-    step = decoder(layers, kv, heads)
-    xs = {n: torch.randn(n, hidden, device=dev, dtype=torch.bfloat16) for n in sizes}
-    unrelated = torch.randn(1 << 20, device=dev)
-    stream = be.create_stream()
-    with torch.no_grad(), be.use_stream(stream):
-        for n in sizes:
-            step(xs[n])
-    be.synchronize(stream)
-    glue = be.plugin.glue
-    walks: list[introspect.Walk] = []
-    real = glue.inspector
+    used = [t for p in layers for t in p.values()] + [t for pair in kv for t in pair]
+    inputs = {n: torch.randn(n, hidden, device=dev, dtype=torch.bfloat16) for n in sizes}
+    check_coverage(measure(be, decoder(layers, kv, heads), inputs, used, "decoder"))
 
-    def keeping(s: Any) -> GraphAddresses:
-        walk = introspect.walker().capture_addresses(int(s.cuda_stream))
-        walks.append(walk)
-        return walk.result()
 
-    glue.use_inspector(keeping)
-    rows = []
+@pytest.mark.cuda
+def test_walk_cost_and_coverage_on_a_transformers_model(be: hal.Backend) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                                      num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    inputs = {n: torch.randint(0, 32000, (n, 1), device="cuda") for n in (1, 8, 32)}
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, use_cache=False).logits
+
     try:
-        for n in sizes:
-            timing = {}
-            for inspect in (False, True, False, True):  # alternated, the second of each kept
-                graph = be.create_graph()
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                with torch.no_grad(), be.capture(graph, None, stream, inspect=inspect):
-                    out = step(xs[n])
-                timing[inspect] = time.perf_counter() - start
-                if inspect:
-                    found, walk = be.graph_addresses(graph), walks[-1]
-                    be.replay(graph)
-                    torch.cuda.synchronize()
-                    torch.testing.assert_close(out, step(xs[n]), rtol=2e-2, atol=2e-2)
-                be.release_graph(graph)
-            weights = [t for p in layers for t in p.values()] + [t for pair in kv for t in pair]
-            rows.append({
-                "batch": n, "capture_ms": timing[False] * 1e3, "capture_inspected_ms": timing[True] * 1e3,
-                "walk_ms": found.seconds * 1e3, "walk_share_of_capture": found.seconds / timing[True],
-                "nodes": walk.nodes, "nodes_missed": walk.missed, "kernel_nodes": walk.kernels,
-                "kernel_nodes_read": walk.kernels - walk.kernels_missed, "by_type": dict(walk.by_type),
-                "spans": len(found.spans), "weights_found": sum(covers(found.spans, t) for t in weights),
-                "weights": len(weights), "input_found": covers(found.spans, xs[n]),
-                "unrelated_found": covers(found.spans, unrelated)})
-            log.info("decoder batch %d: %s", n, walk.summary())
-    finally:
-        glue.use_inspector(real)
-    first_walk = walks[1].seconds  # the first inspected capture asks every kernel's layout
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": n_layers,
-              "hidden": hidden, "mlp": mlp, "heads": heads, "context": context, "rows": rows,
-              "first_walk_ms": first_walk * 1e3}
-    text = json.dumps(report, indent=1)
-    log.info("walk cost and coverage:\n%s", text)
-    print(text)  # the benchmark's own output (pytest -s)
-    out_dir = os.environ.get("HAL_INTROSPECT_OUT")
-    if out_dir:
-        with open(os.path.join(out_dir, "introspect_bench.json"), "w") as fh:
-            fh.write(text)
-    for row in rows:
-        assert row["kernel_nodes_read"] >= 0.95 * row["kernel_nodes"], row
-        assert row["weights_found"] == row["weights"] and row["input_found"] and not row["unrelated_found"], row
+        report = measure(be, step, inputs, list(model.parameters()), "llama")
+    except hal.CaptureError as exc:
+        pytest.skip(f"this transformers' forward does not capture: {exc}")
+    check_coverage(report)

@@ -28,6 +28,7 @@ repeat across layers and captures.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
 import logging
@@ -67,15 +68,23 @@ MIN_DRIVER = 12040  # cuFuncGetParamInfo came with CUDA 12.4
 
 
 def candidates(buf: bytes | bytearray | memoryview) -> list[int]:
-    """The aligned 8-byte little-endian words of ``buf`` that could be device addresses.
+    """The distinct aligned 8-byte little-endian words of ``buf`` that could be device addresses, sorted.
 
     ``buf`` starts at offset 0 of a kernel's parameter space (8-byte aligned);
-    a trailing partial word is ignored.
+    a trailing partial word is ignored. (Sorting and bisecting keep the
+    per-word work in C: argument blocks run to hundreds of words.)
     """
     count = len(buf) // 8
     if not count:
         return []
-    return [w for w in struct.unpack_from(f"<{count}Q", buf) if LOW <= w < HIGH]
+    layout = _WORDS.get(count)
+    if layout is None:
+        layout = _WORDS.setdefault(count, struct.Struct(f"<{count}Q"))
+    words = sorted(set(layout.unpack_from(buf)))
+    return words[bisect.bisect_left(words, LOW):bisect.bisect_left(words, HIGH)]
+
+
+_WORDS: dict[int, struct.Struct] = {}
 
 
 def read_extra(extra: int) -> bytes | None:
@@ -115,20 +124,7 @@ def read_params(kernel_params: int, layout: tuple[tuple[int, int], ...]) -> byte
 
     :param layout: ``(offset, size)`` of each argument in the parameter space.
     """
-    if not layout:
-        return b""
-    count = len(layout)
-    pointers = (ctypes.c_void_p * count).from_address(kernel_params)
-    end = max(offset + size for offset, size in layout)
-    first = pointers[0] or 0
-    base = first - layout[0][0]
-    if first and all((p or 0) == base + offset for p, (offset, _) in zip(pointers, layout, strict=True)):
-        return ctypes.string_at(base, end)  # the arguments lie packed as in the parameter space: one read
-    space = bytearray(end)
-    for p, (offset, size) in zip(pointers, layout, strict=True):
-        if p:
-            space[offset:offset + size] = ctypes.string_at(p, size)
-    return bytes(space)
+    return Layout(layout).read(kernel_params)
 
 
 def extent(width: int, height: int, depth: int, pitch: int, rows_per_slice: int) -> int:
@@ -139,20 +135,122 @@ def extent(width: int, height: int, depth: int, pitch: int, rows_per_slice: int)
     return (depth - 1) * pitch * max(rows_per_slice, height) + (height - 1) * pitch + width
 
 
+# -- the driver calls made once per node -----------------------------------------------------------
+
+
+class KernelNodeParams(ctypes.Structure):
+    """``CUDA_KERNEL_NODE_PARAMS_v2``: what ``cuGraphKernelNodeGetParams_v2`` fills in."""
+
+    _fields_ = [("func", ctypes.c_void_p), ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("sharedMemBytes", ctypes.c_uint), ("kernelParams", ctypes.c_void_p), ("extra", ctypes.c_void_p),
+                ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p),
+                ("_room", ctypes.c_byte * 128)]  # slack, should a later driver write a longer structure
+
+
+class Bindings:
+    """The per-node calls through cuda-python (one Python object per handle and structure)."""
+
+    def __init__(self, driver: Any) -> None:
+        self.d = driver
+        self._kernel_params = _first(driver, REQUIRED[3])
+
+    def nodes(self, graph: int) -> list[int]:
+        d = self.d
+        handle = d.CUgraph(graph)
+        err, _, count = d.cuGraphGetNodes(handle, 0)
+        _check(err, "cuGraphGetNodes")
+        if not count:
+            return []
+        err, nodes, count = d.cuGraphGetNodes(handle, count)
+        _check(err, "cuGraphGetNodes")
+        return [int(n) for n in nodes[:count]]
+
+    def node_type(self, node: int) -> int:
+        err, kind = self.d.cuGraphNodeGetType(self.d.CUgraphNode(node))
+        return int(kind) if int(err) == CUDA_SUCCESS else -1
+
+    def kernel(self, node: int) -> tuple[int, int, int, int]:
+        """``(func, kern, kernelParams, extra)`` of a kernel node."""
+        err, p = self._kernel_params(self.d.CUgraphNode(node))
+        _check(err, "cuGraphKernelNodeGetParams")
+        return (address(p.func), address(getattr(p, "kern", None)), address(p.kernelParams), address(p.extra))
+
+
+class Libcuda(Bindings):
+    """The per-node calls straight into libcuda through ctypes: a few times cheaper than cuda-python's
+    objects, which matters at hundreds of nodes per capture. The rarer node kinds still go through
+    cuda-python."""
+
+    SYMBOLS = ("cuGraphGetNodes", "cuGraphNodeGetType", "cuGraphKernelNodeGetParams_v2")
+
+    def __init__(self, driver: Any, lib: ctypes.CDLL) -> None:
+        super().__init__(driver)
+        vp, sp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)
+        self._get_nodes = _bind(lib, "cuGraphGetNodes", vp, vp, sp)
+        self._get_type = _bind(lib, "cuGraphNodeGetType", vp, ctypes.POINTER(ctypes.c_int))
+        self._get_params = _bind(lib, "cuGraphKernelNodeGetParams_v2", vp, ctypes.POINTER(KernelNodeParams))
+        self._local = threading.local()  # per thread: the structures the driver fills in
+
+    def nodes(self, graph: int) -> list[int]:
+        count = ctypes.c_size_t(0)
+        _check(self._get_nodes(graph, None, ctypes.byref(count)), "cuGraphGetNodes")
+        if not count.value:
+            return []
+        handles = (ctypes.c_void_p * count.value)()
+        _check(self._get_nodes(graph, handles, ctypes.byref(count)), "cuGraphGetNodes")
+        return [h or 0 for h in handles[:count.value]]
+
+    def _scratch(self) -> tuple[ctypes.c_int, KernelNodeParams]:
+        local = self._local
+        if not hasattr(local, "kind"):
+            local.kind, local.params = ctypes.c_int(), KernelNodeParams()
+        return local.kind, local.params
+
+    def node_type(self, node: int) -> int:
+        kind, _ = self._scratch()
+        return kind.value if self._get_type(node, ctypes.byref(kind)) == CUDA_SUCCESS else -1
+
+    def kernel(self, node: int) -> tuple[int, int, int, int]:
+        _, p = self._scratch()
+        _check(self._get_params(node, ctypes.byref(p)), "cuGraphKernelNodeGetParams_v2")
+        return p.func or 0, p.kern or 0, p.kernelParams or 0, p.extra or 0
+
+
+def _bind(lib: ctypes.CDLL, name: str, *argtypes: Any) -> Any:
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+    return fn
+
+
+def native_calls(driver: Any) -> Bindings:
+    """:class:`Libcuda` where the driver library exports its symbols, else :class:`Bindings`."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        return Libcuda(driver, lib)
+    except (OSError, AttributeError) as exc:
+        log.debug("cuda: reading graph nodes through cuda-python objects (%s)", exc)
+        return Bindings(driver)
+
+
 # -- the walk ------------------------------------------------------------------------------------
 
 
 @dataclass
 class Walk:
-    """What one walk of a graph found."""
+    """What one walk of a graph found: candidate pointers (``words``) and spans of known size."""
 
-    addresses: set[tuple[int, int]] = field(default_factory=set)
+    words: set[int] = field(default_factory=set)
+    spans: set[tuple[int, int]] = field(default_factory=set)
     nodes: int = 0
     missed: int = 0
     kernels: int = 0
     kernels_missed: int = 0
     by_type: Counter = field(default_factory=Counter)
     seconds: float = 0.0
+
+    @property
+    def addresses(self) -> set[tuple[int, int]]:
+        return self.spans | {(w, 1) for w in self.words}
 
     def result(self) -> GraphAddresses:
         return GraphAddresses(tuple(sorted(self.addresses)), nodes=self.nodes, missed=self.missed,
@@ -161,27 +259,32 @@ class Walk:
     def summary(self) -> str:
         types = ", ".join(f"{k}={v}" for k, v in sorted(self.by_type.items()))
         return (f"{self.nodes} node(s) ({types}), {self.missed} missed, kernel nodes read "
-                f"{self.kernels - self.kernels_missed}/{self.kernels}, {len(self.addresses)} address(es), "
-                f"{self.seconds * 1e3:.2f} ms")
+                f"{self.kernels - self.kernels_missed}/{self.kernels}, {len(self.words)} pointer word(s) and "
+                f"{len(self.spans)} span(s), {self.seconds * 1e3:.2f} ms")
 
 
 class GraphWalker:
-    """Reads the addresses of CUDA graphs through cuda-python's driver module."""
+    """Reads the addresses of CUDA graphs.
 
-    def __init__(self, driver: Any = None) -> None:
+    :param driver: ``cuda.bindings.driver`` (or a stand-in with its names).
+    :param calls: the per-node calls; by default straight into libcuda where it can be loaded.
+    """
+
+    def __init__(self, driver: Any = None, calls: Bindings | None = None) -> None:
         if driver is None:
             from cuda.bindings import driver as bindings
 
             driver = bindings
         self.d = driver
+        self.calls = calls if calls is not None else Bindings(driver)
         self._capture_info = _first(driver, REQUIRED[0])
-        self._kernel_params = _first(driver, REQUIRED[3])
         types = driver.CUgraphNodeType
-        names = {"KERNEL": self._kernel, "MEMCPY": self._memcpy, "MEMSET": self._memset, "GRAPH": self._child,
+        names = {"MEMCPY": self._memcpy, "MEMSET": self._memset, "GRAPH": self._child,
                  "MEM_ALLOC": self._mem_alloc, "MEM_FREE": self._mem_free}
         quiet = ("EMPTY", "WAIT_EVENT", "EVENT_RECORD", "HOST", "EXT_SEMAS_SIGNAL", "EXT_SEMAS_WAIT")
         self._readers: dict[int, Any] = {}
         self._names: dict[int, str] = {}
+        self._kernel_type = int(types.CU_GRAPH_NODE_TYPE_KERNEL)
         for member in types:
             short = member.name.removeprefix("CU_GRAPH_NODE_TYPE_")
             self._names[int(member)] = short.lower()
@@ -189,12 +292,11 @@ class GraphWalker:
                 self._readers[int(member)] = names[short]
             elif short in quiet:
                 self._readers[int(member)] = _nothing
-        self._layouts: dict[tuple[int, int], tuple[tuple[int, int], ...] | None] = {}  # by (func, kern)
+        self._layouts: dict[tuple[int, int], Layout | None] = {}  # by (func, kern)
         self._lock = threading.Lock()
         self._device_memory = {int(m) for m in driver.CUmemorytype
                                if m.name in ("CU_MEMORYTYPE_DEVICE", "CU_MEMORYTYPE_UNIFIED")}
-        active = driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
-        self._active = int(active)
+        self._active = int(driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE)
 
     # -- entry points ---------------------------------------------------------------------------
 
@@ -208,7 +310,7 @@ class GraphWalker:
         log.debug("cuda: graph under capture read: %s", walk.summary())
         return walk
 
-    def capturing_graph(self, stream: int) -> Any:
+    def capturing_graph(self, stream: int) -> int:
         """The graph under construction on ``stream``.
 
         :raises InvalidStateError: the stream is not capturing.
@@ -223,63 +325,64 @@ class GraphWalker:
         graph = next((v for v in result[1:] if isinstance(v, self.d.CUgraph)), None)
         if status is None or int(status) != self._active or graph is None or not int(graph):
             raise InvalidStateError(f"stream {stream:#x} is not capturing", backend=NAME, call="graph_addresses")
-        return graph
+        return int(graph)
 
-    def walk(self, graph: Any, walk: Walk, depth: int = 0) -> None:
+    def walk(self, graph: int, walk: Walk, depth: int = 0) -> None:
         """Add what the nodes of ``graph`` (and its child graphs) use to ``walk``."""
-        d = self.d
-        err, _, count = d.cuGraphGetNodes(graph, 0)
-        _check(err, "cuGraphGetNodes")
-        if not count:
-            return
-        err, nodes, count = d.cuGraphGetNodes(graph, count)
-        _check(err, "cuGraphGetNodes")
-        for node in nodes[:count]:
-            walk.nodes += 1
-            err, kind = d.cuGraphNodeGetType(node)
-            kind = int(kind) if int(err) == CUDA_SUCCESS else -1
-            name = self._names.get(kind, f"type {kind}")
-            walk.by_type[name] += 1
-            reader = self._readers.get(kind)
+        calls, kernel_type = self.calls, self._kernel_type
+        kinds: Counter[int] = Counter()
+        nodes = calls.nodes(graph)
+        walk.nodes += len(nodes)
+        for node in nodes:
+            kind = calls.node_type(node)
+            kinds[kind] += 1
             try:
-                ok = reader is not None and reader(node, walk, depth)
+                if kind == kernel_type:
+                    ok = self._kernel(node, walk)
+                else:
+                    reader = self._readers.get(kind)
+                    ok = reader is not None and reader(node, walk, depth)
             except Exception as exc:  # noqa: BLE001 - one unreadable node is counted, not fatal to the walk
-                log.debug("cuda: %s node %#x not read: %s: %s", name, int(node), type(exc).__name__, exc)
+                log.debug("cuda: %s node %#x not read: %s: %s", self._names.get(kind, kind), node,
+                          type(exc).__name__, exc)
                 ok = False
             else:
                 if not ok:
-                    log.debug("cuda: %s node %#x not read", name, int(node))
+                    log.debug("cuda: %s node %#x not read", self._names.get(kind, kind), node)
             if not ok:
                 walk.missed += 1
-                if name == "kernel":
+                if kind == kernel_type:
                     walk.kernels_missed += 1
+        walk.kernels += kinds[kernel_type]
+        for kind, count in kinds.items():
+            walk.by_type[self._names.get(kind, f"type {kind}")] += count
 
     # -- node readers: True when the node was read --------------------------------------------
 
-    def _kernel(self, node: Any, walk: Walk, depth: int) -> bool:
-        walk.kernels += 1
-        err, params = self._kernel_params(node)
-        _check(err, "cuGraphKernelNodeGetParams")
-        kernel_params, extra = address(params.kernelParams), address(params.extra)
-        found = walk.addresses
+    def _kernel(self, node: int, walk: Walk) -> bool:
+        func, kern, kernel_params, extra = self.calls.kernel(node)
         read = False
         if extra:
             buf = read_extra(extra)
             if buf is not None:
-                found.update((w, 1) for w in candidates(buf))
+                walk.words.update(candidates(buf))
                 read = True
         if kernel_params:
-            layout = self.layout(params)
+            layout = self.layout(func, kern)
             if layout is None:
                 return read
-            found.update((w, 1) for w in candidates(read_params(kernel_params, layout)))
+            walk.words.update(candidates(layout.read(kernel_params)))
             return True
         if read:
             return True
-        return self.layout(params) == ()  # no arguments given: read only when the kernel takes none
+        layout = self.layout(func, kern)  # no arguments given: read only when the kernel takes none
+        return layout is not None and not layout.args
 
-    def _memcpy(self, node: Any, walk: Walk, depth: int) -> bool:
-        err, p = self.d.cuGraphMemcpyNodeGetParams(node)
+    def _node(self, node: int) -> Any:
+        return self.d.CUgraphNode(node)
+
+    def _memcpy(self, node: int, walk: Walk, depth: int) -> bool:
+        err, p = self.d.cuGraphMemcpyNodeGetParams(self._node(node))
         _check(err, "cuGraphMemcpyNodeGetParams")
         for side in ("src", "dst"):
             if int(getattr(p, f"{side}MemoryType")) not in self._device_memory:
@@ -290,69 +393,96 @@ class GraphWalker:
                      + int(getattr(p, f"{side}Z")) * pitch * int(getattr(p, f"{side}Height")))
             size = extent(int(p.WidthInBytes), int(p.Height), int(p.Depth), pitch, int(getattr(p, f"{side}Height")))
             if start and size:
-                walk.addresses.add((start, size))
+                walk.spans.add((start, size))
         return True
 
-    def _memset(self, node: Any, walk: Walk, depth: int) -> bool:
-        err, p = self.d.cuGraphMemsetNodeGetParams(node)
+    def _memset(self, node: int, walk: Walk, depth: int) -> bool:
+        err, p = self.d.cuGraphMemsetNodeGetParams(self._node(node))
         _check(err, "cuGraphMemsetNodeGetParams")
         dst = int(p.dst)
         size = extent(int(p.width) * int(p.elementSize), int(p.height), 1, int(p.pitch), 1)
         if dst and size:
-            walk.addresses.add((dst, size))
+            walk.spans.add((dst, size))
         return True
 
-    def _child(self, node: Any, walk: Walk, depth: int) -> bool:
+    def _child(self, node: int, walk: Walk, depth: int) -> bool:
         if depth >= MAX_DEPTH:
             return False
-        err, child = self.d.cuGraphChildGraphNodeGetGraph(node)
+        err, child = self.d.cuGraphChildGraphNodeGetGraph(self._node(node))
         _check(err, "cuGraphChildGraphNodeGetGraph")
-        self.walk(child, walk, depth + 1)
+        self.walk(int(child), walk, depth + 1)
         return True
 
-    def _mem_alloc(self, node: Any, walk: Walk, depth: int) -> bool:
-        err, p = self.d.cuGraphMemAllocNodeGetParams(node)
+    def _mem_alloc(self, node: int, walk: Walk, depth: int) -> bool:
+        err, p = self.d.cuGraphMemAllocNodeGetParams(self._node(node))
         _check(err, "cuGraphMemAllocNodeGetParams")
-        walk.addresses.add((int(p.dptr), max(int(p.bytesize), 1)))
+        walk.spans.add((int(p.dptr), max(int(p.bytesize), 1)))
         return True
 
-    def _mem_free(self, node: Any, walk: Walk, depth: int) -> bool:
-        err, dptr = self.d.cuGraphMemFreeNodeGetParams(node)
+    def _mem_free(self, node: int, walk: Walk, depth: int) -> bool:
+        err, dptr = self.d.cuGraphMemFreeNodeGetParams(self._node(node))
         _check(err, "cuGraphMemFreeNodeGetParams")
-        walk.addresses.add((int(dptr), 1))
+        walk.words.add(int(dptr))
         return True
 
     # -- argument layouts -----------------------------------------------------------------------
 
-    def layout(self, params: Any) -> tuple[tuple[int, int], ...] | None:
-        """``(offset, size)`` of each argument of the node's kernel; None when the driver does not say.
+    def layout(self, func: int, kern: int) -> Layout | None:
+        """The argument layout of a node's kernel; None when the driver does not say.
 
         The node names a ``CUfunction`` (``func``) or a context-free ``CUkernel`` (``kern``, used when
         ``func`` is NULL); a ``CUkernel`` may also come cast to a ``CUfunction``, so a function the
         driver does not take is asked again as a kernel.
         """
-        func, kern = address(params.func), address(getattr(params, "kern", None))
         key = (func, kern)
-        with self._lock:
-            if key in self._layouts:
-                return self._layouts[key]
+        found = self._layouts.get(key, _UNKNOWN)
+        if found is not _UNKNOWN:
+            return found  # type: ignore[return-value]
         asks: list[tuple[Any, Any]] = []
         if func:
-            asks.append((self.d.cuFuncGetParamInfo, params.func))
+            asks.append((self.d.cuFuncGetParamInfo, self.d.CUfunction(func)))
         by_kernel = getattr(self.d, "cuKernelGetParamInfo", None)
         if by_kernel is not None:
-            if func:
-                asks.append((by_kernel, self.d.CUkernel(func)))
-            if kern:
-                asks.append((by_kernel, params.kern))
-        found = None
+            asks.extend((by_kernel, self.d.CUkernel(handle)) for handle in (func, kern) if handle)
+        args = None
         for call, handle in asks:
-            found = _ask_layout(call, handle)
-            if found is not None:
+            args = _ask_layout(call, handle)
+            if args is not None:
                 break
+        layout = None if args is None else Layout(args)
         with self._lock:
-            self._layouts[key] = found
-        return found
+            self._layouts[key] = layout
+        return layout
+
+
+_UNKNOWN = object()
+
+
+class Layout:
+    """Where a kernel's arguments lie in its parameter space."""
+
+    def __init__(self, args: tuple[tuple[int, int], ...]) -> None:
+        self.args = args
+        self.offsets = tuple(offset for offset, _ in args)
+        self.end = max((offset + size for offset, size in args), default=0)
+        self._pointers = ctypes.c_uint64 * len(args)
+
+    def read(self, kernel_params: int) -> bytes:
+        """The parameter space, rebuilt from ``kernelParams`` (``void*[]``, one pointer per argument)."""
+        if not self.args:
+            return b""
+        pointers = self._pointers.from_address(kernel_params)
+        first, last, middle = pointers[0], pointers[-1], pointers[len(self.args) // 2]
+        base = first - self.offsets[0]
+        if first and last - base == self.offsets[-1] and middle - base == self.offsets[len(self.args) // 2]:
+            # the driver keeps the arguments packed as in the parameter space (first, middle and last
+            # pointer agree with the layout): one read
+            return ctypes.string_at(base, self.end)
+        space = bytearray(self.end)
+        for p, (offset, size) in zip(pointers, self.args, strict=True):
+            if p:
+                space[offset:offset + size] = ctypes.string_at(p, size)
+        return bytes(space)
 
 
 def _ask_layout(call: Any, handle: Any) -> tuple[tuple[int, int], ...] | None:
@@ -441,7 +571,9 @@ def walker() -> GraphWalker:
     global _walker
     with _walker_lock:
         if _walker is None:
-            _walker = GraphWalker()
+            from cuda.bindings import driver
+
+            _walker = GraphWalker(driver, native_calls(driver))
         return _walker
 
 
