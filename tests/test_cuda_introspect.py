@@ -384,6 +384,60 @@ def test_a_route_that_refuses_the_graph_gets_it_reset_and_its_error_through() ->
     assert released == [False]
 
 
+class StreamContext:
+    def __init__(self) -> None:
+        self.entered = self.left = 0
+
+    def __enter__(self) -> None:
+        self.entered += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.left += 1
+
+
+class GraphBlock:
+    """``torch.cuda.graph`` as torch writes it: the capture stream's context, then capture_begin; on exit
+    capture_end, then the stream context (skipped when capture_end raises)."""
+
+    def __init__(self, graph: FrameworkGraph) -> None:
+        self.cuda_graph, self.stream_ctx = graph, StreamContext()
+
+    def __enter__(self) -> None:
+        self.stream_ctx.__enter__()
+        self.cuda_graph.capture_begin()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cuda_graph.capture_end()
+        self.stream_ctx.__exit__(*exc)
+
+
+def test_a_refused_graph_gives_back_the_stream_its_block_made_current() -> None:
+    refuse = [True]
+
+    def on_end(ok: bool) -> None:
+        if ok and refuse[0]:
+            raise hal.CaptureError("refused", backend="graphkit", call="capture")
+
+    routing = GraphClassRouting(FrameworkGraph, lambda: 0, lambda pool: pool.id, lambda g: FOUND)
+    with routing.activate(0, lambda g, r: Route(Pool(), on_end, inspect=True)):
+        refused = GraphBlock(FrameworkGraph())
+        with pytest.raises(hal.CaptureError):
+            with refused:
+                pass
+        assert refused.stream_ctx.left == 1  # left once, by the refusal
+        failed = GraphBlock(FrameworkGraph())
+        failed.cuda_graph.fail_end = True
+        with pytest.raises(RuntimeError):
+            with failed:
+                pass
+        assert failed.stream_ctx.left == 0  # a capture that did not end: as torch leaves it
+        refuse[0] = False
+        kept = GraphBlock(FrameworkGraph())
+        with kept:
+            pass
+        assert kept.stream_ctx.left == 1
+
+
 # -- the cuda glue against a stand-in torch.cuda ------------------------------------------------------
 
 
@@ -584,9 +638,7 @@ def test_a_graph_its_route_refuses_is_reset_and_the_allocator_stays_usable(be: h
             with torch.cuda.graph(graph, stream=side):
                 torch.tanh(x @ w)
         assert info.value is refusal
-        left_current = torch.cuda.current_stream()
-        log.info("after a refused torch.cuda.graph the current stream is %s (before: %s)", left_current, default)
-        torch.cuda.set_stream(default)  # torch.cuda.graph leaves its capture stream current when capture_end raises
+        assert torch.cuda.current_stream() == default  # the capture stream is not left current
         with pytest.raises(RuntimeError):
             graph.replay()  # reset: nothing to replay
         y = torch.tanh(x @ w)  # the allocator and the device still work

@@ -17,15 +17,16 @@ route with ``inspect`` set has the graph's addresses recorded on the graph
 object (attribute :data:`ADDRESSES`) just before the framework ends the
 capture, so that the route's ``on_end(True)`` can check them. When
 ``on_end(True)`` raises, the graph is refused: it is reset, marked
-(:data:`REFUSED`), its route's ``on_release`` is never called, and the error
-leaves ``capture_end``. Like any failed ``capture_end``, that leaves the
-capture stream current in ``torch.<device>.graph``.
+(:data:`REFUSED`), its route's ``on_release`` is never called, the stream
+that ``torch.<device>.graph`` made current is given back, and the error
+leaves ``capture_end``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -232,13 +233,49 @@ class GraphClassRouting:
         watch_release(graph, _forgetting(graph, route.on_release))
 
     def refuse(self, graph: Any) -> None:
-        """Reset a graph whose route refused it, as after a failed capture, and mark it :data:`REFUSED`."""
+        """Reset a graph whose route refused it, as after a failed capture, and mark it :data:`REFUSED`.
+
+        The capture itself ended, so the stream the capture block made current is given back as the
+        block would have (see :func:`leave_capture_block`).
+        """
         forget(graph, ADDRESSES)
         graph.__dict__[REFUSED] = True
         try:
             type(graph).reset(graph)
         except Exception as exc:  # noqa: BLE001 - the refusal's own error is the one that matters
             log.debug("reset of a refused graph: %s", exc)
+        leave_capture_block(graph)
+
+
+#: how far up the stack :func:`leave_capture_block` looks for the capture block
+_BLOCK_FRAMES = 8
+
+
+def leave_capture_block(graph: Any) -> bool:
+    """Undo the stream switch of the ``torch.<device>.graph`` block whose ``capture_end`` is raising.
+
+    torch's graph context managers (``torch.cuda.graph``, and torch_npu's after it) make the
+    capture stream current through a ``stream_ctx`` on entry and give it back after ``capture_end``
+    returns; when ``capture_end`` raises they skip that, and the caller's later work would run on
+    the capture stream, unordered with its own. After a refusal the capture has ended, so the block
+    is found among the callers (an object holding ``graph`` and a ``stream_ctx``) and its stream
+    context left. Returns whether one was found.
+    """
+    frame = sys._getframe(1)
+    for _ in range(_BLOCK_FRAMES):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return False
+        block = frame.f_locals.get("self")
+        context = getattr(block, "stream_ctx", None)
+        if context is not None and any(v is graph for v in getattr(block, "__dict__", {}).values()):
+            try:
+                context.__exit__(None, None, None)
+            except Exception as exc:  # noqa: BLE001 - the refusal's own error is the one that matters
+                log.debug("leaving the capture block of a refused graph: %s", exc)
+                return False
+            return True
+    return False
 
 
 def forget(graph: Any, *names: str) -> None:
