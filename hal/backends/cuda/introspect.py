@@ -307,7 +307,8 @@ class GraphWalker:
         walk = Walk()
         self.walk(graph, walk)
         walk.seconds = time.perf_counter() - start
-        log.debug("cuda: graph under capture read: %s", walk.summary())
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("cuda: graph under capture read: %s", walk.summary())
         return walk
 
     def capturing_graph(self, stream: int) -> int:
