@@ -5,6 +5,11 @@ it was captured on, replays on that stream (ordered with the caller's), and
 a capture that fails half-way is undone: torch's allocator stops routing the
 stream's allocations to the pool, the pool's reference is dropped and the
 random generators leave capture mode.
+
+With ``inspect``, the graph under construction is read just before torch
+ends the capture (:mod:`hal.backends.cuda.introspect`) and what it uses is
+kept on the :class:`CudaGraph`. A routed capture whose route refuses the
+graph at its end is undone the same way, and the route's error propagates.
 """
 
 from __future__ import annotations
@@ -12,16 +17,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hal.backends._native import torch_compat as compat
-from hal.backends._native.routing import UNROUTED
+from hal.backends._native.routing import ADDRESSES, REFUSED, UNROUTED, forget
 from hal.backends._native.torch_glue import TorchPool
 from hal.backends.cuda.errors import NAME
 from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError
 from hal.gcguard import gc_disabled
+from hal.types import GraphAddresses
 
 if TYPE_CHECKING:
     from hal.backends.cuda.torch_glue import CudaGlue
@@ -39,6 +45,8 @@ class CudaGraph:
     pool: TorchPool | None = None
     captured: bool = False
     released: bool = False
+    #: what the graph uses, read at its capture (``inspect``), or why that could not be read
+    addresses: GraphAddresses | str | None = None
 
     def __repr__(self) -> str:
         state = "released" if self.released else "captured" if self.captured else "empty"
@@ -57,9 +65,13 @@ def _check_pool(glue: CudaGlue, graph: CudaGraph, pool: TorchPool | None) -> Non
         raise (InvalidStateError if pool.released else InvalidArgumentError)(problem, backend=NAME, call="capture")
 
 
+#: reads the graph being captured on a stream: ``inspector(stream) -> GraphAddresses``
+StreamInspector = Callable[[Any], GraphAddresses]
+
+
 @contextlib.contextmanager
 def capture(glue: CudaGlue, graph: CudaGraph, pool: TorchPool | None, stream: Any,
-            capture_error_mode: str) -> Iterator[CudaGraph]:
+            capture_error_mode: str, inspect: StreamInspector | None = None) -> Iterator[CudaGraph]:
     """Capture the work of the block into ``graph`` on ``stream``, drawing memory from ``pool``.
 
     A context manager around ``torch.cuda.graph``. The garbage collector is
@@ -68,6 +80,12 @@ def capture(glue: CudaGlue, graph: CudaGraph, pool: TorchPool | None, stream: An
     torch raise its ``OutOfMemoryError``, with the pool's reason attached as
     a note. After a failure the graph is empty (release it) and torch's
     allocator no longer routes the stream's allocations to the pool.
+
+    :param inspect: reads the graph under construction on ``stream`` just
+        before the capture ends; what it returns (or why it failed) is kept
+        in ``graph.addresses``.
+    :raises: a route's own error when its ``on_end(True)`` refuses the graph
+        (the graph is then empty, as after a failed capture).
     """
     torch, cuda = glue.torch, glue.ns
     if graph.captured or graph.released:
@@ -75,6 +93,8 @@ def capture(glue: CudaGlue, graph: CudaGraph, pool: TorchPool | None, stream: An
     if stream is None or stream.device != torch.device("cuda", graph.device):
         raise InvalidArgumentError(f"stream={stream!r} is not a stream of device {graph.device}",
                                    backend=NAME, call="capture")
+    graph.addresses = None
+    forget(graph.torch_graph, ADDRESSES, REFUSED)
     if glue.routing is not None:  # inside route_captures the router chooses the pool
         pool = glue.routing.begin(graph.torch_graph, pool, graph.device) or pool
     _check_pool(glue, graph, pool)
@@ -97,12 +117,22 @@ def capture(glue: CudaGlue, graph: CudaGraph, pool: TorchPool | None, stream: An
                 yield graph
         except BaseException as exc:  # noqa: BLE001 - kept, then re-raised as CaptureError or undone after exit
             body = exc
+        if body is None and inspect is not None:
+            _record_addresses(graph, stream, inspect)
         try:
             with warnings.catch_warnings():
                 if body is not None:  # the graph is empty or partial: torch's warning about it is noise
                     warnings.simplefilter("ignore")
                 torch_capture.__exit__(type(body) if body else None, body, body.__traceback__ if body else None)
         except BaseException as end_exc:
+            if graph.torch_graph.__dict__.pop(REFUSED, False):  # ended, then refused by its route
+                graph.addresses = None
+                _undo_failed_capture(glue, graph, pool_id, previous, capture_ended=True)
+                if body is not None:
+                    raise body from end_exc
+                raise
+            graph.addresses = None
+            forget(graph.torch_graph, ADDRESSES)
             _undo_failed_capture(glue, graph, pool_id, previous, capture_ended=False)
             first = body if body is not None else end_exc
             raise CaptureError(
@@ -110,6 +140,7 @@ def capture(glue: CudaGlue, graph: CudaGraph, pool: TorchPool | None, stream: An
                 "(host synchronisations such as .item(), .cpu() or printing a tensor are not allowed "
                 "in a capture)", backend=NAME, call="capture") from end_exc
         if body is not None:
+            forget(graph.torch_graph, ADDRESSES)
             _undo_failed_capture(glue, graph, pool_id, previous, capture_ended=True)
             if isinstance(body, torch.OutOfMemoryError):
                 glue.explain_out_of_memory(body, pool)
@@ -120,8 +151,40 @@ def capture(glue: CudaGlue, graph: CudaGraph, pool: TorchPool | None, stream: An
     graph.stream = stream
     graph.pool = pool
     graph.captured = True
+    graph.addresses = graph.torch_graph.__dict__.get(ADDRESSES)  # ours, or what a route asked for
     if pool is not None:
         pool.graphs += 1
+
+
+def _record_addresses(graph: CudaGraph, stream: Any, inspect: StreamInspector) -> None:
+    """Read what the graph under construction on ``stream`` uses; keep it (or why it failed) on the graph
+    and on its torch graph, where a route's ``on_end`` looks for it."""
+    try:
+        found: GraphAddresses | str = inspect(stream)
+    except Exception as exc:  # noqa: BLE001 - the capture still ends; graph_addresses says why there is nothing
+        found = f"{type(exc).__name__}: {exc}"
+        log.warning("cuda: the addresses of a capture could not be read: %s", found)
+    graph.torch_graph.__dict__[ADDRESSES] = found
+
+
+def addresses(graph: CudaGraph | Any) -> GraphAddresses:
+    """What a graph captured with ``inspect`` (or routed with an inspecting route) uses.
+
+    :param graph: a :class:`CudaGraph` or a ``torch.cuda.CUDAGraph``.
+    :raises InvalidStateError: nothing was recorded for it, or the read failed.
+    """
+    if isinstance(graph, CudaGraph):
+        if graph.released or not graph.captured:
+            raise InvalidStateError(f"{graph!r} is not captured", backend=NAME, call="graph_addresses")
+        found = graph.addresses
+    else:
+        found = getattr(graph, "__dict__", {}).get(ADDRESSES)
+    if isinstance(found, GraphAddresses):
+        return found
+    why = (f"reading it failed: {found}" if isinstance(found, str)
+           else "it was captured without inspect=True (or by a route without inspect)")
+    raise InvalidStateError(f"no addresses were recorded for {graph!r}: {why}", backend=NAME,
+                            call="graph_addresses")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -218,5 +281,7 @@ def release(glue: CudaGlue, graph: CudaGraph) -> None:
         if graph.captured and graph.stream is not None:
             graph.stream.synchronize()
         graph.torch_graph.reset()
+    forget(graph.torch_graph, ADDRESSES)
+    graph.addresses = None
     graph.torch_graph = None
     graph.stream = None

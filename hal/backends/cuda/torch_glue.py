@@ -7,8 +7,9 @@ routing. What is cuda's own is here: the names, the ``"global"`` capture
 mode, a device entered around every call (one process drives several GPUs,
 and a backend must not change the current one), the conditions under which a
 ``torch.cuda.MemPool`` takes segments from Python callbacks, and the graph
-lifecycle of :mod:`hal.backends.cuda.graph`. torch is imported only when a
-glue is created.
+lifecycle of :mod:`hal.backends.cuda.graph`, and -- where the backend gives
+it a stream inspector (:meth:`CudaGlue.use_inspector`) -- the addresses of
+graphs read at their capture. torch is imported only when a glue is created.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from hal.backends._native.torch_glue import TorchExtension, TorchGlue, TorchPool
 from hal.backends.cuda import graph as graphs
 from hal.backends.cuda.errors import NAME
 from hal.errors import UnsupportedError
+from hal.types import GraphAddresses
 
 log = logging.getLogger("hal.cuda")
 
@@ -40,6 +42,20 @@ class CudaGlue(TorchGlue):
         """:param ext: a stand-in for the torch module (tests); torch itself by default."""
         super().__init__(device, ext)
         self._capture_stream: Any = None
+        self.inspector: graphs.StreamInspector | None = None
+
+    def use_inspector(self, inspector: graphs.StreamInspector | None) -> None:
+        """Read graphs under construction with ``inspector(stream)``: captures with ``inspect=True``
+        and routed captures whose route asks for it (the routing of torch's graph class is shared by
+        every device, and so is its inspector)."""
+        self.inspector = inspector
+        if self.routing is not None:
+            self.routing.set_inspector(None if inspector is None else self._inspect_current)
+
+    def _inspect_current(self, torch_graph: Any) -> GraphAddresses:
+        """What the graph being captured on the current stream uses (torch ends a capture there)."""
+        assert self.inspector is not None
+        return self.inspector(self.ns.current_stream())
 
     # -- what this torch offers ---------------------------------------------------------------
 
@@ -96,13 +112,25 @@ class CudaGlue(TorchGlue):
         return graphs.CudaGraph(super().create_graph(), self.device)
 
     def capture(self, graph: graphs.CudaGraph, pool: TorchPool | None, stream: Any,
-                capture_error_mode: str | None) -> AbstractContextManager[graphs.CudaGraph]:
-        """:func:`hal.backends.cuda.graph.capture`, on a stream of this backend's own when given none."""
+                capture_error_mode: str | None, inspect: bool = False) -> AbstractContextManager[graphs.CudaGraph]:
+        """:func:`hal.backends.cuda.graph.capture`, on a stream of this backend's own when given none.
+
+        :param inspect: record what the graph uses (:meth:`graph_addresses`); needs an inspector.
+        """
+        if inspect and self.inspector is None:
+            raise UnsupportedError("inspect=True: this glue has no way to read a graph under construction",
+                                   backend=NAME, call="capture")
         if stream is None:
             if self._capture_stream is None:
                 self._capture_stream = self.create_stream()
             stream = self._capture_stream
-        return graphs.capture(self, graph, pool, stream, capture_error_mode or self.default_capture_mode)
+        return graphs.capture(self, graph, pool, stream, capture_error_mode or self.default_capture_mode,
+                              self.inspector if inspect else None)
+
+    def graph_addresses(self, graph: Any) -> GraphAddresses:
+        """What ``graph`` (a :class:`~hal.backends.cuda.graph.CudaGraph` or a ``torch.cuda.CUDAGraph``)
+        uses, as recorded at its capture."""
+        return graphs.addresses(graph)
 
     def replay(self, graph: graphs.CudaGraph) -> None:
         graphs.replay(self, graph)
