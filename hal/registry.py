@@ -509,13 +509,14 @@ def dropped_capabilities(be: Backend) -> list[str]:
     declared = be.plugin.capabilities()
     problems = []
     for capability in sorted(set(declared) - be.capabilities):
-        hooks = api.CAPABILITY_HOOKS.get(capability)
-        if hooks is None:
-            problems.append(f"declares unknown capability {capability!r}; known: {', '.join(sorted(api.CAPABILITIES))}")
-            continue
-        missing = [h for h in hooks if not be.implements(h)]
+        missing = [h for h in api.CAPABILITY_HOOKS[capability] if not be.implements(h)]
         problems.append(f"declares capability {capability!r} but does not implement {', '.join(missing)}: implement "
                         f"{'it' if len(missing) == 1 else 'them'} or leave {capability!r} out of capabilities()")
+    for capability in sorted(set(declared) - api.CAPABILITIES):
+        close = difflib.get_close_matches(capability, api.CAPABILITIES, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        problems.append(f"declares unknown capability {capability!r} (hal ignores it); {hint}known: "
+                        f"{', '.join(sorted(api.CAPABILITIES))}")
     return problems
 
 
