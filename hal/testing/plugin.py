@@ -62,7 +62,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     half = config.getoption("hal_half")
     if not half:
         return
-    keep, drop = [], []
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
     for item in items:
         module = getattr(getattr(item, "cls", None), "__module__", None)
         (drop if module in HALVES.values() and module != HALVES[half] else keep).append(item)
