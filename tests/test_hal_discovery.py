@@ -72,6 +72,8 @@ MODULES = {
             setattr(VmmOnly, _hook, getattr(FakeBackend, _hook))
     """),
     "odd_late": SUB + "class B(FakeBackend):\n    hal_priority = 1500\n",
+    # declares every capability of the host recorder but leaves a graph hook out
+    "odd_partial": SUB + "class B(FakeBackend):\n    hal_priority = 2000\n    create_stream = None\n",
 }
 
 
@@ -113,7 +115,8 @@ def listing(stdout: str) -> dict[str, tuple[str, str]]:
 
 
 def test_python_m_hal_lists_a_plugin_whose_constructor_raises_and_exits_0(tmp_path: Path) -> None:
-    site = site_with(tmp_path, {"ctor": "odd_ctor:B", "ctor_exit": "odd_ctor_exit:B", "imp_exit": "odd_import_exit:B"})
+    site = site_with(tmp_path, {"ctor": "odd_ctor:B", "ctor_exit": "odd_ctor_exit:B", "imp_exit": "odd_import_exit:B",
+                                "partial": "odd_partial:B"})
     proc = python_m_hal(site)
     assert proc.returncode == 0, proc.stderr
     found = listing(proc.stdout)
@@ -121,6 +124,9 @@ def test_python_m_hal_lists_a_plugin_whose_constructor_raises_and_exits_0(tmp_pa
     assert found["ctor_exit"][0] == "unavailable" and "SystemExit(4)" in found["ctor_exit"][1]
     assert found["imp_exit"][0] == "unavailable" and "sys.exit()" in found["imp_exit"][1], proc.stdout
     assert found["fake"][0] == "available"
+    assert found["partial"][0] == "available" and found["partial"][1].endswith("capabilities: -")
+    assert ("warning: declares capability 'graphs' but does not implement create_stream: implement it or leave "
+            "'graphs' out of capabilities()") in proc.stdout, proc.stdout
     assert "selected by default: fake" in proc.stdout, proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
 

@@ -2,9 +2,11 @@
 
 Each class names the capabilities it needs (see :data:`hal.api.CAPABILITIES`);
 on a backend that does not declare one of them, its tests skip with a reason
-that names the backend and the missing capability (a vmm-only plugin such as
-``hal-hostmem`` skips them all). The tests run small torch work
-(``x * 2 + 1``) on the backend's ``torch_device()``, so they need torch.
+that names the backend, the missing capability and what the tests do with it
+(a vmm-only plugin skips them all). The tests run small torch work
+(``x * 2 + 1``, and functions with constants, in-place and ``out=`` ops and
+views, compared with their eager results) on the backend's ``torch_device()``,
+so they need torch. ``--hal-half graph`` runs this half alone.
 
 They come with ``from hal.testing.suite import *`` like the vmm half.
 """
