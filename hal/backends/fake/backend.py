@@ -62,6 +62,11 @@ class FakeBackend(HostGraphs):
     def probe(cls) -> str | None:
         return hostvm.unavailable_reason()
 
+    @property
+    def _routers(self) -> list[Any]:
+        """The ``route_captures`` blocks active now, innermost last (the host recorder's list)."""
+        return self._host_routers
+
     # -- internal memory ---------------------------------------------------------
 
     def _charge(self, call: str, size: int) -> None:
