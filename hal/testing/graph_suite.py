@@ -13,7 +13,10 @@ They come with ``from hal.testing.suite import *`` like the vmm half.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
+import os
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -329,16 +332,50 @@ class TestCaptureReplay(_NeedsCapabilities):
         be.release_graph(graph)
 
 
+M_PERTURB = -6  # glibc's mallopt parameter: fill memory given back by free() with a byte
+
+
+@contextlib.contextmanager
+def freed_host_memory_poisoned() -> Iterator[None]:
+    """Inside the block, glibc's ``free()`` fills the heap memory it takes back with ``0xa5`` bytes.
+
+    So a replay that reads a host tensor that died reads garbage whatever
+    the allocator does with the memory next. Elsewhere (another C library)
+    this does nothing.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        yield
+        return
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    before = int(os.environ.get("MALLOC_PERTURB_", "0") or 0)
+    mallopt(M_PERTURB, 0xA5)
+    try:
+        yield
+    finally:
+        mallopt(M_PERTURB, before)
+
+
 def replays_like_eager(be: hal.Backend, work: Callable[..., tuple[Any, ...]], buffers: int = 0,
                        seeds: tuple[int, ...] = (1, 2)) -> None:
     """Capture ``work(x, *buffers)``, then replay it on new values of ``x`` and compare with eager ``work``.
 
     ``buffers`` are zeroed tensors made before the capture (outputs written
     with ``out=`` or ``copy_``); ``work`` returns the tensors to compare.
-    Between the capture and the replays everything the capture dropped is
-    collected and fresh tensors of garbage are made, so a replay that reads
-    memory it does not own reads garbage.
+    Host memory freed during the check is filled with garbage (on glibc), and
+    fresh tensors of garbage are made right before each replay, so a replay
+    that reads memory it does not own (a tensor the capture made and
+    dropped) reads garbage.
     """
+
+    dev = be.torch_device()
+    with freed_host_memory_poisoned() if dev.type == "cpu" else contextlib.nullcontext():
+        _replays_like_eager(be, work, buffers, seeds)
+
+
+def _replays_like_eager(be: hal.Backend, work: Callable[..., tuple[Any, ...]], buffers: int,
+                        seeds: tuple[int, ...]) -> None:
     import torch
 
     dev = be.torch_device()
@@ -356,21 +393,22 @@ def replays_like_eager(be: hal.Backend, work: Callable[..., tuple[Any, ...]], bu
     with be.capture(graph, None, stream):
         outs = work(x, *bufs)
     settle(be)
-    garbage = [torch.full((n,), float("nan"), device=dev) for n in (N, N // 4, 3, N) * 8]
     try:
         for seed in seeds:
+            expected_bufs = [torch.zeros(N, device=dev) for _ in range(buffers)]
+            expected = work(values(seed).to(dev), *expected_bufs)
             x.copy_(values(seed).to(dev))
+            # the eager run just freed its own tensors, perhaps where the capture's were: overwrite them
+            garbage = [torch.full((n,), float("nan"), device=dev) for n in (N,) * 64 + (N // 4, N // 2, 3) * 8]
             be.synchronize(None)
             be.replay(graph)
             be.synchronize(None)
-            expected_bufs = [torch.zeros(N, device=dev) for _ in range(buffers)]
-            expected = work(values(seed).to(dev), *expected_bufs)
+            del garbage
             for i, (got, want) in enumerate(zip((*outs, *bufs), (*expected, *expected_bufs), strict=True)):
                 assert torch.equal(got.cpu(), want.cpu()), (
                     f"replay {seed}: result {i} differs from the eager run of the captured function "
                     f"(first values {got.flatten()[:4].tolist()} instead of {want.flatten()[:4].tolist()})")
     finally:
-        del garbage
         be.release_graph(graph)
 
 
