@@ -451,7 +451,9 @@ def get_backend(name: str | None = None, device: int = 0, *, requires: Iterable[
     :param requires: capability names the backend must have (``"graphs"``,
         ``"custom_pool"``, ``"capture_routing"``, ``"use_pool"``: see
         :data:`hal.api.CAPABILITIES`). Without a name, backends lacking one
-        are passed over (they are constructed to ask, then closed).
+        are passed over: a class without the capability's hooks unprobed,
+        the others constructed to ask, then closed. A backend whose
+        constructor fails gives way to the next one.
     :param options: backend options (``fake``: ``granularity``, ``capacity``,
         ``device_count``), given to whichever backend is tried.
     :raises BackendUnavailableError: unknown or unavailable backend, with the reason.
