@@ -160,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tag sizes in MiB for --sleep, e.g. '1024,4096'")
     sleep.add_argument("--cycles", type=int_in(1), default=5,
                        help="pause/resume cycles per case (the median is shown)")
+    sleep.add_argument("--rounds", type=int_in(1), default=None,
+                       help="--sleep: rounds per size, graphkit and torch_memory_saver alternating, each a fresh tag "
+                            "(default 3); --elastic: alternations of allocate-and-copy and elastic growth per size "
+                            "(default 5)")
     elastic = bench.add_argument_group("elastic buffers (--elastic: growth in place against a bare map and "
                                        "allocate-and-copy)")
     elastic.add_argument("--elastic", action="store_true",
@@ -186,7 +190,7 @@ def run_isolated(cfg, argv: list[str], out_dir: Path) -> dict:
     from graphkit.bench.run import merge_parts
 
     parts = []
-    names = ["largest-alone", *(f"{s}:{o}" for s in cfg.strategies if s != COMPILE for o in cfg.orders),
+    names = ["largest-alone", *(f"{s}:{o}" for o in cfg.orders for s in cfg.strategies if s != COMPILE),
              *(s for s in cfg.strategies if s == COMPILE)]
     for i, name in enumerate(names):
         path = out_dir / f".part-{i}.json"
@@ -334,12 +338,14 @@ def main(argv: list[str] | None = None) -> int:
         from graphkit.bench.sleep import run_sleep_bench
 
         sizes = [mib << 20 for mib in args.sleep_sizes] if args.sleep_sizes else None
-        return run_sleep_bench(args.backend, args.device, sizes, args.cycles, args.out_dir, command)
+        return run_sleep_bench(args.backend, args.device, sizes, args.cycles, args.out_dir, command,
+                               rounds=args.rounds or 3)
     if args.elastic:
         from graphkit.bench.elastic import run_elastic_bench
 
         sizes = [mib << 20 for mib in args.elastic_sizes] if args.elastic_sizes else None
-        return run_elastic_bench(args.backend, args.device, sizes, args.out_dir, command)
+        return run_elastic_bench(args.backend, args.device, sizes, args.out_dir, command,
+                                 alternations=args.rounds or 5)
     if args.workload in WORKLOADS:
         return engine_bench(args, command)
     strategies = args.strategies or [*STRATEGIES, COMPILE]
