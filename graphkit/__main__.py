@@ -172,6 +172,17 @@ def build_parser() -> argparse.ArgumentParser:
                               "16 GiB on a device (16 and 64 MiB on a CPU), physical against used bytes as it grows")
     elastic.add_argument("--elastic-sizes", type=parse_sizes, default=None,
                          help="regrowth sizes in MiB for --elastic, e.g. '1024,4096'")
+    kv = bench.add_argument_group("KV cache sizing (--kv-sizing: sized after capture against a pre-capture "
+                                  "estimate)")
+    kv.add_argument("--kv-sizing", action="store_true",
+                    help="the engine of examples/engine-decode with an elastic KV cache, sized from the memory left "
+                         "after capture and from the memory before capture less an estimate, alternating "
+                         "(--runs each, fresh processes on a device): KV bytes, OOM at capture, memory left")
+    kv.add_argument("--kv-margin-mib", type=int_in(0), default=None,
+                    help="--kv-sizing: device memory both approaches leave alone (default 1024 on a device, 1 on fake)")
+    kv.add_argument("--kv-estimate-mib", type=int_in(0), default=None,
+                    help="--kv-sizing: the graph memory estimate (default: the peak of an eager step at the largest "
+                         "batch, the profile engines make)")
     bench.add_argument("--part", help=argparse.SUPPRESS)
     bench.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
@@ -271,9 +282,11 @@ def out_dir_error(path: Path) -> str | None:
 
 def validate_bench(args: argparse.Namespace, prog: str) -> None:
     """Check what the flags' own types cannot: flags together, the backend, the device, the output folder."""
-    if args.sleep and args.elastic:
-        fail(prog, "--sleep and --elastic exclude each other")
-    if not (args.sleep or args.elastic):
+    chosen = [flag for flag, on in (("--sleep", args.sleep), ("--elastic", args.elastic),
+                                    ("--kv-sizing", args.kv_sizing)) if on]
+    if len(chosen) > 1:
+        fail(prog, f"{' and '.join(chosen)} exclude each other")
+    if not chosen:
         if args.workload in WORKLOADS:
             strategies = args.strategies or list(ENGINE_STRATEGIES)
             if set(strategies) - set(ENGINE_STRATEGIES):
@@ -346,6 +359,16 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [mib << 20 for mib in args.elastic_sizes] if args.elastic_sizes else None
         return run_elastic_bench(args.backend, args.device, sizes, args.out_dir, command,
                                  alternations=args.rounds or 5)
+    if args.kv_sizing:
+        from graphkit.bench.kv_sizing import run_kv_sizing_bench
+
+        name = hal.registry.select_backend_name(args.backend, requires=("graphs",))
+        sizes = args.sizes or ([1, 2, 4, 8] if args.engine_config == "tiny" else list(ENGINE_SIZES))
+        return run_kv_sizing_bench(
+            args.backend, args.device, args.engine_config, sizes, args.runs,
+            None if args.kv_margin_mib is None else args.kv_margin_mib << 20,
+            None if args.kv_estimate_mib is None else args.kv_estimate_mib << 20, args.seed,
+            args.isolate == "yes" or (args.isolate == "auto" and name != "fake"), args.out_dir, command)
     if args.workload in WORKLOADS:
         return engine_bench(args, command)
     strategies = args.strategies or [*STRATEGIES, COMPILE]
