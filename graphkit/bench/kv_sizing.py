@@ -48,7 +48,7 @@ APPROACHES = ("estimate", "after-capture")
 DEVICE_MARGIN = 1 << 30
 FAKE_MARGIN = 1 << 20
 #: the fake device for this bench: small, so that "what is left" is a cache of a few hundred blocks
-FAKE_OPTIONS = {"granularity": 1 << 14, "capacity": 8 << 20}
+FAKE_OPTIONS: dict[str, Any] = {"granularity": 1 << 14, "capacity": 8 << 20}
 
 
 def _free(be: hal.Backend) -> int:
@@ -201,7 +201,7 @@ def run_kv_sizing_bench(backend: str | None, device: int, config: str, sizes: li
     estimates = sorted({(r.get('estimate_source'), r.get('estimate_bytes')) for r in results
                         if r["approach"] == "estimate"}, key=str)
     for source, nbytes in estimates:
-        print(f"estimate ({source}): {fmt_bytes(nbytes)}")
+        print(f"estimate ({source}): {fmt_bytes(nbytes or 0)}")
     for t in targets:
         print(f"  {'met ' if t['met'] else 'MISS'}  {t['target']}")
     print(f"wrote {path}")
