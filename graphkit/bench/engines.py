@@ -13,9 +13,9 @@ Each case runs ``runs`` times, each time in a fresh process on a device (single
 runs of one case have differed by 18 MiB on an H100). The cases go run by run,
 the strategies of one order side by side in an order rotated every run (so no
 strategy always runs first); the table gives each figure's median over the
-runs and, for times, its range (min-max). Targets: graph memory of the graphkit strategies at most the engines'
-best (``own-weakref``, descending) in every order; capture time at most 1.1x the
-engine's own shared pool.
+runs with its range (min-max). Targets: graph memory of the graphkit
+strategies at most the engines' best (``own-weakref``, descending) in every
+order; capture time at most 1.1x the engine's own shared pool.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def check_targets(rows: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [(f"{'strategy':<14}{'order':<12}{'graph memory':>14}{'chunks':>12}{'capture s (min-max)':>21}"
+    lines = [(f"{'strategy':<14}{'order':<12}{'graph memory (min-max)':>30}{'chunks':>12}{'capture s (min-max)':>21}"
               f"{'map ms':>8}{'verify':>8}{'nodes':>8}{'replay ms @1':>21}{'@max':>21}  correct")]
     for r in rows:
         chunks = fmt_bytes(r["chunk_bytes"]) if r["chunk_bytes"] is not None else "-"
@@ -155,7 +155,10 @@ def table(rows: list[dict]) -> str:
         spreads = r.get("spread", {})
         capture, at1, atmax = (fmt_spread(spreads.get(k) or spread([r[k]])) for k in
                                ("capture_seconds", "replay_ms_1", "replay_ms_max"))
-        lines.append(f"{r['strategy']:<14}{r['order']:<12}{fmt_bytes(r['graph_memory_bytes']):>14}{chunks:>12}"
+        memory = spreads.get("graph_memory_bytes") or spread([r["graph_memory_bytes"]])
+        mem = fmt_bytes(memory["median"]) + (f" ({fmt_bytes(memory['min'])}-{fmt_bytes(memory['max'])})"
+                                             if memory["min"] != memory["max"] else "")
+        lines.append(f"{r['strategy']:<14}{r['order']:<12}{mem:>30}{chunks:>12}"
                      f"{capture:>21}{map_ms:>8}{verify:>8}{nodes:>8}{at1:>21}"
                      f"{atmax:>21}  {'yes' if r['correct'] else 'NO'}")
     return "\n".join(lines)
