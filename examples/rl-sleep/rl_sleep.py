@@ -212,20 +212,20 @@ class Trainer:
             weights.append(w)
         held = sum(self._device_bytes(w) for w in weights)
         slack = DEVICE_SLACK if be.torch_device().type != "cpu" else 0
-        activations = None
+        activations = None  # forward and backward: the rest of the budget, really used, not only reserved
         if budget - held - slack > 0:
             activations = device_empty(be, budget - held - slack)
-            activations.fill_(1)  # really used, not only reserved
+            activations.fill_(1)
         be.synchronize()
         peak = be.mem_info().used - base
-        gen = torch.Generator().manual_seed(self.seed * 100_003 + step)
+        del activations  # freed before the optimizer step, as a trainer frees its activations
+        gen = torch.Generator(device=weights[0].device).manual_seed(self.seed * 100_003 + step)
         for w, h in zip(weights, self.host, strict=True):
-            update = torch.randn(h.shape, generator=gen, dtype=torch.float32).to(w.device, non_blocking=True)
-            w.add_(update.to(w.dtype), alpha=self.lr)
+            w.add_(torch.randn(w.shape, generator=gen, device=w.device, dtype=w.dtype), alpha=self.lr)
             h.copy_(w, non_blocking=True)
         be.synchronize()
         seconds = time.perf_counter() - t0
-        del weights, activations
+        del weights
         gc.collect()
         release_cached_memory(be)
         return {"seconds": seconds, "peak_bytes": peak, "activation_bytes": max(0, budget - held - slack)}
