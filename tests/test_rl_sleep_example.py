@@ -66,3 +66,20 @@ def test_torch_memory_saver_needs_cuda_and_the_command_line_says_it_skipped(
     assert "tms: skipped (torch_memory_saver needs CUDA)" in text and "graphkit" in text
     saved = json.loads((tmp_path / "rl.json").read_text())
     assert [r["impl"] for r in saved["results"]] == ["graphkit"] and saved["results"][0]["all_exact"]
+    assert [r["impl"] for r in saved["summary"]] == ["graphkit"] and saved["summary"][0]["processes"] == 1
+
+
+def test_the_figures_of_several_processes_combine_first_and_steady_apart() -> None:
+    def run(impl: str, pauses: list[float]) -> dict:
+        rows = [{"pause_s": p, "resume_s": p / 2, "load_weights_s": 0.01} for p in pauses]
+        return {"impl": impl, "backend": "cuda", "config": "reference", "steps": len(rows), "awake_bytes": 5,
+                "first_pause_s": pauses[0], "first_resume_s": pauses[0] / 2, "rows": rows, "released_bytes": 5,
+                "asleep_bytes": 0, "trainer_peak_bytes": 4, "all_exact": True}
+
+    summary = rl_sleep.combine([run("tms", [9.0, 1.0, 2.0]), run("graphkit", [3.0, 0.5, 0.25]),
+                                run("graphkit", [5.0, 0.75, 0.5]), run("tms", [7.0, 3.0, 4.0])])
+    assert [r["impl"] for r in summary] == ["graphkit", "tms"]
+    ours, tms = summary
+    assert ours["processes"] == 2 and ours["first_pause"] == {"median": 4.0, "min": 3.0, "max": 5.0, "n": 2}
+    assert ours["steady_pause"] == {"median": 0.5, "min": 0.25, "max": 0.75, "n": 4}
+    assert tms["steady_resume"] == {"median": 1.25, "min": 0.5, "max": 2.0, "n": 4} and tms["all_exact"]

@@ -48,7 +48,7 @@ import torch
 import graphkit
 import hal
 from graphkit.bench.elastic import device_empty
-from graphkit.bench.fair import fmt_spread, spread
+from graphkit.bench.fair import fmt_spread, interleaved, spread
 from graphkit.capture import release_cached_memory
 from hal.registry import select_backend_name
 from hal.types import fmt_bytes, round_up
@@ -346,16 +346,43 @@ def summarise(impl: str, be: hal.Backend, config: str, awake: int, rows: list[di
 # -- command line ------------------------------------------------------------------------------------------
 
 
-def print_report(results: list[dict[str, Any]], skipped: dict[str, str]) -> None:
-    first = results[0]
-    print(f"backend {first['backend']}, config {first['config']}, {first['steps']} RL steps; engine awake "
-          f"{fmt_bytes(first['awake_bytes'])}; ms, steady as median (min-max) of steps 2..{first['steps']}")
-    print(f"{'impl':<10}{'first pause':>13}{'steady pause':>26}{'first resume':>14}{'steady resume':>26}"
+def combine(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per implementation over its processes: the first pause and resume of each process (median,
+    min-max), the steady ones over every later step of every process, the largest memory figures."""
+    out = []
+    for impl in IMPLS:
+        runs = [r for r in results if r["impl"] == impl]
+        if not runs:
+            continue
+        rows = [row for r in runs for row in r["rows"]]
+        later = [row for r in runs for row in r["rows"][1:]]
+        out.append({
+            "impl": impl, "processes": len(runs), "backend": runs[0]["backend"], "config": runs[0]["config"],
+            "steps": runs[0]["steps"], "awake_bytes": max(r["awake_bytes"] for r in runs),
+            "first_pause": spread(r["first_pause_s"] for r in runs),
+            "first_resume": spread(r["first_resume_s"] for r in runs),
+            "steady_pause": spread(row["pause_s"] for row in later),
+            "steady_resume": spread(row["resume_s"] for row in later),
+            "load_weights": spread(row["load_weights_s"] for row in rows),
+            "released_bytes": max(r["released_bytes"] for r in runs),
+            "asleep_bytes": max(r["asleep_bytes"] for r in runs),
+            "trainer_peak_bytes": max(r["trainer_peak_bytes"] for r in runs),
+            "all_exact": all(r["all_exact"] for r in runs),
+        })
+    return out
+
+
+def print_report(summary: list[dict[str, Any]], skipped: dict[str, str]) -> None:
+    first = summary[0]
+    print(f"backend {first['backend']}, config {first['config']}, {first['steps']} RL steps in each of "
+          f"{first['processes']} process(es) per implementation; engine awake {fmt_bytes(first['awake_bytes'])}")
+    print("ms as median (min-max): first = step 1 of each process, steady = steps 2.. of every process")
+    print(f"{'impl':<10}{'first pause':>24}{'steady pause':>24}{'first resume':>24}{'steady resume':>24}"
           f"{'load ms':>10}{'released':>11}{'asleep':>10}{'trainer peak':>14}  exact")
-    for r in results:
-        print(f"{r['impl']:<10}{r['first_pause_s'] * 1e3:>13.2f}{fmt_spread(r['steady_pause'], 1e3, 2):>26}"
-              f"{r['first_resume_s'] * 1e3:>14.2f}{fmt_spread(r['steady_resume'], 1e3, 2):>26}"
-              f"{r['load_weights']['median'] * 1e3:>10.2f}{fmt_bytes(r['released_bytes']):>11}"
+    for r in summary:
+        print(f"{r['impl']:<10}" + "".join(f"{fmt_spread(r[k], 1e3, 2):>24}" for k in (
+              "first_pause", "steady_pause", "first_resume", "steady_resume"))
+              + f"{r['load_weights']['median'] * 1e3:>10.2f}{fmt_bytes(r['released_bytes']):>11}"
               f"{fmt_bytes(r['asleep_bytes']):>10}{fmt_bytes(r['trainer_peak_bytes']):>14}  "
               f"{'yes' if r['all_exact'] else 'NO'}")
     for impl, why in skipped.items():
@@ -392,6 +419,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "a GPU, a 15 GiB cache for the reference model)")
     parser.add_argument("--impls", default=None,
                         help="comma-separated, of graphkit,tms (default: both; tms where it can run)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="processes per implementation, the implementations alternating (the one that goes "
+                             "first rotates every round); with more than one, every run is a fresh process")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -399,8 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     impls = [s.strip() for s in (args.impls or ",".join(IMPLS)).split(",") if s.strip()]
     if not impls or set(impls) - set(IMPLS):
         parser.error(f"--impls: choose from {', '.join(IMPLS)}")
-    if args.steps < 1:
-        parser.error("--steps must be >= 1")
+    if args.steps < 1 or args.rounds < 1:
+        parser.error("--steps and --rounds must be >= 1")
     results: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     try:
@@ -413,12 +443,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "tms" in impls and tms_missing(be):
                 skipped["tms"] = tms_missing(be) or ""
                 impls.remove("tms")
-            if not args.child and len(impls) > 1:  # each in a fresh process: no one-time cost carried over
+            if not args.child and (len(impls) > 1 or args.rounds > 1):  # fresh processes: no one-time cost
                 child = ["--backend", be.name, "--config", options["config"], "--steps", str(args.steps),
                          "--sizes", ",".join(map(str, options["sizes"])), "--max-model-len",
                          str(options["max_model_len"])]
                 be.close()
-                results = [_in_fresh_process(child, impl) for impl in impls]
+                results = [_in_fresh_process(child, impl) for impl, _, _ in interleaved(impls, [None], args.rounds)]
             else:
                 results = [rl_loop(be, impl, steps=args.steps, **options) for impl in impls]
     except hal.HalError as exc:
@@ -427,10 +457,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.child:
         print(json.dumps(results[0]))
         return 0 if results[0]["all_exact"] else 1
-    print_report(results, skipped)
+    summary = combine(results)
+    print_report(summary, skipped)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"results": results, "skipped": skipped}, indent=1))
+        args.json.write_text(json.dumps({"summary": summary, "results": results, "skipped": skipped,
+                                         "case_order": "alternated", "rounds": args.rounds}, indent=1))
         print(f"wrote {args.json}")
     return 0 if all(r["all_exact"] for r in results) else 1
 
