@@ -92,3 +92,20 @@ def test_the_sleep_bench_alternates_graphkit_and_torch_memory_saver(monkeypatch:
     assert tms["pause"]["n"] == 6 and tms["pause_s"] == pytest.approx(3.25)
     ours = next(r for r in out["rows"] if r["impl"] == "graphkit" and r["backup"])
     assert ours["exact"] and ours["pause"]["n"] == 6 and ours["first_pause"]["n"] == 3
+
+
+def test_the_elastic_bench_alternates_regrowth_and_elastic_growth(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hal
+    from graphkit.bench import elastic
+
+    order: list[str] = []
+    device_timed, host_timed = elastic._device_timed, elastic._host_timed
+    monkeypatch.setattr(elastic, "_device_timed", lambda be, fn: order.append("regrow") or device_timed(be, fn))
+    monkeypatch.setattr(elastic, "_host_timed", lambda fn: order.append("elastic") or host_timed(fn))
+    with hal.get_backend("fake", granularity=1 << 16) as be:
+        row = elastic.regrow_case(be, 1 << 20, 3)
+        assert be.live.zero, be.live
+    assert order == ["regrow", "elastic", "elastic", "regrow", "regrow", "elastic"]
+    assert row["exact"] and row["alternations"] == 3 and row["regrow_copied_bytes"] == 1 << 20
+    assert row["regrow"]["n"] == row["elastic_grow"]["n"] == 3 and row["elastic_copied_bytes"] == 0
+    assert row["regrow"]["min"] <= row["regrow_s"] == row["regrow"]["median"] <= row["regrow"]["max"]
