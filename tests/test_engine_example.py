@@ -329,3 +329,18 @@ def test_the_kv_sizing_bench_reports_both_approaches_and_an_estimate_that_runs_o
         sized = kv_sizing.run_kv_case("after-capture", be, "tiny", [1, 2, 4, 8], margin=1 << 14)
         assert sized["oom"] is None and sized["tokens_equal"] and sized["headroom_kept"]
         assert be.live.zero, be.live
+
+
+@pytest.mark.cuda
+def test_an_elastic_kv_cache_grown_after_capture_on_cuda() -> None:
+    with hal.get_backend("cuda") as be:
+        engine = engine_decode.Engine(be, "tiny", max_batch=MAX_BATCH, max_model_len=32, kv="elastic",
+                                      kv_max_blocks=8192)
+        with graphkit.graph_memory(be) as pools:
+            engine.capture_graphs(SIZES)
+        before = engine.num_blocks
+        assert engine.grow_kv(256 << 20) == 8192 > before  # the reservation caps it: an H100 has more left
+        assert be.mem_info().free >= 256 << 20
+        assert_matches_eager(engine, 8)
+        engine.close()
+        pools.close()

@@ -83,3 +83,12 @@ def test_the_figures_of_several_processes_combine_first_and_steady_apart() -> No
     assert ours["processes"] == 2 and ours["first_pause"] == {"median": 4.0, "min": 3.0, "max": 5.0, "n": 2}
     assert ours["steady_pause"] == {"median": 0.5, "min": 0.25, "max": 0.75, "n": 4}
     assert tms["steady_resume"] == {"median": 1.25, "min": 0.5, "max": 2.0, "n": 4} and tms["all_exact"]
+
+
+@pytest.mark.cuda
+def test_two_rl_steps_on_cuda() -> None:
+    with hal.get_backend("cuda") as be:
+        out = rl_sleep.rl_loop(be, "graphkit", steps=2, sizes=(1, 2, 4), rollout_steps=2)
+    assert out["all_exact"], [(r["replay_max_abs_diff"], r["weights_loaded"]) for r in out["rows"]]
+    assert all(r["weights_changed"] and r["released_bytes"] > 0 for r in out["rows"])
+    assert out["asleep_bytes"] < out["released_bytes"]
