@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 import graphkit
 import hal
+from graphkit.bench.fair import interleaved
 from graphkit.bench.model import Decoder, DecoderConfig
 from graphkit.bench.strategies import COMPILE, ORDERS, STRATEGIES
 from graphkit.bench.targets import check_targets
@@ -241,7 +242,8 @@ class Bench:
             self.model.reset_cache()
             self.reference[n] = self.eager(n).clone()
         eager_ms = {str(n): ms_per_call(self.be, lambda n=n: self.eager(n), cfg.iters) for n in self.timing_batches}
-        plan = [(s, o) for s in strategies if s in STRATEGIES for o in cfg.orders]
+        # strategies side by side within each order, not one strategy through every order after another
+        plan = [(s, o) for s, o, _ in interleaved([s for s in strategies if s in STRATEGIES], cfg.orders, 1)]
         results = []
         alone = None
         with tqdm(total=len(plan) + largest_alone, desc="bench", unit="run", disable=not cfg.progress) as bar:
