@@ -157,6 +157,8 @@ class Bench:
             "graph_memory_bytes": runner.graph_memory(),
             "capture_seconds": report.capture_seconds,
             "capture_wall_seconds": wall,
+            "verified_graphs": runner.verify_stats.graphs, "inspected_nodes": runner.verify_stats.nodes,
+            "missed_nodes": runner.verify_stats.missed, "verify_seconds": runner.verify_stats.seconds,
             "capture_seconds_per_size": {str(s.size): s.capture_seconds for s in report.sizes},
             "memory_after_each_capture": _cumulative(report),
             **{k: v for k, v in report.pool_figures.items()},
