@@ -22,7 +22,6 @@ import gc
 import itertools
 import logging
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
@@ -443,17 +442,13 @@ class GraphPools:
         alloc = self.allocator
         if alloc is None or entry.space_id is None:
             return
-        start = time.perf_counter()
-        found = self.backend.graph_addresses(graph)
         keys = {e.space_id: e.key for e in self._entries.values() if e.space_id is not None}
         fix = ("Put the captures that pass tensors to each other (the pieces of one batch) in one space: "
                "`with pools.group(key):` around them" if entry.auto else
                "Use one key for the captures that pass tensors to each other (the pieces of one batch): "
                "the same pools.pool(key), or `with pools.group(key):` around them")
-        try:
-            isolation.check(self.backend, found, alloc.spaces, entry.space_id, entry.key, keys.get, fix)
-        finally:
-            self.verify_stats.add(found, time.perf_counter() - start)
+        isolation.verify(self.backend, graph, self.verify_stats, alloc.spaces, entry.space_id, entry.key, keys.get,
+                         fix)
 
     def _blocks(self, entry: _Entry) -> set[tuple[int, int]]:
         return set(self.backend.pool_active_blocks(entry.pool))

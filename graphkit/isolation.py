@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import hal
 from graphkit.allocator import VirtualSpace
@@ -56,11 +58,16 @@ class VerifyStats:
     missed: int = 0  # nodes the backend could not read
     seconds: float = 0.0  # time spent reading graphs and checking
 
-    def add(self, found: GraphAddresses, seconds: float) -> None:
+    def add(self, found: GraphAddresses, asking: float, checking: float) -> None:
+        """Count one verified graph: ``asking`` the seconds the backend took to answer, ``checking`` ours.
+
+        A backend that read the graph while it was being captured (cuda) answers at once; the time it
+        spent reading then is ``found.seconds``, and counts too.
+        """
         self.graphs += 1
         self.nodes += found.nodes
         self.missed += found.missed
-        self.seconds += seconds
+        self.seconds += max(asking, found.seconds) + checking
 
 
 def foreign_uses(found: GraphAddresses, spaces: Mapping[int, VirtualSpace], own: int | None) -> list[ForeignUse]:
@@ -81,6 +88,18 @@ def foreign_uses(found: GraphAddresses, spaces: Mapping[int, VirtualSpace], own:
                 hit[3] += nbytes <= 1
             i += 1
     return [ForeignUse(space_id, *hit) for space_id, hit in sorted(hits.items())]
+
+
+def verify(backend: hal.Backend, graph: Any, stats: VerifyStats, spaces: Mapping[int, VirtualSpace],
+           own: int | None, key: Hashable, key_of: Callable[[int], Hashable | None], fix: str) -> None:
+    """Ask the backend which addresses ``graph`` uses, :func:`check` them, and count it in ``stats``."""
+    start = time.perf_counter()
+    found = backend.graph_addresses(graph)
+    asked = time.perf_counter()
+    try:
+        check(backend, found, spaces, own, key, key_of, fix)
+    finally:
+        stats.add(found, asked - start, time.perf_counter() - asked)
 
 
 def check(backend: hal.Backend, found: GraphAddresses, spaces: Mapping[int, VirtualSpace], own: int | None,
@@ -117,4 +136,4 @@ def readable(backend: hal.Backend, logged: list[bool]) -> bool:
     return False
 
 
-__all__ = ["ForeignUse", "IsolationError", "VerifyStats", "check", "foreign_uses"]
+__all__ = ["ForeignUse", "IsolationError", "VerifyStats", "check", "foreign_uses", "verify"]

@@ -364,15 +364,10 @@ class GraphRunner:
             return None
 
         def verify(graph: Any) -> None:
-            start = time.perf_counter()
-            found = be.graph_addresses(graph)
             sizes = {b.lease.space_id: b.size for b in self._buckets.values()}
-            try:
-                isolation.check(be, found, allocator.spaces, lease.space_id, size, sizes.get,
-                                "Create what the step keeps between calls (caches, workspaces) before capturing, "
-                                "and pass nothing made by one size's graph to another")
-            finally:
-                self.verify_stats.add(found, time.perf_counter() - start)
+            isolation.verify(be, graph, self.verify_stats, allocator.spaces, lease.space_id, size, sizes.get,
+                             "Create what the step keeps between calls (caches, workspaces) before capturing, "
+                             "and pass nothing made by one size's graph to another")
 
         return verify
 
