@@ -392,9 +392,10 @@ def print_report(summary: list[dict[str, Any]], skipped: dict[str, str]) -> None
 def _in_fresh_process(argv: list[str], impl: str) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, __file__, *argv, "--impls", impl, "--child"], capture_output=True,
                           text=True)
-    if proc.returncode not in (0, 1):
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode not in (0, 1) or not lines:  # 1: ran, a replay differed; anything else: it broke
         raise SystemExit(f"{impl} run failed (exit code {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(lines[-1])
 
 
 @contextlib.contextmanager
