@@ -190,3 +190,51 @@ def test_without_env_the_first_available_by_priority_is_chosen(monkeypatch: pyte
     infos = hal.list_backends()
     assert [i.priority for i in infos] == sorted(i.priority for i in infos)
     assert select_backend_name() == next(i.name for i in infos if i.available)
+
+
+def _action_results(be: hal.Backend) -> dict[str, object]:
+    """What the plugin's own action hooks return over one reserve-map-unmap-release cycle."""
+    plugin, gran = be.plugin, be.granularity
+    ptr, handle = plugin.create_vir_ptr(size=gran), plugin.create_phy_mem_handle(size=gran)
+    return {"map": plugin.map(ptr=ptr, size=gran, handle=handle), "unmap": plugin.unmap(ptr=ptr, size=gran),
+            "release_phy_mem_handle": plugin.release_phy_mem_handle(handle=handle),
+            "release_vir_ptr": plugin.release_vir_ptr(ptr=ptr, size=gran), "shutdown": plugin.shutdown()}
+
+
+@pytest.mark.parametrize("name", ["fake", "ascend", "mlu"])
+def test_action_hooks_return_none_as_the_contract_says(name: str) -> None:
+    if name == "fake":
+        be = hal.get_backend("fake")
+    else:
+        from tests.sim import compiler_reason, simulated_backend
+
+        if compiler_reason() is not None:
+            pytest.skip(str(compiler_reason()))
+        be = simulated_backend(name)
+    try:
+        assert _action_results(be) == dict.fromkeys(
+            ("map", "unmap", "release_phy_mem_handle", "release_vir_ptr", "shutdown"))
+    finally:
+        be.close()
+
+
+def test_the_torch_hooks_actions_return_none() -> None:
+    from hal.backends._native.hooks import TorchHooks
+
+    class Glue:
+        def __getattr__(self, name: str) -> object:
+            return lambda *args: "done"
+
+    class Plugin(TorchHooks):
+        backend_name, torch_extension, glue = "stubbed", "torch_stub", Glue()
+
+    plugin = Plugin()
+    assert [plugin.synchronize(None), plugin.release_pool("pool"), plugin.replay("graph"),
+            plugin.release_graph("graph")] == [None] * 4
+
+
+def test_the_former_name_of_a_mapped_range_still_works_with_a_warning() -> None:
+    import hal.types
+
+    with pytest.warns(DeprecationWarning, match="MappedRange"):
+        assert hal.types.Mapping is hal.types.MappedRange

@@ -94,9 +94,8 @@ class TorchHooks:
         return self._torch("use_stream").use_stream(stream)
 
     @hookimpl
-    def synchronize(self, stream: Any) -> bool:
+    def synchronize(self, stream: Any) -> None:
         self._torch("synchronize").synchronize(stream)
-        return True
 
     @hookimpl
     def create_pool(self, alloc: AllocFn | None, free: FreeFn | None) -> Any:
@@ -107,9 +106,8 @@ class TorchHooks:
         return self._torch("pool_active_blocks").pool_active_blocks(pool)
 
     @hookimpl
-    def release_pool(self, pool: Any) -> bool:
+    def release_pool(self, pool: Any) -> None:
         self._torch("release_pool").release_pool(pool)
-        return True
 
     @hookimpl
     def create_graph(self) -> Any:
@@ -129,11 +127,9 @@ class TorchHooks:
         return self._torch("default_capture_stream").default_capture_stream()
 
     @hookimpl
-    def replay(self, graph: Any) -> bool:
+    def replay(self, graph: Any) -> None:
         self._torch("replay").replay(graph)
-        return True
 
     @hookimpl
-    def release_graph(self, graph: Any) -> bool:
+    def release_graph(self, graph: Any) -> None:
         self._torch("release_graph").release_graph(graph)
-        return True

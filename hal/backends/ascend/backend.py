@@ -141,9 +141,8 @@ class AscendBackend(TorchHooks):
         return int(ptr.value or 0)
 
     @hookimpl
-    def release_vir_ptr(self, ptr: int, size: int) -> bool:
+    def release_vir_ptr(self, ptr: int, size: int) -> None:
         self._call("release_vir_ptr", "aclrtReleaseMemAddress", ptr)
-        return True
 
     @hookimpl
     def create_phy_mem_handle(self, size: int) -> int:
@@ -153,19 +152,16 @@ class AscendBackend(TorchHooks):
         return int(handle.value or 0)
 
     @hookimpl
-    def release_phy_mem_handle(self, handle: int) -> bool:
+    def release_phy_mem_handle(self, handle: int) -> None:
         self._call("release_phy_mem_handle", "aclrtFreePhysical", handle)
-        return True
 
     @hookimpl
-    def map(self, ptr: int, size: int, handle: int) -> bool:
+    def map(self, ptr: int, size: int, handle: int) -> None:
         self._call("map", "aclrtMapMem", ptr, size, 0, handle, 0)  # usable by the owning device at once
-        return True
 
     @hookimpl
-    def unmap(self, ptr: int, size: int) -> bool:
+    def unmap(self, ptr: int, size: int) -> None:
         self._call("unmap", "aclrtUnmapMem", ptr)  # ACL unmaps one whole mapping by its address
-        return True
 
     # -- graphs, streams, pools: inherited from TorchHooks, over torch_npu when it is there
 
@@ -174,5 +170,5 @@ class AscendBackend(TorchHooks):
         return cast(ExtensionGlue, self._torch("use_pool")).use_pool(pool)
 
     @hookimpl
-    def shutdown(self) -> bool:
-        return True  # the library stays loaded for the process; the facade released everything else
+    def shutdown(self) -> None:
+        """Nothing to do: the library stays loaded for the process; the facade released everything else."""

@@ -178,8 +178,7 @@ class FakeBackend(HostGraphs):
             raise self._os_error("unmap", exc) from exc
 
     @hookimpl
-    def shutdown(self) -> bool:
+    def shutdown(self) -> None:
         for ptr, size in list(self._anon.items()):
             self.device_free(ptr, size)
-        return True
 

@@ -128,9 +128,8 @@ class MluBackend(TorchHooks):
         return ptr.value
 
     @hookimpl
-    def release_vir_ptr(self, ptr: int, size: int) -> bool:
+    def release_vir_ptr(self, ptr: int, size: int) -> None:
         self._call("release_vir_ptr", "cnMemAddressFree", ptr, size)
-        return True
 
     @hookimpl
     def create_phy_mem_handle(self, size: int) -> int:
@@ -139,22 +138,19 @@ class MluBackend(TorchHooks):
         return handle.value
 
     @hookimpl
-    def release_phy_mem_handle(self, handle: int) -> bool:
+    def release_phy_mem_handle(self, handle: int) -> None:
         self._call("release_phy_mem_handle", "cnMemRelease", handle)
-        return True
 
     @hookimpl
-    def map(self, ptr: int, size: int, handle: int) -> bool:
+    def map(self, ptr: int, size: int, handle: int) -> None:
         call = functools.partial(self._call, "map")
         map_with_access(lambda: call("cnMemMap", ptr, size, 0, handle, 0),
                         lambda: call("cnMemSetAccess", ptr, size, ctypes.byref(self._access), 1),
                         lambda: call("cnMemUnmap", ptr, size), backend=NAME, ptr=ptr, access_call="cnMemSetAccess")
-        return True
 
     @hookimpl
-    def unmap(self, ptr: int, size: int) -> bool:
+    def unmap(self, ptr: int, size: int) -> None:
         self._call("unmap", "cnMemUnmap", ptr, size)
-        return True
 
     # -- graphs, streams, pools: inherited from TorchHooks, over torch_mlu when it is there
 
@@ -163,5 +159,5 @@ class MluBackend(TorchHooks):
         return cast(ExtensionGlue, self._torch("use_pool")).use_pool(pool)
 
     @hookimpl
-    def shutdown(self) -> bool:
-        return True  # the library stays loaded (and initialised) for the process
+    def shutdown(self) -> None:
+        """Nothing to do: the library stays loaded (and initialised) for the process."""
