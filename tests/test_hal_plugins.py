@@ -238,3 +238,17 @@ def test_the_former_name_of_a_mapped_range_still_works_with_a_warning() -> None:
 
     with pytest.warns(DeprecationWarning, match="MappedRange"):
         assert hal.types.Mapping is hal.types.MappedRange
+
+
+@pytest.mark.parametrize("vendor, oom, invalid, native", [("ascend", 207018, 107000, "aclrtMallocPhysical"),
+                                                          ("mlu", 100053, 100006, "cnMemCreate")])
+def test_native_failures_are_typed_driver_errors_with_their_code(vendor: str, oom: int, invalid: int,
+                                                                  native: str) -> None:
+    import importlib
+
+    lib = importlib.import_module(f"hal.backends.{vendor}.lib")
+    out_of_memory, refused = lib.error_for(oom, "create_phy_mem_handle", native), lib.error_for(invalid, "map", native)
+    assert isinstance(out_of_memory, hal.DriverError) and isinstance(out_of_memory, hal.DeviceOutOfMemoryError)
+    assert isinstance(refused, hal.DriverError) and isinstance(refused, hal.InvalidArgumentError)
+    for err, code in ((out_of_memory, oom), (refused, invalid)):
+        assert (err.backend, err.code, err.native_call) == (vendor, code, native) and str(code) in str(err)
