@@ -95,7 +95,7 @@ def capture(glue: CaptureGlue, graph: Any, pool: CapturePool | None, stream: Any
     check_pool(glue, torch_graph, pool)
     if pool is not None and pool.callbacks is not None:
         pool.callbacks.last_error = None
-    with glue.on_device(), gc_disabled():  # the allocator callbacks run inside: no collection may free into them
+    with glue.on_device(), gc_disabled():  # see hal.gcguard: the allocator callbacks run inside
         attempt = _Attempt(glue, torch_graph, pool, stream, mode)
         attempt.begin()
         body: BaseException | None = None

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from hal.api import AllocFn, FreeFn, hookimpl
-from hal.backends._native.torch_glue import TorchGlue
+from hal.backends._native.torch_glue import ExtensionGlue, TorchGlue
 from hal.errors import BackendUnavailableError, UnsupportedError
 
 
@@ -133,3 +133,32 @@ class TorchHooks:
     @hookimpl
     def release_graph(self, graph: Any) -> None:
         self._torch("release_graph").release_graph(graph)
+
+
+class ExtensionHooks(TorchHooks):
+    """Mixin for a backend over a vendor library (VMM) and a torch extension (an :class:`ExtensionGlue`).
+
+    The backend queries both granularities when it opens (``_granularity``) and keeps its library
+    loaded for the process.
+    """
+
+    glue: TorchGlue | None
+    #: ``{recommended: bytes}``, queried once when the backend opens
+    _granularity: dict[bool, int]
+
+    def capability_report(self) -> tuple[str | None, dict[str, str]]:
+        """The torch extension in use (None without one) and why each capability is on or off."""
+        return extension_report(self.glue, self.torch_extension)
+
+    @hookimpl
+    def granularity(self, recommended: bool) -> int:
+        return self._granularity[bool(recommended)]
+
+    @hookimpl
+    def use_pool(self, pool: Any) -> AbstractContextManager[None]:
+        return cast(ExtensionGlue, self._torch("use_pool")).use_pool(pool)
+
+    @hookimpl
+    def shutdown(self) -> None:
+        """Nothing to do: the library stays loaded (and initialised) for the process; the facade released
+        everything else."""

@@ -6,13 +6,12 @@ import ctypes
 import logging
 import os
 import threading
-from contextlib import AbstractContextManager
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 from hal.api import hookimpl
 from hal.backends._native import torch_compat as compat
-from hal.backends._native.hooks import TorchHooks, extension_report
-from hal.backends._native.torch_glue import ExtensionGlue, TorchGlue
+from hal.backends._native.hooks import ExtensionHooks
+from hal.backends._native.torch_glue import TorchGlue
 from hal.backends.ascend import lib, locate
 from hal.errors import InvalidArgumentError
 from hal.types import MemInfo
@@ -29,7 +28,7 @@ def _npu_glue(device: int) -> TorchGlue:
     return NpuGlue(device)  # torch_npu runs aclInit and sets the device
 
 
-class AscendBackend(TorchHooks):
+class AscendBackend(ExtensionHooks):
     """Huawei Ascend NPUs through libascendcl (VMM) and torch_npu (graphs, streams, pools).
 
     Options:
@@ -96,10 +95,6 @@ class AscendBackend(TorchHooks):
                                        backend=NAME, call="open")
         return int(raw), source
 
-    def capability_report(self) -> tuple[str | None, dict[str, str]]:
-        """The torch extension in use (None without one) and why each capability is on or off."""
-        return extension_report(self.glue, self.torch_extension)
-
     def _call(self, call: str, native: str, *args: Any) -> None:
         if not getattr(self._thread, "device_set", False):
             self.library.call(call, "aclrtSetDevice", self.device)
@@ -121,10 +116,6 @@ class AscendBackend(TorchHooks):
         count = ctypes.c_uint32(0)
         self._call("device_count", "aclrtGetDeviceCount", ctypes.byref(count))
         return count.value
-
-    @hookimpl
-    def granularity(self, recommended: bool) -> int:
-        return self._granularity[bool(recommended)]
 
     @hookimpl
     def mem_info(self) -> MemInfo:
@@ -163,12 +154,4 @@ class AscendBackend(TorchHooks):
     def unmap(self, ptr: int, size: int) -> None:
         self._call("unmap", "aclrtUnmapMem", ptr)  # ACL unmaps one whole mapping by its address
 
-    # -- graphs, streams, pools: inherited from TorchHooks, over torch_npu when it is there
-
-    @hookimpl
-    def use_pool(self, pool: Any) -> AbstractContextManager[None]:
-        return cast(ExtensionGlue, self._torch("use_pool")).use_pool(pool)
-
-    @hookimpl
-    def shutdown(self) -> None:
-        """Nothing to do: the library stays loaded for the process; the facade released everything else."""
+    # -- graphs, streams, pools, use_pool, shutdown: inherited from ExtensionHooks, over torch_npu when it is there

@@ -6,12 +6,11 @@ import ctypes
 import functools
 import logging
 import threading
-from contextlib import AbstractContextManager
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 from hal.api import hookimpl
-from hal.backends._native.hooks import TorchHooks, extension_report
-from hal.backends._native.torch_glue import ExtensionGlue, TorchGlue
+from hal.backends._native.hooks import ExtensionHooks
+from hal.backends._native.torch_glue import TorchGlue
 from hal.backends._native.vmm import map_with_access
 from hal.backends.mlu import lib, locate
 from hal.types import MemInfo
@@ -26,7 +25,7 @@ def _mlu_glue(device: int) -> TorchGlue:
     return MluGlue(device)  # torch_mlu makes the device's context current
 
 
-class MluBackend(TorchHooks):
+class MluBackend(ExtensionHooks):
     """Cambricon MLUs through libcndrv (VMM) and torch_mlu (graphs, streams).
 
     Options:
@@ -89,10 +88,6 @@ class MluBackend(TorchHooks):
                       threading.current_thread().name)
         self._thread.has_context = True
 
-    def capability_report(self) -> tuple[str | None, dict[str, str]]:
-        """The torch extension in use (None without one) and why each capability is on or off."""
-        return extension_report(self.glue, self.torch_extension)
-
     def _query_granularity(self, recommended: bool) -> int:
         gran = ctypes.c_uint64(0)
         option = lib.CN_MEM_ALLOC_GRANULARITY_RECOMMENDED if recommended else lib.CN_MEM_ALLOC_GRANULARITY_MINIMUM
@@ -108,10 +103,6 @@ class MluBackend(TorchHooks):
         count = ctypes.c_int(0)
         self._call("device_count", "cnDeviceGetCount", ctypes.byref(count))
         return count.value
-
-    @hookimpl
-    def granularity(self, recommended: bool) -> int:
-        return self._granularity[bool(recommended)]
 
     @hookimpl
     def mem_info(self) -> MemInfo:
@@ -152,12 +143,4 @@ class MluBackend(TorchHooks):
     def unmap(self, ptr: int, size: int) -> None:
         self._call("unmap", "cnMemUnmap", ptr, size)
 
-    # -- graphs, streams, pools: inherited from TorchHooks, over torch_mlu when it is there
-
-    @hookimpl
-    def use_pool(self, pool: Any) -> AbstractContextManager[None]:
-        return cast(ExtensionGlue, self._torch("use_pool")).use_pool(pool)
-
-    @hookimpl
-    def shutdown(self) -> None:
-        """Nothing to do: the library stays loaded (and initialised) for the process."""
+    # -- graphs, streams, pools, use_pool, shutdown: inherited from ExtensionHooks, over torch_mlu when it is there
