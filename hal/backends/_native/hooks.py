@@ -7,6 +7,7 @@ A backend may run without its torch extension (VMM hooks only): then
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar, cast
@@ -14,6 +15,7 @@ from typing import Any, ClassVar, cast
 from hal.api import AllocFn, FreeFn, hookimpl
 from hal.backends._native.torch_glue import ExtensionGlue, TorchGlue
 from hal.errors import BackendUnavailableError, UnsupportedError
+from hal.types import MemInfo
 
 
 def extension_report(glue: TorchGlue | None, extension: str) -> tuple[str | None, dict[str, str]]:
@@ -138,13 +140,38 @@ class TorchHooks:
 class ExtensionHooks(TorchHooks):
     """Mixin for a backend over a vendor library (VMM) and a torch extension (an :class:`ExtensionGlue`).
 
-    The backend queries both granularities when it opens (``_granularity``) and keeps its library
-    loaded for the process.
+    The backend names the library's two queries, makes its native calls through ``_call``, queries
+    both granularities when it opens (``_granularity``) and keeps its library loaded for the process.
     """
 
     glue: TorchGlue | None
     #: ``{recommended: bytes}``, queried once when the backend opens
     _granularity: dict[bool, int]
+    #: the native function that counts the devices, and the ctypes type of its one output
+    count_devices: ClassVar[tuple[str, type]]
+    #: the native function of free and total memory, its arguments before those two outputs, and their ctypes type
+    read_mem_info: ClassVar[tuple[str, tuple[Any, ...], type]]
+
+    def _call(self, call: str, native: str, *args: Any) -> None:
+        """Call ``native(*args)`` on behalf of hook ``call``, raising the hal error when it fails."""
+        raise NotImplementedError
+
+    def _outputs(self, call: str, native: str, leading: tuple[Any, ...], ctype: type, count: int) -> list[int]:
+        """The values ``native(*leading, &out1, ... &out<count>)`` writes to its ``ctype`` outputs."""
+        outs = [ctype(0) for _ in range(count)]
+        self._call(call, native, *leading, *(ctypes.byref(out) for out in outs))
+        return [out.value for out in outs]
+
+    @hookimpl
+    def device_count(self) -> int:
+        native, ctype = self.count_devices
+        return self._outputs("device_count", native, (), ctype, 1)[0]
+
+    @hookimpl
+    def mem_info(self) -> MemInfo:
+        native, leading, ctype = self.read_mem_info
+        free, total = self._outputs("mem_info", native, leading, ctype, 2)
+        return MemInfo(free=free, total=total)
 
     def capability_report(self) -> tuple[str | None, dict[str, str]]:
         """The torch extension in use (None without one) and why each capability is on or off."""

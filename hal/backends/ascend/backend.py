@@ -14,7 +14,6 @@ from hal.backends._native.hooks import ExtensionHooks
 from hal.backends._native.torch_glue import TorchGlue
 from hal.backends.ascend import lib, locate
 from hal.errors import InvalidArgumentError
-from hal.types import MemInfo
 
 log = logging.getLogger("hal.ascend")
 NAME = lib.NAME
@@ -55,6 +54,8 @@ class AscendBackend(ExtensionHooks):
     hal_requirements: ClassVar[dict[str, Any]] = {"host_accessible": False}
     backend_name = NAME
     torch_extension = locate.EXTENSION
+    count_devices = ("aclrtGetDeviceCount", ctypes.c_uint32)
+    read_mem_info = ("aclrtGetMemInfo", (lib.ACL_HBM_MEM,), ctypes.c_size_t)
 
     def __init__(self, device: int = 0, *, library: str | None = None, use_torch: bool | None = None,
                  reserve_flags: int | None = None) -> None:
@@ -109,19 +110,7 @@ class AscendBackend(ExtensionHooks):
                    ctypes.byref(gran))
         return gran.value
 
-    # -- queries ---------------------------------------------------------------------
-
-    @hookimpl
-    def device_count(self) -> int:
-        count = ctypes.c_uint32(0)
-        self._call("device_count", "aclrtGetDeviceCount", ctypes.byref(count))
-        return count.value
-
-    @hookimpl
-    def mem_info(self) -> MemInfo:
-        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        self._call("mem_info", "aclrtGetMemInfo", lib.ACL_HBM_MEM, ctypes.byref(free), ctypes.byref(total))
-        return MemInfo(free=free.value, total=total.value)
+    # -- queries: device_count, mem_info and granularity are ExtensionHooks' over the two names above
 
     # -- vmm -------------------------------------------------------------------------
 

@@ -13,7 +13,6 @@ from hal.backends._native.hooks import ExtensionHooks
 from hal.backends._native.torch_glue import TorchGlue
 from hal.backends._native.vmm import map_with_access
 from hal.backends.mlu import lib, locate
-from hal.types import MemInfo
 
 log = logging.getLogger("hal.mlu")
 NAME = lib.NAME
@@ -53,6 +52,8 @@ class MluBackend(ExtensionHooks):
     hal_requirements: ClassVar[dict[str, Any]] = {"host_accessible": False}
     backend_name = NAME
     torch_extension = locate.EXTENSION
+    count_devices = ("cnDeviceGetCount", ctypes.c_int)
+    read_mem_info = ("cnMemGetInfo", (), ctypes.c_uint64)
 
     def __init__(self, device: int = 0, *, library: str | None = None, use_torch: bool | None = None) -> None:
         self.device = device
@@ -96,19 +97,7 @@ class MluBackend(ExtensionHooks):
                    option)
         return gran.value
 
-    # -- queries ---------------------------------------------------------------------
-
-    @hookimpl
-    def device_count(self) -> int:
-        count = ctypes.c_int(0)
-        self._call("device_count", "cnDeviceGetCount", ctypes.byref(count))
-        return count.value
-
-    @hookimpl
-    def mem_info(self) -> MemInfo:
-        free, total = ctypes.c_uint64(0), ctypes.c_uint64(0)
-        self._call("mem_info", "cnMemGetInfo", ctypes.byref(free), ctypes.byref(total))
-        return MemInfo(free=free.value, total=total.value)
+    # -- queries: device_count, mem_info and granularity are ExtensionHooks' over the two names above
 
     # -- vmm -------------------------------------------------------------------------
 
