@@ -5,9 +5,11 @@ torch.cuda and the extensions that mirror it under another device type
 ``graph_pool_handle``, a graph class, ``memory_snapshot`` and -- in some
 builds -- a ``MemPool`` over a custom allocator. A vendor subclass of
 :class:`TorchGlue` names them (:class:`TorchExtension`), picks the default
-capture mode and recognises its own capture failures. Private APIs are looked
-up through :mod:`hal.backends._native.torch_compat`. torch and the extension
-are imported only when a glue is created.
+capture mode and recognises its own capture failures; every vendor captures
+through :mod:`hal.backends._native.capture`, overriding only the few methods
+it differs in (its graph objects, a capture's pool id, what it records). Private
+APIs are looked up through :mod:`hal.backends._native.torch_compat`. torch and
+the extension are imported only when a glue is created.
 """
 
 from __future__ import annotations
