@@ -417,7 +417,7 @@ def _spec_names() -> tuple[str, ...]:
 #: Every hook name of the contract.
 ALL_HOOKS: tuple[str, ...] = _spec_names()
 
-#: Hooks of the vmm half, in the order of the design card.
+#: Hooks of the vmm half, in the order a mapping's life calls them.
 VMM_HOOKS = (
     "create_vir_ptr",
     "release_vir_ptr",

@@ -30,7 +30,7 @@ from hal.errors import (
     PluginValidationError,
     UnsupportedError,
 )
-from hal.types import CaptureRouter, GraphAddresses, Mapping, MemInfo, Route, fmt_bytes
+from hal.types import CaptureRouter, GraphAddresses, MappedRange, MemInfo, Route, fmt_bytes
 from hal.wrappers import Accounting, FaultInjector, LiveCounts, install_tracing
 
 log = logging.getLogger("hal")
@@ -75,7 +75,7 @@ class Backend:
         self._range_starts: list[int] = []
         self._handles: dict[Any, int] = {}
         self._handle_maps: dict[Any, int] = {}
-        self._mappings: dict[int, Mapping] = {}
+        self._mappings: dict[int, MappedRange] = {}
         self._map_starts: list[int] = []
         self._closed = False
         self._granularity: int | None = None
@@ -247,7 +247,7 @@ class Backend:
                 raise self._err(InvalidStateError, call,
                                 f"[{ptr:#x}, {ptr + size:#x}) overlaps the mapping at {clash[0].ptr:#x}")
             self._hook.map(ptr=ptr, size=size, handle=handle)
-            self._mappings[ptr] = Mapping(ptr, size, handle)
+            self._mappings[ptr] = MappedRange(ptr, size, handle)
             bisect.insort(self._map_starts, ptr)
             self._handle_maps[handle] += 1
 
@@ -277,7 +277,7 @@ class Backend:
         raise self._err(InvalidArgumentError, call,
                         f"[{ptr:#x}, {ptr + size:#x}) is not inside a reserved range")
 
-    def _mappings_in(self, lo: int, hi: int) -> list[Mapping]:
+    def _mappings_in(self, lo: int, hi: int) -> list[MappedRange]:
         i = max(bisect.bisect_right(self._map_starts, lo) - 1, 0)
         found = []
         for start in self._map_starts[i:]:

@@ -176,17 +176,22 @@ def expected_signature(hook: str) -> str:
     return f"def {hook}({params}){returns}"
 
 
-def _misfits(pm: pluggy.PluginManager, cls: Any) -> list[str]:
-    """What is wrong with the hooks ``cls`` implements, each with what to write instead."""
-    problems = []
+def _hookimpls(pm: pluggy.PluginManager, cls: Any) -> Iterator[tuple[str, str]]:
+    """``(attribute, hook name)`` of each hook ``cls`` implements (``specname`` applied), read through
+    pluggy's public parser."""
     for attr in dir(cls):
         try:
             opts = pm.parse_hookimpl_opts(cls, attr)
         except Exception:  # noqa: BLE001 - a descriptor that fails on the class is no hook
             continue
-        if opts is None:
-            continue
-        hook = opts.get("specname") or attr
+        if opts is not None:
+            yield attr, opts.get("specname") or attr
+
+
+def _misfits(pm: pluggy.PluginManager, cls: Any) -> list[str]:
+    """What is wrong with the hooks ``cls`` implements, each with what to write instead."""
+    problems = []
+    for attr, hook in _hookimpls(pm, cls):
         if hook not in api.ALL_HOOKS:
             close = difflib.get_close_matches(hook, api.ALL_HOOKS, n=1)
             hint = f"; did you mean {close[0]}?" if close else f"; the hooks are: {', '.join(api.ALL_HOOKS)}"
@@ -272,16 +277,8 @@ def _check_constructor(name: str, plugin_name: str, cls: type) -> None:
 
 
 def _hook_names(pm: pluggy.PluginManager, cls: Any) -> list[str]:
-    """The hook names ``cls`` implements (``specname`` applied), read through pluggy's public parser."""
-    names = []
-    for attr in dir(cls):
-        try:
-            opts = pm.parse_hookimpl_opts(cls, attr)
-        except Exception:  # noqa: BLE001 - a descriptor that fails on the class is no hook
-            continue
-        if opts is not None:
-            names.append(opts.get("specname") or attr)
-    return names
+    """The hook names ``cls`` implements (``specname`` applied)."""
+    return [hook for _, hook in _hookimpls(pm, cls)]
 
 
 def probe_timeout() -> float:

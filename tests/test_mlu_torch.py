@@ -276,3 +276,27 @@ def test_the_context_torch_mlu_binds_is_the_one_the_backend_uses(monkeypatch: py
     plugin = MluBackend(library=library_path[0], use_torch=True)
     assert not plugin.made_context and plugin.library.current_context("t") == bound[-1]
     plugin.mem_info()
+
+
+def test_a_capture_that_fails_at_its_end_is_undone(glue: torch_glue.MluGlue, stub: types.ModuleType) -> None:
+    pool, graph = glue.create_pool(None, None), glue.create_graph()
+    stub.fail_end = RuntimeError("the capture sequence was invalidated by an earlier error")
+    with pytest.raises(hal.CaptureError, match="could not be captured") as info:
+        with glue.capture(graph, pool, "stream-1", None):
+            pass
+    assert info.value.backend == "mlu" and info.value.__cause__ is not None and gc.isenabled()
+    assert ("endAllocateToPool", 0, pool.id) in stub.calls and ("releasePool", 0, pool.id) in stub.calls
+    assert ("reset", graph) in stub.calls
+    rearm = [c for c in stub.calls if c[0] == "graph" and c[1] is not graph]
+    assert len(rearm) == 1 and "pool" not in rearm[0][2]  # an empty capture took the generators out of capture mode
+
+
+def test_a_released_pool_is_refused_before_the_capture_starts(glue: torch_glue.MluGlue,
+                                                              stub: types.ModuleType) -> None:
+    pool = glue.create_pool(None, None)
+    glue.release_pool(pool)
+    with pytest.raises(hal.InvalidStateError, match="released") as info:
+        with glue.capture(glue.create_graph(), pool, None, None):
+            pass
+    assert info.value.backend == "mlu" and info.value.call == "capture"
+    assert not any(c[0] == "graph" for c in stub.calls)

@@ -81,6 +81,13 @@ def captured(be: hal.Backend, x: Any, pool: Any = None, stream: Any = None,
     return graph, y
 
 
+def replay_and_wait(be: hal.Backend, graph: Any) -> None:
+    """Replay ``graph`` after the work queued before it, and wait until the replay is done."""
+    be.synchronize(None)
+    be.replay(graph)
+    be.synchronize(None)
+
+
 def inside(blocks: list[tuple[int, int]], t: Any) -> bool:
     """``t``'s storage lies inside one of ``blocks``."""
     s = t.untyped_storage()
@@ -243,15 +250,11 @@ class TestCaptureReplay(_NeedsCapabilities):
             y = counted(x)
         assert be.live.graphs == 1 and len(calls) == 1
         x.fill_(3.0)
-        be.synchronize(None)
-        be.replay(graph)
-        be.synchronize(None)
+        replay_and_wait(be, graph)
         assert equals(y, 7.0), "replay did not recompute the output from the new input"
         assert len(calls) == 1, "replay ran the Python function again"
         x.fill_(-1.0)
-        be.synchronize(None)
-        be.replay(graph)
-        be.synchronize(None)
+        replay_and_wait(be, graph)
         assert equals(y, -1.0)
         be.release_graph(graph)
         assert be.live.graphs == 0
@@ -293,9 +296,7 @@ class TestCaptureReplay(_NeedsCapabilities):
         x = full(be, 1.0)
         graph, y = captured(be, x, capture_error_mode=mode)
         x.fill_(4.0)
-        be.synchronize(None)
-        be.replay(graph)
-        be.synchronize(None)
+        replay_and_wait(be, graph)
         assert equals(y, 9.0)
         be.release_graph(graph)
 
@@ -318,8 +319,7 @@ class TestCaptureReplay(_NeedsCapabilities):
         assert info.value.backend and info.value.call == "capture"
         be.release_graph(graph)
         graph, y = captured(be, x, stream=stream)  # the next capture works
-        be.replay(graph)
-        be.synchronize(None)
+        replay_and_wait(be, graph)
         assert equals(y, 3.0)
         be.release_graph(graph)
 
@@ -400,9 +400,7 @@ def _replays_like_eager(be: hal.Backend, work: Callable[..., tuple[Any, ...]], b
             x.copy_(values(seed).to(dev))
             # the eager run just freed its own tensors, perhaps where the capture's were: overwrite them
             garbage = [torch.full((n,), float("nan"), device=dev) for n in (N,) * 64 + (N // 4, N // 2, 3) * 8]
-            be.synchronize(None)
-            be.replay(graph)
-            be.synchronize(None)
+            replay_and_wait(be, graph)
             del garbage
             for i, (got, want) in enumerate(zip((*outs, *bufs), (*expected, *expected_bufs), strict=True)):
                 assert torch.equal(got.cpu(), want.cpu()), (
@@ -491,9 +489,7 @@ class TestCustomPools(_NeedsCapabilities):
         assert segments.allocs, "the capture never called alloc"
         assert segments.holds(y), "the output does not live in memory the callbacks handed out"
         x.fill_(3.0)
-        be.synchronize(None)
-        be.replay(graph)
-        be.synchronize(None)
+        replay_and_wait(be, graph)
         assert equals(y, 7.0)
         assert segments.frees == {}, "a segment was freed while its graph was alive"
         be.release_graph(graph)
@@ -520,8 +516,7 @@ class TestCustomPools(_NeedsCapabilities):
         be.release_graph(graph)
         be.release_pool(pool)
         graph, y = captured(be, x, stream=stream)  # the backend still captures
-        be.replay(graph)
-        be.synchronize(None)
+        replay_and_wait(be, graph)
         assert equals(y, 3.0)
         be.release_graph(graph)
 
@@ -547,9 +542,7 @@ class TestCaptureRouting(_NeedsCapabilities):
         assert events == ["route", ("end", True)]
         assert inside(be.pool_active_blocks(pool), y), "the routed capture did not draw from the router's pool"
         x.fill_(2.0)
-        be.synchronize(None)
-        be.replay(graph)
-        be.synchronize(None)
+        replay_and_wait(be, graph)
         assert equals(y, 5.0)
         other, _ = captured(be, x)  # after the block: not routed
         assert events == ["route", ("end", True)]

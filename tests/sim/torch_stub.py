@@ -1,7 +1,8 @@
 """Stand-ins for torch_npu / torch_mlu (and torch.cuda), to test the backends' torch glue on a CPU.
 
 Each has the attributes the glue uses, records every call in ``stub.calls``,
-and can fail a capture the way a device would. Inject an
+and can fail a capture the way a device would (``stub.fail_capture`` on entering
+``graph(...)``, ``stub.fail_end`` once, on leaving it). Inject an
 :func:`extension_stub` with ``monkeypatch.setitem(sys.modules, stub.__name__,
 stub)``; hand a :func:`cuda_stub` to ``CudaGlue(device, ext=stub)``.
 
@@ -107,6 +108,9 @@ class _GraphContext:
 
     def __exit__(self, *exc: object) -> None:
         self.stub.capturing = None
+        failure, self.stub.fail_end = self.stub.fail_end, None  # the next capture fails at its end
+        if failure is not None:
+            raise failure
         self.stub.calls.append(("capture_end", self.graph))
 
 
@@ -165,7 +169,7 @@ def extension_stub(name: str, *, version: str | None = None, mempool: bool = Tru
     stub.__spec__ = importlib.machinery.ModuleSpec(name, None)
     stub.__version__ = version
     stub.calls = []
-    stub.fail_capture = None
+    stub.fail_capture = stub.fail_end = None
     stub.segments = []  # what memory_snapshot() returns
     stub.mempools = {}  # pool id -> MemPool
     stub.capturing = stub.active_pool = None
@@ -227,6 +231,8 @@ def extension_stub(name: str, *, version: str | None = None, mempool: bool = Tru
     end = "_npu_endAllocateToPool" if not npu or release >= (2, 13) else "_npu_endAllocateCurrentStreamToPool"
     setattr(internals, end if npu else "_mlu_endAllocateToPool",
             lambda device, pool_id: calls.append(("endAllocateToPool", device, pool_id)))
+    setattr(internals, "_npu_releasePool" if npu else "_mlu_releasePool",
+            lambda device, pool_id: calls.append(("releasePool", device, pool_id)))
     if mempool and npu:
         ns.MemPool, ns.use_mem_pool = MemPool, use_mem_pool
     elif mempool:  # torch.mlu.memory.MemPool

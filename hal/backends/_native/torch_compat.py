@@ -56,59 +56,64 @@ class PrivateApi:
         return paths[0] if paths else f"<no {self.purpose} for {device_type}>"
 
 
+#: device type -> (module, the module's C extension): where each framework keeps its private bindings
+_HOMES = {"cuda": ("torch", "_C"), "npu": ("torch_npu", "_C"), "mlu": ("torch_mlu", "_MLUC")}
+
+
+def _bindings(*names: str) -> dict[str, tuple[str, ...]]:
+    """The paths of the C binding ``_<device>_<name>`` of each framework, for each of ``names`` in turn."""
+    return {dev: tuple(f"{module}.{ext}._{dev}_{name}" for name in names) for dev, (module, ext) in _HOMES.items()}
+
+
+def _namespace(name: str, memory_too: Iterable[str] = ()) -> dict[str, tuple[str, ...]]:
+    """The paths of ``<module>.<device>.<name>``; for the device types in ``memory_too`` also
+    ``<module>.<device>.memory.<name>`` (where some releases keep it)."""
+    paths: dict[str, tuple[str, ...]] = {dev: (f"{module}.{dev}.{name}",) for dev, (module, _) in _HOMES.items()}
+    for dev in memory_too:
+        paths[dev] += (f"{_HOMES[dev][0]}.{dev}.memory.{name}",)
+    return paths
+
+
 CUSTOM_ALLOCATOR = PrivateApi(
     purpose="wrap two C function pointers (alloc, free) as an allocator object for a MemPool",
-    paths={"cuda": ("torch._C._cuda_customAllocator",),
-           "npu": ("torch_npu._C._npu_customAllocator",),
-           "mlu": ("torch_mlu._MLUC._mlu_customAllocator",)},
+    paths=_bindings("customAllocator"),
     checked=f"{_GPU}; absent from CPU builds ({_CPU})",
     missing='no "custom_pool" capability: create_pool with callbacks raises UnsupportedError',
 )
 
+#: absent from the public torch_mlu branches; torch.mlu.memory.MemPool in torch-mlu >= 1.27
 MEM_POOL = PrivateApi(
     purpose="a pool over a custom allocator: MemPool(allocator), its .id, use_count()",
-    paths={"cuda": ("torch.cuda.MemPool",),
-           "npu": ("torch_npu.npu.MemPool", "torch_npu.npu.memory.MemPool"),
-           # absent from the public torch_mlu branches; torch.mlu.memory.MemPool in torch-mlu >= 1.27
-           "mlu": ("torch_mlu.mlu.MemPool", "torch_mlu.mlu.memory.MemPool")},
+    paths=_namespace("MemPool", memory_too=("npu", "mlu")),
     checked=f"{_GPU}; {_CPU} (unusable there: its base class is a dummy)",
     missing='no "custom_pool" capability: create_pool with callbacks raises UnsupportedError',
 )
 
+#: torch_npu renamed the first in 2.13 (the second is the older name)
 END_ALLOCATE_TO_POOL = PrivateApi(
     purpose="stop routing a stream's allocations to a pool (undo of a capture that failed half-way)",
-    paths={"cuda": ("torch._C._cuda_endAllocateToPool", "torch._C._cuda_endAllocateCurrentStreamToPool"),
-           # renamed in torch_npu 2.13
-           "npu": ("torch_npu._C._npu_endAllocateToPool", "torch_npu._C._npu_endAllocateCurrentStreamToPool"),
-           "mlu": ("torch_mlu._MLUC._mlu_endAllocateToPool", "torch_mlu._MLUC._mlu_endAllocateCurrentStreamToPool")},
+    paths=_bindings("endAllocateToPool", "endAllocateCurrentStreamToPool"),
     checked=f"{_GPU}; a dummy in {_CPU}",
     missing="the failed capture is not undone and a warning says so (an error would hide the capture's own)",
 )
 
 RELEASE_POOL = PrivateApi(
     purpose="drop the reference on a pool that a failed capture took",
-    paths={"cuda": ("torch._C._cuda_releasePool",),
-           "npu": ("torch_npu._C._npu_releasePool",),
-           "mlu": ("torch_mlu._MLUC._mlu_releasePool",)},
+    paths=_bindings("releasePool"),
     checked=f"{_GPU}; a dummy in {_CPU}",
     missing="as for END_ALLOCATE_TO_POOL",
 )
 
 MEMORY_SNAPSHOT = PrivateApi(
     purpose="the caching allocator's segments and blocks (read by pool_active_blocks)",
-    paths={"cuda": ("torch.cuda.memory_snapshot",),
-           "npu": ("torch_npu.npu.memory_snapshot",),
-           "mlu": ("torch_mlu.mlu.memory_snapshot",)},
+    paths=_namespace("memory_snapshot"),
     checked=f"{_GPU} (keywords mempool_id, include_traces); {_CPU} has the function",
     missing="pool_active_blocks reports no blocks and logs why once per glue",
 )
 
-
 USE_MEM_POOL = PrivateApi(
     purpose="route the calling thread's allocations to a MemPool inside a block (the use_pool hook)",
-    paths={"cuda": ("torch.cuda.use_mem_pool",),
-           "npu": ("torch_npu.npu.use_mem_pool", "torch_npu.npu.memory.use_mem_pool"),
-           "mlu": ("torch_mlu.mlu.use_mem_pool", "torch_mlu.mlu.memory.use_mem_pool")},
+    paths=_namespace("use_mem_pool", memory_too=("npu", "mlu")),
     checked=f"{_GPU}; torch_npu and torch_mlu read from their sources only",
     missing='no "use_pool" capability: use_pool raises UnsupportedError',
 )

@@ -5,9 +5,11 @@ torch.cuda and the extensions that mirror it under another device type
 ``graph_pool_handle``, a graph class, ``memory_snapshot`` and -- in some
 builds -- a ``MemPool`` over a custom allocator. A vendor subclass of
 :class:`TorchGlue` names them (:class:`TorchExtension`), picks the default
-capture mode and recognises its own capture failures. Private APIs are looked
-up through :mod:`hal.backends._native.torch_compat`. torch and the extension
-are imported only when a glue is created.
+capture mode and recognises its own capture failures; every vendor captures
+through :mod:`hal.backends._native.capture`, overriding only the few methods
+it differs in (its graph objects, a capture's pool id, what it records). Private
+APIs are looked up through :mod:`hal.backends._native.torch_compat`. torch and
+the extension are imported only when a glue is created.
 """
 
 from __future__ import annotations
@@ -16,18 +18,18 @@ import contextlib
 import functools
 import importlib
 import logging
-from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from hal.api import AllocFn, FreeFn
+from hal.backends._native import capture as capturing
 from hal.backends._native import torch_compat as compat
 from hal.backends._native.callbacks import CallbackPair, keep_forever, new_pair
+from hal.backends._native.capture import StreamInspector
 from hal.backends._native.routing import GraphClassRouting, routable, routing_for
 from hal.errors import CaptureError, InvalidStateError, UnsupportedError
-from hal.gcguard import gc_disabled
-from hal.types import fmt_bytes
+from hal.types import GraphAddresses, fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ class TorchGlue:
         if not names.scoped:
             self.ns.set_device(device)
         self.routing: GraphClassRouting | None = None
+        self.inspector: StreamInspector | None = None
         if "capture_routing" in names.capabilities(self.ext, self.ns):
             self.routing = routing_for(getattr(self.ns, names.graph_class), self.ns.current_device,
                                        lambda pool: pool.id)
@@ -140,10 +143,6 @@ class TorchGlue:
             if self.private(api) is None:
                 return (f"{self.no_custom_pool} ({api.name(self.extension.device_type)} is missing in "
                         f"{compat.versions(self.modules)})")
-        return None
-
-    def capture_error(self, exc: BaseException) -> CaptureError | None:
-        """The :class:`hal.CaptureError` that ``exc`` from a capture stands for, or None."""
         return None
 
     # -- devices and streams --------------------------------------------------------------
@@ -257,29 +256,56 @@ class TorchGlue:
         if reason and isinstance(exc, self.torch.OutOfMemoryError) and hasattr(exc, "add_note"):
             exc.add_note(f"hal {self.backend}: {reason}")
 
-    def capture(self, graph: Any, pool: TorchPool | None, stream: Any,
-                capture_error_mode: str | None) -> AbstractContextManager[Any]:
-        """``torch.<device>.graph`` with GC off (the allocator callbacks run inside it) and the
-        failures :meth:`capture_error` recognises turned into :class:`hal.CaptureError`."""
-        return self._capture(graph, pool, stream, capture_error_mode)
+    def use_inspector(self, inspector: StreamInspector | None) -> None:
+        """Read graphs under construction with ``inspector(stream)``: captures with ``inspect=True``
+        and routed captures whose route asks for it (the routing of a graph class is shared by
+        every device, and so is its inspector)."""
+        self.inspector = inspector
+        if self.routing is not None:
+            self.routing.set_inspector(None if inspector is None else self._inspect_current)
 
-    @contextlib.contextmanager
-    def _capture(self, graph: Any, pool: TorchPool | None, stream: Any,
-                 capture_error_mode: str | None) -> Iterator[Any]:
-        if self.routing is not None:  # inside route_captures the router chooses the pool
-            pool = self.routing.begin(graph, pool, self.device) or pool
-        if pool is not None and pool.callbacks is not None:
-            pool.callbacks.last_error = None
-        try:
-            with gc_disabled(), self.ns.graph(graph, pool=None if pool is None else pool.id, stream=stream,
-                                              capture_error_mode=capture_error_mode or self.default_capture_mode):
-                yield graph
-        except Exception as exc:
-            self.explain_out_of_memory(exc, pool)
-            translated = self.capture_error(exc)
-            if translated is None:
-                raise
-            raise translated from exc
+    def _inspect_current(self, torch_graph: Any) -> GraphAddresses:
+        """What the graph being captured on the current stream uses (the framework ends a capture there)."""
+        assert self.inspector is not None
+        return self.inspector(self.ns.current_stream())
+
+    def capture(self, graph: Any, pool: TorchPool | None, stream: Any, capture_error_mode: str | None,
+                inspect: bool = False) -> AbstractContextManager[Any]:
+        """The capture of :mod:`hal.backends._native.capture`, in ``capture_error_mode`` (the glue's
+        default when None).
+
+        :param inspect: record what the graph uses; needs an inspector (:meth:`use_inspector`).
+        """
+        if inspect and self.inspector is None:
+            raise UnsupportedError("inspect=True: this glue has no way to read a graph under construction",
+                                   backend=self.backend, call="capture")
+        return capturing.capture(self, graph, pool, stream, capture_error_mode or self.default_capture_mode,
+                                 self.inspector if inspect else None)
+
+    # what a vendor's capture differs in (see hal.backends._native.capture.CaptureGlue)
+
+    @property
+    def graph_class(self) -> str:
+        """The name of the framework's graph class in the device namespace."""
+        return self.extension.graph_class
+
+    def check_capture(self, graph: Any, stream: Any) -> None:
+        """Refuse a capture of ``graph`` on ``stream`` before it starts (nothing is refused here)."""
+
+    def torch_graph_of(self, graph: Any) -> Any:
+        """The framework's graph behind a graph of this backend (here: the same object)."""
+        return graph
+
+    def capture_pool_id(self, pool: TorchPool | None) -> Any:
+        """What the framework's capture takes as its pool (None: a pool private to the graph)."""
+        return None if pool is None else pool.id
+
+    def captured(self, graph: Any, stream: Any, pool: TorchPool | None) -> None:
+        """Record a capture that ended well (nothing to record here)."""
+
+    def capture_error(self, exc: BaseException, phase: capturing.Phase) -> CaptureError | None:
+        """The :class:`hal.CaptureError` that ``exc``, raised in ``phase`` of a capture, stands for, or None."""
+        return None
 
     def replay(self, graph: Any) -> None:
         graph.replay()

@@ -6,16 +6,14 @@ import ctypes
 import logging
 import os
 import threading
-from contextlib import AbstractContextManager
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 from hal.api import hookimpl
 from hal.backends._native import torch_compat as compat
-from hal.backends._native.hooks import TorchHooks, extension_report
-from hal.backends._native.torch_glue import ExtensionGlue, TorchGlue
+from hal.backends._native.hooks import ExtensionHooks
+from hal.backends._native.torch_glue import TorchGlue
 from hal.backends.ascend import lib, locate
 from hal.errors import InvalidArgumentError
-from hal.types import MemInfo
 
 log = logging.getLogger("hal.ascend")
 NAME = lib.NAME
@@ -29,7 +27,7 @@ def _npu_glue(device: int) -> TorchGlue:
     return NpuGlue(device)  # torch_npu runs aclInit and sets the device
 
 
-class AscendBackend(TorchHooks):
+class AscendBackend(ExtensionHooks):
     """Huawei Ascend NPUs through libascendcl (VMM) and torch_npu (graphs, streams, pools).
 
     Options:
@@ -56,6 +54,8 @@ class AscendBackend(TorchHooks):
     hal_requirements: ClassVar[dict[str, Any]] = {"host_accessible": False}
     backend_name = NAME
     torch_extension = locate.EXTENSION
+    count_devices = ("aclrtGetDeviceCount", ctypes.c_uint32)
+    read_mem_info = ("aclrtGetMemInfo", (lib.ACL_HBM_MEM,), ctypes.c_size_t)
 
     def __init__(self, device: int = 0, *, library: str | None = None, use_torch: bool | None = None,
                  reserve_flags: int | None = None) -> None:
@@ -96,10 +96,6 @@ class AscendBackend(TorchHooks):
                                        backend=NAME, call="open")
         return int(raw), source
 
-    def capability_report(self) -> tuple[str | None, dict[str, str]]:
-        """The torch extension in use (None without one) and why each capability is on or off."""
-        return extension_report(self.glue, self.torch_extension)
-
     def _call(self, call: str, native: str, *args: Any) -> None:
         if not getattr(self._thread, "device_set", False):
             self.library.call(call, "aclrtSetDevice", self.device)
@@ -114,23 +110,7 @@ class AscendBackend(TorchHooks):
                    ctypes.byref(gran))
         return gran.value
 
-    # -- queries ---------------------------------------------------------------------
-
-    @hookimpl
-    def device_count(self) -> int:
-        count = ctypes.c_uint32(0)
-        self._call("device_count", "aclrtGetDeviceCount", ctypes.byref(count))
-        return count.value
-
-    @hookimpl
-    def granularity(self, recommended: bool) -> int:
-        return self._granularity[bool(recommended)]
-
-    @hookimpl
-    def mem_info(self) -> MemInfo:
-        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        self._call("mem_info", "aclrtGetMemInfo", lib.ACL_HBM_MEM, ctypes.byref(free), ctypes.byref(total))
-        return MemInfo(free=free.value, total=total.value)
+    # -- queries: device_count, mem_info and granularity are ExtensionHooks' over the two names above
 
     # -- vmm -------------------------------------------------------------------------
 
@@ -141,9 +121,8 @@ class AscendBackend(TorchHooks):
         return int(ptr.value or 0)
 
     @hookimpl
-    def release_vir_ptr(self, ptr: int, size: int) -> bool:
+    def release_vir_ptr(self, ptr: int, size: int) -> None:
         self._call("release_vir_ptr", "aclrtReleaseMemAddress", ptr)
-        return True
 
     @hookimpl
     def create_phy_mem_handle(self, size: int) -> int:
@@ -153,26 +132,15 @@ class AscendBackend(TorchHooks):
         return int(handle.value or 0)
 
     @hookimpl
-    def release_phy_mem_handle(self, handle: int) -> bool:
+    def release_phy_mem_handle(self, handle: int) -> None:
         self._call("release_phy_mem_handle", "aclrtFreePhysical", handle)
-        return True
 
     @hookimpl
-    def map(self, ptr: int, size: int, handle: int) -> bool:
+    def map(self, ptr: int, size: int, handle: int) -> None:
         self._call("map", "aclrtMapMem", ptr, size, 0, handle, 0)  # usable by the owning device at once
-        return True
 
     @hookimpl
-    def unmap(self, ptr: int, size: int) -> bool:
+    def unmap(self, ptr: int, size: int) -> None:
         self._call("unmap", "aclrtUnmapMem", ptr)  # ACL unmaps one whole mapping by its address
-        return True
 
-    # -- graphs, streams, pools: inherited from TorchHooks, over torch_npu when it is there
-
-    @hookimpl
-    def use_pool(self, pool: Any) -> AbstractContextManager[None]:
-        return cast(ExtensionGlue, self._torch("use_pool")).use_pool(pool)
-
-    @hookimpl
-    def shutdown(self) -> bool:
-        return True  # the library stays loaded for the process; the facade released everything else
+    # -- graphs, streams, pools, use_pool, shutdown: inherited from ExtensionHooks, over torch_npu when it is there

@@ -12,8 +12,8 @@ import ctypes
 from ctypes import POINTER, c_char, c_char_p, c_int, c_int32, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
 from typing import Any
 
-from hal.backends._native.library import LibraryCache, NativeLibrary, native_error
-from hal.errors import DriverError, HalError, InvalidArgumentError
+from hal.backends._native.library import LibraryCache, NativeInvalidArgumentError, NativeLibrary, native_error
+from hal.errors import HalError
 
 NAME = "ascend"
 
@@ -147,16 +147,15 @@ OPTIONAL: dict[str, list[Any]] = {
 }
 
 
-class AclInvalidArgumentError(DriverError, InvalidArgumentError):
-    """The runtime refused an argument: an :class:`hal.InvalidArgumentError` that keeps the native code."""
+#: deprecated: the former name of the shared :class:`~hal.backends._native.library.NativeInvalidArgumentError`
+AclInvalidArgumentError = NativeInvalidArgumentError
 
 
 def error_for(code: int, call: str, native: str, detail: str = "") -> HalError:
     """The hal error for a failed ``native`` call made on behalf of hook ``call``."""
-    invalid = code in INVALID_ARGUMENT_CODES
     return native_error(code, call, native, backend=NAME, code_name=CODE_NAMES.get(code),
-                        out_of_memory=code in OUT_OF_MEMORY_CODES,
-                        error_class=AclInvalidArgumentError if invalid else DriverError, detail=detail)
+                        out_of_memory=code in OUT_OF_MEMORY_CODES, invalid_argument=code in INVALID_ARGUMENT_CODES,
+                        explanation=detail)
 
 
 class AclLibrary(NativeLibrary):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 
 from hal.backends._native import torch_compat as compat
+from hal.backends._native.capture import Phase
 from hal.backends._native.torch_glue import ExtensionGlue, TorchExtension
 from hal.backends.ascend.lib import ACL_ERROR_RT_NO_STREAM_RESOURCE, ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, NAME
 from hal.errors import CaptureError
@@ -77,6 +78,6 @@ class NpuGlue(ExtensionGlue):
                     "from torch_npu 2.13 on: upgrade torch_npu for vmm graph memory")
         return super().routing_problem()
 
-    def capture_error(self, exc: BaseException) -> CaptureError | None:
+    def capture_error(self, exc: BaseException, phase: Phase) -> CaptureError | None:
         """Exhausted streams become a :class:`hal.CaptureError` with advice."""
         return stream_exhaustion(exc)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from hal.api import hookimpl
@@ -99,9 +101,15 @@ class FakeBackend(HostGraphs):
         self._refund(size)
 
     @staticmethod
-    def _os_error(call: str, exc: OSError) -> DriverError:
-        return DriverError(exc.strerror or str(exc), backend=NAME, call=call, code=exc.errno,
-                           code_name=f"errno {exc.errno}")
+    @contextlib.contextmanager
+    def _os_errors(call: str) -> Iterator[None]:
+        """An ``OSError`` of the host calls inside the block leaves as a :class:`hal.DriverError` of ``call``
+        carrying its errno."""
+        try:
+            yield
+        except OSError as exc:
+            raise DriverError(exc.strerror or str(exc), backend=NAME, call=call, code=exc.errno,
+                              code_name=f"errno {exc.errno}") from exc
 
     # -- queries ---------------------------------------------------------------------
 
@@ -130,20 +138,16 @@ class FakeBackend(HostGraphs):
 
     @hookimpl
     def release_vir_ptr(self, ptr: int, size: int) -> None:
-        try:
+        with self._os_errors("release_vir_ptr"):
             hostvm.free(ptr, size)
-        except OSError as exc:
-            raise self._os_error("release_vir_ptr", exc) from exc
 
     @hookimpl
     def create_phy_mem_handle(self, size: int) -> int:
         self._charge("create_phy_mem_handle", size)
         try:
-            fd = hostvm.create_chunk(size)
-        except OSError as exc:
-            self._refund(size)
-            raise self._os_error("create_phy_mem_handle", exc) from exc
-        except BaseException:  # OverflowError and the like: nothing may stay charged
+            with self._os_errors("create_phy_mem_handle"):
+                fd = hostvm.create_chunk(size)
+        except BaseException:  # OSError, OverflowError and the like: nothing may stay charged
             self._refund(size)
             raise
         handle = next(self._handle_ids)
@@ -153,10 +157,8 @@ class FakeBackend(HostGraphs):
     @hookimpl
     def release_phy_mem_handle(self, handle: int) -> None:
         fd, size = self._chunks[handle]
-        try:
+        with self._os_errors("release_phy_mem_handle"):
             hostvm.release_chunk(fd)
-        except OSError as exc:
-            raise self._os_error("release_phy_mem_handle", exc) from exc
         del self._chunks[handle]
         self._refund(size)
 
@@ -165,21 +167,16 @@ class FakeBackend(HostGraphs):
         fd, chunk_size = self._chunks[handle]
         if size != chunk_size:  # the facade checks this too; real drivers refuse it
             raise InvalidArgumentError(f"size={size} differs from the chunk's {chunk_size}", backend=NAME, call="map")
-        try:
+        with self._os_errors("map"):
             hostvm.map_chunk(ptr, size, fd)
-        except OSError as exc:
-            raise self._os_error("map", exc) from exc
 
     @hookimpl
     def unmap(self, ptr: int, size: int) -> None:
-        try:
+        with self._os_errors("unmap"):
             hostvm.unmap_chunk(ptr, size)
-        except OSError as exc:
-            raise self._os_error("unmap", exc) from exc
 
     @hookimpl
-    def shutdown(self) -> bool:
+    def shutdown(self) -> None:
         for ptr, size in list(self._anon.items()):
             self.device_free(ptr, size)
-        return True
 

@@ -6,15 +6,13 @@ import ctypes
 import functools
 import logging
 import threading
-from contextlib import AbstractContextManager
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 from hal.api import hookimpl
-from hal.backends._native.hooks import TorchHooks, extension_report
-from hal.backends._native.torch_glue import ExtensionGlue, TorchGlue
+from hal.backends._native.hooks import ExtensionHooks
+from hal.backends._native.torch_glue import TorchGlue
 from hal.backends._native.vmm import map_with_access
 from hal.backends.mlu import lib, locate
-from hal.types import MemInfo
 
 log = logging.getLogger("hal.mlu")
 NAME = lib.NAME
@@ -26,7 +24,7 @@ def _mlu_glue(device: int) -> TorchGlue:
     return MluGlue(device)  # torch_mlu makes the device's context current
 
 
-class MluBackend(TorchHooks):
+class MluBackend(ExtensionHooks):
     """Cambricon MLUs through libcndrv (VMM) and torch_mlu (graphs, streams).
 
     Options:
@@ -54,6 +52,8 @@ class MluBackend(TorchHooks):
     hal_requirements: ClassVar[dict[str, Any]] = {"host_accessible": False}
     backend_name = NAME
     torch_extension = locate.EXTENSION
+    count_devices = ("cnDeviceGetCount", ctypes.c_int)
+    read_mem_info = ("cnMemGetInfo", (), ctypes.c_uint64)
 
     def __init__(self, device: int = 0, *, library: str | None = None, use_torch: bool | None = None) -> None:
         self.device = device
@@ -89,10 +89,6 @@ class MluBackend(TorchHooks):
                       threading.current_thread().name)
         self._thread.has_context = True
 
-    def capability_report(self) -> tuple[str | None, dict[str, str]]:
-        """The torch extension in use (None without one) and why each capability is on or off."""
-        return extension_report(self.glue, self.torch_extension)
-
     def _query_granularity(self, recommended: bool) -> int:
         gran = ctypes.c_uint64(0)
         option = lib.CN_MEM_ALLOC_GRANULARITY_RECOMMENDED if recommended else lib.CN_MEM_ALLOC_GRANULARITY_MINIMUM
@@ -101,23 +97,7 @@ class MluBackend(TorchHooks):
                    option)
         return gran.value
 
-    # -- queries ---------------------------------------------------------------------
-
-    @hookimpl
-    def device_count(self) -> int:
-        count = ctypes.c_int(0)
-        self._call("device_count", "cnDeviceGetCount", ctypes.byref(count))
-        return count.value
-
-    @hookimpl
-    def granularity(self, recommended: bool) -> int:
-        return self._granularity[bool(recommended)]
-
-    @hookimpl
-    def mem_info(self) -> MemInfo:
-        free, total = ctypes.c_uint64(0), ctypes.c_uint64(0)
-        self._call("mem_info", "cnMemGetInfo", ctypes.byref(free), ctypes.byref(total))
-        return MemInfo(free=free.value, total=total.value)
+    # -- queries: device_count, mem_info and granularity are ExtensionHooks' over the two names above
 
     # -- vmm -------------------------------------------------------------------------
 
@@ -128,9 +108,8 @@ class MluBackend(TorchHooks):
         return ptr.value
 
     @hookimpl
-    def release_vir_ptr(self, ptr: int, size: int) -> bool:
+    def release_vir_ptr(self, ptr: int, size: int) -> None:
         self._call("release_vir_ptr", "cnMemAddressFree", ptr, size)
-        return True
 
     @hookimpl
     def create_phy_mem_handle(self, size: int) -> int:
@@ -139,29 +118,18 @@ class MluBackend(TorchHooks):
         return handle.value
 
     @hookimpl
-    def release_phy_mem_handle(self, handle: int) -> bool:
+    def release_phy_mem_handle(self, handle: int) -> None:
         self._call("release_phy_mem_handle", "cnMemRelease", handle)
-        return True
 
     @hookimpl
-    def map(self, ptr: int, size: int, handle: int) -> bool:
+    def map(self, ptr: int, size: int, handle: int) -> None:
         call = functools.partial(self._call, "map")
         map_with_access(lambda: call("cnMemMap", ptr, size, 0, handle, 0),
                         lambda: call("cnMemSetAccess", ptr, size, ctypes.byref(self._access), 1),
                         lambda: call("cnMemUnmap", ptr, size), backend=NAME, ptr=ptr, access_call="cnMemSetAccess")
-        return True
 
     @hookimpl
-    def unmap(self, ptr: int, size: int) -> bool:
+    def unmap(self, ptr: int, size: int) -> None:
         self._call("unmap", "cnMemUnmap", ptr, size)
-        return True
 
-    # -- graphs, streams, pools: inherited from TorchHooks, over torch_mlu when it is there
-
-    @hookimpl
-    def use_pool(self, pool: Any) -> AbstractContextManager[None]:
-        return cast(ExtensionGlue, self._torch("use_pool")).use_pool(pool)
-
-    @hookimpl
-    def shutdown(self) -> bool:
-        return True  # the library stays loaded (and initialised) for the process
+    # -- graphs, streams, pools, use_pool, shutdown: inherited from ExtensionHooks, over torch_mlu when it is there

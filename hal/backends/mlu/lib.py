@@ -15,8 +15,8 @@ import threading
 from ctypes import POINTER, c_int, c_int32, c_uint, c_uint8, c_uint32, c_uint64, c_void_p
 from typing import Any
 
-from hal.backends._native.library import LibraryCache, NativeLibrary, native_error
-from hal.errors import DriverError, HalError, InvalidArgumentError
+from hal.backends._native.library import LibraryCache, NativeInvalidArgumentError, NativeLibrary, native_error
+from hal.errors import HalError
 
 NAME = "mlu"
 
@@ -140,16 +140,14 @@ PROTOTYPES: dict[str, list[Any]] = {
 }
 
 
-class CnInvalidArgumentError(DriverError, InvalidArgumentError):
-    """The driver refused an argument: an :class:`hal.InvalidArgumentError` that keeps the native code."""
+#: deprecated: the former name of the shared :class:`~hal.backends._native.library.NativeInvalidArgumentError`
+CnInvalidArgumentError = NativeInvalidArgumentError
 
 
 def error_for(code: int, call: str, native: str) -> HalError:
     """The hal error for a failed ``native`` call made on behalf of hook ``call``."""
-    invalid = code in INVALID_ARGUMENT_CODES
     return native_error(code, call, native, backend=NAME, code_name=CODE_NAMES.get(code),
-                        out_of_memory=code in OUT_OF_MEMORY_CODES,
-                        error_class=CnInvalidArgumentError if invalid else DriverError)
+                        out_of_memory=code in OUT_OF_MEMORY_CODES, invalid_argument=code in INVALID_ARGUMENT_CODES)
 
 
 class CndrvLibrary(NativeLibrary):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 
+from hal.backends._native.capture import Phase
 from hal.backends._native.torch_glue import ExtensionGlue, TorchExtension
 from hal.backends.mlu.lib import CAPTURE_CODES, CNRT_CAPTURE_NAMES, CODE_NAMES, NAME
 from hal.errors import CaptureError
@@ -70,6 +71,6 @@ class MluGlue(ExtensionGlue):
     routed_note = (" (the sources of the builds with MemPool are not public: that a capture with "
                    "pool=MemPool.id takes the pool's allocator is not confirmed)")
 
-    def capture_error(self, exc: BaseException) -> CaptureError | None:
+    def capture_error(self, exc: BaseException, phase: Phase) -> CaptureError | None:
         """CNRT's queue-capture errors become a :class:`hal.CaptureError`."""
         return capture_failure(exc)
