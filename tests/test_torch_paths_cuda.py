@@ -99,7 +99,10 @@ def test_transformers_static_cache_generation_inside_the_scope(be: hal.Backend) 
                                       max_position_embeddings=256)
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(config).to("cuda", torch.bfloat16).eval()
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    # CUDA graph trees over the eager kernels: inductor's generated kernels crash this model in torch 2.11 on
+    # an H100 without graphkit too (tests/cuda_scripts/hf_static_generate.py shows it); the trees are what
+    # meets graphkit's scope either way
+    model.forward = torch.compile(model.forward, backend="cudagraphs", fullgraph=True)
     prompt = torch.randint(0, 4096, (2, 12), device="cuda")
 
     def generate() -> torch.Tensor:
@@ -109,7 +112,7 @@ def test_transformers_static_cache_generation_inside_the_scope(be: hal.Backend) 
     outside = generate()
     with graphkit.graph_memory(be) as pools:
         inside = generate()
-    assert torch.equal(inside, outside)
+    assert torch.equal(inside, outside) and inside.shape == (2, 24)
     pools.close()
     torch._dynamo.reset()
 

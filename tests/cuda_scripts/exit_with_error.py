@@ -28,18 +28,19 @@ def main() -> None:
         kv = torch.zeros(1 << 20, device="cuda")
     pools = graphkit.GraphPools(be, saver=saver)
     x = torch.zeros(8, 1024, device="cuda")
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        y = x @ weights
-        dist.all_reduce(y)
-    torch.cuda.synchronize()
+
+    def step(n: int) -> torch.Tensor:
+        out = x[:n] @ weights
+        dist.all_reduce(out)
+        return out
+
+    pools.warm_up(step, 8)  # cuBLAS and NCCL state born on the capture stream before any capture
     graphs = []
     with graphkit.graph_memory(pools=pools):
         for n in (8, 4, 2, 1):
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                out = x[:n] @ weights
-                dist.all_reduce(out)
+                out = step(n)
                 kv[: out.numel()].copy_(out.flatten())
             graphs.append((g, out))
     for g, _ in graphs:
