@@ -142,10 +142,10 @@ def capture(backend: hal.Backend, fn: Callable[..., Any], inputs: dict[str, Any]
         backend.release_graph(graph)
         raise
     seconds = time.perf_counter() - t0
-    leftovers = leftover_blocks(backend, lease, outputs, before)
     try:
+        leftovers = leftover_blocks(backend, lease, outputs, before)
         report_leftovers(backend, leftovers, what, strict=strict_hygiene)
-    except CaptureHygieneError:
-        backend.release_graph(graph)  # rejected: nobody else holds it
+    except hal.HalError:  # rejected, or the check itself failed: nobody else holds the graph
+        backend.release_graph(graph)
         raise
     return Captured(graph, outputs, seconds, leftovers)

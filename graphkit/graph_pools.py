@@ -32,12 +32,24 @@ import hal
 from graphkit.allocator import SharedVMMAllocator
 from graphkit.capture import CaptureHygieneError, leftover_blocks, report_leftovers
 from graphkit.pools import Lease
+from graphkit.saver import GRAPHS, MemorySaver
 from hal.types import Route, fmt_bytes
 
 log = logging.getLogger("graphkit.graph_pools")
 
 Kind = Literal["vmm", "shared"]
 _serial = itertools.count(1)
+_ALLOCATOR_OPTIONS = frozenset({"reserve_bytes", "capacity", "arena_bytes"})
+
+
+@dataclass(frozen=True)
+class CaptureKey:
+    """The key :func:`graph_memory` gives a capture outside any group: equal to no key of the engine's own."""
+
+    serial: int
+
+    def __repr__(self) -> str:
+        return f"capture#{self.serial}"
 
 
 class PoolHandle(tuple):
@@ -165,7 +177,17 @@ class GraphPools:
     """
 
     def __init__(self, backend: hal.Backend | None = None, kind: Kind = "vmm", *, hygiene: bool = False,
-                 saver: Any = None, **allocator_options: Any) -> None:
+                 saver: MemorySaver | None = None, **allocator_options: Any) -> None:
+        if backend is not None and not isinstance(backend, hal.Backend):
+            raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend", call="GraphPools")
+        unknown = sorted(set(allocator_options) - _ALLOCATOR_OPTIONS)
+        if unknown:
+            raise hal.InvalidArgumentError(f"unknown option(s) {', '.join(unknown)}; GraphPools takes kind, hygiene, "
+                                           f"saver and {', '.join(sorted(_ALLOCATOR_OPTIONS))}",
+                                           backend=getattr(backend, "name", None), call="GraphPools")
+        if saver is not None and not isinstance(saver, MemorySaver):
+            raise hal.InvalidArgumentError(f"saver={saver!r} must be a graphkit.MemorySaver",
+                                           backend=getattr(backend, "name", None), call="GraphPools")
         self._owns_backend = backend is None
         self.backend = be = backend if backend is not None else hal.get_backend(requires=("graphs",))
         if kind not in ("vmm", "shared"):
@@ -184,7 +206,11 @@ class GraphPools:
                 raise hal.UnsupportedError("a shared pool is drawn from the framework's allocator and cannot sleep "
                                            "with a MemorySaver (needs 'custom_pool')", backend=be.name,
                                            call="GraphPools")
-            saver.adopt(self.allocator)
+            try:
+                saver.adopt(self.allocator, GRAPHS)
+            except BaseException:
+                self.allocator.close()
+                raise
         self._shared_pool: Any = None
         self._entries: dict[Hashable, _Entry] = {}
         self._lock = threading.RLock()
@@ -192,6 +218,8 @@ class GraphPools:
         self._groups = threading.local()
         self._auto = itertools.count(1)
         self._closed = False
+        self._close_done = False
+        self._unreleased_spaces: list[int] = []  # spaces of released keys whose release failed: retried
         be.synchronize()
         self._used_at_start = be.mem_info().used
         self._finalizer = weakref.finalize(self, _abandoned, be.name, self._entries)
@@ -203,13 +231,16 @@ class GraphPools:
         with self._lock:
             self._check_open("pool")
             self._settle()
-            try:
-                hash(key)
-            except TypeError:
-                raise hal.InvalidArgumentError(f"key={key!r} must be hashable", backend=self.backend.name,
-                                               call="GraphPools.pool") from None
-            entry = self._entries.get(key) or self._new_entry(key, auto=False)
+            entry = self._lookup(key, "pool") or self._new_entry(key, auto=False)
             return entry.handle
+
+    def _lookup(self, key: Hashable, call: str) -> _Entry | None:
+        """The entry of ``key`` or None; a key that cannot be hashed or compared is a hal error."""
+        try:
+            return self._entries.get(key)
+        except Exception as exc:  # noqa: BLE001 - whatever the key's __hash__ or __eq__ raises
+            raise hal.InvalidArgumentError(f"key={key!r} must be hashable and comparable ({type(exc).__name__}: "
+                                           f"{exc})", backend=self.backend.name, call=f"GraphPools.{call}") from None
 
     def _new_entry(self, key: Hashable, auto: bool) -> _Entry:
         be = self.backend
@@ -261,7 +292,7 @@ class GraphPools:
         """
         with self._lock:
             self._check_open("release")
-            entry = self._entries.get(key)
+            entry = self._lookup(key, "release")
             if entry is None:
                 raise hal.InvalidStateError(f"key={key!r} has no pool (released twice?)", backend=self.backend.name,
                                             call="GraphPools.release")
@@ -269,12 +300,18 @@ class GraphPools:
             self._settle()
 
     def _drop(self, entry: _Entry) -> None:
-        del self._entries[entry.key]
+        """Release the key's pool, then its space; a failed pool release keeps the key, to release again."""
         if entry.space_id is None:  # a key of the shared pool: the pool stays for the others
+            del self._entries[entry.key]
             return
         assert self.allocator is not None
         self.backend.release_pool(entry.pool)
-        self.allocator.release_when_idle(entry.space_id)
+        del self._entries[entry.key]
+        try:
+            self.allocator.release_when_idle(entry.space_id)
+        except hal.HalError:
+            self._unreleased_spaces.append(entry.space_id)  # retried at the next safe point
+            raise
 
     def _settle(self) -> None:
         """Release what routed graphs that died left behind (a safe point: no allocator call is running)."""
@@ -284,6 +321,14 @@ class GraphPools:
             if entry.auto and entry.graphs <= 0 and self._entries.get(entry.key) is entry:
                 self._drop(entry)
         if self.allocator is not None and not self.allocator.closed:
+            spaces, self._unreleased_spaces = self._unreleased_spaces, []
+            for space_id in spaces:
+                if space_id in self.allocator.spaces:
+                    try:
+                        self.allocator.release_when_idle(space_id)
+                    except hal.HalError as exc:
+                        log.error("a released key's space could not be released yet (retried): %s", str(exc))
+                        self._unreleased_spaces.append(space_id)
             self.allocator.reap()
 
     def collect(self) -> None:
@@ -308,6 +353,8 @@ class GraphPools:
             yield handle
         finally:
             stack.pop()
+            if key in stack:  # an outer group of the same key is still open: its space stays open too
+                return
             with self._lock:
                 entry = self._entries.get(key)
                 if entry is not None and entry.space_id is not None and self.allocator is not None \
@@ -330,7 +377,7 @@ class GraphPools:
             if grouped:
                 entry = self._entries.get(stack[-1]) or self._new_entry(stack[-1], auto=False)
             else:
-                entry = self._new_entry(("capture", next(self._auto)), auto=True)
+                entry = self._new_entry(CaptureKey(next(self._auto)), auto=True)
             entry.graphs += 1
             before = self._blocks(entry) if self.hygiene else set()
 
@@ -383,6 +430,11 @@ class GraphPools:
         created state (cuBLAS workspaces, caches) is born outside the capture.
         """
         be = self.backend
+        if not callable(fn):
+            raise hal.InvalidArgumentError(f"fn={fn!r} must be callable", backend=be.name, call="GraphPools.warm_up")
+        if not isinstance(runs, int) or isinstance(runs, bool) or runs < 0:
+            raise hal.InvalidArgumentError(f"runs={runs!r} must be an int >= 0", backend=be.name,
+                                           call="GraphPools.warm_up")
         stream = stream if stream is not None else be.default_capture_stream()
         result = None
         with be.use_stream(stream):
@@ -397,7 +449,7 @@ class GraphPools:
         :raises CaptureHygieneError: ``strict`` and something other than the outputs is left.
         """
         with self._lock:
-            entry = self._entries.get(key)
+            entry = self._lookup(key, "leftovers")
             if entry is None:
                 raise hal.InvalidStateError(f"key={key!r} has no pool", backend=self.backend.name,
                                             call="GraphPools.leftovers")
@@ -443,37 +495,49 @@ class GraphPools:
         """Release every pool, unmap every space, release the chunks. Idempotent.
 
         Reset (or drop) the graphs captured with these pools first: their
-        memory is gone after this.
+        memory is gone after this. Goes on past failures and raises the
+        first; ``close()`` again finishes the job.
         """
         with self._lock:
-            if self._closed:
+            if self._close_done:
                 return
+            self._closed = True  # from here on every call raises InvalidStateError
             self._finalizer.detach()
-            self.backend.synchronize()
-            gc.collect()  # framework tensors of these pools caught in reference cycles go while the pools exist
             errors: list[BaseException] = []
+            try:
+                self.backend.synchronize()
+            except hal.HalError as exc:
+                errors.append(exc)
+            gc.collect()  # framework tensors of these pools caught in reference cycles go while the pools exist
             for entry in list(self._entries.values()):
                 try:
                     self._drop(entry)
                 except hal.HalError as exc:
                     errors.append(exc)
-            self._entries.clear()
             self._dead.clear()
+            self._unreleased_spaces.clear()  # the allocator's close takes them down
             if self._shared_pool is not None:
-                pool, self._shared_pool = self._shared_pool, None
-                self.backend.release_pool(pool)
+                try:
+                    self.backend.release_pool(self._shared_pool)
+                except hal.HalError as exc:
+                    errors.append(exc)
+                else:
+                    self._shared_pool = None
             if self.allocator is not None:
                 if self.saver is not None:
                     self.saver.forget(self.allocator)
-                try:
-                    self.allocator.close()
-                except hal.HalError as exc:
-                    errors.append(exc)
-            self._closed = True
+                if not self._entries:  # a key whose pool would not go keeps its space for the retry
+                    try:
+                        self.allocator.close()
+                    except hal.HalError as exc:
+                        errors.append(exc)
+            if errors:
+                log.error("GraphPools.close: %d step(s) failed; close() again to finish: %s", len(errors),
+                          str(errors[0]))
+                raise errors[0]
+            self._close_done = True
             if self._owns_backend:
                 self.backend.close()
-            if errors:
-                raise errors[0]
 
     def __enter__(self) -> GraphPools:
         return self
@@ -503,6 +567,11 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
         ``kind``, ``hygiene`` and the allocator options are theirs).
     :raises hal.UnsupportedError: the backend cannot route the framework's captures.
     """
+    if pools is not None and not isinstance(pools, GraphPools):
+        raise hal.InvalidArgumentError(f"pools={pools!r} must be a graphkit.GraphPools", call="graph_memory")
+    if backend is not None and not isinstance(backend, hal.Backend):
+        raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend (hal.get_backend(...))",
+                                       call="graph_memory")
     if pools is None:
         chosen = backend if backend is not None else hal.get_backend(requires=("graphs", "capture_routing"))
         pools = GraphPools(chosen, kind, hygiene=hygiene, **allocator_options)
@@ -511,4 +580,4 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
         yield pools
 
 
-__all__ = ["CaptureHygieneError", "GraphPools", "KeyReport", "PoolHandle", "PoolsReport", "graph_memory"]
+__all__ = ["CaptureHygieneError", "CaptureKey", "GraphPools", "KeyReport", "PoolHandle", "PoolsReport", "graph_memory"]
