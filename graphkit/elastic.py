@@ -346,6 +346,7 @@ class ElasticBuffer:
         self._finalizer = weakref.finalize(self, _dropped, self.pool,
                                            _Orphan(self.ptr, self.capacity, self._chunks, self._holes, self._stray),
                                            self._own_pool)
+        self._finalizer.atexit = False  # at exit the process gives everything back anyway
         self.pool._buffers.add(self)
         if saver is not None:
             try:

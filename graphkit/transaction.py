@@ -9,8 +9,9 @@
 >>> chunks.append(handle)               # the object's state changes only after commit()
 
 Leaving the block without :meth:`Transaction.commit` (an exception) runs the
-undo steps in reverse. An undo step that fails is logged and the rest still
-run; :attr:`Transaction.rollback_errors` says which failed, so the caller can
+undo steps in reverse. An undo step that fails is tried once more (driver
+faults are often transient); one that fails again is logged and the rest
+still run; :attr:`Transaction.rollback_errors` says which failed, so the caller can
 record exactly what is left (a mapping that would not go, a chunk that would
 not be released) instead of assuming the rollback worked.
 """
@@ -48,12 +49,17 @@ class Transaction:
         """Run the undo steps in reverse; failures are logged and kept in :attr:`rollback_errors`."""
         undo, self._undo = self._undo, []
         for step in reversed(undo):
-            try:
-                step()
-            except Exception as exc:  # noqa: BLE001 - a failed undo must not stop the others
-                log.error("rollback step failed (what it would have undone is kept and retried later): %s",
-                          str(exc))
-                self.rollback_errors.append(exc)
+            for attempt in (1, 2):
+                try:
+                    step()
+                    break
+                except Exception as exc:  # noqa: BLE001 - a failed undo must not stop the others
+                    if attempt == 1:
+                        log.warning("rollback step failed, trying it again: %s", str(exc))
+                        continue
+                    log.error("rollback step failed twice (what it would have undone is recorded and left "
+                              "for a later call): %s", str(exc))
+                    self.rollback_errors.append(exc)
 
     @property
     def clean(self) -> bool:
@@ -116,18 +122,20 @@ def unmap_run(backend: hal.Backend, base: int, size: int, handles: list[Any], tx
 
 
 def release_or_keep(backend: hal.Backend, handle: Any, keep: MutableSequence[Any]) -> bool:
-    """Release a chunk that is mapped nowhere; one whose release fails goes to ``keep`` (retried later).
+    """Release a chunk that is mapped nowhere; one whose release fails twice goes to ``keep`` (retried later).
 
     Returns whether it was released. Never raises a hal error: the chunk is
     never lost, and the operation that released it has already done its job.
     """
-    try:
-        backend.release_phy_mem_handle(handle)
-    except hal.HalError as exc:
-        log.warning("a chunk could not be released yet (kept, released later): %s", str(exc))
-        keep.append(handle)
-        return False
-    return True
+    for attempt in (1, 2):
+        try:
+            backend.release_phy_mem_handle(handle)
+            return True
+        except hal.HalError as exc:
+            if attempt == 2:
+                log.warning("a chunk could not be released yet (kept, released later): %s", str(exc))
+    keep.append(handle)
+    return False
 
 
 def retry_releases(backend: hal.Backend, keep: list[Any]) -> None:
