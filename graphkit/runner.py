@@ -553,7 +553,7 @@ class GraphRunner:
             self._leftover = left
             if self._adopted is not None and self.saver is not None:
                 self.saver.forget(self._adopted)  # a pause must not reach an allocator being closed
-            if self.strategy is not None:
+            if self.strategy is not None and not left:  # a graph that would not go keeps its pool for the retry
                 try:
                     self.strategy.close()
                 except hal.HalError as exc:
