@@ -223,11 +223,10 @@ class SharedVMMAllocator:
         tx.append(functools.partial(self._ungrow_space, space, index))
 
     def _ungrow_space(self, space: VirtualSpace, index: int) -> None:
+        if space.mapped != index + 1:  # a later granule would not unmap: this one stays mapped below it
+            return
         self.backend.unmap(space.base + index * self.granularity, self.granularity)
-        if space.mapped == index + 1:
-            space.mapped = index
-        else:  # a later granule would not unmap: this one is a hole below it
-            space.holes.add(index)
+        space.mapped = index
 
     def _unmap_to_hole(self, space: VirtualSpace, index: int, tx: Transaction) -> None:
         self.backend.unmap(space.base + index * self.granularity, self.granularity)
@@ -257,19 +256,20 @@ class SharedVMMAllocator:
         if index < len(self._chunks) and self._chunks[index] is not None:
             return
         handle = self.backend.create_phy_mem_handle(self.granularity)
-        if index == len(self._chunks):
+        appended = index == len(self._chunks)
+        if appended:
             self._chunks.append(handle)
         else:
             self._chunks[index] = handle
-        tx.append(functools.partial(self._drop_chunk, index))
+        tx.append(functools.partial(self._drop_chunk, index, appended))
 
-    def _drop_chunk(self, index: int) -> None:
+    def _drop_chunk(self, index: int, appended: bool) -> None:
         """Undo a chunk's creation: release it unless a mapping that would not go still uses it."""
         if self._mapped_anywhere(index):
             log.error("chunk %d is still mapped (an unmap failed): kept until it can be unmapped", index)
             return
         handle = self._chunks[index]
-        if index == len(self._chunks) - 1:
+        if appended and index == len(self._chunks) - 1:
             self._chunks.pop()
         else:
             self._chunks[index] = None
