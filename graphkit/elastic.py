@@ -463,11 +463,15 @@ class ElasticBuffer:
 
     def _unmap_to_free(self, ptr: int, handle: Any) -> None:
         """Undo of a growth step: unmap, chunk back to the free list; a mapping that will not go is kept and retried."""
+        stray = (ptr, handle)
         try:
             self.backend.unmap(ptr, self.granularity)
         except hal.HalError:
-            self._stray.append((ptr, handle))
+            if stray not in self._stray:
+                self._stray.append(stray)
             raise
+        if stray in self._stray:  # an earlier try recorded it
+            self._stray.remove(stray)
         self.pool._free.append(handle)
 
     def _retry_strays(self) -> None:

@@ -220,6 +220,7 @@ class GraphPools:
         self._closed = False
         self._close_done = False
         self._unreleased_spaces: list[int] = []  # spaces of released keys whose release failed: retried
+        self._undropped: list[_Entry] = []  # keys of dead routed graphs whose release failed: retried
         be.synchronize()
         self._used_at_start = be.mem_info().used
         self._finalizer = weakref.finalize(self, _abandoned, be.name, self._entries)
@@ -313,13 +314,27 @@ class GraphPools:
             self._unreleased_spaces.append(entry.space_id)  # retried at the next safe point
             raise
 
+    def _try_drop(self, entry: _Entry) -> None:
+        """Drop a key whose graphs are gone; one that fails is kept and dropped again at the next safe point."""
+        try:
+            self._drop(entry)
+        except hal.HalError as exc:
+            log.error("key %r: its pool could not be released yet (retried at the next call): %s", entry.key,
+                      str(exc))
+            if self._entries.get(entry.key) is entry:
+                self._undropped.append(entry)
+
     def _settle(self) -> None:
         """Release what routed graphs that died left behind (a safe point: no allocator call is running)."""
+        retry, self._undropped = self._undropped, []
+        for entry in retry:
+            if self._entries.get(entry.key) is entry:
+                self._try_drop(entry)
         while self._dead:
             entry = self._dead.popleft()
             entry.graphs -= 1
             if entry.auto and entry.graphs <= 0 and self._entries.get(entry.key) is entry:
-                self._drop(entry)
+                self._try_drop(entry)
         if self.allocator is not None and not self.allocator.closed:
             spaces, self._unreleased_spaces = self._unreleased_spaces, []
             for space_id in spaces:
@@ -515,6 +530,7 @@ class GraphPools:
                 except hal.HalError as exc:
                     errors.append(exc)
             self._dead.clear()
+            self._undropped.clear()  # dropped above with every other key
             self._unreleased_spaces.clear()  # the allocator's close takes them down
             if self._shared_pool is not None:
                 try:

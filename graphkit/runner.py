@@ -518,7 +518,12 @@ class GraphRunner:
                                                backend=self.backend.name, call="GraphRunner.release_size")
             self.backend.synchronize()
             gc.collect()  # tensors of its pool caught in reference cycles go while the pool exists
-            self._release_bucket(self._forget(size))
+            bucket = self._forget(size)
+            try:
+                self._release_bucket(bucket)
+            except hal.HalError:
+                self._leftover.append(bucket)  # what would not go is finished by close()
+                raise
             assert self.strategy is not None
             self.strategy.settle()
 

@@ -302,13 +302,20 @@ class MemorySaver:
             self._retry()
             with Transaction() as tx:
                 ptr = be.create_vir_ptr(size)
-                tx.append(lambda: be.release_vir_ptr(ptr, size))
+                tx.append(lambda: self._release_range(ptr, size))
                 handle = be.create_phy_mem_handle(size)
                 tx.append(lambda: release_or_keep(be, handle, self._zombies))
                 be.map(ptr, size, handle)
                 tx.commit()
             region.segments[ptr] = _Segment(ptr, size, handle, mapped=True)
             return ptr
+
+    def _release_range(self, ptr: int, size: int) -> None:
+        try:
+            self.backend.release_vir_ptr(ptr, size)
+        except hal.HalError as exc:  # kept as an empty segment: released by the next retry
+            log.warning("a range could not be released yet (retried later): %s", str(exc))
+            self._dead_segments.append(_Segment(ptr, size, None, mapped=False))
 
     def _retry(self) -> None:
         """Finish what failed before: chunks to release, segments half torn down."""
