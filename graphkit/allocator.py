@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import hal
-from graphkit.transaction import Transaction, release_or_keep, retry_releases
+from graphkit.transaction import Transaction, release_or_keep, retry_releases, unmap_run
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.allocator")
@@ -228,10 +228,11 @@ class SharedVMMAllocator:
         self.backend.unmap(space.base + index * self.granularity, self.granularity)
         space.mapped = index
 
-    def _unmap_to_hole(self, space: VirtualSpace, index: int, tx: Transaction) -> None:
-        self.backend.unmap(space.base + index * self.granularity, self.granularity)
-        space.holes.add(index)
-        tx.append(functools.partial(self._fill_hole, space, index))
+    def _unmap_space(self, space: VirtualSpace, tx: Transaction) -> None:
+        """Unmap every granule mapped in ``space`` (each becomes a hole), last first; mapped back on rollback."""
+        unmap_run(self.backend, space.base, self.granularity, self._chunks, tx,
+                  indices=[i for i in range(space.mapped) if i not in space.holes],
+                  on_unmap=space.holes.add, on_map=space.holes.discard)
 
     def _fill_hole(self, space: VirtualSpace, index: int) -> None:
         self._map_granule(space, index)
@@ -317,9 +318,7 @@ class SharedVMMAllocator:
             try:
                 with Transaction() as tx:
                     for space in self._spaces.values():
-                        for index in reversed(range(space.mapped)):
-                            if index not in space.holes:
-                                self._unmap_to_hole(space, index, tx)
+                        self._unmap_space(space, tx)
                     tx.commit()
             except BaseException:
                 self._sleeping = was or self._has_holes()
@@ -432,9 +431,7 @@ class SharedVMMAllocator:
             tx = Transaction()
             try:
                 with tx:
-                    for index in reversed(range(space.mapped)):
-                        if index not in space.holes:
-                            self._unmap_to_hole(space, index, tx)
+                    self._unmap_space(space, tx)
                     tx.commit()
             finally:
                 self._after(tx)

@@ -17,6 +17,7 @@ a map call, not a driver allocation.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
@@ -28,7 +29,7 @@ import torch
 import hal
 from graphkit.allocator import Arena
 from graphkit.saver import MemorySaver
-from graphkit.transaction import Transaction, release_or_keep, retry_releases
+from graphkit.transaction import Transaction, map_run, release_or_keep, retry_releases, unmap_run
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.elastic")
@@ -133,7 +134,7 @@ class ElasticPool:
                 for _ in range(count):
                     handle = self.backend.create_phy_mem_handle(self.granularity)
                     made.append(handle)
-                    tx.append(lambda h=handle: self._release(h))
+                    tx.append(functools.partial(self._release, handle))
                 tx.commit()
             self._free.extend(made)
             self.created += len(made)
@@ -434,15 +435,8 @@ class ElasticBuffer:
         self.backend.unmap(self.ptr + index * g, g)
 
     def _fill_holes(self, tx: Transaction) -> None:
-        for index in sorted(self._holes):
-            self._map_at(index)
-            self._holes.discard(index)
-
-            def undo(index: int = index) -> None:
-                self._unmap_at(index)
-                self._holes.add(index)
-
-            tx.append(undo)
+        map_run(self.backend, self.ptr, self.granularity, self._chunks, tx, indices=list(self._holes),
+                on_map=self._holes.discard, on_unmap=self._holes.add)
 
     def _grow(self, target: int) -> None:
         g = self.granularity
@@ -457,7 +451,7 @@ class ElasticBuffer:
                     self.pool._free.append(handle)  # mapped nowhere: back to the free list
                     raise
                 made.append(handle)
-                tx.append(lambda ptr=ptr, handle=handle: self._unmap_to_free(ptr, handle))
+                tx.append(functools.partial(self._unmap_to_free, ptr, handle))
             tx.commit()
         self._chunks.extend(made)
 
@@ -506,17 +500,9 @@ class ElasticBuffer:
 
     def _unmap_from(self, first: int, tx: Transaction) -> None:
         """Unmap granules ``first ..`` of the prefix, last first; each is mapped back on rollback."""
-        for index in reversed(range(first, len(self._chunks))):
-            if index in self._holes:
-                continue
-            self._unmap_at(index)
-            self._holes.add(index)
-
-            def undo(index: int = index) -> None:
-                self._map_at(index)
-                self._holes.discard(index)
-
-            tx.append(undo)
+        unmap_run(self.backend, self.ptr, self.granularity, self._chunks, tx,
+                  indices=[i for i in range(first, len(self._chunks)) if i not in self._holes],
+                  on_unmap=self._holes.add, on_map=self._holes.discard)
 
     def _live_views(self) -> list[tuple[weakref.ref, int]]:
         self._views = [(ref, end) for ref, end in self._views if ref() is not None]
@@ -635,7 +621,7 @@ class ElasticBuffer:
                 for index, handle in enumerate(self._chunks):
                     if handle is None:
                         self._chunks[index] = be.create_phy_mem_handle(g)
-                        tx.append(lambda index=index: self._drop_chunk(index))
+                        tx.append(functools.partial(self._drop_chunk, index))
                 self._fill_holes(tx)
                 if self.backup and self._backed_up and self._chunks:
                     size = self.footprint_bytes
@@ -666,7 +652,7 @@ class ElasticBuffer:
 
         :raises hal.InvalidStateError: a view of the buffer is still alive.
         """
-        be, g = self.backend, self.granularity
+        be = self.backend
         with self._lock:
             if self._closed:
                 if self._own_pool and not self.pool.closed:

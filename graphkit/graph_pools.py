@@ -368,13 +368,12 @@ class GraphPools:
             yield handle
         finally:
             stack.pop()
-            if key in stack:  # an outer group of the same key is still open: its space stays open too
-                return
-            with self._lock:
-                entry = self._entries.get(key)
-                if entry is not None and entry.space_id is not None and self.allocator is not None \
-                        and not self.allocator.closed and entry.space_id in self.allocator.spaces:
-                    self.allocator.seal(entry.space_id)
+            if key not in stack:  # an outer group of the same key keeps its space open
+                with self._lock:
+                    entry = self._entries.get(key)
+                    if entry is not None and entry.space_id is not None and self.allocator is not None \
+                            and not self.allocator.closed and entry.space_id in self.allocator.spaces:
+                        self.allocator.seal(entry.space_id)
 
     def _group_stack(self) -> list[Hashable]:
         stack = getattr(self._groups, "stack", None)

@@ -23,10 +23,11 @@ reads unmapped memory -- a device fault on a GPU, a segmentation fault on
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -132,7 +133,7 @@ class _Region:
                     if s.mapped:
                         be.unmap(s.ptr, s.size)
                         s.mapped = False
-                        tx.append(lambda s=s: self._map(s))
+                        tx.append(functools.partial(self._map, s))
                 tx.commit()
         except BaseException:
             self.sleeping = was
@@ -163,11 +164,11 @@ class _Region:
             for s in self.segments.values():
                 if s.handle is None:
                     s.handle = be.create_phy_mem_handle(s.size)
-                    tx.append(lambda s=s: self._drop_chunk(s))
+                    tx.append(functools.partial(self._drop_chunk, s))
             for s in self.segments.values():
                 if not s.mapped:
                     self._map(s)
-                    tx.append(lambda s=s: self._unmap(s))
+                    tx.append(functools.partial(self._unmap, s))
             if self.backup and self.backed_up:
                 for s in self.segments.values():
                     host = self.host.get(s.ptr)
@@ -304,11 +305,14 @@ class MemorySaver:
                 ptr = be.create_vir_ptr(size)
                 tx.append(lambda: self._release_range(ptr, size))
                 handle = be.create_phy_mem_handle(size)
-                tx.append(lambda: release_or_keep(be, handle, self._zombies))
+                tx.append(functools.partial(self._release_chunk, handle))
                 be.map(ptr, size, handle)
                 tx.commit()
             region.segments[ptr] = _Segment(ptr, size, handle, mapped=True)
             return ptr
+
+    def _release_chunk(self, handle: Any) -> None:
+        release_or_keep(self.backend, handle, self._zombies)
 
     def _release_range(self, ptr: int, size: int) -> None:
         try:

@@ -19,7 +19,7 @@ not be released) instead of assuming the rollback worked.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, MutableSequence
+from collections.abc import Callable, Iterable, MutableSequence, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -78,17 +78,18 @@ class Transaction:
 # -- steps shared by the allocator, elastic buffers and the saver --------------------------
 
 
-def map_run(backend: hal.Backend, base: int, size: int, handles: Iterable[Any], tx: Transaction,
-            on_map: Callable[[int], None] | None = None, on_unmap: Callable[[int], None] | None = None) -> None:
-    """Map ``handles`` one after the other at ``base``, ``base + size``, ...; each is unmapped on rollback.
+def map_run(backend: hal.Backend, base: int, size: int, handles: Sequence[Any], tx: Transaction,
+            indices: Iterable[int] | None = None, on_map: Callable[[int], None] | None = None,
+            on_unmap: Callable[[int], None] | None = None) -> None:
+    """Map ``handles[i]`` at ``base + i * size`` for each ``i`` of ``indices`` (default: all), in order.
 
-    ``on_map(i)`` runs after the ``i``-th map succeeded and ``on_unmap(i)``
-    after its undo did, so the caller's record of what is mapped stays exact
-    even when an undo fails.
+    Each mapping is unmapped on rollback. ``on_map(i)`` runs right after the
+    ``i``-th map succeeded and ``on_unmap(i)`` right after its undo did, so
+    the caller's record of what is mapped stays exact even when an undo fails.
     """
-    for i, handle in enumerate(handles):
+    for i in sorted(range(len(handles)) if indices is None else indices):
         ptr = base + i * size
-        backend.map(ptr, size, handle)
+        backend.map(ptr, size, handles[i])
         if on_map is not None:
             on_map(i)
 
@@ -100,14 +101,15 @@ def map_run(backend: hal.Backend, base: int, size: int, handles: Iterable[Any], 
         tx.append(undo)
 
 
-def unmap_run(backend: hal.Backend, base: int, size: int, handles: list[Any], tx: Transaction,
-              on_unmap: Callable[[int], None] | None = None, on_map: Callable[[int], None] | None = None) -> None:
-    """Unmap ``handles[i]`` at ``base + i * size``, last first; each is mapped again on rollback.
+def unmap_run(backend: hal.Backend, base: int, size: int, handles: Sequence[Any], tx: Transaction,
+              indices: Iterable[int] | None = None, on_unmap: Callable[[int], None] | None = None,
+              on_map: Callable[[int], None] | None = None) -> None:
+    """Unmap ``handles[i]`` at ``base + i * size`` for each ``i`` of ``indices`` (default: all), last first.
 
-    ``on_unmap(i)`` runs after the ``i``-th unmap succeeded and ``on_map(i)``
-    after its undo mapped it back.
+    Each is mapped again on rollback; ``on_unmap(i)`` runs right after the
+    ``i``-th unmap succeeded and ``on_map(i)`` right after its undo mapped it back.
     """
-    for i in reversed(range(len(handles))):
+    for i in sorted(range(len(handles)) if indices is None else indices, reverse=True):
         ptr = base + i * size
         backend.unmap(ptr, size)
         if on_unmap is not None:

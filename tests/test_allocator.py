@@ -207,7 +207,7 @@ def _two_spaces(be: hal.Backend) -> tuple[graphkit.SharedVMMAllocator, int, int]
 
 
 def test_a_pause_whose_remap_fails_twice_reads_paused_until_restored(be: hal.Backend) -> None:
-    a, p1, p2 = _two_spaces(be)
+    a, p1, _ = _two_spaces(be)
     mapped = be.live.mappings
     be.faults.fail("unmap", nth=2)
     be.faults.fail("map", nth=1)

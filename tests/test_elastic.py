@@ -262,7 +262,7 @@ def test_pool_close_racing_resizes_in_other_threads_never_deadlocks(be: hal.Back
         bufs = [pool.buffer(16 * G) for _ in range(4)]
         start = threading.Barrier(len(bufs) + 1)
 
-        def churn(b: graphkit.ElasticBuffer) -> None:
+        def churn(b: graphkit.ElasticBuffer, start: threading.Barrier = start) -> None:
             start.wait()
             for i in itertools.count():
                 try:
