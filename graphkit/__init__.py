@@ -7,7 +7,8 @@ from graphkit.elastic import ElasticBuffer, ElasticPool
 from graphkit.graph_pools import GraphPools, KeyReport, PoolHandle, PoolsReport, graph_memory
 from graphkit.report import RunnerReport, SizeReport
 from graphkit.runner import GraphRunner, RunnerOptions
-from graphkit.saver import MemorySaver, TagReport
+from graphkit.saver import MemorySaver, Sleeper, TagReport
+from graphkit.transaction import Transaction
 from hal import __version__
 
 __all__ = [
@@ -25,7 +26,9 @@ __all__ = [
     "RunnerReport",
     "SharedVMMAllocator",
     "SizeReport",
+    "Sleeper",
     "StaticInputs",
     "TagReport",
+    "Transaction",
     "graph_memory",
 ]
