@@ -464,7 +464,7 @@ class MemorySaver:
         with self._lock:
             self._check_open("pause")
             selected = self._select(tags, "pause")
-            todo = [t for t in selected if t not in self._paused or any(not s.paused for s in self._members(t))]
+            todo = selected  # a paused tag too: what a failed pause left mapped is released now (idempotent)
             for tag in todo:
                 region = self._regions.get(tag)
                 if region is not None and region.blocks:
@@ -486,12 +486,14 @@ class MemorySaver:
                 if GRAPHS in todo:
                     _warn_nccl_graph_register()
                 released = 0
+                was_paused = {tag: tag in self._paused for tag in todo}
                 for tag in todo:
                     t0 = time.perf_counter()
                     freed = self._pause_tag(tag)
                     released += freed
-                    self._times[tag] = (time.perf_counter() - t0, self._times.get(tag, (None, None))[1])
-                    log.info("paused %r: %s released", tag, fmt_bytes(freed))
+                    if freed or not was_paused[tag]:
+                        self._times[tag] = (time.perf_counter() - t0, self._times.get(tag, (None, None))[1])
+                        log.info("paused %r: %s released", tag, fmt_bytes(freed))
                 return released
             finally:
                 with self._guard:
@@ -505,8 +507,6 @@ class MemorySaver:
         released = 0
         try:
             for sleeper in members:
-                if sleeper.paused and tag in self._paused:
-                    continue
                 released += sleeper.release_physical()
                 done.append(sleeper)
         except BaseException:
