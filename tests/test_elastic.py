@@ -257,9 +257,9 @@ def test_a_buffer_refused_by_its_saver_keeps_no_range(be: hal.Backend) -> None:
 
 def test_pool_close_racing_resizes_in_other_threads_never_deadlocks(be: hal.Backend) -> None:
     """Resizes take the buffer's lock, then the pool's; close() must not take them the other way round."""
-    for _ in range(25):
-        pool = graphkit.ElasticPool(be, reserve_bytes=64 * G)
-        bufs = [pool.buffer(16 * G) for _ in range(4)]
+    for _ in range(20):  # seven resizing threads and the closer
+        pool = graphkit.ElasticPool(be, reserve_bytes=112 * G)
+        bufs = [pool.buffer(16 * G) for _ in range(7)]
         start = threading.Barrier(len(bufs) + 1)
 
         def churn(b: graphkit.ElasticBuffer, start: threading.Barrier = start) -> None:
