@@ -22,6 +22,7 @@ reads unmapped memory -- a device fault on a GPU, a segmentation fault on
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -230,7 +231,7 @@ class MemorySaver:
         self._dead_segments: list[_Segment] = []  # segments whose teardown failed half-way: finished later
         self._guard = threading.Condition(threading.Lock())
         self._users: dict[str, int] = {}  # tag -> awake() blocks running now
-        self._pausing: set[str] = set()
+        self._pausing: collections.Counter[str] = collections.Counter()  # tags with a pause under way
         self._mine = threading.local()  # tags this thread holds awake() on
         self._closed = False
 
@@ -407,7 +408,7 @@ class MemorySaver:
         """
         tag = self._check_tag(tag, "awake")
         with self._guard:
-            self._guard.wait_for(lambda: tag not in self._pausing or tag in self._held())
+            self._guard.wait_for(lambda: self._pausing[tag] <= 0 or tag in self._held())
             if tag in self._paused:
                 raise hal.InvalidStateError(self._paused_message(tag), backend=self.backend.name, call=call)
             self._users[tag] = self._users.get(tag, 0) + 1
@@ -463,25 +464,18 @@ class MemorySaver:
         """
         with self._lock:
             self._check_open("pause")
-            selected = self._select(tags, "pause")
-            todo = selected  # a paused tag too: what a failed pause left mapped is released now (idempotent)
-            for tag in todo:
-                region = self._regions.get(tag)
-                if region is not None and region.blocks:
-                    raise hal.InvalidStateError(
-                        f"tag {tag!r} has a region() block open: leave it before pausing (the framework may "
-                        "still hand out the region's memory inside it)", backend=self.backend.name,
-                        call="MemorySaver.pause")
-                if tag in self._held():
-                    raise hal.InvalidStateError(f"this thread is inside an awake({tag!r}) block: it cannot pause "
-                                                "that tag", backend=self.backend.name, call="MemorySaver.pause")
-            if not todo:
-                return 0
+            todo = self._select(tags, "pause")  # paused tags too: what a failed pause left mapped goes now
+            self._check_pausable(todo)
             with self._guard:
                 self._pausing.update(todo)
-            try:
-                with self._guard:  # runner calls under way finish first; new ones wait, then see the tag paused
-                    self._guard.wait_for(lambda: not any(self._users.get(t, 0) for t in todo))
+        try:
+            # runner calls under way finish first (without the saver's lock: one may need it to allocate);
+            # new ones wait, then see the tag paused
+            with self._guard:
+                self._guard.wait_for(lambda: not any(self._users.get(t, 0) for t in todo))
+            with self._lock:
+                self._check_open("pause")
+                self._check_pausable(todo)
                 self.backend.synchronize()
                 if GRAPHS in todo:
                     _warn_nccl_graph_register()
@@ -495,10 +489,22 @@ class MemorySaver:
                         self._times[tag] = (time.perf_counter() - t0, self._times.get(tag, (None, None))[1])
                         log.info("paused %r: %s released", tag, fmt_bytes(freed))
                 return released
-            finally:
-                with self._guard:
-                    self._pausing.difference_update(todo)
-                    self._guard.notify_all()
+        finally:
+            with self._guard:
+                self._pausing.subtract(todo)
+                self._guard.notify_all()
+
+    def _check_pausable(self, tags: list[str]) -> None:
+        for tag in tags:
+            region = self._regions.get(tag)
+            if region is not None and region.blocks:
+                raise hal.InvalidStateError(
+                    f"tag {tag!r} has a region() block open: leave it before pausing (the framework may "
+                    "still hand out the region's memory inside it)", backend=self.backend.name,
+                    call="MemorySaver.pause")
+            if tag in self._held():
+                raise hal.InvalidStateError(f"this thread is inside an awake({tag!r}) block: it cannot pause "
+                                            "that tag", backend=self.backend.name, call="MemorySaver.pause")
 
     def _pause_tag(self, tag: str) -> int:
         """Release every sleeper of ``tag``, or none: a failure restores those released by this call."""

@@ -570,3 +570,32 @@ def test_saver_close_goes_on_past_a_fault_and_a_second_close_finishes(be: hal.Ba
     saver.close()
     gc.collect()
     assert saver.closed and be.live.zero, be.live
+
+
+def test_a_pause_waiting_for_a_runner_call_does_not_block_the_calls_own_allocations(be: hal.Backend) -> None:
+    """A call inside a region block may need a new segment of the region while a pause waits for it."""
+    import time
+
+    saver = graphkit.MemorySaver(be)
+    pools = graphkit.GraphPools(be, saver=saver)
+    done = threading.Event()
+
+    def call() -> None:
+        with saver.region("kv"), saver.awake("graphs"):
+            pauser = threading.Thread(target=saver.pause, args=("graphs",), daemon=True)
+            pauser.start()
+            time.sleep(0.2)  # the pause now waits for this block
+            t = torch.ones(1 << 16)  # a new segment of the region
+            assert float(t.sum()) == 1 << 16
+        pauser.join(10)
+        done.set()
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(20)
+    assert done.is_set(), "deadlock: the pause held the saver while it waited for the call"
+    assert saver.is_paused("graphs")
+    saver.resume()
+    pools.close()
+    gc.collect()
+    saver.close()
