@@ -5,6 +5,7 @@ from graphkit.buffers import StaticInputs
 from graphkit.capture import CaptureHygieneError
 from graphkit.elastic import ElasticBuffer, ElasticPool
 from graphkit.graph_pools import GraphPools, KeyReport, PoolHandle, PoolsReport, graph_memory
+from graphkit.isolation import IsolationError
 from graphkit.report import RunnerReport, SizeReport
 from graphkit.runner import GraphRunner, RunnerOptions
 from graphkit.saver import MemorySaver, Sleeper, TagReport
@@ -18,6 +19,7 @@ __all__ = [
     "ElasticPool",
     "GraphPools",
     "GraphRunner",
+    "IsolationError",
     "KeyReport",
     "MemorySaver",
     "PoolHandle",

@@ -191,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tag sizes in MiB for --sleep, e.g. '1024,4096'")
     sleep.add_argument("--cycles", type=int_in(1), default=5,
                        help="pause/resume cycles per case (the median is shown)")
+    sleep.add_argument("--rounds", type=int_in(1), default=None,
+                       help="--sleep: rounds per size, graphkit and torch_memory_saver alternating, each a fresh tag "
+                            "(default 3); --elastic: alternations of allocate-and-copy and elastic growth per size "
+                            "(default 5)")
     elastic = bench.add_argument_group("elastic buffers (--elastic: growth in place against a bare map and "
                                        "allocate-and-copy)")
     elastic.add_argument("--elastic", action="store_true",
@@ -199,6 +203,17 @@ def build_parser() -> argparse.ArgumentParser:
                               "16 GiB on a device (16 and 64 MiB on a CPU), physical against used bytes as it grows")
     elastic.add_argument("--elastic-sizes", type=parse_mib_sizes, default=None,
                          help="regrowth sizes in MiB for --elastic, e.g. '1024,4096'")
+    kv = bench.add_argument_group("KV cache sizing (--kv-sizing: sized after capture against a pre-capture "
+                                  "estimate)")
+    kv.add_argument("--kv-sizing", action="store_true",
+                    help="the engine of examples/engine-decode with an elastic KV cache, sized from the memory left "
+                         "after capture and from the memory before capture less an estimate, alternating "
+                         "(--runs each, fresh processes on a device): KV bytes, OOM at capture, memory left")
+    kv.add_argument("--kv-margin-mib", type=int_in(0), default=None,
+                    help="--kv-sizing: device memory both approaches leave alone (default 1024 on a device, 1 on fake)")
+    kv.add_argument("--kv-estimate-mib", type=int_in(0), default=None,
+                    help="--kv-sizing: the graph memory estimate (default: the peak of an eager step at the largest "
+                         "batch, the profile engines make)")
     bench.add_argument("--part", help=argparse.SUPPRESS)
     bench.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
@@ -217,7 +232,7 @@ def run_isolated(cfg, argv: list[str], out_dir: Path) -> dict:
     from graphkit.bench.run import merge_parts
 
     parts = []
-    names = ["largest-alone", *(f"{s}:{o}" for s in cfg.strategies if s != COMPILE for o in cfg.orders),
+    names = ["largest-alone", *(f"{s}:{o}" for o in cfg.orders for s in cfg.strategies if s != COMPILE),
              *(s for s in cfg.strategies if s == COMPILE)]
     for i, name in enumerate(names):
         path = out_dir / f".part-{i}.json"
@@ -314,15 +329,17 @@ def out_dir_error(path: Path) -> str | None:
 
 def validate_bench(args: argparse.Namespace, prog: str) -> None:
     """Check what the flags' own types cannot: flags together, the backend, the device, the output folder."""
-    if args.sleep and args.elastic:
-        fail(prog, "--sleep and --elastic exclude each other")
-    mode = "--sleep" if args.sleep else "--elastic" if args.elastic else "the graph bench"
-    own = {"--sleep": "--sleep-sizes", "--elastic": "--elastic-sizes", "the graph bench": "--sizes"}[mode]
+    chosen = [flag for flag, on in (("--sleep", args.sleep), ("--elastic", args.elastic),
+                                    ("--kv-sizing", args.kv_sizing)) if on]
+    if len(chosen) > 1:
+        fail(prog, f"{' and '.join(chosen)} exclude each other")
+    mode = chosen[0] if chosen else "the graph bench"
+    own = {"--sleep": "--sleep-sizes", "--elastic": "--elastic-sizes"}.get(mode, "--sizes")
     for flag, value in (("--sizes", args.sizes), ("--sleep-sizes", args.sleep_sizes),
                         ("--elastic-sizes", args.elastic_sizes)):
         if value is not None and flag != own:
             fail(prog, f"{flag} does not apply to {mode} (it takes {own})")
-    if not (args.sleep or args.elastic):
+    if not chosen:
         if args.workload in WORKLOADS:
             strategies = args.strategies or list(ENGINE_STRATEGIES)
             if set(strategies) - set(ENGINE_STRATEGIES):
@@ -390,12 +407,24 @@ def main(argv: list[str] | None = None) -> int:
         from graphkit.bench.sleep import run_sleep_bench
 
         sizes = [mib << 20 for mib in args.sleep_sizes] if args.sleep_sizes else None
-        return run_sleep_bench(args.backend, args.device, sizes, args.cycles, args.out_dir, command)
+        return run_sleep_bench(args.backend, args.device, sizes, args.cycles, args.out_dir, command,
+                               rounds=args.rounds or 3)
     if args.elastic:
         from graphkit.bench.elastic import run_elastic_bench
 
         sizes = [mib << 20 for mib in args.elastic_sizes] if args.elastic_sizes else None
-        return run_elastic_bench(args.backend, args.device, sizes, args.out_dir, command)
+        return run_elastic_bench(args.backend, args.device, sizes, args.out_dir, command,
+                                 alternations=args.rounds or 5)
+    if args.kv_sizing:
+        from graphkit.bench.kv_sizing import run_kv_sizing_bench
+
+        name = hal.registry.select_backend_name(args.backend, requires=("graphs",))
+        sizes = args.sizes or ([1, 2, 4, 8] if args.engine_config == "tiny" else list(ENGINE_SIZES))
+        return run_kv_sizing_bench(
+            args.backend, args.device, args.engine_config, sizes, args.runs,
+            None if args.kv_margin_mib is None else args.kv_margin_mib << 20,
+            None if args.kv_estimate_mib is None else args.kv_estimate_mib << 20, args.seed,
+            args.isolate == "yes" or (args.isolate == "auto" and name != "fake"), args.out_dir, command)
     if args.workload in WORKLOADS:
         return engine_bench(args, command)
     strategies = args.strategies or [*STRATEGIES, COMPILE]

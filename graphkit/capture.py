@@ -13,11 +13,13 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -57,6 +59,31 @@ def weak_alias(t: Any) -> Any:
     storage = torch._C._construct_storage_from_data_pointer(
         t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes())
     return torch.empty((), dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
+
+
+#: where torch.compile's CUDA graph trees capture: they manage one pool of their own and check it
+GRAPH_TREES_MODULE = "torch._inductor.cudagraph_trees"
+#: make_graphed_callables: forward and backward graphs share one pool (backward reads forward's memory)
+GRAPHED_CALLABLES = ("torch.cuda.graphs", frozenset({"make_graphed_callables", "_make_graphed_callables"}))
+
+
+def framework_capturer(depth: int = 48) -> str | None:
+    """Which part of torch started the capture now beginning, when it is one that needs its own pool logic.
+
+    ``"graph_trees"`` (torch.compile ``mode="reduce-overhead"``),
+    ``"graphed_callables"`` (``torch.cuda.make_graphed_callables``) or None.
+    Read from the calling frames: cheap, and needs no change in torch.
+    """
+    frame: FrameType | None = sys._getframe(1)
+    module, names = GRAPHED_CALLABLES
+    while frame is not None and depth:
+        name = frame.f_globals.get("__name__")
+        if name == GRAPH_TREES_MODULE:
+            return "graph_trees"
+        if name == module and frame.f_code.co_name in names:
+            return "graphed_callables"
+        frame, depth = frame.f_back, depth - 1
+    return None
 
 
 def tensors_of(tree: Any) -> list[torch.Tensor]:
@@ -120,10 +147,13 @@ def warm_up(backend: hal.Backend, fn: Callable[..., Any], inputs: dict[str, Any]
 
 def capture(backend: hal.Backend, fn: Callable[..., Any], inputs: dict[str, Any], lease: Lease,
             stream: Any, *, capture_error_mode: str | None = None, what: str = "capture",
-            strict_hygiene: bool = False) -> Captured:
+            strict_hygiene: bool = False, verify: Callable[[Any], None] | None = None) -> Captured:
     """Capture ``fn(**inputs)`` into a new graph drawing from ``lease``'s pool.
 
-    The graph is released again if the capture fails.
+    :param verify: called with the captured graph (recorded with
+        ``inspect=True``); it raises to refuse the graph.
+
+    The graph is released again if the capture fails or is refused.
     """
     before = active_blocks(backend, lease)
     graph = backend.create_graph()
@@ -132,9 +162,11 @@ def capture(backend: hal.Backend, fn: Callable[..., Any], inputs: dict[str, Any]
     try:
         with gc_disabled(), torch.no_grad():
             with backend.capture(graph, pool=lease.pool, stream=stream,
-                                 capture_error_mode=capture_error_mode):
+                                 capture_error_mode=capture_error_mode, inspect=verify is not None):
                 outputs = fn(**inputs)
         backend.synchronize(stream)
+        if verify is not None:
+            verify(graph)
     except BaseException as exc:
         # the traceback keeps the finished frames of fn alive, and with them the tensors it made
         # inside the capture: free them now, while their pool and its memory still exist, rather

@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import hal
+from graphkit import isolation
 from graphkit.allocator import SharedVMMAllocator
-from graphkit.capture import CaptureHygieneError, leftover_blocks, report_leftovers
+from graphkit.capture import CaptureHygieneError, framework_capturer, leftover_blocks, report_leftovers
+from graphkit.isolation import IsolationError
 from graphkit.pools import Lease
 from graphkit.saver import GRAPHS, MemorySaver
 from hal.types import Route, fmt_bytes
@@ -133,12 +135,19 @@ class PoolsReport:
     device_bytes: int | None = None  # device memory used now beyond the start, driver-measured
     map_calls: int = 0  # map calls made so far (each maps one chunk into one space)
     map_seconds: float = 0.0  # wall time those map calls took
+    verified_graphs: int = 0  # captures whose addresses were checked against the other keys' spaces
+    inspected_nodes: int = 0  # graph nodes (ops, kernels) read for that
+    missed_nodes: int = 0  # nodes the backend could not read
+    verify_seconds: float = 0.0  # time reading and checking
 
     def __str__(self) -> str:
         lines = [f"graph pools on {self.backend} ({self.kind}): {len(self.keys)} key(s), "
                  f"{fmt_bytes(self.chunk_bytes)} of chunks, {fmt_bytes(self.reserved_bytes)} of spaces"
                  + (f", device memory +{fmt_bytes(self.device_bytes)}" if self.device_bytes is not None else "")
-                 + (f", {self.map_calls} map calls in {self.map_seconds * 1e3:.1f} ms" if self.map_calls else "")]
+                 + (f", {self.map_calls} map calls in {self.map_seconds * 1e3:.1f} ms" if self.map_calls else "")
+                 + (f"; {self.verified_graphs} graph(s) verified isolated ({self.inspected_nodes} nodes read"
+                    + (f", {self.missed_nodes} unreadable" if self.missed_nodes else "")
+                    + f", {self.verify_seconds * 1e3:.1f} ms)" if self.verified_graphs else "")]
         for k in self.keys:
             lines.append(f"  {k.key!r:>16}  used {fmt_bytes(k.used_bytes):>10}  mapped {fmt_bytes(k.mapped_bytes):>10}"
                          f"  graphs {k.graphs}")
@@ -172,12 +181,20 @@ class GraphPools:
     :param saver: a :class:`graphkit.MemorySaver`: the pools' chunks sleep
         and wake with its tag ``"graphs"`` (graphs replay after a resume
         without recapture; nothing of theirs may run while paused).
+    :param verify: after every capture into a key's pool (routed by
+        :func:`graph_memory`, or passed ``pools.pool(key)``), read the
+        addresses the graph uses from the graph and refuse it with an
+        :class:`graphkit.IsolationError` when one lies in another key's
+        space (keys share physical memory: such a read gives wrong
+        results). Needs the backend's ``"graph_addresses"`` capability (the
+        check is skipped with one log line without it); ``pools.pool(key)``
+        captures are seen through ``"capture_routing"``.
     :param allocator_options: options of :class:`SharedVMMAllocator`
         (``reserve_bytes``, ``capacity``, ``arena_bytes``).
     """
 
     def __init__(self, backend: hal.Backend | None = None, kind: Kind = "vmm", *, hygiene: bool = False,
-                 saver: MemorySaver | None = None, **allocator_options: Any) -> None:
+                 saver: MemorySaver | None = None, verify: bool = True, **allocator_options: Any) -> None:
         if backend is not None and not isinstance(backend, hal.Backend):
             raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend", call="GraphPools")
         unknown = sorted(set(allocator_options) - _ALLOCATOR_OPTIONS)
@@ -223,12 +240,29 @@ class GraphPools:
         self._undropped: list[_Entry] = []  # keys of dead routed graphs whose release failed: retried
         be.synchronize()
         self._used_at_start = be.mem_info().used
+        self.verify_stats = isolation.VerifyStats()
+        self._verifying = bool(verify) and self.allocator is not None and isolation.readable(be, [])
+        self._watching: contextlib.ExitStack | None = None  # sees captures into pools.pool(key) handles
+        self._trees_logged = False
         self._finalizer = weakref.finalize(self, _abandoned, be.name, self._entries)
 
     # -- keys -----------------------------------------------------------------------
 
     def pool(self, key: Hashable) -> PoolHandle:
-        """The handle of ``key``'s pool: the same handle for the same key until it is released."""
+        """The handle of ``key``'s pool: the same handle for the same key until it is released.
+
+        With ``verify``, captures into handles are watched from the first
+        call until :meth:`close` (the framework's graph class is wrapped
+        meanwhile, where the backend routes captures).
+        """
+        with self._lock:
+            self._check_open("pool")
+            if self._watching is None and self._verifying and self.backend.supports("capture_routing"):
+                self._watching = contextlib.ExitStack()
+                self._watching.enter_context(self.backend.route_captures(_watcher(weakref.ref(self))))
+            return self._handle(key)
+
+    def _handle(self, key: Hashable) -> PoolHandle:
         with self._lock:
             self._check_open("pool")
             self._settle()
@@ -250,9 +284,10 @@ class GraphPools:
                 self._shared_pool = be.create_pool()
             pool, space = self._shared_pool, None
         else:
-            space = self.allocator.switch_to_new_virtual_space()
+            allocator = self.allocator
+            space = allocator.switch_to_new_virtual_space()
             try:
-                pool = be.create_pool(*self.allocator.pool_callbacks(space))
+                pool = be.create_pool(*allocator.pool_callbacks(space), paused=lambda: allocator.paused)
             except BaseException:
                 self.allocator.release_virtual_space(space)
                 raise
@@ -361,7 +396,7 @@ class GraphPools:
         For piecewise graphs: piece k's output feeds piece k + 1, so the
         pieces of one batch must never share physical bytes with each other.
         """
-        handle = self.pool(key)
+        handle = self._handle(key)
         stack = self._group_stack()
         stack.append(key)
         try:
@@ -381,15 +416,32 @@ class GraphPools:
             stack = self._groups.stack = []
         return stack
 
-    def route(self, graph: Any, requested_pool: Any) -> Route:
-        """The router :func:`graph_memory` installs: a fresh space per capture, or the current group's."""
+    def route(self, graph: Any, requested_pool: Any) -> Route | None:
+        """The router :func:`graph_memory` installs: a fresh space per capture, or the current group's.
+
+        Two captures of torch's own are special: torch.compile's CUDA graph
+        trees keep one pool of their own and check it, so their captures are
+        left to torch (logged once); the forward and backward graphs of one
+        ``torch.cuda.make_graphed_callables`` call share one space, as they
+        share one pool without graphkit (backward reads forward's memory).
+        """
+        capturer = framework_capturer() if not isinstance(requested_pool, PoolHandle) else None
+        if capturer == "graph_trees":
+            if not self._trees_logged:
+                self._trees_logged = True
+                log.info("a capture of torch.compile's CUDA graph trees (mode='reduce-overhead'): left to torch, "
+                         "which keeps one pool of its own for them and checks it; graph_memory routes the others")
+            return None
         with self._lock:
             self._check_open("graph_memory")
             self._settle()
             stack = self._group_stack()
-            grouped = bool(stack)
-            if grouped:
+            grouped = bool(stack) or capturer == "graphed_callables"
+            if stack:
                 entry = self._entries.get(stack[-1]) or self._new_entry(stack[-1], auto=False)
+            elif capturer == "graphed_callables":  # one key per call: the pool id it made for its graphs
+                key = ("make_graphed_callables", _pool_ident(requested_pool))
+                entry = self._entries.get(key) or self._new_entry(key, auto=True)
             else:
                 entry = self._new_entry(CaptureKey(next(self._auto)), auto=True)
             entry.graphs += 1
@@ -397,6 +449,13 @@ class GraphPools:
 
         def on_end(ok: bool) -> None:
             with self._lock:
+                if ok and self._verifying:
+                    try:
+                        self._verify(graph, entry)
+                    except BaseException:  # refused: the backend releases the graph, never to report it again
+                        self._dead.append(entry)
+                        self._settle()
+                        raise
                 if not ok:
                     self._dead.append(entry)
                     self._settle()
@@ -415,7 +474,42 @@ class GraphPools:
                 finally:
                     self._lock.release()
 
-        return Route(entry.pool, on_end, on_release)
+        return Route(entry.pool, on_end, on_release, inspect=self._verifying)
+
+    def _watch(self, graph: Any, requested_pool: Any) -> Route | None:
+        """The router of captures outside :func:`graph_memory`: verify those into one of these pools."""
+        entry = self._entry_of(requested_pool)
+        if entry is None or self._closed:
+            return None
+
+        def on_end(ok: bool) -> None:
+            if ok:
+                with self._lock:
+                    self._verify(graph, entry)
+
+        return Route(entry.pool, on_end, inspect=True)
+
+    def _entry_of(self, pool: Any) -> _Entry | None:
+        """The live entry whose handle or backend pool ``pool`` is."""
+        if isinstance(pool, PoolHandle):
+            entry = self._entries.get(pool.key) if pool._owner is self else None
+            return entry if entry is not None and entry.handle is pool else None
+        if pool is None or isinstance(pool, tuple):
+            return None
+        return next((e for e in list(self._entries.values()) if e.pool is pool and e.space_id is not None), None)
+
+    def _verify(self, graph: Any, entry: _Entry) -> None:
+        """Refuse ``graph`` (of ``entry``) when it uses memory in another key's space."""
+        alloc = self.allocator
+        if alloc is None or entry.space_id is None:
+            return
+        keys = {e.space_id: e.key for e in self._entries.values() if e.space_id is not None}
+        fix = ("Put the captures that pass tensors to each other (the pieces of one batch) in one space: "
+               "`with pools.group(key):` around them" if entry.auto else
+               "Use one key for the captures that pass tensors to each other (the pieces of one batch): "
+               "the same pools.pool(key), or `with pools.group(key):` around them")
+        isolation.verify(self.backend, graph, self.verify_stats, alloc.spaces, entry.space_id, entry.key, keys.get,
+                         fix)
 
     def _blocks(self, entry: _Entry) -> set[tuple[int, int]]:
         return set(self.backend.pool_active_blocks(entry.pool))
@@ -487,11 +581,13 @@ class GraphPools:
                 keys.append(KeyReport(entry.key, space.offset if space else 0, space.mapped * g if space else 0,
                                       space.size if space else 0, entry.graphs))
             self.backend.synchronize()
+            stats = self.verify_stats
             report = PoolsReport(self.backend.name, self.kind, keys,
                                  alloc.physical_bytes if alloc else 0, alloc.reserved_bytes if alloc else 0,
                                  alloc.arena_reserved_bytes if alloc else 0,
                                  self.backend.mem_info().used - self._used_at_start,
-                                 alloc.map_calls if alloc else 0, alloc.map_seconds if alloc else 0.0)
+                                 alloc.map_calls if alloc else 0, alloc.map_seconds if alloc else 0.0,
+                                 stats.graphs, stats.nodes, stats.missed, stats.seconds)
         return report
 
     # -- teardown -------------------------------------------------------------------------
@@ -517,6 +613,9 @@ class GraphPools:
                 return
             self._closed = True  # from here on every call raises InvalidStateError
             self._finalizer.detach()
+            if self._watching is not None:
+                watching, self._watching = self._watching, None
+                watching.close()
             errors: list[BaseException] = []
             try:
                 self.backend.synchronize()
@@ -565,9 +664,24 @@ class GraphPools:
         return f"<graphkit.GraphPools {self.backend.name} {self.kind} {state}>"
 
 
+def _pool_ident(pool: Any) -> Any:
+    """A hashable name of the pool a caller passed (a framework pool id, or the object's identity)."""
+    if isinstance(pool, tuple):
+        return tuple(pool)
+    return id(pool) if pool is not None else None
+
+
+def _watcher(ref: weakref.ref[GraphPools]) -> Callable[[Any, Any], Route | None]:
+    """``GraphPools._watch`` of a GraphPools held weakly (the routing must not keep it alive)."""
+    def watch(graph: Any, requested_pool: Any) -> Route | None:
+        pools = ref()
+        return None if pools is None else pools._watch(graph, requested_pool)
+    return watch
+
+
 @contextlib.contextmanager
 def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None = None, kind: Kind = "vmm",
-                 hygiene: bool = False, **allocator_options: Any) -> Iterator[GraphPools]:
+                 hygiene: bool = False, verify: bool = True, **allocator_options: Any) -> Iterator[GraphPools]:
     """Every capture started inside the block draws from a fresh vmm space of the yielded :class:`GraphPools`.
 
     Whatever pool the engine passes -- none, its own shared pool, or
@@ -579,7 +693,10 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
     block restores the framework's capture API exactly, also on errors.
 
     :param pools: use these pools instead of new ones (then ``backend``,
-        ``kind``, ``hygiene`` and the allocator options are theirs).
+        ``kind``, ``hygiene``, ``verify`` and the allocator options are theirs).
+    :param verify: refuse a graph that uses another capture's space (see
+        :class:`GraphPools`): a piecewise forward captured without
+        ``pools.group(key)`` fails loudly instead of replaying wrong results.
     :raises hal.UnsupportedError: the backend cannot route the framework's captures.
     """
     if pools is not None and not isinstance(pools, GraphPools):
@@ -589,10 +706,11 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
                                        call="graph_memory")
     if pools is None:
         chosen = backend if backend is not None else hal.get_backend(requires=("graphs", "capture_routing"))
-        pools = GraphPools(chosen, kind, hygiene=hygiene, **allocator_options)
+        pools = GraphPools(chosen, kind, hygiene=hygiene, verify=verify, **allocator_options)
         pools._owns_backend = backend is None
     with pools.backend.route_captures(pools.route):
         yield pools
 
 
-__all__ = ["CaptureHygieneError", "CaptureKey", "GraphPools", "KeyReport", "PoolHandle", "PoolsReport", "graph_memory"]
+__all__ = ["CaptureHygieneError", "CaptureKey", "GraphPools", "IsolationError", "KeyReport", "PoolHandle",
+           "PoolsReport", "graph_memory"]

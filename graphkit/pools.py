@@ -110,9 +110,10 @@ class VmmPools(PoolStrategy):
         self._returned: list[int] = []
 
     def lease(self) -> Lease:
-        space = self.allocator.switch_to_new_virtual_space()
+        allocator = self.allocator
+        space = allocator.switch_to_new_virtual_space()
         try:
-            pool = self.backend.create_pool(*self.allocator.pool_callbacks(space))
+            pool = self.backend.create_pool(*allocator.pool_callbacks(space), paused=lambda: allocator.paused)
         except BaseException:
             self.allocator.release_virtual_space(space)
             raise

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 import hal
 from graphkit import capture as cap
+from graphkit import isolation
 from graphkit.allocator import SharedVMMAllocator
 from graphkit.buffers import StaticInputs
 from graphkit.pools import Lease, PoolStrategy, make_pool_strategy
@@ -88,6 +89,11 @@ class RunnerOptions:
     :param debug: check on every replay that the static inputs did not move.
     :param strict_hygiene: raise (instead of warn) when memory other than the
         outputs outlives a capture.
+    :param verify: with ``pool="vmm"``, read the addresses each captured
+        graph uses and refuse it (:class:`graphkit.IsolationError`) when one
+        lies in another size's space, which shares its physical memory
+        (needs the backend's ``"graph_addresses"``; skipped with one log
+        line without it).
     :param progress: show a progress bar while capturing.
     :param capture_error_mode: the backend's capture error mode (cuda:
         ``"global"``, ``"thread_local"``, ``"relaxed"``).
@@ -111,6 +117,7 @@ class RunnerOptions:
     warmup: int = 1
     debug: bool = False
     strict_hygiene: bool = False
+    verify: bool = True
     progress: bool = True
     capture_error_mode: str | None = None
     keep_outputs: Literal["strong", "weak"] = "strong"
@@ -205,6 +212,8 @@ class GraphRunner:
         self.warmup = opts.warmup
         self.debug = opts.debug
         self.strict_hygiene = opts.strict_hygiene
+        self.verify_stats = isolation.VerifyStats()
+        self._unreadable_logged: list[bool] = []
         self.progress = opts.progress
         self.capture_error_mode = opts.capture_error_mode
         self.keep_outputs = keep_outputs
@@ -315,6 +324,7 @@ class GraphRunner:
         assert strategy is not None  # there is one whenever mode != "none"
         lease = strategy.lease()
         bucket = _Bucket(size, lease)
+        verify = self._verifier(size, lease) if self.options.verify else None
         t0 = time.perf_counter()
         try:
             feed: Any = views
@@ -324,7 +334,7 @@ class GraphRunner:
                 captured = cap.capture(be, fn, args, lease, self._stream,
                                        capture_error_mode=self.capture_error_mode,
                                        what=f"batch {size}" + (f" piece {k}" if len(self.pieces) > 1 else ""),
-                                       strict_hygiene=self.strict_hygiene)
+                                       strict_hygiene=self.strict_hygiene, verify=verify)
                 bucket.graphs.append(captured.graph)
                 outputs = captured.outputs
                 del captured
@@ -356,6 +366,21 @@ class GraphRunner:
         log.debug("captured batch %d in %.3f s (%s more device memory)", size, seconds,
                   fmt_bytes(bucket.report.memory_delta))
         return bucket
+
+    def _verifier(self, size: int, lease: Lease) -> Callable[[Any], None] | None:
+        """The isolation check of a capture of ``size`` (None where there is nothing to check or no way to)."""
+        allocator = getattr(self.strategy, "allocator", None)
+        be = self.backend
+        if allocator is None or lease.space_id is None or not isolation.readable(be, self._unreadable_logged):
+            return None
+
+        def verify(graph: Any) -> None:
+            sizes = {b.lease.space_id: b.size for b in self._buckets.values()}
+            isolation.verify(be, graph, self.verify_stats, allocator.spaces, lease.space_id, size, sizes.get,
+                             "Create what the step keeps between calls (caches, workspaces) before capturing, "
+                             "and pass nothing made by one size's graph to another")
+
+        return verify
 
     def _piece_inputs(self, bucket: _Bucket, k: int, mid: Any, size: int) -> Any:
         """Static buffers (outside the graph pool) that feed piece ``k + 1``."""

@@ -20,7 +20,7 @@ from hal.errors import (
 )
 from hal.facade import Backend
 from hal.registry import get_backend, list_backends
-from hal.types import ALLOCATION_ALIGNMENT, BackendInfo, MemInfo
+from hal.types import ALLOCATION_ALIGNMENT, BackendInfo, GraphAddresses, MemInfo
 from hal.wrappers import LiveCounts
 
 __version__ = "0.1.0"
@@ -34,6 +34,7 @@ __all__ = [
     "CaptureError",
     "DeviceOutOfMemoryError",
     "DriverError",
+    "GraphAddresses",
     "HalError",
     "InvalidArgumentError",
     "InvalidStateError",

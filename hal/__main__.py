@@ -31,6 +31,36 @@ def env_backend_error() -> str | None:
     return None
 
 
+def capability_report(be: hal.Backend) -> list[str]:
+    """The torch extension a backend found and why each capability is on or off, where the backend says."""
+    report = getattr(be.plugin, "capability_report", None)
+    if report is None:
+        return []
+    extension, reasons = report()
+    return [f"torch extension: {extension or 'none (VMM hooks only)'}"] + [
+        f"  {capability}: {'on' if be.supports(capability) else 'off'} ({why})"
+        for capability, why in sorted(reasons.items())]
+
+
+def _details(info: hal.BackendInfo) -> tuple[list[str], str]:
+    """The lines describing an available backend, or why it cannot be opened after all."""
+    lines = []
+    try:
+        with hal.get_backend(info.name) as be:
+            mem = be.mem_info()
+            lines.append(f"devices: {be.device_count()}  granularity: "
+                         f"{fmt_bytes(be.granularity)} (recommended {fmt_bytes(be.recommended_granularity)})  "
+                         f"memory: {fmt_bytes(mem.free)} free of {fmt_bytes(mem.total)}  "
+                         f"capabilities: {', '.join(sorted(be.capabilities)) or '-'}")
+            lines += [f"warning: {why}" for why in hal.registry.dropped_capabilities(be)]
+            lines += capability_report(be)
+    except hal.BackendUnavailableError as exc:  # its constructor failed: unavailable, with the reason
+        return [], exc.message.removeprefix("backend is not available: ")
+    except hal.HalError as exc:
+        lines.append(f"error while opening: {exc}")
+    return lines, ""
+
+
 def main(argv: list[str] | None = None) -> int:
     """List the backends; exit code 2 and one line on stderr when ``$HAL_BACKEND`` names no usable one."""
     parser = _Parser(prog="python -m hal", description=__doc__)
@@ -44,20 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     width = max(len(i.name) for i in infos)
     print("hal backends (in the order automatic selection tries them):")
     for info in infos:
-        state = "available" if info.available else "unavailable"
+        lines, reason = _details(info) if info.available else ([], info.reason)
+        state = "unavailable" if reason else "available"
         print(f"  {info.name:<{width}}  {state:<11}  [{info.origin}]")
-        if not info.available:
-            print(f"  {'':<{width}}  reason: {info.reason}")
-            continue
-        try:
-            with hal.get_backend(info.name) as be:
-                mem = be.mem_info()
-                print(f"  {'':<{width}}  devices: {be.device_count()}  granularity: "
-                      f"{fmt_bytes(be.granularity)} (recommended {fmt_bytes(be.recommended_granularity)})  "
-                      f"memory: {fmt_bytes(mem.free)} free of {fmt_bytes(mem.total)}  "
-                      f"capabilities: {', '.join(sorted(be.capabilities)) or '-'}")
-        except hal.HalError as exc:
-            print(f"  {'':<{width}}  error while opening: {exc}")
+        for line in [f"reason: {reason}"] if reason else lines:
+            print(f"  {'':<{width}}  {line}")
     try:
         print(f"selected by default: {hal.registry.select_backend_name()}")
     except hal.HalError as exc:

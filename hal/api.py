@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING
 
 import pluggy
 
-from hal.types import Graph, MemInfo, Pool, Stream
+from hal.types import Graph, GraphAddresses, MemInfo, Pool, Stream
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -192,7 +192,8 @@ def capabilities() -> frozenset[str]:
 
     ``"graphs"`` (streams, pools and the graph hooks work), ``"custom_pool"``
     (:func:`create_pool` accepts allocator callbacks), ``"capture_routing"``
-    (:func:`route_captures` works), ``"use_pool"`` (:func:`use_pool` works).
+    (:func:`route_captures` works), ``"use_pool"`` (:func:`use_pool` works),
+    ``"graph_addresses"`` (:func:`graph_addresses` answers).
     A backend that lacks ``"custom_pool"`` still supports pools drawn from
     its own allocator. Optional: a backend without it has no capabilities.
     """
@@ -318,7 +319,7 @@ def create_graph() -> Graph:
 
 @hookspec(firstresult=True)
 def capture(graph: Graph, pool: Pool | None, stream: Stream,
-            capture_error_mode: str | None) -> AbstractContextManager[Graph]:
+            capture_error_mode: str | None, inspect: bool) -> AbstractContextManager[Graph]:
     """Return a context manager that captures the work inside it into ``graph``.
 
     :param pool: a pool from :func:`create_pool`, or ``None`` for a pool
@@ -327,6 +328,11 @@ def capture(graph: Graph, pool: Pool | None, stream: Stream,
     :param capture_error_mode: ``"global"``, ``"thread_local"`` or
         ``"relaxed"``, as in ``torch.cuda.graph``; ``None`` for the backend's
         default (``"global"`` on CUDA and Ascend, ``"relaxed"`` on MLU).
+    :param inspect: with ``"graph_addresses"``: record, before the capture
+        ends, what :func:`graph_addresses` will report for this graph (a
+        backend that records it anyway may ignore the flag; one without the
+        capability never sees ``True``). A plugin may leave the parameter out
+        of its implementation.
     :raises CaptureError: when the captured work cannot be captured (a host
         synchronisation, an exhausted resource), with advice where there is
         some; the graph is then empty and the backend still usable.
@@ -345,6 +351,24 @@ def release_graph(graph: Graph) -> None:
 
 
 @hookspec(firstresult=True)
+def graph_addresses(graph: Graph) -> GraphAddresses:
+    """Return the device memory a captured graph's replay reads or writes (``"graph_addresses"``).
+
+    Read from the graph itself -- a recording's tensors, or the argument
+    words of a device graph's nodes -- so that graphkit can prove that
+    graphs sharing physical memory never read each other's bytes.
+
+    :param graph: captured by :func:`capture` with ``inspect=True``, or by the
+        framework inside :func:`route_captures` with a route whose
+        ``inspect`` is set.
+    :returns: a :class:`hal.types.GraphAddresses`; its ``spans`` may be
+        single addresses (``nbytes == 1``) where only pointers are known.
+    :raises InvalidStateError: nothing was recorded for ``graph`` (not
+        captured, released, or captured without ``inspect``).
+    """
+
+
+@hookspec(firstresult=True)
 def route_captures(router: CaptureRouter) -> AbstractContextManager[None]:
     """Return a context manager inside which every capture on this device asks ``router`` for its pool.
 
@@ -355,7 +379,9 @@ def route_captures(router: CaptureRouter) -> AbstractContextManager[None]:
     ``router(graph, requested_pool)`` before the capture begins, uses the
     returned :class:`hal.types.Route`'s pool instead of the requested one, and
     calls the route's ``on_end`` and ``on_release`` as that class describes
-    (for graphs reset or collected after the block ended too). Leaving the
+    (for graphs reset or collected after the block ended too); with
+    ``"graph_addresses"`` and a route whose ``inspect`` is set, it records
+    the graph's addresses before calling ``on_end(True)``. Leaving the
     block restores the framework exactly; blocks nest (the innermost router
     wins). Needs the ``"capture_routing"`` capability.
     """
@@ -391,7 +417,7 @@ def _spec_names() -> tuple[str, ...]:
 #: Every hook name of the contract.
 ALL_HOOKS: tuple[str, ...] = _spec_names()
 
-#: Hooks of the vmm half, in the order of the design card.
+#: Hooks of the vmm half, in the order a mapping's life calls them.
 VMM_HOOKS = (
     "create_vir_ptr",
     "release_vir_ptr",
@@ -409,6 +435,7 @@ RESULT_HOOKS = frozenset({
     "device_count", "granularity", "mem_info", "create_vir_ptr", "create_phy_mem_handle", "capabilities",
     "torch_device", "tensor_at", "create_stream", "current_stream", "use_stream", "default_capture_stream",
     "create_pool", "use_pool", "pool_active_blocks", "create_graph", "capture", "route_captures",
+    "graph_addresses",
 })
 
 #: The hooks of the ``"graphs"`` capability.
@@ -423,6 +450,7 @@ CAPABILITY_HOOKS: dict[str, tuple[str, ...]] = {
     "custom_pool": GRAPH_HOOKS,  # and create_pool accepts alloc/free callbacks
     "capture_routing": (*GRAPH_HOOKS, "route_captures"),
     "use_pool": (*GRAPH_HOOKS, "use_pool"),
+    "graph_addresses": (*GRAPH_HOOKS, "graph_addresses"),
 }
 
 #: The capability names hal knows (``hal.get_backend(requires=...)`` accepts these).
@@ -433,4 +461,5 @@ HOOK_CAPABILITY: dict[str, str] = {
     **{hook: "graphs" for hook in GRAPH_HOOKS},
     "route_captures": "capture_routing",
     "use_pool": "use_pool",
+    "graph_addresses": "graph_addresses",
 }

@@ -49,7 +49,7 @@ class UnsupportedError(HalError, NotImplementedError):
 
 
 class DriverError(HalError):
-    """A native call failed; keeps the backend, the call and the native code."""
+    """A native call failed; keeps the backend, the call, the native code and the native function."""
 
     def __init__(
         self,
@@ -59,9 +59,12 @@ class DriverError(HalError):
         call: str | None = None,
         code: int | None = None,
         code_name: str | None = None,
+        native_call: str | None = None,
     ) -> None:
         self.code = code
         self.code_name = code_name
+        self.native_call = native_call
+        """The vendor function that failed (``cuMemMap``, ``aclrtMapMem``...), where one did."""
         native = ""
         if code is not None:
             native = f" [{code_name} = {code}]" if code_name else f" [native code {code}]"

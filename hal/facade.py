@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import logging
 import os
 import threading
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -28,7 +30,7 @@ from hal.errors import (
     PluginValidationError,
     UnsupportedError,
 )
-from hal.types import CaptureRouter, Mapping, MemInfo, fmt_bytes
+from hal.types import CaptureRouter, GraphAddresses, MappedRange, MemInfo, Route, fmt_bytes
 from hal.wrappers import Accounting, FaultInjector, LiveCounts, install_tracing
 
 log = logging.getLogger("hal")
@@ -73,11 +75,14 @@ class Backend:
         self._range_starts: list[int] = []
         self._handles: dict[Any, int] = {}
         self._handle_maps: dict[Any, int] = {}
-        self._mappings: dict[int, Mapping] = {}
+        self._mappings: dict[int, MappedRange] = {}
         self._map_starts: list[int] = []
         self._closed = False
         self._granularity: int | None = None
         self._capabilities: frozenset[str] | None = None
+        self._local = threading.local()
+        self._pool_paused = _ByIdentity()  # pool -> is its memory paused
+        self._graph_pool = _ByIdentity()  # graph -> the pool it was captured into
 
     # -- helpers ----------------------------------------------------------
 
@@ -242,7 +247,7 @@ class Backend:
                 raise self._err(InvalidStateError, call,
                                 f"[{ptr:#x}, {ptr + size:#x}) overlaps the mapping at {clash[0].ptr:#x}")
             self._hook.map(ptr=ptr, size=size, handle=handle)
-            self._mappings[ptr] = Mapping(ptr, size, handle)
+            self._mappings[ptr] = MappedRange(ptr, size, handle)
             bisect.insort(self._map_starts, ptr)
             self._handle_maps[handle] += 1
 
@@ -272,7 +277,7 @@ class Backend:
         raise self._err(InvalidArgumentError, call,
                         f"[{ptr:#x}, {ptr + size:#x}) is not inside a reserved range")
 
-    def _mappings_in(self, lo: int, hi: int) -> list[Mapping]:
+    def _mappings_in(self, lo: int, hi: int) -> list[MappedRange]:
         i = max(bisect.bisect_right(self._map_starts, lo) - 1, 0)
         found = []
         for start in self._map_starts[i:]:
@@ -342,17 +347,27 @@ class Backend:
         """Wait for ``stream`` (the whole device when ``None``)."""
         self._graph_call("synchronize", stream=stream)
 
-    def create_pool(self, alloc: api.AllocFn | None = None, free: api.FreeFn | None = None) -> Any:
+    def create_pool(self, alloc: api.AllocFn | None = None, free: api.FreeFn | None = None, *,
+                    paused: Callable[[], bool] | None = None) -> Any:
         """A memory pool for captures; with ``alloc``/``free``, its segments come from them.
 
+        :param paused: with callbacks: tells whether the memory behind them is
+            released for now (asleep); :meth:`replay` of a graph captured into
+            the pool raises :class:`InvalidStateError` while it says ``True``.
         :raises UnsupportedError: callbacks given but the backend lacks ``"custom_pool"``.
         """
         if (alloc is None) != (free is None):
             raise self._err(InvalidArgumentError, "create_pool", "give both alloc and free, or neither")
+        if paused is not None and (alloc is None or not callable(paused)):
+            raise self._err(InvalidArgumentError, "create_pool",
+                            f"paused={paused!r} must be a callable, given with alloc and free")
         if alloc is not None:
             self._refuse_without("custom_pool", "create_pool",
                                  "no pools over custom allocator callbacks on this backend")
-        return self._graph_call("create_pool", alloc=alloc, free=free)
+        pool = self._graph_call("create_pool", alloc=alloc, free=free)
+        if paused is not None:
+            self._pool_paused.put(pool, paused)
+        return pool
 
     def use_pool(self, pool: Any) -> AbstractContextManager[None]:
         """Context manager: the framework's allocations on this thread inside it come from ``pool``.
@@ -373,6 +388,11 @@ class Backend:
                             f"nbytes={nbytes!r} must be an int >= 0 that keeps ptr + nbytes below 2**64")
         return self._graph_call("tensor_at", ptr=ptr, nbytes=nbytes, owner=owner)
 
+    def pool_paused(self, pool: Any) -> bool:
+        """Whether the memory behind ``pool`` is released for now (see ``create_pool(paused=...)``)."""
+        check = self._pool_paused.get(backend_pool(pool))
+        return bool(check is not None and check())
+
     def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:
         """``(address, nbytes)`` of every block of ``pool`` still in use."""
         return list(self._graph_call("pool_active_blocks", pool=pool))
@@ -380,22 +400,49 @@ class Backend:
     def release_pool(self, pool: Any) -> None:
         """Drop a pool; its segments go back where they came from (once their tensors die)."""
         self._graph_call("release_pool", pool=pool)
+        self._pool_paused.pop(pool)
 
     def create_graph(self) -> Any:
         """A new, empty graph."""
         return self._graph_call("create_graph")
 
     def capture(self, graph: Any, pool: Any = None, stream: Any = None,
-                capture_error_mode: str | None = None) -> AbstractContextManager[Any]:
+                capture_error_mode: str | None = None, *, inspect: bool = False) -> AbstractContextManager[Any]:
         """Context manager that captures the work done inside it into ``graph``.
 
         ``capture_error_mode=None`` uses the backend's default mode.
+        ``inspect=True`` records what :meth:`graph_addresses` reports (needs
+        ``"graph_addresses"``).
         """
         if capture_error_mode not in (None, "global", "thread_local", "relaxed"):
             raise self._err(InvalidArgumentError, "capture",
                             f"capture_error_mode={capture_error_mode!r} must be global, thread_local or relaxed")
-        return self._graph_call("capture", graph=graph, pool=backend_pool(pool), stream=stream,
-                                capture_error_mode=capture_error_mode)
+        if inspect:
+            self._refuse_without("graph_addresses", "capture",
+                                 "inspect=True: this backend cannot tell which addresses a graph uses")
+        pool = backend_pool(pool)
+        inner = self._graph_call("capture", graph=graph, pool=pool, stream=stream,
+                                 capture_error_mode=capture_error_mode, inspect=bool(inspect))
+        return self._tracking(graph, pool, inner)
+
+    @contextlib.contextmanager
+    def _tracking(self, graph: Any, pool: Any, inner: AbstractContextManager[Any]) -> Iterator[Any]:
+        """Run ``inner`` (a capture of ``graph``) and remember the pool it drew from, routed or not."""
+        stack = self._capturing()
+        stack.append([pool])  # a router that chooses another pool appends it
+        try:
+            with inner as captured:
+                yield captured
+        finally:
+            chosen = stack.pop()[-1]
+        if chosen is not None:
+            self._graph_pool.put(graph, chosen)
+
+    def _capturing(self) -> list[list[Any]]:
+        stack = getattr(self._local, "capturing", None)
+        if stack is None:
+            stack = self._local.capturing = []
+        return stack
 
     def route_captures(self, router: CaptureRouter) -> AbstractContextManager[None]:
         """Context manager: every capture started inside it takes the pool ``router`` chooses.
@@ -407,7 +454,28 @@ class Backend:
         if not callable(router):
             raise self._err(InvalidArgumentError, "route_captures", f"router={router!r} must be callable")
         self._refuse_without("capture_routing", "route_captures", "this backend cannot route the framework's captures")
-        return self._graph_call("route_captures", router=router)
+
+        def noted(graph: Any, requested_pool: Any) -> Route | None:
+            route = router(graph, requested_pool)
+            stack = self._capturing()
+            if stack and isinstance(route, Route):  # a capture through this facade: replay checks this pool
+                stack[-1].append(route.pool)
+            return route
+
+        return self._graph_call("route_captures", router=noted)
+
+    def graph_addresses(self, graph: Any) -> GraphAddresses:
+        """The memory ``graph``'s replay reads or writes, read from the graph (see :func:`hal.api.graph_addresses`).
+
+        :raises UnsupportedError: the backend lacks ``"graph_addresses"``.
+        """
+        self._refuse_without("graph_addresses", "graph_addresses",
+                             "this backend cannot tell which addresses a graph uses")
+        found = self._graph_call("graph_addresses", graph=graph)
+        if not isinstance(found, GraphAddresses):
+            raise self._err(PluginValidationError, "graph_addresses",
+                            f"the backend returned {type(found).__name__}, not a hal.types.GraphAddresses")
+        return found
 
     def default_capture_stream(self) -> Any:
         """The stream the framework's own capture API uses when it is given none."""
@@ -416,12 +484,21 @@ class Backend:
         return self._graph_call("default_capture_stream")
 
     def replay(self, graph: Any) -> None:
-        """Launch a captured graph."""
+        """Launch a captured graph.
+
+        :raises InvalidStateError: the memory of the pool it was captured
+            into is paused (see ``create_pool(paused=...)``).
+        """
+        pool = self._graph_pool.get(graph)
+        if pool is not None and self.pool_paused(pool):
+            raise self._err(InvalidStateError, "replay",
+                            "the graph's memory is paused (released while asleep): resume it before replaying")
         self._graph_call("replay", graph=graph)
 
     def release_graph(self, graph: Any) -> None:
         """Destroy a graph (its pool's memory stays with the pool)."""
         self._graph_call("release_graph", graph=graph)
+        self._graph_pool.pop(graph)
 
     # -- lifecycle --------------------------------------------------------
 
@@ -471,6 +548,42 @@ class Backend:
                 self._untrace()
             if errors:
                 raise errors[0]
+
+
+class _ByIdentity:
+    """A map keyed by object identity that forgets an object when it dies (objects need not be hashable)."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[Callable[[], Any], Any]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, obj: Any, value: Any) -> None:
+        key = id(obj)
+        items = self._items
+
+        def forget(_: object) -> None:
+            items.pop(key, None)
+
+        try:
+            ref: Callable[[], Any] = weakref.ref(obj, forget)
+        except TypeError:  # not weakly referable: held until popped
+            ref = functools.partial(_same, obj)
+        with self._lock:
+            self._items[key] = (ref, value)
+
+    def get(self, obj: Any) -> Any:
+        item = self._items.get(id(obj))
+        return item[1] if item is not None and item[0]() is obj else None
+
+    def pop(self, obj: Any) -> None:
+        with self._lock:
+            item = self._items.get(id(obj))
+            if item is not None and item[0]() is obj:
+                del self._items[id(obj)]
+
+
+def _same(obj: Any) -> Any:
+    return obj
 
 
 def backend_pool(pool: Any) -> Any:

@@ -8,21 +8,34 @@ backend and points at its plugin class.
 A backend class has a ``probe()`` classmethod returning ``None`` when the
 backend can be used here, or the reason it cannot; it is instantiated as
 ``cls(device=..., **options)`` and its methods marked ``@hal.hookimpl``
-implement :mod:`hal.api`.
+implement :mod:`hal.api`. A plugin class may set ``hal_priority`` (an int
+from :data:`THIRD_PARTY_PRIORITY` up; ``fake`` is 1000) to be tried later.
 
-Selection by capability: what a backend can do (:data:`hal.api.CAPABILITIES`)
-is known only once it is constructed, so ``get_backend(requires=...)``
-without a name constructs the available backends in priority order, keeps
-the first that has every required capability and closes the others.
+Discovery never breaks: whatever a plugin's import, probe or constructor
+raises (``SystemExit`` included) makes that plugin unavailable with the
+reason, and a third-party probe that does not answer within
+``$HAL_PROBE_TIMEOUT`` seconds (default :data:`PROBE_TIMEOUT`) is given up on.
+
+Selection without a name walks the backends in priority order and stops at
+the first that can serve: a backend is probed only when it is reached, one
+whose class lacks the hooks of a required capability is passed over without
+being probed, and one whose constructor fails gives way to the next.
+What a backend can do (:data:`hal.api.CAPABILITIES`) is known only once it
+is constructed, so ``get_backend(requires=...)`` constructs the candidates,
+keeps the first that has every required capability and closes the others.
 """
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import importlib
+import inspect
 import logging
 import os
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, Protocol
@@ -45,7 +58,13 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("hal")
 
 ENTRY_POINT_GROUP = "hal.backends"
+#: Priority of a third-party plugin that declares none; a plugin may declare a larger ``hal_priority``.
 THIRD_PARTY_PRIORITY = 100
+#: Seconds a third-party probe may take before it is given up on (``$HAL_PROBE_TIMEOUT`` overrides).
+PROBE_TIMEOUT = 5.0
+PROBE_TIMEOUT_ENV = "HAL_PROBE_TIMEOUT"
+#: What a plugin's import, probe or constructor may raise without breaking discovery.
+PLUGIN_FAILURES = (Exception, SystemExit)
 
 #: name -> (import path, priority)
 BUILTINS: dict[str, tuple[str, int]] = {
@@ -78,6 +97,12 @@ class _Entry:
     cls: _PluginClass | None = None
     error: str | None = None
     """Why the plugin cannot be loaded, without the ``name:`` prefix the raised error adds."""
+    hooks: frozenset[str] = frozenset()
+    """The hooks the class implements (known once it is loaded)."""
+
+    @property
+    def builtin(self) -> bool:
+        return self.origin == "built-in"
 
     def load(self) -> _PluginClass:
         if self.cls is None and self.error is None:
@@ -85,10 +110,13 @@ class _Entry:
                 cls = self.loader()
                 validate_plugin_class(self.name, cls)
                 self.cls = cls
+                self.hooks = frozenset(_hook_names(_contract_manager(), cls))
+                if not self.builtin:
+                    self.priority = getattr(cls, "hal_priority", THIRD_PARTY_PRIORITY)
             except PluginValidationError as exc:
                 self.error = exc.message
-            except Exception as exc:  # noqa: BLE001 - a broken third-party package must not break listing
-                self.error = f"failed to load: {type(exc).__name__}: {exc}"
+            except PLUGIN_FAILURES as exc:  # a broken third-party package must not break listing
+                self.error = f"failed to load: {_raised(exc)}"
         if self.error is not None:
             raise PluginValidationError(self.error, backend=self.name)
         assert self.cls is not None
@@ -126,20 +154,82 @@ def _all(refresh: bool = False) -> dict[str, _Entry]:
         return _entries
 
 
-def validate_plugin_class(name: str, cls: Any) -> None:
-    """Check that ``cls`` fits the contract; raise :class:`PluginValidationError` if not."""
+def _raised(exc: BaseException) -> str:
+    """``Type: message`` of what a plugin raised, saying what ``SystemExit`` means."""
+    if isinstance(exc, SystemExit):
+        return f"SystemExit({exc.code!r}): it called sys.exit(); a plugin must raise or return a reason instead"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _contract_manager() -> pluggy.PluginManager:
     pm = pluggy.PluginManager("hal")
     pm.add_hookspecs(api)
+    return pm
+
+
+def expected_signature(hook: str) -> str:
+    """How a plugin method implementing ``hook`` is written: ``def unmap(self, ptr: int, size: int) -> None``."""
+    sig = inspect.signature(getattr(api, hook))
+    params = ", ".join(["self", *(f"{p.name}: {p.annotation}" if p.annotation is not p.empty else p.name
+                                  for p in sig.parameters.values())])
+    returns = "" if sig.return_annotation is sig.empty else f" -> {sig.return_annotation}"
+    return f"def {hook}({params}){returns}"
+
+
+def _hookimpls(pm: pluggy.PluginManager, cls: Any) -> Iterator[tuple[str, str]]:
+    """``(attribute, hook name)`` of each hook ``cls`` implements (``specname`` applied), read through
+    pluggy's public parser."""
+    for attr in dir(cls):
+        try:
+            opts = pm.parse_hookimpl_opts(cls, attr)
+        except Exception:  # noqa: BLE001 - a descriptor that fails on the class is no hook
+            continue
+        if opts is not None:
+            yield attr, opts.get("specname") or attr
+
+
+def _misfits(pm: pluggy.PluginManager, cls: Any) -> list[str]:
+    """What is wrong with the hooks ``cls`` implements, each with what to write instead."""
+    problems = []
+    for attr, hook in _hookimpls(pm, cls):
+        if hook not in api.ALL_HOOKS:
+            close = difflib.get_close_matches(hook, api.ALL_HOOKS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; the hooks are: {', '.join(api.ALL_HOOKS)}"
+            problems.append(f"unknown hook {hook}{hint}")
+            continue
+        try:
+            params = list(inspect.signature(getattr(cls, attr)).parameters.values())
+        except (TypeError, ValueError):
+            continue
+        names = [p.name for p in params[1:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        wanted = set(inspect.signature(getattr(api, hook)).parameters)
+        extra = [n for n in names if n not in wanted]
+        if extra:
+            problems.append(f"hook {hook} takes argument(s) {', '.join(extra)} that the contract does not have; "
+                            f"expected {expected_signature(hook)} (arguments may be left out, not renamed)")
+    return problems
+
+
+def validate_plugin_class(name: str, cls: Any) -> None:
+    """Check that ``cls`` fits the contract; raise :class:`PluginValidationError` saying what to change if not."""
+    if not isinstance(cls, type):
+        raise PluginValidationError(f"the entry point names {cls!r} (of type {type(cls).__name__}), not a class: "
+                                    "point "
+                                    "it at the plugin class ('package.module:ClassName')", backend=name)
+    pm = _contract_manager()
     plugin_name = f"{name} ({getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', cls)})"
+    misfits = _misfits(pm, cls)
     try:
         pm.register(cls, name=plugin_name)
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        unknown = sorted(h for h in _hook_names(pm, cls) if h not in api.ALL_HOOKS)
-        detail = f"unknown hook(s) {', '.join(unknown)}" if unknown else str(exc)
+        detail = "; ".join(misfits) or str(exc)
         raise PluginValidationError(
             f"plugin {plugin_name} does not fit the hal contract: {detail}", backend=name
         ) from exc
+    if misfits:
+        raise PluginValidationError(f"plugin {plugin_name} does not fit the hal contract: {'; '.join(misfits)}",
+                                    backend=name)
     implemented = {caller.name for caller in pm.get_hookcallers(cls) or ()}
     missing = [h for h in REQUIRED_HOOKS if h not in implemented]
     if missing:
@@ -147,32 +237,122 @@ def validate_plugin_class(name: str, cls: Any) -> None:
             f"plugin {plugin_name} does not implement required hook(s): {', '.join(missing)}",
             backend=name,
         )
+    probe = inspect.getattr_static(cls, "probe", None)
     if not callable(getattr(cls, "probe", None)):
-        raise PluginValidationError(f"plugin {plugin_name} has no probe() classmethod", backend=name)
+        raise PluginValidationError(f"plugin {plugin_name} has no probe() classmethod: add "
+                                    "'@classmethod def probe(cls) -> str | None' (None: usable here; a str: "
+                                    "why not)", backend=name)
+    if inspect.isfunction(probe):
+        raise PluginValidationError(f"plugin {plugin_name}: make probe a classmethod (put @classmethod above "
+                                    "'def probe(cls)'); hal calls it on the class, before any instance exists",
+                                    backend=name)
+    _check_constructor(name, plugin_name, cls)
+    priority = getattr(cls, "hal_priority", THIRD_PARTY_PRIORITY)
+    if not isinstance(priority, int) or isinstance(priority, bool) or priority < THIRD_PARTY_PRIORITY:
+        raise PluginValidationError(f"plugin {plugin_name}: hal_priority={priority!r} must be an int >= "
+                                    f"{THIRD_PARTY_PRIORITY} (larger is tried later; fake is "
+                                    f"{BUILTINS['fake'][1]})", backend=name)
+
+
+def _check_constructor(name: str, plugin_name: str, cls: type) -> None:
+    """Refuse a class that cannot be built as ``cls(device=N)``."""
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a C type): find out at construction
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    device = next((p for p in params if p.name == "device"), None)
+    if device is None or device.kind is device.POSITIONAL_ONLY:
+        raise PluginValidationError(
+            f"plugin {plugin_name}: the constructor must accept device= (hal builds the plugin as "
+            "cls(device=N, **options)): write 'def __init__(self, device: int = 0, *, option=default, ...)'",
+            backend=name)
+    others = [p.name for p in params if p is not device and p.default is p.empty
+              and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if others:
+        raise PluginValidationError(
+            f"plugin {plugin_name}: the constructor's argument(s) {', '.join(others)} need a default: hal builds "
+            "the plugin as cls(device=N) unless the user passes options", backend=name)
 
 
 def _hook_names(pm: pluggy.PluginManager, cls: Any) -> list[str]:
-    """The hook names ``cls`` implements (``specname`` applied), read through pluggy's public parser."""
-    names = []
-    for attr in dir(cls):
+    """The hook names ``cls`` implements (``specname`` applied)."""
+    return [hook for _, hook in _hookimpls(pm, cls)]
+
+
+def probe_timeout() -> float:
+    """Seconds a third-party probe may take: ``$HAL_PROBE_TIMEOUT``, else :data:`PROBE_TIMEOUT`."""
+    text = os.environ.get(PROBE_TIMEOUT_ENV)
+    if not text:
+        return PROBE_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        log.warning("$%s=%r is not a positive number of seconds; using %g", PROBE_TIMEOUT_ENV, text, PROBE_TIMEOUT)
+        return PROBE_TIMEOUT
+    return value
+
+
+def _answer(value: Any) -> str | None:
+    """A probe's return value as an availability reason (None: available)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip():
+        return value
+    return (f"probe() returned {value!r}; it must return None when the backend can be used here, "
+            "else a non-empty str saying why not")
+
+
+class _ProbeCall:
+    """One probe running on a daemon thread, so that a probe that hangs cannot hang its caller."""
+
+    def __init__(self, entry: _Entry, cls: _PluginClass) -> None:
+        self.started = time.monotonic()
+        self.reason: str | None = None
+        self.done = threading.Event()
+        self.name = entry.name
+        threading.Thread(target=self._run, args=(cls,), name=f"hal-probe-{entry.name}", daemon=True).start()
+
+    def _run(self, cls: _PluginClass) -> None:
         try:
-            opts = pm.parse_hookimpl_opts(cls, attr)
-        except Exception:  # noqa: BLE001 - a descriptor that fails on the class is no hook
-            continue
-        if opts is not None:
-            names.append(opts.get("specname") or attr)
-    return names
+            self.reason = _answer(cls.probe())
+        except BaseException as exc:  # noqa: BLE001 - on its own thread: whatever it raises is the plugin's
+            self.reason = f"probe failed: {_raised(exc)}"
+        finally:
+            self.done.set()
+
+    def result(self, timeout: float) -> str | None:
+        if not self.done.wait(max(0.0, self.started + timeout - time.monotonic())):
+            log.warning("hal: the probe of backend %s did not answer within %g s; it is listed unavailable",
+                        self.name, timeout)
+            return (f"probe() did not answer within {timeout:g} s and was given up on (a probe must be cheap; "
+                    f"${PROBE_TIMEOUT_ENV} sets the limit)")
+        return self.reason
 
 
-def _probe(entry: _Entry) -> str | None:
+def _start_probe(entry: _Entry) -> _ProbeCall | str | None:
+    """Start probing ``entry``: a running call for a third-party plugin, else the answer itself."""
     try:
         cls = entry.load()
     except PluginValidationError as exc:
         return exc.message
+    if not entry.builtin:
+        return _ProbeCall(entry, cls)
     try:
-        return cls.probe()
-    except Exception as exc:  # noqa: BLE001 - a probe must never break discovery
-        return f"probe failed: {type(exc).__name__}: {exc}"
+        return _answer(cls.probe())
+    except PLUGIN_FAILURES as exc:  # a probe must never break discovery
+        return f"probe failed: {_raised(exc)}"
+
+
+def _probe(entry: _Entry) -> str | None:
+    """``entry``'s availability reason (None: available), probed once per process and remembered."""
+    if entry.name not in _probe_cache:
+        started = _start_probe(entry)
+        _probe_cache[entry.name] = started.result(probe_timeout()) if isinstance(started, _ProbeCall) else started
+    return _probe_cache[entry.name]
 
 
 _probe_cache: dict[str, str | None] = {}
@@ -187,13 +367,32 @@ def list_backends(refresh: bool = False) -> list[BackendInfo]:
     entries = _all(refresh)
     if refresh:
         _probe_cache.clear()
+    # every probe not yet answered starts now, so plugins that hang cost one timeout together
+    started = {e.name: _start_probe(e) for e in entries.values() if e.name not in _probe_cache}
+    for name, answer in started.items():
+        _probe_cache[name] = answer.result(probe_timeout()) if isinstance(answer, _ProbeCall) else answer
     infos = []
-    for entry in sorted(entries.values(), key=lambda e: (e.priority, e.name)):
-        if entry.name not in _probe_cache:
-            _probe_cache[entry.name] = _probe(entry)
+    for entry in _by_priority(entries):
         reason = _probe_cache[entry.name]
         infos.append(BackendInfo(entry.name, reason is None, reason or "", entry.origin, entry.priority))
     return infos
+
+
+def _by_priority(entries: dict[str, _Entry]) -> list[_Entry]:
+    """Every entry, loaded (a plugin's ``hal_priority`` is known then), in the order selection tries them."""
+    for entry in entries.values():
+        with contextlib.suppress(PluginValidationError):  # listed unavailable with the reason
+            entry.load()
+    return sorted(entries.values(), key=lambda e: (e.priority, e.name))
+
+
+def _could_have(entry: _Entry, needed: frozenset[str]) -> bool:
+    """Whether ``entry``'s class implements the hooks of every capability in ``needed`` (no probe needed)."""
+    if not needed:
+        return True
+    if "capabilities" not in entry.hooks:
+        return False
+    return all(set(api.CAPABILITY_HOOKS[c]) <= entry.hooks for c in needed)
 
 
 def required_capabilities(requires: Iterable[str]) -> frozenset[str]:
@@ -229,9 +428,9 @@ def select_backend_name(name: str | None = None, *, requires: Iterable[str] = ()
         env = os.environ.get("HAL_BACKEND")
         if env:
             return env
-        for info in list_backends():
-            if info.available:
-                return info.name
+        for entry in _by_priority(_all()):
+            if _probe(entry) is None:
+                return entry.name
         raise BackendUnavailableError("no backend is available (not even 'fake')")
     be = get_backend(name, device, requires=needed)
     be.close()
@@ -249,7 +448,9 @@ def get_backend(name: str | None = None, device: int = 0, *, requires: Iterable[
     :param requires: capability names the backend must have (``"graphs"``,
         ``"custom_pool"``, ``"capture_routing"``, ``"use_pool"``: see
         :data:`hal.api.CAPABILITIES`). Without a name, backends lacking one
-        are passed over (they are constructed to ask, then closed).
+        are passed over: a class without the capability's hooks unprobed,
+        the others constructed to ask, then closed. A backend whose
+        constructor fails gives way to the next one.
     :param options: backend options (``fake``: ``granularity``, ``capacity``,
         ``device_count``), given to whichever backend is tried.
     :raises BackendUnavailableError: unknown or unavailable backend, with the reason.
@@ -260,27 +461,62 @@ def get_backend(name: str | None = None, device: int = 0, *, requires: Iterable[
     """
     needed = required_capabilities(requires)
     named = name or os.environ.get("HAL_BACKEND")
-    if named or not needed:
-        be = _open(select_backend_name(name), device, options)
+    if named:
+        be = _open(named, device, options)
         _check_capabilities(be, needed, by_env=not name)
         return be
     lacking: list[str] = []
-    for info in list_backends():
-        if not info.available:
-            continue
+    for entry in _candidates(needed, lacking):
         try:
-            be = _open(info.name, device, options)
+            be = _open(entry.name, device, options)
         except BackendUnavailableError as exc:  # probed fine, but cannot start here
-            lacking.append(f"{info.name} cannot start ({exc.message})")
+            lacking.append(f"{entry.name} cannot start ({exc.message})")
             continue
         missing = needed - be.capabilities
         if not missing:
             _report_passed_over(lacking, be.name)
             return be
         be.close()
-        lacking.append(f"{info.name} lacks {', '.join(sorted(missing))}")
+        lacking.append(f"{entry.name} lacks {', '.join(sorted(missing))}")
+    if not needed:
+        raise BackendUnavailableError(f"no backend can be used here: {'; '.join(lacking) or 'none is available'}",
+                                      call="get_backend")
     raise UnsupportedError(f"no available backend has the capabilities {', '.join(sorted(needed))}: "
                            f"{'; '.join(lacking) or 'none is available'}", call="get_backend")
+
+
+def _candidates(needed: frozenset[str], lacking: list[str]) -> Iterator[_Entry]:
+    """The available entries that could have ``needed``, in priority order, each probed only when reached.
+
+    Those passed over without a probe (their class lacks the hooks) are noted in ``lacking``.
+    """
+    for entry in _by_priority(_all()):
+        if entry.error is not None:
+            continue
+        if not _could_have(entry, needed):
+            if not entry.builtin:
+                lacking.append(f"{entry.name} lacks {', '.join(sorted(needed))} (its class lacks the hooks)")
+            continue
+        if _probe(entry) is None:
+            yield entry
+
+
+def dropped_capabilities(be: Backend) -> list[str]:
+    """Why each capability that ``be``'s plugin declares is not in ``be.capabilities``, with the fix."""
+    if not be.implements("capabilities"):
+        return []
+    declared = be.plugin.capabilities()
+    problems = []
+    for capability in sorted(set(declared) - be.capabilities):
+        missing = [h for h in api.CAPABILITY_HOOKS[capability] if not be.implements(h)]
+        problems.append(f"declares capability {capability!r} but does not implement {', '.join(missing)}: implement "
+                        f"{'it' if len(missing) == 1 else 'them'} or leave {capability!r} out of capabilities()")
+    for capability in sorted(set(declared) - api.CAPABILITIES):
+        close = difflib.get_close_matches(capability, api.CAPABILITIES, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        problems.append(f"declares unknown capability {capability!r} (hal ignores it); {hint}known: "
+                        f"{', '.join(sorted(api.CAPABILITIES))}")
+    return problems
 
 
 _passed_over_reported: set[tuple[str, ...]] = set()
@@ -325,17 +561,28 @@ def _open(chosen: str, device: int, options: dict[str, Any]) -> Backend:
         raise BackendUnavailableError(f"unknown backend {chosen!r}; known backends: {known}")
     entry = entries[chosen]
     cls = entry.load()
-    if chosen not in _probe_cache:
-        _probe_cache[chosen] = _probe(entry)
-    reason = _probe_cache[chosen]
+    reason = _probe(entry)
     if reason is not None:
         raise BackendUnavailableError(f"backend is not available: {reason}", backend=chosen)
     if not isinstance(device, int) or device < 0:
         raise InvalidArgumentError(f"device={device!r} must be a non-negative int", backend=chosen,
                                    call="get_backend")
     try:
-        plugin = cls(device=device, **options)
+        inspect.signature(cls).bind(device=device, **options)
     except TypeError as exc:
         raise InvalidArgumentError(f"bad options {sorted(options)}: {exc}", backend=chosen,
                                    call="get_backend") from exc
+    except ValueError:  # no signature to read: the constructor itself tells
+        pass
+    try:
+        plugin = cls(device=device, **options)
+    except HalError:
+        raise
+    except PLUGIN_FAILURES as exc:
+        # a bug or a failed driver start in the plugin: unavailable from now on, with the reason
+        why = f"its constructor raised {_raised(exc)}"
+        _probe_cache[chosen] = why
+        log.warning("hal: backend %s is unavailable: %s", chosen, why)
+        raise BackendUnavailableError(f"backend is not available: {why}", backend=chosen,
+                                      call="get_backend") from exc
     return Backend(chosen, plugin, device=device, origin=entry.origin)

@@ -48,12 +48,33 @@ class BackendInfo:
 
 
 @dataclass(frozen=True)
-class Mapping:
-    """One live mapping recorded by the facade."""
+class MappedRange:
+    """One live mapping recorded by the facade: ``size`` bytes at ``ptr`` backed by ``handle``."""
 
     ptr: int
     size: int
     handle: object
+
+
+@dataclass(frozen=True)
+class GraphAddresses:
+    """The device memory one captured graph's replay reads or writes, as the graph itself says.
+
+    ``spans`` are ``(address, nbytes)``; a backend that finds pointers but not
+    the sizes behind them (arguments of device kernels) reports ``nbytes=1``.
+    ``nodes`` counts what was inspected (ops of a recording, nodes of a device
+    graph); ``missed`` how many of those could not be read (a kernel whose
+    argument layout is unknown): the answer is complete when it is 0.
+    """
+
+    spans: tuple[tuple[int, int], ...]
+    nodes: int = 0
+    missed: int = 0
+    seconds: float = 0.0  # time the backend spent reading the graph
+
+    @property
+    def complete(self) -> bool:
+        return self.missed == 0
 
 
 def _nothing(*_: Any) -> None:
@@ -71,17 +92,26 @@ class Route:
     exactly once when the graph is destroyed: reset or released
     (``collected=False``) or garbage-collected (``collected=True``: the
     callback runs inside the garbage collector and must only take note).
+
+    ``on_end(True)`` may refuse the graph by raising a :class:`hal.HalError`
+    (graphkit does when the graph reads memory it must not): the backend
+    then empties the graph, as after a failed capture (its caller releases
+    it as usual), lets the error through, and never calls ``on_release``. With ``inspect`` set, a backend
+    with ``"graph_addresses"`` records the graph's addresses before it calls
+    ``on_end(True)``, so the router can ask for them there.
     """
 
     pool: Any
     on_end: Callable[[bool], None] = field(default=_nothing)
     on_release: Callable[[bool], None] = field(default=_nothing)
+    inspect: bool = False
 
 
-#: ``router(graph, requested_pool) -> Route``: chooses the pool of a capture that is starting.
+#: ``router(graph, requested_pool) -> Route | None``: chooses the pool of a capture that is starting,
+#: or passes it on (None) to the next router out; a capture no router takes runs as the caller asked.
 #: ``graph`` is the framework's graph object (``torch.cuda.CUDAGraph``...) or the backend's;
 #: ``requested_pool`` is whatever the caller passed (None, a pool id, a backend pool).
-CaptureRouter = Callable[[Any, Any], Route]
+CaptureRouter = Callable[[Any, Any], "Route | None"]
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -96,3 +126,13 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def __getattr__(name: str) -> Any:
+    """``Mapping``: the former name of :class:`MappedRange` (it shadowed ``collections.abc.Mapping``)."""
+    if name == "Mapping":
+        import warnings
+
+        warnings.warn("hal.types.Mapping is deprecated: use hal.types.MappedRange", DeprecationWarning, stacklevel=2)
+        return MappedRange
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

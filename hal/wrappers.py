@@ -71,37 +71,39 @@ class Accounting:
                 graphs=len(self.graphs),
             )
 
+    def _made(self, hook: str | None, live: Any, size: int = 0) -> Generator[None, Any, Any]:
+        """Wrap one call of a hook that makes something: record its result as live (with ``size``)."""
+        made = yield
+        with self._lock:
+            live[made] = size
+            if hook is not None:
+                self.calls[hook] += 1
+        return made
+
+    def _gone(self, hook: str | None, live: Any, key: Any) -> Generator[None, None, None]:
+        """Wrap one call of a hook that releases ``key``: forget it once the call succeeded."""
+        result = yield
+        with self._lock:
+            live.pop(key, None)
+            if hook is not None:
+                self.calls[hook] += 1
+        return result
+
     @hookimpl(wrapper=True)
     def create_vir_ptr(self, size: int) -> Generator[None, int, int]:
-        ptr = yield
-        with self._lock:
-            self.ranges[ptr] = size
-            self.calls["create_vir_ptr"] += 1
-        return ptr
+        return (yield from self._made("create_vir_ptr", self.ranges, size))
 
     @hookimpl(wrapper=True)
     def release_vir_ptr(self, ptr: int) -> Generator[None, None, None]:
-        result = yield
-        with self._lock:
-            self.ranges.pop(ptr, None)
-            self.calls["release_vir_ptr"] += 1
-        return result
+        return (yield from self._gone("release_vir_ptr", self.ranges, ptr))
 
     @hookimpl(wrapper=True)
     def create_phy_mem_handle(self, size: int) -> Generator[None, Any, Any]:
-        handle = yield
-        with self._lock:
-            self.chunks[handle] = size
-            self.calls["create_phy_mem_handle"] += 1
-        return handle
+        return (yield from self._made("create_phy_mem_handle", self.chunks, size))
 
     @hookimpl(wrapper=True)
     def release_phy_mem_handle(self, handle: Any) -> Generator[None, None, None]:
-        result = yield
-        with self._lock:
-            self.chunks.pop(handle, None)
-            self.calls["release_phy_mem_handle"] += 1
-        return result
+        return (yield from self._gone("release_phy_mem_handle", self.chunks, handle))
 
     @hookimpl(wrapper=True)
     def map(self, ptr: int, size: int) -> Generator[None, None, None]:
@@ -113,39 +115,23 @@ class Accounting:
 
     @hookimpl(wrapper=True)
     def unmap(self, ptr: int) -> Generator[None, None, None]:
-        result = yield
-        with self._lock:
-            self.mappings.pop(ptr, None)
-            self.calls["unmap"] += 1
-        return result
+        return (yield from self._gone("unmap", self.mappings, ptr))
 
     @hookimpl(wrapper=True)
     def create_pool(self) -> Generator[None, Any, Any]:
-        pool = yield
-        with self._lock:
-            self.pools.add(pool)
-        return pool
+        return (yield from self._made(None, self.pools))
 
     @hookimpl(wrapper=True)
     def release_pool(self, pool: Any) -> Generator[None, None, None]:
-        result = yield
-        with self._lock:
-            self.pools.discard(pool)
-        return result
+        return (yield from self._gone(None, self.pools, pool))
 
     @hookimpl(wrapper=True)
     def create_graph(self) -> Generator[None, Any, Any]:
-        graph = yield
-        with self._lock:
-            self.graphs.add(graph)
-        return graph
+        return (yield from self._made(None, self.graphs))
 
     @hookimpl(wrapper=True)
     def release_graph(self, graph: Any) -> Generator[None, None, None]:
-        result = yield
-        with self._lock:
-            self.graphs.discard(graph)
-        return result
+        return (yield from self._gone(None, self.graphs, graph))
 
 
 class _Tracked:
@@ -159,6 +145,12 @@ class _Tracked:
     def __init__(self) -> None:
         self._by_id: dict[int, list[Any]] = {}  # id at creation -> [weakref or object]
         self._count = 0
+
+    def __setitem__(self, obj: Any, _size: int) -> None:
+        self.add(obj)
+
+    def pop(self, obj: Any, _default: None = None) -> None:
+        self.discard(obj)
 
     def add(self, obj: Any) -> None:
         try:

@@ -61,7 +61,7 @@ def exports(path: object) -> set[str]:
 
 @pytest.mark.skipif(shutil.which("nm") is None, reason="nm (binutils) is not installed")
 def test_the_simulator_exports_the_acl_symbols_the_backend_binds_and_nothing_else() -> None:
-    controls = {"acl_sim_configure", "acl_sim_count"}
+    controls = {"acl_sim_configure", "acl_sim_count", "acl_sim_set_cann_version"}
     assert exports(built("ascend")) == {*lib.PROTOTYPES, *lib.OPTIONAL, "aclGetRecentErrMsg", *controls}
     assert exports(built("ascend", set_access=False)) == exports(built("ascend")) - {"aclrtMemSetAccess"}
 
@@ -111,11 +111,61 @@ def test_out_of_memory_is_a_device_out_of_memory_error_with_the_acl_code(be: hal
     be.release_phy_mem_handle(be.create_phy_mem_handle(G))  # still usable
 
 
-def test_each_map_sets_read_write_access_when_the_runtime_has_it(be: hal.Backend) -> None:
-    assert be.plugin.library.has("aclrtMemSetAccess")
+def test_a_map_is_usable_at_once_and_never_sets_access_for_the_owning_device(be: hal.Backend) -> None:
+    assert be.plugin.library.has("aclrtMemSetAccess")  # exported, and meant for other devices
     va, h = be.create_vir_ptr(G), be.create_phy_mem_handle(G)
     be.map(va, G, h)
-    assert simulator(be).count("set_access") == 1
+    ctypes.memmove(va, b"mapped", 6)
+    assert ctypes.string_at(va, 6) == b"mapped"
+    assert simulator(be).count("set_access") == 0
+
+
+@pytest.mark.parametrize("cann, flags", [("7.0.0", 1), ("8.0.RC2", 1), ("8.3.RC1", 1), ("9.0.0", 0), ("", 1)])
+def test_huge_page_reserve_flags_follow_the_cann_version(cann: str, flags: int) -> None:
+    with simulated_backend("ascend", capacity=8 * G, granularity=G, cann_version=cann) as be:
+        assert be.plugin.cann_version == (cann or None) and be.plugin.reserve_flags == flags
+        va = be.create_vir_ptr(G)
+        assert simulator(be).count("reserve_flags") == flags
+        be.release_vir_ptr(va, G)
+
+
+def test_the_simulator_takes_reserve_flags_as_its_cann_version_documents() -> None:
+    for cann, takes, refuses in (("8.3.RC1", (0, 1), (2,)), ("9.0.0", (0,), (1,))):
+        with simulated_backend("ascend", capacity=8 * G, granularity=G, cann_version=cann) as be:
+            acl = be.plugin.library
+            for flags in takes:
+                va = ctypes.c_void_p()
+                acl.call("t", "aclrtReserveMemAddress", ctypes.byref(va), G, 0, None, flags)
+                acl.call("t", "aclrtReleaseMemAddress", va.value)
+            for flags in refuses:
+                with pytest.raises(hal.InvalidArgumentError, match=f"flags={flags}; CANN {cann}"):
+                    acl.call("t", "aclrtReserveMemAddress", ctypes.byref(ctypes.c_void_p()), G, 0, None, flags)
+
+
+@pytest.mark.parametrize("how", ["option", "variable"])
+def test_the_reserve_flags_can_be_overridden(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    options = {"reserve_flags": 0} if how == "option" else {}
+    if how == "variable":
+        monkeypatch.setenv("HAL_ASCEND_RESERVE_FLAGS", "0")
+    with simulated_backend("ascend", capacity=8 * G, granularity=G, cann_version="8.3.RC1", **options) as be:
+        assert be.plugin.reserve_flags == 0
+        assert be.plugin.reserve_flags_from == ("the reserve_flags option" if how == "option"
+                                                else "$HAL_ASCEND_RESERVE_FLAGS")
+        be.release_vir_ptr(be.create_vir_ptr(G), G)
+        assert simulator(be).count("reserve_flags") == 0
+
+
+def test_a_bad_reserve_flags_override_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HAL_ASCEND_RESERVE_FLAGS", "huge")
+    with pytest.raises(hal.InvalidArgumentError, match=r"reserve_flags: \$HAL_ASCEND_RESERVE_FLAGS is 'huge'"):
+        simulated_backend("ascend", capacity=8 * G, granularity=G)
+
+
+@pytest.mark.parametrize("code, name", [(207001, "ACL_ERROR_RT_MEMORY_ALLOCATION"), (207018, "ACL_ERROR_RT_DEVICE_OOM"),
+                                        (200000, "ACL_ERROR_BAD_ALLOC")])
+def test_every_out_of_memory_code_is_a_device_out_of_memory_error(code: int, name: str) -> None:
+    err = lib.error_for(code, "create_phy_mem_handle", "aclrtMallocPhysical")
+    assert isinstance(err, hal.DeviceOutOfMemoryError) and name in str(err)
 
 
 def test_runtimes_without_aclrtMemSetAccess_still_map() -> None:
@@ -171,22 +221,47 @@ def test_a_location_in_cndrv_order_is_rejected_as_invalid_argument(be: hal.Backe
     assert be.live.chunks == 0
 
 
-@pytest.mark.parametrize("field, value", [("allocationType", 1), ("handleType", 1), ("memAttr", 1),
-                                          ("reserve", 7)])
+@pytest.mark.parametrize("field, value", [("allocationType", 1), ("handleType", 1), ("memAttr", 1)])
 def test_wrong_prop_fields_are_rejected(be: hal.Backend, field: str, value: int) -> None:
     setattr(be.plugin._prop, field, value)
     with pytest.raises(hal.InvalidArgumentError, match=field):
         be.create_phy_mem_handle(G)
 
 
-def test_a_cuda_style_access_flag_is_rejected_and_the_map_rolled_back(be: hal.Backend) -> None:
-    be.plugin._access.flags = 0  # CNDrv's read-write value; ACL's is 3
-    va, h = be.create_vir_ptr(G), be.create_phy_mem_handle(G)
-    with pytest.raises(hal.InvalidArgumentError, match=r"aclrtMemSetAccess.*READWRITE"):
-        be.map(va, G, h)
-    assert simulator(be).count("mappings") == 0 and be.live.mappings == 0
-    be.plugin._access.flags = lib.ACL_RT_MEM_ACCESS_FLAGS_READWRITE
-    be.map(va, G, h)
+def test_set_access_covers_exactly_one_mapping_with_acl_flags() -> None:
+    with simulated_backend("ascend", capacity=8 * G, granularity=G, devices=2) as be:
+        acl, va = be.plugin.library, be.create_vir_ptr(2 * G)
+        h1, h2 = be.create_phy_mem_handle(G), be.create_phy_mem_handle(G)
+        be.map(va, G, h1)
+        be.map(va + G, G, h2)
+        peer = lib.access_desc(1)  # access for the other device
+        with pytest.raises(hal.InvalidArgumentError, match="not exactly one mapping"):
+            acl.call("t", "aclrtMemSetAccess", va, 2 * G, ctypes.byref(peer), 1)  # two mappings at once
+        peer.flags = 0  # CNDrv's read-write value; ACL's is 3
+        with pytest.raises(hal.InvalidArgumentError, match="READWRITE"):
+            acl.call("t", "aclrtMemSetAccess", va, G, ctypes.byref(peer), 1)
+        peer.flags = lib.ACL_RT_MEM_ACCESS_FLAGS_READWRITE
+        acl.call("t", "aclrtMemSetAccess", va + G, G, ctypes.byref(peer), 1)
+        assert simulator(be).count("set_access") == 1
+
+
+@pytest.mark.parametrize("cann, attr, ok", [("8.3.RC1", 5, True), ("8.3.RC1", 13, False), ("9.0.0", 13, True),
+                                            ("9.0.0", 5, False), ("9.0.0", lib.ACL_HBM_MEM_HUGE, True)])
+def test_memory_types_follow_the_cann_version(cann: str, attr: int, ok: bool) -> None:
+    with simulated_backend("ascend", capacity=8 * G, granularity=G, cann_version=cann) as be:
+        be.plugin._prop.memAttr = attr
+        if ok:
+            be.release_phy_mem_handle(be.create_phy_mem_handle(G))
+        else:
+            with pytest.raises(hal.InvalidArgumentError, match=f"memAttr={attr}"):
+                be.create_phy_mem_handle(G)
+
+
+def test_reserve_alignment_must_be_zero_and_prop_reserve_is_free(be: hal.Backend) -> None:
+    with pytest.raises(hal.InvalidArgumentError, match="alignment"):
+        be.plugin.library.call("t", "aclrtReserveMemAddress", ctypes.byref(ctypes.c_void_p()), G, G, None, 1)
+    be.plugin._prop.reserve = 7  # "reserved", not required to be 0
+    be.release_phy_mem_handle(be.create_phy_mem_handle(G))
 
 
 # -- the simulator enforces the documented rules ---------------------------------------------
@@ -197,7 +272,7 @@ def raw(be: hal.Backend):
     """(library, va of 4 granules, handle of 2 granules) straight on the runtime, no facade checks."""
     acl = be.plugin.library
     va, h = ctypes.c_void_p(), ctypes.c_void_p()
-    acl.call("t", "aclrtReserveMemAddress", ctypes.byref(va), 4 * G, 0, None, 0)
+    acl.call("t", "aclrtReserveMemAddress", ctypes.byref(va), 4 * G, 0, None, be.plugin.reserve_flags)
     acl.call("t", "aclrtMallocPhysical", ctypes.byref(h), 2 * G, ctypes.byref(be.plugin._prop), 0)
     yield acl, va.value, h.value
     for ptr in (va.value, va.value + 2 * G):

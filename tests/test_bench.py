@@ -57,3 +57,12 @@ def test_demo_runs_and_writes_the_plot(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "vmm" in proc.stdout and "shared-weakref" in proc.stdout and " NO" not in proc.stdout
     assert (tmp_path / "demo.png").exists() and (tmp_path / "demo.json").exists()
+
+
+def test_without_matplotlib_the_plot_is_skipped_with_the_extra_to_install(tmp_path: Path, monkeypatch,
+                                                                          caplog) -> None:
+    from graphkit.bench import output
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    assert output.plot({"results": [], "largest_alone_bytes": 0}, tmp_path / "demo.png") is False
+    assert "hal-graphkit[bench]" in caplog.text and not (tmp_path / "demo.png").exists()

@@ -165,6 +165,8 @@ def test_engine_case_of_the_bench(be: hal.Backend, strategy: str, order: str) ->
     assert (result["replay_ms_1"], result["replay_ms_max"]) == (result["replay_ms"]["1"], result["replay_ms"]["8"])
     if strategy == "graph_memory":
         assert result["chunk_bytes"] == result["graph_memory_bytes"]  # on fake, the chunks are all it adds
+        assert result["verified_graphs"] == 4 and result["inspected_nodes"] > 0 and result["missed_nodes"] == 0
+        assert 0 < result["verify_seconds"] < result["capture_seconds"]
     else:
         assert result["chunk_bytes"] is None
     assert be.live.zero, be.live
@@ -185,6 +187,51 @@ def test_the_framework_capture_api_is_intercepted_on_cuda(backend_name: str, mod
         teardown(be, engine, pools)
 
 
+def piecewise_pair(be: hal.Backend, use_torch_api: bool = False) -> None:
+    """Piecewise capture in the scope: refused without a group, equal to eager with the one group line."""
+    engine = engine_decode.Engine(be, "tiny", max_batch=MAX_BATCH, max_model_len=32, pieces=2,
+                                  use_torch_api=use_torch_api)
+    with graphkit.graph_memory(be) as pools:
+        with pytest.raises(graphkit.IsolationError, match=r"pools\.group\(key\)") as info:
+            engine.capture_graphs(SIZES)
+    assert "('capture', 2)" in str(info.value) and "('capture', 1)" in str(info.value)
+    del info  # its traceback holds the first piece's output
+    teardown(be, engine, pools, last=False)
+
+    engine = engine_decode.Engine(be, "tiny", max_batch=MAX_BATCH, max_model_len=32, pieces=2,
+                                  use_torch_api=use_torch_api)
+    with graphkit.graph_memory(be) as pools:
+        engine.group = pools.group  # the one line: the pieces of one batch in one space
+        engine.capture_graphs(SIZES)
+    assert sorted(pools.keys) == SIZES and all(k.graphs == 2 for k in pools.report().keys)
+    assert pools.report().verified_graphs == 2 * len(SIZES)
+    assert_matches_eager(engine, 3)
+    assert_matches_eager(engine, 8)
+    teardown(be, engine, pools)
+
+
+def test_piecewise_graphs_fail_loudly_without_a_group_and_match_eager_with_one(be: hal.Backend) -> None:
+    piecewise_pair(be)
+
+
+def test_piecewise_without_verification_replays_wrong_results(be: hal.Backend) -> None:
+    """What the check prevents: the same loop with verify=False replays garbage, silently."""
+    engine = engine_decode.Engine(be, "tiny", max_batch=MAX_BATCH, max_model_len=32, pieces=2)
+    with graphkit.graph_memory(be, verify=False) as pools:
+        engine.capture_graphs([8])
+    batch = prompts(8, engine.cfg.vocab)
+    got, want = engine.generate(batch, 2), engine.generate(batch, 2, use_graphs=False)
+    assert max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits, strict=True)) > 1e-2
+    teardown(be, engine, pools)
+
+
+@pytest.mark.parametrize("use_torch_api", [False, True], ids=["hal-capture", "torch.cuda.graph"])
+@pytest.mark.parametrize("backend_name", [pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)])
+def test_piecewise_pair_on_cuda(backend_name: str, use_torch_api: bool) -> None:
+    with backend(backend_name) as be:
+        piecewise_pair(be, use_torch_api=use_torch_api)
+
+
 def test_an_interrupted_bench_keeps_the_cases_it_measured(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from graphkit.bench import engines
 
@@ -203,3 +250,97 @@ def test_an_interrupted_bench_keeps_the_cases_it_measured(monkeypatch: pytest.Mo
                                  command="test", progress=False)
     saved = json.loads((tmp_path / "bench-engine.json").read_text())
     assert saved["partial"] is True and saved["results"] == [{"strategy": "own-kept", "order": "descending"}]
+
+
+# -- a KV cache sized after capture -----------------------------------------------------------------------------
+
+#: a small fake device, so that "the memory left" is a few hundred blocks of the tiny model
+KV_DEVICE = {"granularity": 1 << 14, "capacity": 8 << 20}
+
+
+def test_an_elastic_kv_cache_grows_after_capture_to_the_memory_left_and_graphs_replay_over_it() -> None:
+    with hal.get_backend("fake", **KV_DEVICE) as be:
+        engine = engine_decode.Engine(be, "tiny", max_batch=MAX_BATCH, max_model_len=32, kv="elastic")
+        g, ranges = be.granularity, 2 * engine.cfg.layers
+        assert engine.num_blocks == g // engine.kv_block_bytes  # one granule per range: the scratch block's
+        assert engine.kv_max_blocks == (8 << 20) // (ranges * engine.kv_block_bytes)  # the whole device, at most
+        with pytest.raises(hal.InvalidArgumentError, match="grow it first"):
+            engine.block_tables_for(MAX_BATCH, 32)
+        addresses = [t.data_ptr() for t in (*engine.k_cache, *engine.v_cache)]
+        with graphkit.graph_memory(be) as pools:
+            engine.capture_graphs(SIZES)
+        assert pools.report().chunk_bytes > 0
+        before, free = engine.num_blocks, be.mem_info().free
+        margin = 1 << 20
+        blocks = engine.grow_kv(margin)
+        granules = 1 + (free - margin) // (ranges * g)  # exact: what capture left, in whole granules per range
+        assert blocks == engine.num_blocks == granules * g // engine.kv_block_bytes > 4 * before
+        assert engine.kv_bytes == ranges * blocks * engine.kv_block_bytes
+        left = be.mem_info().free
+        assert margin <= left < margin + ranges * g  # the margin kept, less than a granule per range more
+        assert [t.data_ptr() for t in (*engine.k_cache, *engine.v_cache)] == addresses  # the graphs' addresses
+        tables = engine.block_tables_for(8, 4 + 4)  # what generate() gives 8 sequences of up to 4 + 4 tokens
+        assert int(tables.max()) >= before  # the replays read and write blocks mapped after capture
+        assert_matches_eager(engine, 8)
+        assert_matches_eager(engine, 3)
+        engine.close()
+        engine.close()  # idempotent
+        pools.close()
+        assert be.live.zero, be.live
+
+
+def test_the_elastic_kv_cache_refuses_what_it_cannot_do(be: hal.Backend) -> None:
+    static = engine_decode.Engine(be, "tiny", max_batch=2, max_model_len=16)
+    with pytest.raises(hal.InvalidStateError, match="kv='elastic'"):
+        static.grow_kv()
+    with pytest.raises(hal.InvalidArgumentError, match="kv="):
+        engine_decode.Engine(be, "tiny", kv="paged")
+    with pytest.raises(hal.InvalidArgumentError, match="kv_max_blocks"):
+        engine_decode.Engine(be, "tiny", kv="elastic", kv_max_blocks=1)
+    engine = engine_decode.Engine(be, "tiny", max_batch=2, max_model_len=16, kv="elastic", kv_max_blocks=64)
+    with pytest.raises(hal.InvalidArgumentError, match="blocks=65"):
+        engine.resize_kv(65)
+    assert engine.resize_kv(64) == 64 and engine.kv_blocks_for(1 << 40) == 64  # never past the reservation
+    engine.close()
+    assert be.live.zero, be.live
+
+
+def test_the_kv_sizing_bench_reports_both_approaches_and_an_estimate_that_runs_out(tmp_path: Path) -> None:
+    """After capture: the memory left less the margin, no OOM. Before, from an estimate: less KV when the
+    estimate is high; out of memory at capture when it misses the graphs and the margin cannot take them."""
+    from graphkit.bench import kv_sizing
+
+    rc = kv_sizing.run_kv_sizing_bench("fake", 0, "tiny", [1, 2, 4, 8], 1, 1 << 20, 2 << 20, 0, False, tmp_path,
+                                       "test")
+    out = json.loads((tmp_path / "bench-kv-sizing.json").read_text())
+    assert rc == 0 and out["case_order"] == "alternated"
+    est, after = (next(r for r in out["results"] if r["approach"] == a) for a in ("estimate", "after-capture"))
+    assert est["estimate_bytes"] == 2 << 20 and est["estimate_source"] == "given"
+    assert est["oom"] is None and after["oom"] is None and est["tokens_equal"] and after["tokens_equal"]
+    assert after["graph_memory_bytes"] > 0 and after["kv_bytes"] > est["kv_bytes"] > 0
+    assert after["headroom_kept"] and 1 << 20 <= after["free_after_bytes"] < (1 << 20) + 4 * (1 << 14)
+    assert out["targets"][0]["met"] is True
+
+    with hal.get_backend("fake", **kv_sizing.FAKE_OPTIONS) as be:
+        starved = kv_sizing.run_kv_case("estimate", be, "tiny", [1, 2, 4, 8], margin=1 << 14)
+        assert starved["estimate_source"] == "profile" and starved["estimate_bytes"] == 0  # activations on the host
+        assert starved["oom"] is not None and "DeviceOutOfMemoryError" in starved["oom"]
+        assert starved["tokens_equal"] is None and not starved["headroom_kept"]
+        sized = kv_sizing.run_kv_case("after-capture", be, "tiny", [1, 2, 4, 8], margin=1 << 14)
+        assert sized["oom"] is None and sized["tokens_equal"] and sized["headroom_kept"]
+        assert be.live.zero, be.live
+
+
+@pytest.mark.cuda
+def test_an_elastic_kv_cache_grown_after_capture_on_cuda() -> None:
+    with hal.get_backend("cuda") as be:
+        engine = engine_decode.Engine(be, "tiny", max_batch=MAX_BATCH, max_model_len=32, kv="elastic",
+                                      kv_max_blocks=8192)
+        with graphkit.graph_memory(be) as pools:
+            engine.capture_graphs(SIZES)
+        before = engine.num_blocks
+        assert engine.grow_kv(256 << 20) == 8192 > before  # the reservation caps it: an H100 has more left
+        assert be.mem_info().free >= 256 << 20
+        assert_matches_eager(engine, 8)
+        engine.close()
+        pools.close()

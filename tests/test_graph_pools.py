@@ -148,7 +148,8 @@ def test_a_group_keeps_the_pieces_of_one_batch_in_one_space(be: hal.Backend) -> 
 
 
 def test_without_a_group_the_pieces_would_alias(be: hal.Backend) -> None:
-    """Why groups exist: the same pieces in separate spaces over shared chunks overwrite each other."""
+    """Why groups exist: the same pieces in separate spaces over shared chunks overwrite each other
+    (what verification, switched off here, refuses at capture)."""
     step = make_step()
     w = torch.randn(256, 256) / 16
 
@@ -156,7 +157,7 @@ def test_without_a_group_the_pieces_would_alias(be: hal.Backend) -> None:
         return torch.tanh(t @ w) + t
 
     wrong = 0
-    with graphkit.graph_memory(be) as pools:
+    with graphkit.graph_memory(be, verify=False) as pools:
         x = torch.zeros(16, 256)
         g0, mid = capture(be, step, x)
         g1, out = capture(be, residual, mid)

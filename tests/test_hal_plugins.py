@@ -190,3 +190,65 @@ def test_without_env_the_first_available_by_priority_is_chosen(monkeypatch: pyte
     infos = hal.list_backends()
     assert [i.priority for i in infos] == sorted(i.priority for i in infos)
     assert select_backend_name() == next(i.name for i in infos if i.available)
+
+
+def _action_results(be: hal.Backend) -> dict[str, object]:
+    """What the plugin's own action hooks return over one reserve-map-unmap-release cycle."""
+    plugin, gran = be.plugin, be.granularity
+    ptr, handle = plugin.create_vir_ptr(size=gran), plugin.create_phy_mem_handle(size=gran)
+    return {"map": plugin.map(ptr=ptr, size=gran, handle=handle), "unmap": plugin.unmap(ptr=ptr, size=gran),
+            "release_phy_mem_handle": plugin.release_phy_mem_handle(handle=handle),
+            "release_vir_ptr": plugin.release_vir_ptr(ptr=ptr, size=gran), "shutdown": plugin.shutdown()}
+
+
+@pytest.mark.parametrize("name", ["fake", "ascend", "mlu"])
+def test_action_hooks_return_none_as_the_contract_says(name: str) -> None:
+    if name == "fake":
+        be = hal.get_backend("fake")
+    else:
+        from tests.sim import compiler_reason, simulated_backend
+
+        if compiler_reason() is not None:
+            pytest.skip(str(compiler_reason()))
+        be = simulated_backend(name)
+    try:
+        assert _action_results(be) == dict.fromkeys(
+            ("map", "unmap", "release_phy_mem_handle", "release_vir_ptr", "shutdown"))
+    finally:
+        be.close()
+
+
+def test_the_torch_hooks_actions_return_none() -> None:
+    from hal.backends._native.hooks import TorchHooks
+
+    class Glue:
+        def __getattr__(self, name: str) -> object:
+            return lambda *args: "done"
+
+    class Plugin(TorchHooks):
+        backend_name, torch_extension, glue = "stubbed", "torch_stub", Glue()
+
+    plugin = Plugin()
+    assert [plugin.synchronize(None), plugin.release_pool("pool"), plugin.replay("graph"),
+            plugin.release_graph("graph")] == [None] * 4
+
+
+def test_the_former_name_of_a_mapped_range_still_works_with_a_warning() -> None:
+    import hal.types
+
+    with pytest.warns(DeprecationWarning, match="MappedRange"):
+        assert hal.types.Mapping is hal.types.MappedRange
+
+
+@pytest.mark.parametrize("vendor, oom, invalid, native", [("ascend", 207018, 107000, "aclrtMallocPhysical"),
+                                                          ("mlu", 100053, 100006, "cnMemCreate")])
+def test_native_failures_are_typed_driver_errors_with_their_code(vendor: str, oom: int, invalid: int,
+                                                                  native: str) -> None:
+    import importlib
+
+    lib = importlib.import_module(f"hal.backends.{vendor}.lib")
+    out_of_memory, refused = lib.error_for(oom, "create_phy_mem_handle", native), lib.error_for(invalid, "map", native)
+    assert isinstance(out_of_memory, hal.DriverError) and isinstance(out_of_memory, hal.DeviceOutOfMemoryError)
+    assert isinstance(refused, hal.DriverError) and isinstance(refused, hal.InvalidArgumentError)
+    for err, code in ((out_of_memory, oom), (refused, invalid)):
+        assert (err.backend, err.code, err.native_call) == (vendor, code, native) and str(code) in str(err)

@@ -10,7 +10,7 @@ import pytest
 
 import hal
 from hal.backends.mlu import MluBackend, locate
-from tests.sim import built, compiler_reason, home, sim_env
+from tests.sim import Simulator, built, compiler_reason, home, private_copy, sim_env
 
 needs_gcc = pytest.mark.skipif(compiler_reason() is not None, reason=str(compiler_reason()))
 needs_no_torch_mlu = pytest.mark.skipif(locate.extension_installed(), reason="torch_mlu is installed here")
@@ -85,3 +85,22 @@ def test_python_m_hal_lists_mlu_over_the_simulator_and_says_why_ascend_is_not() 
     assert "capabilities: -" in lines[mlu + 1]
     assert any("reason: libascendcl.so not found" in line and "torch_npu is not installed" in line
                for line in lines)
+
+
+@needs_gcc
+def test_the_probe_asks_a_child_and_leaves_this_process_without_cninit(clean_env: pytest.MonkeyPatch) -> None:
+    path = str(private_copy("mlu"))  # a library no other test has loaded in this process
+    clean_env.setenv(locate.ENV_LIBRARY, path)
+    assert MluBackend.probe() is None
+    assert locate.count_devices(path) == ("cnDeviceGetCount", 0, 1)
+    assert Simulator(locate.open_library().cdll, "mlu").count("init") == 0  # free to fork
+
+
+@needs_gcc
+def test_a_probe_whose_child_fails_says_why(clean_env: pytest.MonkeyPatch, tmp_path) -> None:
+    clean_env.setenv(locate.ENV_LIBRARY, str(built("mlu")))
+    clean_env.setenv("CNDRV_SIM_DEVICES", "0")
+    assert MluBackend.probe() == f"{built('mlu')} sees no MLU (cnDeviceGetCount returned 0)"
+    clean_env.setattr(locate.sys, "executable", str(tmp_path / "no-python"))
+    reason = MluBackend.probe()
+    assert reason is not None and reason.startswith(f"{built('mlu')} cannot be probed: the probe's child process")

@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import shutil
 import subprocess
+import threading
 
 import pytest
 
@@ -68,6 +69,7 @@ def test_the_simulator_exports_the_cndrv_symbols_the_backend_binds_and_nothing_e
                          check=True).stdout
     exported = {line.split()[-1] for line in out.splitlines() if line.strip()}
     assert exported == {*lib.PROTOTYPES, "cndrv_sim_configure", "cndrv_sim_count", "cndrv_sim_last_error"}
+    assert {"cnCtxGetCurrent", "cnCtxCreate", "cnCtxSetCurrent", "cnDeviceGet"} <= exported
 
 
 def test_queries_come_from_the_driver(be: hal.Backend) -> None:
@@ -124,7 +126,7 @@ def test_cninit_runs_once_per_library(be: hal.Backend) -> None:
     assert simulator(be).count("init") == 1
 
 
-def test_calls_before_cninit_are_refused() -> None:
+def test_memory_calls_need_cninit_then_a_current_context() -> None:
     fresh = lib.CndrvLibrary(str(private_copy("mlu")))
     free, total = ctypes.c_uint64(), ctypes.c_uint64()
     with pytest.raises(hal.DriverError) as info:
@@ -132,7 +134,109 @@ def test_calls_before_cninit_are_refused() -> None:
     assert (info.value.code, info.value.code_name) == (100002, "CN_ERROR_NOT_INITIALIZED")
     assert not isinstance(info.value, hal.InvalidArgumentError)
     fresh.init_once()
+    with pytest.raises(hal.DriverError) as info:
+        fresh.call("mem_info", "cnMemGetInfo", ctypes.byref(free), ctypes.byref(total))
+    assert (info.value.code, info.value.code_name) == (100201, "CN_CONTEXT_ERROR_INVALID")
+    assert fresh.current_context("t") == 0
+    fresh.call("t", "cnCtxSetCurrent", fresh.own_context(0, "t"))
     fresh.call("mem_info", "cnMemGetInfo", ctypes.byref(free), ctypes.byref(total))
+    assert fresh.own_context(0, "t") == fresh.current_context("t") != 0  # made once per device
+
+
+def test_vmm_only_mode_binds_a_context_of_its_own_on_every_thread(be: hal.Backend) -> None:
+    sim, seen = simulator(be), {}
+    assert be.plugin.made_context and sim.count("contexts") == 1
+    assert be.plugin.library.current_context("t") == be.plugin.library.own_context(0, "t")
+
+    def work() -> None:  # a thread with no context: its calls would fail with CN_CONTEXT_ERROR_INVALID
+        handle = be.create_phy_mem_handle(G)
+        be.release_phy_mem_handle(handle)
+        seen["context"] = be.plugin.library.current_context("t")
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    assert seen["context"] == be.plugin.library.own_context(0, "t") and sim.count("contexts") == 1
+
+
+def test_a_context_already_current_is_kept(be: hal.Backend) -> None:
+    cndrv, seen = be.plugin.library, {}
+
+    def work() -> None:
+        dev, mine = ctypes.c_uint64(), ctypes.c_void_p()
+        cndrv.call("t", "cnDeviceGet", ctypes.byref(dev), 0)
+        cndrv.call("t", "cnCtxCreate", ctypes.byref(mine), 0, dev.value)  # binds it, as torch_mlu would
+        be.mem_info()
+        seen["kept"] = cndrv.current_context("t") == mine.value
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    assert seen == {"kept": True} and simulator(be).count("contexts") == 2
+
+
+def test_releasing_a_mapped_handle_succeeds_and_frees_with_the_last_unmap(be: hal.Backend) -> None:
+    cndrv, sim = be.plugin.library, simulator(be)
+    va, h = be.create_vir_ptr(4 * G), ctypes.c_uint64()
+    cndrv.call("t", "cnMemCreate", ctypes.byref(h), 2 * G, ctypes.byref(be.plugin._prop), 0)
+    h = h.value
+    cndrv.call("map", "cnMemMap", va, 2 * G, 0, h, 0)
+    cndrv.call("map", "cnMemSetAccess", va, 2 * G, ctypes.byref(lib.access_desc(0)), 1)
+    cndrv.call("release_phy_mem_handle", "cnMemRelease", h)
+    assert sim.count("chunks") == 0 and sim.count("used") == 2 * G  # released, still backing the mapping
+    ctypes.memmove(va, b"still here", 10)
+    assert ctypes.string_at(va, 10) == b"still here"
+    with pytest.raises(hal.InvalidArgumentError):
+        cndrv.call("map", "cnMemMap", va + 2 * G, 2 * G, 0, h, 0)  # the handle itself is gone
+    cndrv.call("unmap", "cnMemUnmap", va, 2 * G)
+    assert sim.count("used") == 0
+    be.release_vir_ptr(va, 4 * G)
+
+
+@pytest.mark.parametrize("field, value, ok", [
+    ("cacheType", 1, True), ("cacheType", 3, True), ("pinnedType", 1, True),
+    ("cacheType", 4, False), ("pinnedType", 2, False)])
+def test_set_access_takes_every_documented_cache_and_pinned_type(be: hal.Backend, raw, field: str, value: int,
+                                                                 ok: bool) -> None:
+    cndrv, va, h = raw
+    cndrv.call("map", "cnMemMap", va, 2 * G, 0, h, 0)
+    desc = lib.access_desc(0)
+    setattr(desc, field, value)
+    if ok:
+        cndrv.call("map", "cnMemSetAccess", va, 2 * G, ctypes.byref(desc), 1)
+        assert protection(va).startswith("rw")
+    else:
+        with pytest.raises(hal.InvalidArgumentError):
+            cndrv.call("map", "cnMemSetAccess", va, 2 * G, ctypes.byref(desc), 1)
+        assert field in simulator(be).last_error()
+
+
+def test_set_access_takes_one_descriptor_for_the_creating_device() -> None:
+    with simulated_backend("mlu", capacity=8 * G, granularity=G, devices=2) as be:
+        cndrv = be.plugin.library
+        va, h = be.create_vir_ptr(G), be.create_phy_mem_handle(G)  # created on device 0
+        cndrv.call("map", "cnMemMap", va, G, 0, h, 0)
+        two = (lib.CNmemAccessDesc * 2)(lib.access_desc(0), lib.access_desc(0))
+        with pytest.raises(hal.InvalidArgumentError):
+            cndrv.call("map", "cnMemSetAccess", va, G, two, 2)
+        assert "count=2" in simulator(be).last_error()
+        with pytest.raises(hal.InvalidArgumentError):
+            cndrv.call("map", "cnMemSetAccess", va, G, ctypes.byref(lib.access_desc(1)), 1)
+        assert "created on device 0" in simulator(be).last_error()
+        cndrv.call("unmap", "cnMemUnmap", va, G)
+        be.map(va, G, h)  # the backend's own descriptor names the creating device
+        be.unmap(va, G)
+
+
+def test_an_address_that_is_not_reserved_is_an_invalid_address(be: hal.Backend) -> None:
+    with pytest.raises(hal.InvalidArgumentError) as info:
+        be.plugin.library.call("release_vir_ptr", "cnMemAddressFree", 0x1000, G)
+    assert (info.value.code, info.value.code_name) == (100102, "CN_MEMORY_ERROR_INVALID_ADDRESS")
+
+
+def test_out_of_resources_is_out_of_memory() -> None:
+    err = lib.error_for(100053, "create_phy_mem_handle", "cnMemCreate")
+    assert isinstance(err, hal.DeviceOutOfMemoryError) and "CN_OPS_ERROR_OUT_OF_RESOURCES" in str(err)
 
 
 # -- a wrong binding is caught by the simulator and mapped onto hal's errors -------------------
@@ -204,7 +308,9 @@ def test_maps_must_be_whole_handles_at_offset_zero(be: hal.Backend, raw, args, w
     cndrv, va, h = raw
     with pytest.raises(hal.InvalidArgumentError) as info:
         cndrv.call("map", "cnMemMap", *args(va, h))
-    assert info.value.code == INVALID and why in simulator(be).last_error()
+    invalid_address = 100102  # CN_MEMORY_ERROR_INVALID_ADDRESS: nothing is reserved there
+    assert info.value.code == (invalid_address if why == "reservation" else INVALID)
+    assert why in simulator(be).last_error()
 
 
 def test_unmaps_take_whole_mappings_only(be: hal.Backend, raw) -> None:
@@ -214,8 +320,6 @@ def test_unmaps_take_whole_mappings_only(be: hal.Backend, raw) -> None:
         with pytest.raises(hal.InvalidArgumentError):
             cndrv.call("unmap", "cnMemUnmap", ptr, size)
         assert "whole mappings" in simulator(be).last_error()
-    with pytest.raises(hal.InvalidArgumentError):
-        cndrv.call("release_phy_mem_handle", "cnMemRelease", h)
     with pytest.raises(hal.InvalidArgumentError):
         cndrv.call("release_vir_ptr", "cnMemAddressFree", va, 4 * G)
     cndrv.call("unmap", "cnMemUnmap", va, 2 * G)

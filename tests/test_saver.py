@@ -250,12 +250,14 @@ def test_graph_memory_and_elastic_buffers_sleep_on_the_vendor_simulators(name: s
 
     from hal.backends._native.torch_glue import TorchGlue
     from tests.sim import compiler_reason, simulated_backend, simulator
-    from tests.sim.torch_stub import extension_stub
+    from tests.sim.torch_stub import generation
 
     if compiler_reason() is not None:
         pytest.skip(str(compiler_reason()))
     extension = {"ascend": "torch_npu", "mlu": "torch_mlu"}[name]
-    monkeypatch.setitem(sys.modules, extension, extension_stub(extension))
+    # generations without pools the framework allocates from (torch_npu up to 2.12, torch_mlu without MemPool)
+    old = generation({"ascend": "torch_npu 2.12.0", "mlu": "torch_mlu 1.24"}[name])
+    monkeypatch.setitem(sys.modules, extension, old)
     monkeypatch.setattr(TorchGlue, "torch_device", lambda self: torch.device("meta"))  # plain torch has no npu/mlu
     with simulated_backend(name, capacity=64 * G, granularity=G, use_torch=True) as be:
         saver = graphkit.MemorySaver(be)

@@ -6,9 +6,9 @@ same decoder (Llama/Qwen3-shaped, random weights from a seed) runs the
 same requests with three ways of holding the cache:
 
 * ``elastic``: :class:`graphkit.ElasticBuffer` ranges (one per layer's K
-  and V, vAttention style, carved from one :class:`graphkit.ElasticPool`;
-  or one range for the whole cache, block-major) resized to the blocks in
-  use. The attention reads the cache through a block table over
+  and V, vAttention style, carved from one :class:`graphkit.ElasticPool`,
+  so each layer's K and V stay contiguous) resized to the blocks in use.
+  The attention reads the cache through a block table over
   ``view(..., whole_range=True)``: the address never moves and growth maps
   granules at the end of the range, copying nothing.
 * ``prealloc``: the cache allocated at its maximum up front, as engines do.
@@ -21,8 +21,13 @@ use at every step, the median step time, bytes copied on growth, and how
 often the cache's address moved. The decoded tokens and logits must be
 equal (bit-exact) across strategies.
 
+The strategies alternate: ``alternations`` rounds, each running every
+strategy once in an order rotated from round to round (whichever runs first
+in a process pays costs that are not its own); the step time is the median
+of the rounds' medians with their range.
+
     python examples/elastic-kv/elastic_kv.py --backend fake --steps 64
-    python examples/elastic-kv/elastic_kv.py --backend cuda --config reference
+    python examples/elastic-kv/elastic_kv.py --backend cuda --config reference --alternations 5
 """
 
 from __future__ import annotations
@@ -43,13 +48,14 @@ import torch.nn.functional as F
 import graphkit
 import hal
 from graphkit.bench.elastic import CopyCounter, device_empty
+from graphkit.bench.fair import fmt_spread, rotated, spread
 from graphkit.capture import release_cached_memory
 from hal.registry import select_backend_name
 from hal.types import fmt_bytes, round_up
 
 STRATEGIES = ("elastic", "prealloc", "regrow")
-LAYOUTS = ("per-layer", "whole")
 FAKE_GRANULARITY = 16 << 10  # small granules on fake, so a tiny cache spans several
+STEP_TOLERANCE = 0.02  # the elastic cache's decode step within this share of the preallocated cache's
 KEEP_LOGITS_LIMIT = 64 << 20  # keep every step's logits on the host up to this many bytes, else digests only
 
 
@@ -262,33 +268,21 @@ class KVCache:
 
 
 class ElasticCache(KVCache):
-    """Elastic ranges resized to the blocks in use: ``per-layer`` (2 x layers ranges) or ``whole`` (one)."""
+    """One elastic range per layer's K and per layer's V (``2 x layers``), carved from one pool and resized to
+    the blocks in use: every layer's K and V stays contiguous, as in a preallocated cache."""
 
     name = "elastic"
 
-    def __init__(self, be: hal.Backend, cfg: ModelConfig, wl: Workload, meter: Meter,
-                 layout: str = "per-layer") -> None:
+    def __init__(self, be: hal.Backend, cfg: ModelConfig, wl: Workload, meter: Meter) -> None:
         super().__init__(be, cfg, wl, meter)
-        if layout not in LAYOUTS:
-            raise hal.InvalidArgumentError(f"layout={layout!r} must be one of {', '.join(LAYOUTS)}",
-                                           call="ElasticCache")
-        self.layout, g, L = layout, be.granularity, cfg.layers
-        if layout == "per-layer":
-            range_bytes = self.max_blocks * self.block_bytes
-            self.pool = graphkit.ElasticPool(be, reserve_bytes=2 * L * round_up(range_bytes, g))
-            self.buffers = [self.pool.buffer(range_bytes) for _ in range(2 * L)]
-            views = [b.view(cfg.torch_dtype, (self.max_blocks, *self.block_shape), whole_range=True)
-                     for b in self.buffers]
-            self.k, self.v = views[:L], views[L:]
-            self.row_bytes = self.block_bytes
-        else:  # block-major: block b of every layer's K and V side by side, so one range grows by blocks
-            self.row_bytes = 2 * L * self.block_bytes
-            self.pool = graphkit.ElasticPool(be, reserve_bytes=round_up(self.max_blocks * self.row_bytes, g))
-            self.buffers = [self.pool.buffer(self.max_blocks * self.row_bytes)]
-            whole = self.buffers[0].view(cfg.torch_dtype, (self.max_blocks, L, 2, *self.block_shape),
-                                         whole_range=True)
-            self.k = [whole[:, i, 0] for i in range(L)]
-            self.v = [whole[:, i, 1] for i in range(L)]
+        g, L = be.granularity, cfg.layers
+        range_bytes = self.max_blocks * self.block_bytes
+        self.pool = graphkit.ElasticPool(be, reserve_bytes=2 * L * round_up(range_bytes, g))
+        self.buffers = [self.pool.buffer(range_bytes) for _ in range(2 * L)]
+        views = [b.view(cfg.torch_dtype, (self.max_blocks, *self.block_shape), whole_range=True)
+                 for b in self.buffers]
+        self.k, self.v = views[:L], views[L:]
+        self.row_bytes = self.block_bytes
 
     @property
     def ranges(self) -> int:  # type: ignore[override]
@@ -362,10 +356,9 @@ class RegrowCache(KVCache):
         self.capacity = new_cap
 
 
-def make_cache(name: str, be: hal.Backend, cfg: ModelConfig, wl: Workload, meter: Meter,
-               layout: str = "per-layer") -> KVCache:
+def make_cache(name: str, be: hal.Backend, cfg: ModelConfig, wl: Workload, meter: Meter) -> KVCache:
     if name == "elastic":
-        return ElasticCache(be, cfg, wl, meter, layout)
+        return ElasticCache(be, cfg, wl, meter)
     if name == "prealloc":
         return PreallocCache(be, cfg, wl, meter)
     if name == "regrow":
@@ -397,8 +390,7 @@ def _digest(logits: torch.Tensor, coef: list[torch.Tensor]) -> int:
     return int(bits.mul_(coef[0][:bits.numel()]).sum())
 
 
-def decode(be: hal.Backend, model: Model, wl: Workload, strategy: str, layout: str = "per-layer",
-           keep_logits: bool = True) -> dict[str, Any]:
+def decode(be: hal.Backend, model: Model, wl: Workload, strategy: str, keep_logits: bool = True) -> dict[str, Any]:
     """Run the workload with one cache strategy; return its figures, tokens and logits."""
     if wl.steps > wl.max_model_len:
         raise hal.InvalidArgumentError(f"steps={wl.steps} exceed max_model_len={wl.max_model_len}: the first "
@@ -406,7 +398,7 @@ def decode(be: hal.Backend, model: Model, wl: Workload, strategy: str, layout: s
     release_cached_memory(be)
     coef = [torch.arange(1, wl.max_batch * model.cfg.vocab + 1, device=model.device, dtype=torch.int64)]
     meter = Meter(be)
-    cache = make_cache(strategy, be, model.cfg, wl, meter, layout)
+    cache = make_cache(strategy, be, model.cfg, wl, meter)
     dev, bs = model.device, wl.block_size
     seqs: list[Request] = []
     next_block = 1  # block 0: the scratch block
@@ -448,8 +440,8 @@ def decode(be: hal.Backend, model: Model, wl: Workload, strategy: str, layout: s
                     s.tokens.append(token)
             trace.append({"step": t, "sequences": len(seqs), "blocks": cache.blocks, "used": cache.used_bytes,
                           "physical": cache.physical_bytes, "device": meter.sample()})
-        out = {"strategy": strategy, "layout": layout if strategy == "elastic" else None,
-               "ranges": cache.ranges, "granularity": be.granularity, "block_bytes": cache.block_bytes,
+        out = {"strategy": strategy, "ranges": cache.ranges, "granularity": be.granularity,
+               "block_bytes": cache.block_bytes,
                "max_blocks": wl.max_blocks, "peak_device_bytes": meter.peak, "peak_held_bytes": meter.peak_held,
                "peak_physical_bytes": max(r["physical"] for r in trace),
                "final_used_bytes": trace[-1]["used"], "final_physical_bytes": trace[-1]["physical"],
@@ -484,23 +476,38 @@ def warm_up(model: Model, wl: Workload) -> None:
 
 
 def run(be: hal.Backend, config: str = "tiny", workload: Workload | None = None,
-        strategies: Sequence[str] = STRATEGIES, layout: str = "per-layer", seed: int = 0) -> dict[str, Any]:
-    """Every strategy on the same model and requests; their figures and the cross-strategy checks."""
+        strategies: Sequence[str] = STRATEGIES, seed: int = 0, alternations: int = 1) -> dict[str, Any]:
+    """Every strategy on the same model and requests, ``alternations`` times in a rotated order; the figures of
+    the first round, the step time over every round, and the cross-strategy checks."""
+    if not isinstance(alternations, int) or alternations < 1:
+        raise hal.InvalidArgumentError(f"alternations={alternations!r} must be an int >= 1", backend=be.name,
+                                       call="run")
     cfg, default_wl = CONFIGS[config]
     wl = workload or default_wl
     model = Model(be, cfg, wl.max_model_len, seed)
     warm_up(model, wl)
     keep = wl.steps * wl.max_batch * cfg.vocab * 4 * len(strategies) <= KEEP_LOGITS_LIMIT
-    results = {name: decode(be, model, wl, name, layout, keep_logits=keep) for name in strategies}
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in strategies}
+    for a in range(alternations):
+        for name in rotated(list(strategies), a):
+            rounds[name].append(decode(be, model, wl, name, keep_logits=keep and a == 0))
+            if a:  # only the first round keeps its trace and tokens: later ones need their times and digests
+                rounds[name][-1] = {k: rounds[name][-1][k] for k in ("step_ms_median", "step_ms_max", "digests")}
+    results = {}
+    for name, runs in rounds.items():
+        medians = [r["step_ms_median"] for r in runs]
+        results[name] = {**runs[0], "step_ms_median": spread(medians)["median"], "step_ms": spread(medians),
+                         "step_ms_runs": medians, "digests_stable": all(r["digests"] == runs[0]["digests"]
+                                                                        for r in runs)}
     first = results[strategies[0]]
     tokens_equal = all(r["tokens"] == first["tokens"] for r in results.values())
-    digests_equal = all(r["digests"] == first["digests"] for r in results.values())
+    digests_equal = all(r["digests"] == first["digests"] and r["digests_stable"] for r in results.values())
     logits_equal = digests_equal and (not keep or all(
         len(r["logits"]) == len(first["logits"])
         and all(torch.equal(a, b) for a, b in zip(r["logits"], first["logits"], strict=True))
         for r in results.values()))
     checks: dict[str, Any] = {"tokens_equal": tokens_equal, "logits_equal": logits_equal,
-                              "logits_compared": "bit-exact" if keep else "digests"}
+                              "logits_compared": "bit-exact" if keep else "digests", "alternations": alternations}
     el = results.get("elastic")
     if el is not None:
         slack = el["ranges"] * el["granularity"]
@@ -508,8 +515,10 @@ def run(be: hal.Backend, config: str = "tiny", workload: Workload | None = None,
         checks["elastic_slack_limit_bytes"] = slack
         checks["elastic_copied_bytes"] = el["copied_bytes"]
         checks["elastic_moves"] = el["moves"]
+        if "prealloc" in results:  # the median step against the preallocated cache's, both over every round
+            checks["elastic_step_ratio"] = el["step_ms_median"] / results["prealloc"]["step_ms_median"]
     return {"backend": be.name, "config": config, "model": asdict(cfg), "workload": {**asdict(wl),
-            "max_blocks": wl.max_blocks}, "layout": layout, "results": results, "checks": checks}
+            "max_blocks": wl.max_blocks}, "alternations": alternations, "results": results, "checks": checks}
 
 
 # -- command line ------------------------------------------------------------------------------------
@@ -519,15 +528,16 @@ def print_report(out: dict[str, Any]) -> None:
     wl, checks = out["workload"], out["checks"]
     print(f"backend {out['backend']}, config {out['config']}, {wl['steps']} steps, up to {wl['max_batch']} "
           f"sequences (one every {wl['arrive_every']} steps), block size {wl['block_size']}, "
-          f"cache of at most {wl['max_blocks']} blocks; elastic layout {out['layout']}")
+          f"cache of at most {wl['max_blocks']} blocks; {out['alternations']} alternation(s) of the strategies, "
+          "step ms as the median of their medians (min-max)")
     print(f"{'strategy':<10}{'peak device':>13}{'peak held':>12}{'peak phys':>12}{'final phys':>12}{'final used':>12}"
-          f"{'max slack':>11}{'copied':>11}{'moves':>7}{'step ms':>9}{'max ms':>8}{'grow ms':>9}")
+          f"{'max slack':>11}{'copied':>11}{'moves':>7}{'step ms':>26}{'max ms':>8}{'grow ms':>9}")
     for r in out["results"].values():
         print(f"{r['strategy']:<10}{fmt_bytes(r['peak_device_bytes']):>13}{fmt_bytes(r['peak_held_bytes']):>12}"
               f"{fmt_bytes(r['peak_physical_bytes']):>12}"
               f"{fmt_bytes(r['final_physical_bytes']):>12}{fmt_bytes(r['final_used_bytes']):>12}"
               f"{fmt_bytes(r['max_slack_bytes']):>11}{fmt_bytes(r['copied_bytes']):>11}{r['moves']:>7}"
-              f"{r['step_ms_median']:>9.3f}{r['step_ms_max']:>8.2f}{r['grow_ms_total']:>9.1f}")
+              f"{fmt_spread(r['step_ms']):>26}{r['step_ms_max']:>8.2f}{r['grow_ms_total']:>9.1f}")
     print(f"tokens equal across strategies: {'yes' if checks['tokens_equal'] else 'NO'}; logits equal "
           f"({checks['logits_compared']}): {'yes' if checks['logits_equal'] else 'NO'}")
     if "elastic_within_granule" in checks:
@@ -535,6 +545,11 @@ def print_report(out: dict[str, Any]) -> None:
         print(f"elastic: physical <= used + {el['ranges']} x {fmt_bytes(el['granularity'])} at every step: "
               f"{'met' if checks['elastic_within_granule'] else 'MISS'}; bytes copied on growth: "
               f"{checks['elastic_copied_bytes']}; address moves: {checks['elastic_moves']}")
+    if "elastic_step_ratio" in checks:
+        ratio = checks["elastic_step_ratio"]
+        met = "met" if ratio <= 1 + STEP_TOLERANCE else "MISS"
+        print(f"elastic step / preallocated step (medians over {out['alternations']} alternation(s)): {ratio:.4f} "
+              f"({(ratio - 1) * 100:+.2f}%; within {STEP_TOLERANCE:.0%}: {met})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -549,8 +564,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--arrive-every", type=int, default=None, help="steps between two arrivals")
     parser.add_argument("--strategies", default=",".join(STRATEGIES),
                         help="comma-separated, of " + ", ".join(STRATEGIES))
-    parser.add_argument("--layout", choices=LAYOUTS, default="per-layer",
-                        help="elastic ranges: one per layer's K and V, or one for the whole cache (block-major)")
+    parser.add_argument("--alternations", type=int, default=None,
+                        help="rounds of every strategy in a rotated order (default: 5 for the reference config, 1 "
+                             "otherwise); the step time is the median of the rounds' medians")
     parser.add_argument("--granularity", type=int, default=FAKE_GRANULARITY, help="fake backend: bytes per granule")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures (traces included) here")
     args = parser.parse_args(argv)
@@ -569,7 +585,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         wl = replace(wl, **overrides)
         if wl.steps > wl.max_model_len:
             parser.error(f"--steps {wl.steps} exceed --max-model-len {wl.max_model_len}")
-        out = run(be, config, wl, strategies, args.layout)
+        alternations = args.alternations if args.alternations is not None else 5 if config == "reference" else 1
+        if alternations < 1:
+            parser.error("--alternations must be >= 1")
+        out = run(be, config, wl, strategies, alternations=alternations)
     except hal.HalError as exc:
         print(f"error: {exc}")
         return 2

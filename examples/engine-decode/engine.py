@@ -17,17 +17,37 @@ shared pool, and the outputs kept. Adopting graphkit takes no change
 (``with graphkit.graph_memory(be): engine.capture_graphs(sizes)``) or one
 (``Engine(..., pools=graphkit.GraphPools(be))``: ``pool=pools.pool(bs)``).
 
+``pieces=N`` captures each batch as N graphs over consecutive layers, as
+vLLM's and SGLang's piecewise modes do: each piece reads the residual stream
+that the previous piece's graph left in its own memory. Inside
+``graph_memory`` the pieces of one batch must share one space: give the
+engine ``group=pools.group`` (the one line), or graphkit refuses the second
+piece's capture (``graphkit.IsolationError``) instead of letting it replay
+wrong results.
+
+``kv="elastic"`` reserves the KV cache as :class:`graphkit.ElasticBuffer`
+ranges at their maximum (one per layer's K and V) with only the scratch block
+mapped; the graphs are captured against views over the whole ranges (block
+tables name only mapped blocks); :meth:`Engine.grow_kv` then maps what the
+device has left after capture, less a margin, in whole blocks: the KV cache is
+sized from the graph memory as it is, not from an estimate made before.
+
     python examples/engine-decode/engine.py --backend fake --mode {own,scope,pools} --order descending
+    python examples/engine-decode/engine.py --backend fake --mode scope --pieces 2 [--group]
+    python examples/engine-decode/engine.py --backend fake --mode scope --kv elastic --kv-margin-mib 4
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import logging
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -38,10 +58,13 @@ import graphkit
 import hal
 from graphkit.capture import release_cached_memory, weak_alias
 from hal.registry import select_backend_name
+from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("engine_decode")
 
 Order = Literal["descending", "ascending", "random"]
+KV = Literal["static", "elastic"]
+FAKE_CAPACITY = 64 << 20  # the fake device's memory when the KV cache grows into what is left
 
 
 @dataclass(frozen=True)
@@ -108,12 +131,26 @@ class Engine:
     :param keep_outputs: ``"strong"`` keeps every graph's output tensor (nano-vllm, SGLang);
         ``"weak"`` keeps a non-owning alias (vLLM), so later captures may reuse its memory.
     :param use_torch_api: capture with ``torch.cuda.CUDAGraph`` / ``torch.cuda.graph`` directly (CUDA only).
+    :param pieces: 0 captures one graph per batch size; ``N`` captures N graphs over consecutive layers,
+        each reading the previous one's output (the residual stream) directly.
+    :param group: around the capture of one batch's pieces, ``group(bs)`` (``pools.group`` inside
+        ``graphkit.graph_memory``: the pieces share one space).
+    :param kv: ``"static"``: the KV cache allocated whole (``max_batch`` sequences of ``max_model_len``);
+        ``"elastic"``: reserved as elastic ranges of ``kv_max_blocks`` blocks with only the scratch block
+        mapped, grown later with :meth:`resize_kv` or :meth:`grow_kv`.
+    :param kv_max_blocks: the elastic cache's reservation in blocks (default: what the device's whole
+        memory would hold).
+    :param memory: ``memory(part)`` is entered around the allocation of ``"weights"`` and of the static
+        ``"kv_cache"`` (e.g. ``lambda part: saver.region(part, backup=part == "weights")``).
     """
 
     def __init__(self, backend: hal.Backend, config: str | ModelConfig = "tiny", *, max_batch: int = 16,
                  max_model_len: int = 64, block_size: int = 16, seed: int = 0,
                  pools: graphkit.GraphPools | None = None, keep_outputs: Literal["strong", "weak"] = "strong",
-                 use_torch_api: bool = False) -> None:
+                 use_torch_api: bool = False, pieces: int = 0,
+                 group: Callable[[int], AbstractContextManager[Any]] | None = None, kv: KV = "static",
+                 kv_max_blocks: int | None = None,
+                 memory: Callable[[str], AbstractContextManager[Any]] | None = None) -> None:
         self.backend = be = backend
         self.cfg = cfg = CONFIGS[config] if isinstance(config, str) else config
         self.device = be.torch_device()
@@ -124,15 +161,34 @@ class Engine:
             raise hal.InvalidArgumentError(f"keep_outputs={keep_outputs!r} must be strong or weak", call="Engine")
         self.max_batch, self.max_model_len, self.block_size = max_batch, max_model_len, block_size
         self.pools, self.keep_outputs, self.use_torch_api = pools, keep_outputs, use_torch_api
-        self._init_weights(seed)
-        # paged KV cache: every sequence can hold max_model_len tokens; the last block is the scratch
-        # block that padded rows read and write, so they never touch a live sequence
+        if not isinstance(pieces, int) or not 0 <= pieces <= cfg.layers:
+            raise hal.InvalidArgumentError(f"pieces={pieces!r} must be an int in 0..{cfg.layers} (the layers)",
+                                           call="Engine")
+        self.pieces, self.group = pieces, group
+        if kv not in ("static", "elastic"):
+            raise hal.InvalidArgumentError(f"kv={kv!r} must be static or elastic", backend=be.name, call="Engine")
+        self.kv = kv
+        memory = memory or (lambda part: contextlib.nullcontext())
+        # piece k runs layers bounds[k]..bounds[k+1]
+        self.bounds = [round(k * cfg.layers / max(pieces, 1)) for k in range(max(pieces, 1) + 1)]
+        with memory("weights"):
+            self._init_weights(seed)
+        # paged KV cache: every sequence can hold max_model_len tokens; the scratch block is the one that
+        # padded rows read and write, so they never touch a live sequence
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
-        self.num_blocks = max_batch * self.max_blocks_per_seq + 1
-        self.scratch_block = self.num_blocks - 1
-        shape = (self.num_blocks, block_size, cfg.kv_heads, cfg.head_dim)
-        self.k_cache = [torch.zeros(shape, device=self.device, dtype=cfg.torch_dtype) for _ in range(cfg.layers)]
-        self.v_cache = [torch.zeros(shape, device=self.device, dtype=cfg.torch_dtype) for _ in range(cfg.layers)]
+        self.kv_pool: graphkit.ElasticPool | None = None
+        self.kv_buffers: list[graphkit.ElasticBuffer] = []
+        if kv == "static":
+            self.num_blocks = max_batch * self.max_blocks_per_seq + 1
+            self.scratch_block = self.num_blocks - 1  # the last one
+            shape = (self.num_blocks, block_size, cfg.kv_heads, cfg.head_dim)
+            with memory("kv_cache"):
+                self.k_cache = [torch.zeros(shape, device=self.device, dtype=cfg.torch_dtype)
+                                for _ in range(cfg.layers)]
+                self.v_cache = [torch.zeros(shape, device=self.device, dtype=cfg.torch_dtype)
+                                for _ in range(cfg.layers)]
+        else:
+            self._reserve_kv(kv_max_blocks)
         self.token_index = torch.arange(self.max_blocks_per_seq * block_size, device=self.device)
         # static input buffers sized for the largest batch, filled with harmless padding
         self.padding = {"input_ids": 0, "positions": 0, "slot_mapping": self.scratch_block * block_size,
@@ -141,10 +197,78 @@ class Engine:
         self.buffers = DecodeBatch(**{name: torch.full(shapes.get(name, (max_batch,)), value, dtype=torch.long,
                                                        device=self.device) for name, value in self.padding.items()})
         self.capture_stream = be.create_stream()
-        self.graphs: dict[int, Any] = {}
+        self.graphs: dict[int, Any] = {}  # one graph per batch size, or the list of its pieces' graphs
         self.graph_outputs: dict[int, torch.Tensor] = {}
+        self.piece_outputs: dict[int, list[torch.Tensor]] = {}  # what each piece hands the next one
         self.capture_seconds: dict[int, float] = {}
         self.graph_pool: Any = None  # the engine's own shared pool, created at the first capture
+
+    # -- an elastic KV cache -----------------------------------------------------------------
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block of one layer's K (or V)."""
+        cfg = self.cfg
+        return self.block_size * cfg.kv_heads * cfg.head_dim * torch.empty((), dtype=cfg.torch_dtype).element_size()
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the usable KV cache: every layer's K and V over the blocks that can be used."""
+        return 2 * self.cfg.layers * self.num_blocks * self.kv_block_bytes
+
+    def _reserve_kv(self, max_blocks: int | None) -> None:
+        be, cfg, g = self.backend, self.cfg, self.backend.granularity
+        per_block = 2 * cfg.layers * self.kv_block_bytes
+        if max_blocks is None:
+            max_blocks = max(2, be.mem_info().total // per_block)
+        if not isinstance(max_blocks, int) or isinstance(max_blocks, bool) or max_blocks < 2:
+            raise hal.InvalidArgumentError(f"kv_max_blocks={max_blocks!r} must be an int >= 2 (the scratch block "
+                                           "and one more)", backend=be.name, call="Engine")
+        self.kv_max_blocks = max_blocks
+        range_bytes = max_blocks * self.kv_block_bytes
+        self.kv_pool = graphkit.ElasticPool(be, reserve_bytes=2 * cfg.layers * round_up(range_bytes, g))
+        self.kv_buffers = [self.kv_pool.buffer(range_bytes) for _ in range(2 * cfg.layers)]
+        # the views span the whole reservation; the block tables only ever name mapped blocks
+        shape = (max_blocks, self.block_size, cfg.kv_heads, cfg.head_dim)
+        views = [b.view(cfg.torch_dtype, shape, whole_range=True) for b in self.kv_buffers]
+        self.k_cache, self.v_cache = views[:cfg.layers], views[cfg.layers:]
+        self.scratch_block = 0  # the first block: mapped from the start
+        self.num_blocks = 0
+        self.resize_kv(1)
+
+    def resize_kv(self, blocks: int) -> int:
+        """Map the elastic KV cache's first ``blocks`` blocks (at least the scratch block), zero the new ones;
+        return the blocks now usable (whole granules are mapped: a few more may fit)."""
+        be = self.backend
+        if self.kv != "elastic":
+            raise hal.InvalidStateError("resize_kv needs kv='elastic'", backend=be.name, call="Engine.resize_kv")
+        if not isinstance(blocks, int) or isinstance(blocks, bool) or not 1 <= blocks <= self.kv_max_blocks:
+            raise hal.InvalidArgumentError(f"blocks={blocks!r} must be an int in 1..{self.kv_max_blocks}",
+                                           backend=be.name, call="Engine.resize_kv")
+        for buf in self.kv_buffers:
+            buf.resize(blocks * self.kv_block_bytes)
+        usable = min(self.kv_max_blocks, self.kv_buffers[0].mapped_bytes // self.kv_block_bytes)
+        for cache in (*self.k_cache, *self.v_cache):
+            cache[self.num_blocks:usable].zero_()  # fresh memory holds anything: padded reads must see zeros
+        self.num_blocks = usable
+        return usable
+
+    def kv_blocks_for(self, free_bytes: int, margin_bytes: int = 0) -> int:
+        """The blocks the elastic KV cache can hold with ``free_bytes`` more device memory, ``margin_bytes``
+        left alone: whole granules per range, rounded down to whole blocks."""
+        g, ranges = self.backend.granularity, len(self.kv_buffers)
+        granules = self.kv_buffers[0].mapped_bytes // g + max(0, free_bytes - margin_bytes) // (ranges * g)
+        return max(1, min(self.kv_max_blocks, granules * g // self.kv_block_bytes))
+
+    def grow_kv(self, margin_bytes: int = 0) -> int:
+        """Grow the elastic KV cache to the device memory left now (after capture) less ``margin_bytes``;
+        return the blocks usable. Exact: the driver's free memory, not an estimate."""
+        if self.kv != "elastic":
+            raise hal.InvalidStateError("grow_kv needs kv='elastic'", backend=self.backend.name,
+                                        call="Engine.grow_kv")
+        release_cached_memory(self.backend)
+        self.backend.synchronize()
+        return self.resize_kv(self.kv_blocks_for(self.backend.mem_info().free, margin_bytes))
 
     # -- the model -----------------------------------------------------------------------
 
@@ -192,11 +316,31 @@ class Engine:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 context_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
         """One decode step: write each sequence's new k/v into its slot, return the logits ``[n, vocab]``."""
+        h = self._layers(F.embedding(input_ids, self.embed), 0, self.cfg.layers, positions, slot_mapping,
+                         context_lens, block_tables)
+        return self._head(h)
+
+    def forward_piece(self, k: int, h: torch.Tensor | None, input_ids: torch.Tensor, positions: torch.Tensor,
+                      slot_mapping: torch.Tensor, context_lens: torch.Tensor,
+                      block_tables: torch.Tensor) -> torch.Tensor:
+        """Piece ``k`` of the step: its layers over the residual stream ``h`` (the embedding for piece 0);
+        the last piece returns the logits."""
+        if k == 0:
+            h = F.embedding(input_ids, self.embed)
+        assert h is not None
+        h = self._layers(h, self.bounds[k], self.bounds[k + 1], positions, slot_mapping, context_lens, block_tables)
+        return self._head(h) if k == len(self.bounds) - 2 else h
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.rms_norm(h, (self.cfg.hidden,), self.norm, self.cfg.eps), self.embed)
+
+    def _layers(self, h: torch.Tensor, start: int, stop: int, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                context_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        n = input_ids.shape[0]
+        n = h.shape[0]
         q_size, kv_size = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        h = F.embedding(input_ids, self.embed)
-        for i, p in enumerate(self.layers):
+        for i in range(start, stop):
+            p = self.layers[i]
             x = F.rms_norm(h, (cfg.hidden,), p["input_norm"], cfg.eps)
             q, k, v = F.linear(x, p["qkv"]).split([q_size, kv_size, kv_size], dim=-1)
             q = F.rms_norm(q.view(n, cfg.heads, cfg.head_dim), (cfg.head_dim,), p["q_norm"], cfg.eps)
@@ -209,7 +353,7 @@ class Engine:
             x = F.rms_norm(h, (cfg.hidden,), p["post_norm"], cfg.eps)
             gate, up = F.linear(x, p["gate_up"]).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, p["down"])
-        return F.linear(F.rms_norm(h, (cfg.hidden,), self.norm, cfg.eps), self.embed)
+        return h
 
     # -- capture ---------------------------------------------------------------------------
 
@@ -243,25 +387,40 @@ class Engine:
             self.forward(**inputs)
         be.synchronize(self.capture_stream)
         t0 = time.perf_counter()  # getting the pool counts: graph_memory makes its space inside the capture
-        pool = self._pool_for(bs)
-        if self.use_torch_api:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=self.capture_stream):
-                out = self.forward(**inputs)
+        if self.pieces:
+            graphs: list[Any] = []
+            self.graphs[bs], self.piece_outputs[bs] = graphs, []
+            with self.group(bs) if self.group is not None else contextlib.nullcontext():
+                h = None
+                for k in range(self.pieces):
+                    graph, h = self._capture_one(bs, lambda h=h, k=k: self.forward_piece(k, h, **inputs))
+                    graphs.append(graph)
+                    self.piece_outputs[bs].append(h)
+            out = h
         else:
-            graph = be.create_graph()
-            try:
-                with be.capture(graph, pool=pool, stream=self.capture_stream):
-                    out = self.forward(**inputs)
-            except BaseException:
-                be.release_graph(graph)
-                raise
+            self.graphs[bs], out = self._capture_one(bs, lambda: self.forward(**inputs))
         be.synchronize()
         seconds = self.capture_seconds[bs] = time.perf_counter() - t0
-        self.graphs[bs] = graph
         self.graph_outputs[bs] = weak_alias(out) if self.keep_outputs == "weak" else out
         log.debug("captured batch %d in %.3f s", bs, seconds)
         return seconds
+
+    def _capture_one(self, bs: int, run: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """One graph of batch ``bs``: ``run()`` captured into the engine's pool (or graphkit's)."""
+        be, pool = self.backend, self._pool_for(bs)
+        if self.use_torch_api:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=self.capture_stream):
+                out = run()
+            return graph, out
+        graph = be.create_graph()
+        try:
+            with be.capture(graph, pool=pool, stream=self.capture_stream):
+                out = run()
+        except BaseException:
+            be.release_graph(graph)
+            raise
+        return graph, out
 
     def capture_graphs(self, sizes: Sequence[int], order: Order = "descending", seed: int = 0) -> float:
         """Capture every size of ``sizes`` in ``order``; return the total capture seconds."""
@@ -277,7 +436,8 @@ class Engine:
         """Drop every graph and output, then the engine's own pool."""
         self.backend.synchronize()
         self.graph_outputs.clear()
-        for graph in self.graphs.values():
+        self.piece_outputs.clear()
+        for graph in self._each_graph():
             graph.reset() if self.use_torch_api else self.backend.release_graph(graph)
         self.graphs.clear()
         if self.graph_pool is not None:
@@ -285,8 +445,17 @@ class Engine:
             self.graph_pool = None
 
     def close(self) -> None:
-        """Release what the engine holds on the device through hal (graphs, its pool); idempotent."""
+        """Release what the engine holds on the device through hal (graphs, its pool, an elastic KV cache);
+        idempotent."""
         self.reset_graphs()
+        if self.kv_pool is not None:
+            self.k_cache, self.v_cache = [], []
+            gc.collect()  # views caught in reference cycles must go before their buffers close
+            self.kv_pool.close()
+            self.kv_pool, self.kv_buffers = None, []
+
+    def _each_graph(self) -> list[Any]:
+        return [g for value in self.graphs.values() for g in (value if isinstance(value, list) else [value])]
 
     # -- decoding --------------------------------------------------------------------------
 
@@ -315,8 +484,9 @@ class Engine:
             buf[n:bs].fill_(self.padding[name])
         if not replay:
             return self.forward(**self._static(bs))[:n]
-        graph = self.graphs[bs]
-        graph.replay() if self.use_torch_api else self.backend.replay(graph)
+        value = self.graphs[bs]
+        for graph in value if isinstance(value, list) else [value]:
+            graph.replay() if self.use_torch_api else self.backend.replay(graph)
         return self.graph_outputs[bs][:n]
 
     def block_tables_for(self, n: int, tokens: int, seed: int = 0) -> torch.Tensor:
@@ -324,9 +494,13 @@ class Engine:
         if n > self.max_batch or tokens > self.max_model_len:
             raise hal.InvalidArgumentError(f"{n} sequences of {tokens} tokens exceed the cache "
                                            f"({self.max_batch} of {self.max_model_len})", call="block_tables_for")
-        free = list(range(self.num_blocks - 1))
+        free = [b for b in range(self.num_blocks) if b != self.scratch_block]
         random.Random(seed).shuffle(free)
         need = math.ceil(tokens / self.block_size)
+        if n * need > len(free):
+            raise hal.InvalidArgumentError(f"{n} sequences of {tokens} tokens need {n * need} blocks; the KV cache "
+                                           f"has {len(free)} (grow it first)", backend=self.backend.name,
+                                           call="block_tables_for")
         table = torch.full((n, self.max_blocks_per_seq), self.scratch_block, dtype=torch.long)
         for i in range(n):
             table[i, :need] = torch.tensor(free[i * need:(i + 1) * need])
@@ -398,12 +572,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", default=None, help="comma-separated batch sizes to capture")
     parser.add_argument("--keep-outputs", choices=("strong", "weak"), default="strong")
     parser.add_argument("--torch-api", action="store_true", help="capture with torch.cuda.graph (CUDA only)")
+    parser.add_argument("--pieces", type=int, default=0,
+                        help="capture each batch as this many graphs over consecutive layers (0: one graph)")
+    parser.add_argument("--group", action="store_true",
+                        help="with --mode scope and --pieces: capture the pieces of a batch in pools.group(bs)")
+    parser.add_argument("--kv", choices=("static", "elastic"), default="static",
+                        help="elastic: reserve the KV cache, capture, then grow it to the memory left")
+    parser.add_argument("--kv-margin-mib", type=float, default=None,
+                        help="with --kv elastic: device memory left alone when the cache grows after capture "
+                             "(default: 1024 MiB on a GPU, 1 MiB otherwise)")
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 
     name = select_backend_name(args.backend, requires=("graphs",))
-    be = hal.get_backend(name, **({"granularity": 1 << 16} if name == "fake" else {}))  # small chunks on fake
+    fake = {"granularity": 1 << 16}  # small chunks on fake; a small device for a KV cache that takes what is left
+    if args.kv == "elastic":
+        fake["capacity"] = FAKE_CAPACITY
+    be = hal.get_backend(name, **(fake if name == "fake" else {}))
     try:
         return _run(be, args)
     except hal.HalError as exc:
@@ -417,17 +603,25 @@ def _run(be: hal.Backend, args: argparse.Namespace) -> int:
     config = args.config or ("reference" if be.torch_device().type == "cuda" else "tiny")
     default_sizes = [1, 2, 4, *range(8, 257, 8)] if config == "reference" else [1, 2, 4, 8, 16]
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else default_sizes
-    pools = graphkit.GraphPools(be) if args.mode == "pools" else None
+    pools = graphkit.GraphPools(be) if args.mode in ("pools", "scope") else None
     engine = Engine(be, config, max_batch=max(sizes), max_model_len=128 if config == "reference" else 64,
-                    pools=pools, keep_outputs=args.keep_outputs, use_torch_api=args.torch_api)
+                    pools=pools if args.mode == "pools" else None, keep_outputs=args.keep_outputs,
+                    use_torch_api=args.torch_api, pieces=args.pieces,
+                    group=pools.group if args.group and pools is not None else None, kv=args.kv)
     try:
         before = _used(be)
         if args.mode == "scope":
-            with graphkit.graph_memory(be) as pools:  # no line of the engine changes
+            with graphkit.graph_memory(be, pools=pools):  # no line of the engine changes
                 seconds = engine.capture_graphs(sizes, args.order)
         else:
             seconds = engine.capture_graphs(sizes, args.order)
         growth = _used(be) - before
+        if args.kv == "elastic":  # sized now, from what capture left: no estimate
+            default_margin = 1024 if be.torch_device().type == "cuda" else 1
+            margin = int((args.kv_margin_mib if args.kv_margin_mib is not None else default_margin) * 2**20)
+            engine.grow_kv(margin)
+            print(f"KV cache grown after capture to {engine.num_blocks} blocks ({fmt_bytes(engine.kv_bytes)}), "
+                  f"{fmt_bytes(be.mem_info().free)} left (margin {fmt_bytes(margin)})")
         prompts = [[(7 * i + j) % engine.cfg.vocab for j in range(2 + i % 3)] for i in range(3)]
         out = engine.generate(prompts, args.steps, keep_logits=False)
         eager = engine.generate(prompts, args.steps, use_graphs=False, keep_logits=False)

@@ -40,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 import graphkit
 import hal
+from graphkit.bench.fair import fmt_spread, rotated, spread
 from graphkit.bench.timing import Thunk
 from graphkit.capture import release_cached_memory
 from hal.types import fmt_bytes, round_up
@@ -190,17 +191,21 @@ def grow_cases(be: hal.Backend, granules: int, rounds: int) -> dict[str, Any]:
     copies = CopyCounter()
     try:
         with _quiet_gc():
-            for _ in range(rounds):
+            def bare_round() -> None:
                 for i in range(granules):
                     bare.append(_host_timed(lambda i=i: be.map(base_ptr + i * g, g, handles[i])))
                 for i in range(granules):
                     be.unmap(base_ptr + i * g, g)
+
+            def free_list_round() -> None:
                 made = calls["create_phy_mem_handle"]
                 with copies:
                     for i in range(1, granules + 1):
                         free_list.append(_host_timed(lambda i=i: warm_buf.resize(i * g)))
                 driver_allocs["free_list"] += calls["create_phy_mem_handle"] - made
                 warm_buf.resize(0)  # the chunks go back to the free list
+
+            def fresh_round() -> None:
                 made = calls["create_phy_mem_handle"]
                 with copies:
                     for i in range(1, granules + 1):
@@ -208,6 +213,10 @@ def grow_cases(be: hal.Backend, granules: int, rounds: int) -> dict[str, Any]:
                 driver_allocs["fresh"] += calls["create_phy_mem_handle"] - made
                 cold_buf.resize(0)
                 cold.trim()  # the next round allocates again
+
+            for r in range(rounds):  # which kind goes first rotates from round to round
+                for kind in rotated([bare_round, free_list_round, fresh_round], r):
+                    kind()
     finally:
         warm.close()
         cold.close()
@@ -234,47 +243,55 @@ def _grow_copy(be: hal.Backend, old: torch.Tensor, nbytes: int, g: int, holder: 
 
 
 def regrow_case(be: hal.Backend, nbytes: int, cycles: int) -> dict[str, Any]:
-    """Grow ``nbytes`` by one granule: allocate-and-copy, then an elastic buffer of the same size."""
+    """Grow ``nbytes`` by one granule: allocate-and-copy and an elastic buffer of the same size, alternating
+    cycle by cycle (the one that goes first swaps every cycle); medians with their range."""
     g = be.granularity
     row: dict[str, Any] = {"bytes": nbytes}
-    need = 2 * nbytes + g
+    need = 3 * nbytes + 2 * g  # the tensor, its regrown copy and the elastic buffer, alive together
     free = _free_bytes(be)
     if need > HEADROOM * free:
         row["skipped"] = f"needs {fmt_bytes(need)}, {fmt_bytes(free)} free"
         return row
     stride = max(nbytes // 4096, 1)
-    old = device_empty(be, nbytes)
-    old.fill_(0x5A)
-    times, copied, exact = [], 0, True
-    for _ in range(cycles):
+    source = [device_empty(be, nbytes)]  # emptied at the end: the last reference goes before the cache is released
+    source[0].fill_(0x5A)
+    buf = graphkit.ElasticBuffer(be, max_bytes=nbytes + g)
+    regrows: list[float] = []
+    grows: list[float] = []
+    state = {"regrow_copied": 0, "elastic_copied": 0, "exact": True}
+
+    def regrow() -> None:
         holder: list[torch.Tensor] = []
         with CopyCounter() as copies:
-            # bound, not closed over: the `del`s below must drop the last references
-            times.append(_device_timed(be, functools.partial(_grow_copy, be, old, nbytes, g, holder)))
-        copied = copies.bytes
-        exact = exact and bool((holder[0][:nbytes:stride] == 0x5A).all())
+            # bound, not closed over: the `del` below must drop the last reference
+            regrows.append(_device_timed(be, functools.partial(_grow_copy, be, source[0], nbytes, g, holder)))
+        state["regrow_copied"] = copies.bytes
+        state["exact"] = state["exact"] and bool((holder[0][:nbytes:stride] == 0x5A).all())
         del holder
         _release_cached(be)
-    del old
-    _release_cached(be)
-    row.update({"regrow_s": statistics.median(times), "regrow_copied_bytes": copied})
-    # the same growth of an elastic buffer already holding nbytes
-    buf = graphkit.ElasticBuffer(be, max_bytes=nbytes + g)
+
+    def elastic() -> None:
+        with CopyCounter() as copies:
+            grows.append(_host_timed(lambda: buf.resize(nbytes + g)))
+            buf.resize(nbytes)  # the granule back to the buffer's free list; the next grow maps it again
+        state["elastic_copied"] += copies.bytes
+
     try:
         buf.resize(nbytes)
         view = buf.view(torch.uint8, (nbytes,))
         view.fill_(0xA5)
         ptr = buf.ptr
-        grows = []
-        with CopyCounter() as copies:
-            for _ in range(cycles):
-                grows.append(_host_timed(lambda: buf.resize(nbytes + g)))
-                buf.resize(nbytes)  # the granule back to the buffer's free list; the next grow maps it again
-        exact = exact and buf.ptr == ptr and bool((view[::stride] == 0xA5).all())
+        for i in range(cycles):
+            for case in rotated([regrow, elastic], i):
+                case()
+        exact = bool(state["exact"]) and buf.ptr == ptr and bool((view[::stride] == 0xA5).all())
         del view
-        row.update({"elastic_grow_s": statistics.median(grows), "elastic_first_grow_s": grows[0],
-                    "elastic_copied_bytes": copies.bytes, "exact": exact})
+        row.update({"regrow_s": statistics.median(regrows), "regrow": spread(regrows),
+                    "regrow_copied_bytes": state["regrow_copied"], "elastic_grow_s": statistics.median(grows),
+                    "elastic_grow": spread(grows), "elastic_first_grow_s": grows[0],
+                    "elastic_copied_bytes": state["elastic_copied"], "exact": exact, "alternations": cycles})
     finally:
+        source.clear()
         buf.close()
         _release_cached(be)
     return row
@@ -327,7 +344,7 @@ def growing_run(be: hal.Backend, total: int, steps: int = TRACE_STEPS, seed: int
 
 
 def run_elastic_bench(backend: str | None, device: int, sizes_bytes: list[int] | None, out_dir: Path,
-                      command: str) -> int:
+                      command: str, alternations: int = CYCLES) -> int:
     """Grow latencies, regrowth at every size, a growing run; targets, JSON and a table."""
     be = hal.get_backend(backend, device=device, requires=("graphs",))
     try:
@@ -338,7 +355,7 @@ def run_elastic_bench(backend: str | None, device: int, sizes_bytes: list[int] |
         if 3 * granules * g > HEADROOM * _free_bytes(be):
             granules = max(1, int(HEADROOM * _free_bytes(be)) // (3 * g))
         grow = grow_cases(be, granules, rounds)
-        rows = [regrow_case(be, nbytes, CYCLES) for nbytes in sizes]
+        rows = [regrow_case(be, nbytes, alternations) for nbytes in sizes]
         total = round_up(max(sizes), g)
         if total > HEADROOM * _free_bytes(be):
             total = max(g, int(HEADROOM * _free_bytes(be)) // g * g)
@@ -367,19 +384,20 @@ def run_elastic_bench(backend: str | None, device: int, sizes_bytes: list[int] |
     us = 1e6
     print(f"backend {name}, granularity {fmt_bytes(g)}")
     print(f"grow by one granule, median of {grow['bare_map']['samples']} ({grow['granules']} granules x "
-          f"{grow['rounds']} rounds, interleaved):")
+          f"{grow['rounds']} rounds, interleaved, the first kind rotating by round):")
     print(f"  bare map + access      {bare * us:>9.1f} us")
     print(f"  elastic, free list     {free_list * us:>9.1f} us  ({ratio:.2f}x the bare map; "
           f"{grow['driver_allocations']['free_list']} driver allocations)")
     print(f"  elastic, fresh chunk   {fresh * us:>9.1f} us  ({fresh / bare:.2f}x; "
           f"{grow['driver_allocations']['fresh']} driver allocations)")
-    print(f"{'size':>10}{'regrow ms':>12}{'copied':>12}{'elastic ms':>12}{'copied':>10}  exact")
+    print(f"grow by one granule at each size, {alternations} alternations, ms as median (min-max):")
+    print(f"{'size':>10}{'regrow ms':>26}{'copied':>12}{'elastic ms':>26}{'copied':>10}  exact")
     for r in rows:
         if "skipped" in r:
             print(f"{fmt_bytes(r['bytes']):>10}  left out: {r['skipped']}")
             continue
-        print(f"{fmt_bytes(r['bytes']):>10}{r['regrow_s'] * 1e3:>12.3f}{fmt_bytes(r['regrow_copied_bytes']):>12}"
-              f"{r['elastic_grow_s'] * 1e3:>12.3f}{fmt_bytes(r['elastic_copied_bytes']):>10}  "
+        print(f"{fmt_bytes(r['bytes']):>10}{fmt_spread(r['regrow'], 1e3):>26}{fmt_bytes(r['regrow_copied_bytes']):>12}"
+              f"{fmt_spread(r['elastic_grow'], 1e3):>26}{fmt_bytes(r['elastic_copied_bytes']):>10}  "
               f"{'yes' if r['exact'] else 'NO'}")
     print(f"growing run to {fmt_bytes(trace['total_bytes'])} in {trace['steps']} uneven steps: physical - used "
           f"at most {fmt_bytes(trace['max_slack_bytes'])} ({trace['max_slack_bytes']} B), device - used at most "

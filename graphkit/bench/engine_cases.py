@@ -171,9 +171,18 @@ def run_engine_case(strategy: str, order: str, sizes: list[int], backend: hal.Ba
             "graph_memory_bytes": memory, "chunk_bytes": chunk_bytes, "capture_seconds": seconds,
             "map_calls": report.map_calls if report is not None else None,
             "map_seconds": report.map_seconds if report is not None else None,
+            **verify_figures(report),
             "capture_wall_seconds": wall, "replay_ms": replay_ms, "eager_ms": eager_ms,
             "replay_ms_1": replay_ms["1"], "replay_ms_max": replay_ms[str(max(sizes))],
             "max_abs_error": error, "tokens_equal": tokens_equal}
+
+
+def verify_figures(report: graphkit.PoolsReport | None) -> dict[str, Any]:
+    """The isolation check's share of a case: graphs verified, nodes read and missed, seconds."""
+    if report is None:
+        return {"verified_graphs": None, "inspected_nodes": None, "missed_nodes": None, "verify_seconds": None}
+    return {"verified_graphs": report.verified_graphs, "inspected_nodes": report.inspected_nodes,
+            "missed_nodes": report.missed_nodes, "verify_seconds": report.verify_seconds}
 
 
 def _teardown(be: hal.Backend, engine: Any, pools: graphkit.GraphPools | None) -> list[BaseException]:
@@ -191,4 +200,5 @@ def _teardown(be: hal.Backend, engine: Any, pools: graphkit.GraphPools | None) -
     return errors
 
 
-__all__ = ["ENGINE_ORDERS", "ENGINE_STRATEGIES", "engine_path", "load_engine_module", "run_engine_case"]
+__all__ = ["ENGINE_ORDERS", "ENGINE_STRATEGIES", "engine_path", "load_engine_module", "run_engine_case",
+           "verify_figures"]

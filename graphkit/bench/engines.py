@@ -10,10 +10,12 @@ Qwen3-shaped model) measure every strategy in every capture order:
 * ``graph_pools`` -- the one-line port, ``pool=pools.pool(batch_size)``.
 
 Each case runs ``runs`` times, each time in a fresh process on a device (single
-runs of one case have differed by 18 MiB on an H100), and the table gives the
-median. Targets: graph memory of the graphkit strategies at most the engines'
-best (``own-weakref``, descending) in every order; capture time at most 1.1x the
-engine's own shared pool.
+runs of one case have differed by 18 MiB on an H100). The cases go run by run,
+the strategies of one order side by side in an order rotated every run (so no
+strategy always runs first); the table gives each figure's median over the
+runs with its range (min-max). Targets: graph memory of the graphkit
+strategies at most the engines' best (``own-weakref``, descending) in every
+order; capture time at most 1.1x the engine's own shared pool.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import hal
+from graphkit.bench.fair import fmt_spread, interleaved, spread
 from hal.types import fmt_bytes
 
 log = logging.getLogger("graphkit.bench")
@@ -82,8 +85,12 @@ def median_of(runs: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
+#: figures whose spread over the runs is kept next to their median
+SPREAD_KEYS = ("graph_memory_bytes", "capture_seconds", "replay_ms_1", "replay_ms_max")
+
+
 def summarise(results: list[dict]) -> list[dict]:
-    """Median over the runs of each (strategy, order)."""
+    """Median over the runs of each (strategy, order), and the spread (median, min, max) of :data:`SPREAD_KEYS`."""
     rows = []
     keys = sorted({(r["strategy"], r["order"]) for r in results},
                   key=lambda k: (ENGINE_STRATEGIES.index(k[0]), ENGINE_ORDERS.index(k[1])))
@@ -96,10 +103,16 @@ def summarise(results: list[dict]) -> list[dict]:
             "capture_seconds": median_of(runs, "capture_seconds"),
             "map_calls": median_of(runs, "map_calls"),
             "map_seconds": median_of(runs, "map_seconds"),
+            "verify_seconds": median_of(runs, "verify_seconds"),
+            "verify_share": median_of([{"v": r["verify_seconds"] / r["capture_seconds"]} for r in runs
+                                       if r.get("verify_seconds") is not None and r.get("capture_seconds")], "v"),
+            "inspected_nodes": median_of(runs, "inspected_nodes"),
+            "missed_nodes": median_of(runs, "missed_nodes"),
             "replay_ms_1": median_of(runs, "replay_ms_1"),
             "replay_ms_max": median_of(runs, "replay_ms_max"),
             "max_abs_error": max((r.get("max_abs_error") or 0.0) for r in runs),
             "correct": all(r.get("ok", r.get("tokens_equal", True)) for r in runs),
+            "spread": {key: spread(r.get(key) for r in runs) for key in SPREAD_KEYS},
         })
     return rows
 
@@ -129,27 +142,39 @@ def check_targets(rows: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [(f"{'strategy':<14}{'order':<12}{'graph memory':>14}{'chunks':>12}{'capture s':>11}{'map ms':>8}"
-              f"{'replay ms @1':>14}{'@max':>9}  correct")]
+    lines = [(f"{'strategy':<14}{'order':<12}{'graph memory (min-max)':>30}{'chunks':>12}{'capture s (min-max)':>21}"
+              f"{'map ms':>8}{'verify':>8}{'nodes':>8}{'replay ms @1':>21}{'@max':>21}  correct")]
     for r in rows:
         chunks = fmt_bytes(r["chunk_bytes"]) if r["chunk_bytes"] is not None else "-"
         map_ms = f"{r['map_seconds'] * 1e3:.1f}" if r.get("map_seconds") is not None else "-"
-        lines.append(f"{r['strategy']:<14}{r['order']:<12}{fmt_bytes(r['graph_memory_bytes']):>14}{chunks:>12}"
-                     f"{r['capture_seconds']:>11.3f}{map_ms:>8}{r['replay_ms_1']:>14.3f}{r['replay_ms_max']:>9.3f}  "
-                     f"{'yes' if r['correct'] else 'NO'}")
+        verify = f"{r['verify_share'] * 100:.1f}%" if r.get("verify_share") is not None else "-"
+        nodes = "-"
+        if r.get("inspected_nodes"):
+            missed = r.get("missed_nodes") or 0
+            nodes = f"{100 * (1 - missed / r['inspected_nodes']):.0f}%" if missed else f"{r['inspected_nodes']:.0f}"
+        spreads = r.get("spread", {})
+        capture, at1, atmax = (fmt_spread(spreads.get(k) or spread([r[k]])) for k in
+                               ("capture_seconds", "replay_ms_1", "replay_ms_max"))
+        memory = spreads.get("graph_memory_bytes") or spread([r["graph_memory_bytes"]])
+        mem = fmt_bytes(memory["median"]) + (f" ({fmt_bytes(memory['min'])}-{fmt_bytes(memory['max'])})"
+                                             if memory["min"] != memory["max"] else "")
+        lines.append(f"{r['strategy']:<14}{r['order']:<12}{mem:>30}{chunks:>12}"
+                     f"{capture:>21}{map_ms:>8}{verify:>8}{nodes:>8}{at1:>21}"
+                     f"{atmax:>21}  {'yes' if r['correct'] else 'NO'}")
     return "\n".join(lines)
 
 
 def run_engine_bench(workload: str, config: str, sizes: list[int], strategies: list[str], orders: list[str],
                      runs: int, backend: str | None, device: int, seed: int, iters: int, isolate: bool,
                      out_dir: Path, command: str, progress: bool = True) -> int:
-    """Every strategy x order, ``runs`` times each; writes ``bench-<workload>.json`` and prints the table."""
+    """Every strategy x order, ``runs`` times each, interleaved (:func:`graphkit.bench.fair.interleaved`);
+    writes ``bench-<workload>.json`` and prints the table."""
     from tqdm.auto import tqdm
 
-    cases = [(s, o, i) for s in strategies for o in orders for i in range(runs)]
+    cases = interleaved(strategies, orders, runs)
     results: list[dict] = []
     out = {"command": command, "workload": workload, "config": config, "sizes": sizes, "runs": runs,
-           "isolated": isolate, "results": results}
+           "isolated": isolate, "case_order": "interleaved", "results": results}
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"bench-{workload}.json"
     for strategy, order, i in tqdm(cases, desc=f"bench {workload}", unit="case", disable=not progress):

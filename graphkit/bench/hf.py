@@ -53,6 +53,7 @@ import torch
 
 import graphkit
 import hal
+from graphkit.bench.engine_cases import verify_figures
 from graphkit.bench.timing import median_ms
 from graphkit.capture import release_cached_memory, weak_alias
 from hal.gcguard import gc_disabled
@@ -439,7 +440,7 @@ def _run_case(be: hal.Backend, strategy: str, order: str, sizes: list[int], plan
             report = pools.report()
             result.update(chunk_bytes=report.chunk_bytes, reserved_bytes=report.reserved_bytes,
                           spaces=len(report.keys), graphs_per_space=sorted({k.graphs for k in report.keys}),
-                          map_calls=report.map_calls, map_seconds=report.map_seconds)
+                          map_calls=report.map_calls, map_seconds=report.map_seconds, **verify_figures(report))
         else:
             result["chunk_bytes"] = 0
         for n in sizes:

@@ -20,7 +20,7 @@ def summary_table(out: dict[str, Any]) -> str:
               f"{len(out['sizes'])} sizes {out['sizes'][0]}..{out['sizes'][-1]}; "
               f"largest size alone: {fmt_bytes(out['largest_alone_bytes'])}"),
              "eager ms/step: " + ", ".join(f"batch {k}: {v:.3f}" for k, v in out["eager_ms"].items())]
-    head = (f"{'strategy':<15} {'order':<11} {'graph memory':>13} {'chunks':>10} {'capture s':>10} "
+    head = (f"{'strategy':<15} {'order':<11} {'graph memory':>13} {'chunks':>10} {'capture s':>10} {'verify':>7} "
             f"{'ms @1':>8} {'hand @1':>8} {'max rel err':>11}  ok")
     lines += [head, "-" * len(head)]
     for r in out["results"]:
@@ -28,8 +28,10 @@ def summary_table(out: dict[str, Any]) -> str:
         ms1 = f"{r['replay_ms']['1']:.3f}" if "replay_ms" in r and "1" in r["replay_ms"] else "-"
         hand = f"{r['hand_loop_ms_batch1']:.3f}" if "hand_loop_ms_batch1" in r else "-"
         ok = "yes" if r["max_rel_error"] < 2e-2 else "NO"
+        verify = (f"{100 * r['verify_seconds'] / r['capture_seconds']:.1f}%"
+                  if r.get("verified_graphs") and r.get("capture_seconds") else "-")
         lines.append(f"{r['strategy']:<15} {r['order']:<11} {fmt_bytes(r['graph_memory_bytes']):>13} {chunks:>10} "
-                     f"{r['capture_seconds']:>10.3f} {ms1:>8} {hand:>8} {r['max_rel_error']:>11.2e}  {ok}")
+                     f"{r['capture_seconds']:>10.3f} {verify:>7} {ms1:>8} {hand:>8} {r['max_rel_error']:>11.2e}  {ok}")
     for name, why in out.get("left_out", {}).items():
         lines.append(f"{name}: left out: {why}")
     lines.append("targets:")
@@ -53,7 +55,8 @@ def plot(out: dict[str, Any], path: Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log.warning("matplotlib is not installed (pip install matplotlib): no plot written")
+        log.warning("matplotlib is not installed: no plot written, the JSON and the table are (for the plot: "
+                    "pip install 'hal-graphkit[bench]')")
         return False
     orders = [o for o in ("descending", "ascending", "random", "on-demand")
               if any(r["order"] == o and "memory_after_each_capture" in r for r in out["results"])]

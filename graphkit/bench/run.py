@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 import graphkit
 import hal
+from graphkit.bench.fair import interleaved
 from graphkit.bench.model import Decoder, DecoderConfig
 from graphkit.bench.strategies import COMPILE, ORDERS, STRATEGIES
 from graphkit.bench.targets import check_targets
@@ -156,6 +157,8 @@ class Bench:
             "graph_memory_bytes": runner.graph_memory(),
             "capture_seconds": report.capture_seconds,
             "capture_wall_seconds": wall,
+            "verified_graphs": runner.verify_stats.graphs, "inspected_nodes": runner.verify_stats.nodes,
+            "missed_nodes": runner.verify_stats.missed, "verify_seconds": runner.verify_stats.seconds,
             "capture_seconds_per_size": {str(s.size): s.capture_seconds for s in report.sizes},
             "memory_after_each_capture": _cumulative(report),
             **{k: v for k, v in report.pool_figures.items()},
@@ -241,7 +244,8 @@ class Bench:
             self.model.reset_cache()
             self.reference[n] = self.eager(n).clone()
         eager_ms = {str(n): ms_per_call(self.be, lambda n=n: self.eager(n), cfg.iters) for n in self.timing_batches}
-        plan = [(s, o) for s in strategies if s in STRATEGIES for o in cfg.orders]
+        # strategies side by side within each order, not one strategy through every order after another
+        plan = [(s, o) for s, o, _ in interleaved([s for s in strategies if s in STRATEGIES], cfg.orders, 1)]
         results = []
         alone = None
         with tqdm(total=len(plan) + largest_alone, desc="bench", unit="run", disable=not cfg.progress) as bar:

@@ -5,6 +5,13 @@ paused and resumed without and with a backup, device memory while asleep
 against the baseline, and the same with torch_memory_saver where it is
 installed. The pinned host<->device copy bandwidth is measured in the same
 run and printed as the limit a backup can reach.
+
+graphkit and torch_memory_saver alternate: ``rounds`` rounds per size and
+backup, each running both with a fresh tag of ``cycles`` cycles, the one that
+goes first swapping every round. Each figure is the median of every cycle of
+every round with its range (min-max); the first pause and resume of each fresh
+tag (where one-time costs such as pinning host memory fall) are reported
+apart, as their own median and range over the rounds.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import torch
 
 import graphkit
 import hal
+from graphkit.bench.fair import fmt_spread, rotated, spread
 from hal.types import fmt_bytes
 
 log = logging.getLogger("graphkit.bench")
@@ -83,7 +91,7 @@ def graphkit_case(be: hal.Backend, nbytes: int, backup: bool, cycles: int) -> di
         getattr(torch, be.torch_device().type).empty_cache()
     return {"impl": "graphkit", "bytes": nbytes, "backup": backup, "pause_s": statistics.median(pauses),
             "resume_s": statistics.median(resumes), "asleep_bytes": max(asleep), "asleep_each": asleep,
-            "exact": exact}
+            "pauses": pauses, "resumes": resumes, "exact": exact}
 
 
 def _tms_in_process(tms: Any) -> None:
@@ -127,12 +135,28 @@ def tms_case(be: hal.Backend, nbytes: int, backup: bool, cycles: int) -> dict[st
     torch.cuda.empty_cache()
     return {"impl": "torch_memory_saver", "bytes": nbytes, "backup": backup, "pause_s": statistics.median(pauses),
             "resume_s": statistics.median(resumes), "asleep_bytes": max(asleep), "asleep_each": asleep,
-            "exact": exact}
+            "pauses": pauses, "resumes": resumes, "exact": exact}
+
+
+def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from the rounds of one (impl, size, backup): medians of every cycle with their spread, and the
+    first pause and resume of each round's fresh tag apart."""
+    pauses = [t for r in rounds for t in r["pauses"]]
+    resumes = [t for r in rounds for t in r["resumes"]]
+    asleep = [b for r in rounds for b in r["asleep_each"]]
+    first = rounds[0]
+    return {"impl": first["impl"], "bytes": first["bytes"], "backup": first["backup"], "rounds": len(rounds),
+            "pause_s": statistics.median(pauses), "resume_s": statistics.median(resumes),
+            "pause": spread(pauses), "resume": spread(resumes),
+            "first_pause": spread(r["pauses"][0] for r in rounds),
+            "first_resume": spread(r["resumes"][0] for r in rounds),
+            "asleep_bytes": max(asleep), "asleep_each": asleep, "exact": all(r["exact"] for r in rounds)}
 
 
 def run_sleep_bench(backend: str | None, device: int, sizes: list[int] | None, cycles: int, out_dir: Path,
-                    command: str) -> int:
-    """Every size, without and with backup, graphkit and torch_memory_saver; JSON and a table."""
+                    command: str, rounds: int = 3) -> int:
+    """Every size, without and with backup, graphkit and torch_memory_saver alternating for ``rounds`` rounds;
+    JSON and a table."""
     be = hal.get_backend(backend, device=device, requires=("graphs", "custom_pool", "use_pool"))
     try:
         sizes = sizes or (CPU_SIZES if be.torch_device().type == "cpu" else DEVICE_SIZES)
@@ -145,10 +169,14 @@ def run_sleep_bench(backend: str | None, device: int, sizes: list[int] | None, c
         rows = []
         for nbytes in sizes:
             for backup in (False, True):
-                for case in (graphkit_case, tms_case):
-                    row = case(be, nbytes, backup, cycles)
-                    if row is not None:
-                        rows.append(row)
+                measured: dict[str, list[dict[str, Any]]] = {}
+                for i in range(rounds):  # the one that goes first swaps every round
+                    for case in rotated([graphkit_case, tms_case], i):
+                        row = case(be, nbytes, backup, cycles)
+                        if row is not None:
+                            measured.setdefault(row["impl"], []).append(row)
+                rows += [merge_rounds(measured[impl]) for impl in ("graphkit", "torch_memory_saver")
+                         if impl in measured]
         granularity = be.granularity
         name = be.name
     finally:
@@ -175,17 +203,20 @@ def run_sleep_bench(backend: str | None, device: int, sizes: list[int] | None, c
                 targets.append({"target": f"pause + resume {fmt_bytes(row['bytes'])} without backup: no slower than "
                                           "torch_memory_saver", "measured": ours, "limit": theirs,
                                 "met": ours <= theirs})
-    out = {"command": command, "backend": name, "bandwidth": bandwidth, "rows": rows, "targets": targets}
+    out = {"command": command, "backend": name, "bandwidth": bandwidth, "rounds": rounds, "cycles": cycles,
+           "case_order": "alternated", "rows": rows, "targets": targets}
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "bench-sleep.json"
     path.write_text(json.dumps(out, indent=1))
     print(f"pinned copy bandwidth (the limit of a backup): d2h {bandwidth['d2h'] / 1e9:.1f} GB/s, "
           f"h2d {bandwidth['h2d'] / 1e9:.1f} GB/s")
-    print(f"{'impl':<20}{'size':>10}{'backup':>8}{'pause ms':>11}{'resume ms':>11}{'asleep':>11}  exact")
+    print(f"{rounds} rounds of {cycles} cycles, alternated; ms as median (min-max)")
+    print(f"{'impl':<20}{'size':>10}{'backup':>8}{'pause ms':>24}{'resume ms':>24}{'first pause ms':>24}"
+          f"{'first resume ms':>24}{'asleep':>11}  exact")
     for r in rows:
         print(f"{r['impl']:<20}{fmt_bytes(r['bytes']):>10}{'yes' if r['backup'] else 'no':>8}"
-              f"{r['pause_s'] * 1e3:>11.2f}{r['resume_s'] * 1e3:>11.2f}{fmt_bytes(r['asleep_bytes']):>11}  "
-              f"{'yes' if r['exact'] else 'NO'}")
+              + "".join(f"{fmt_spread(r[k], 1e3, 2):>24}" for k in ("pause", "resume", "first_pause", "first_resume"))
+              + f"{fmt_bytes(r['asleep_bytes']):>11}  {'yes' if r['exact'] else 'NO'}")
     for t in targets:
         print(f"  {'met ' if t['met'] else 'MISS'}  {t['target']}")
     print(f"wrote {path}")

@@ -2,17 +2,22 @@
 
 Each class names the capabilities it needs (see :data:`hal.api.CAPABILITIES`);
 on a backend that does not declare one of them, its tests skip with a reason
-that names the backend and the missing capability (a vmm-only plugin such as
-``hal-hostmem`` skips them all). The tests run small torch work
-(``x * 2 + 1``) on the backend's ``torch_device()``, so they need torch.
+that names the backend, the missing capability and what the tests do with it
+(a vmm-only plugin skips them all). The tests run small torch work
+(``x * 2 + 1``, and functions with constants, in-place and ``out=`` ops and
+views, compared with their eager results) on the backend's ``torch_device()``,
+so they need torch. ``--hal-half graph`` runs this half alone.
 
 They come with ``from hal.testing.suite import *`` like the vmm half.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import pytest
@@ -24,6 +29,7 @@ __all__ = [
     "TestStreams",
     "TestPools",
     "TestCaptureReplay",
+    "TestCapturedWork",
     "TestCustomPools",
     "TestCaptureRouting",
     "TestUsePool",
@@ -73,6 +79,13 @@ def captured(be: hal.Backend, x: Any, pool: Any = None, stream: Any = None,
     with be.capture(graph, pool, stream, capture_error_mode=capture_error_mode):
         y = step(x)
     return graph, y
+
+
+def replay_and_wait(be: hal.Backend, graph: Any) -> None:
+    """Replay ``graph`` after the work queued before it, and wait until the replay is done."""
+    be.synchronize(None)
+    be.replay(graph)
+    be.synchronize(None)
 
 
 def inside(blocks: list[tuple[int, int]], t: Any) -> bool:
@@ -147,6 +160,16 @@ class Segments:
         self.be.release_vir_ptr(self.base, self.size)
 
 
+#: What the tests of a class that needs a capability do with it (the second half of a skip reason).
+WHAT_NEEDS = {
+    "graphs": "these tests capture and replay torch work on the backend's device",
+    "custom_pool": "these tests capture into pools whose segments come from allocator callbacks",
+    "capture_routing": "these tests route captures to the pool a router chooses",
+    "use_pool": "these tests allocate torch tensors inside use_pool",
+    "graph_addresses": "these tests ask a captured graph which addresses its replay touches",
+}
+
+
 class _NeedsCapabilities:
     """Skips every test of the class on a backend that lacks one of :attr:`capabilities`."""
 
@@ -158,7 +181,7 @@ class _NeedsCapabilities:
         if missing:
             has = ", ".join(sorted(hal_backend.capabilities)) or "none"
             pytest.skip(f"{hal_backend.name} lacks capability {', '.join(missing)} (it declares: {has}); "
-                        "these tests capture torch work on the backend's device")
+                        f"{WHAT_NEEDS[missing[0]]}")
         pytest.importorskip("torch", reason="the graph tests run torch work on the backend's device")
 
     @pytest.fixture
@@ -227,15 +250,11 @@ class TestCaptureReplay(_NeedsCapabilities):
             y = counted(x)
         assert be.live.graphs == 1 and len(calls) == 1
         x.fill_(3.0)
-        be.synchronize(None)
-        be.replay(graph)
-        be.synchronize(None)
+        replay_and_wait(be, graph)
         assert equals(y, 7.0), "replay did not recompute the output from the new input"
         assert len(calls) == 1, "replay ran the Python function again"
         x.fill_(-1.0)
-        be.synchronize(None)
-        be.replay(graph)
-        be.synchronize(None)
+        replay_and_wait(be, graph)
         assert equals(y, -1.0)
         be.release_graph(graph)
         assert be.live.graphs == 0
@@ -277,9 +296,7 @@ class TestCaptureReplay(_NeedsCapabilities):
         x = full(be, 1.0)
         graph, y = captured(be, x, capture_error_mode=mode)
         x.fill_(4.0)
-        be.synchronize(None)
-        be.replay(graph)
-        be.synchronize(None)
+        replay_and_wait(be, graph)
         assert equals(y, 9.0)
         be.release_graph(graph)
 
@@ -302,8 +319,7 @@ class TestCaptureReplay(_NeedsCapabilities):
         assert info.value.backend and info.value.call == "capture"
         be.release_graph(graph)
         graph, y = captured(be, x, stream=stream)  # the next capture works
-        be.replay(graph)
-        be.synchronize(None)
+        replay_and_wait(be, graph)
         assert equals(y, 3.0)
         be.release_graph(graph)
 
@@ -314,6 +330,148 @@ class TestCaptureReplay(_NeedsCapabilities):
             with be.capture(graph, None, be.create_stream()):
                 pass
         be.release_graph(graph)
+
+
+M_PERTURB = -6  # glibc's mallopt parameter: fill memory given back by free() with a byte
+
+
+@contextlib.contextmanager
+def freed_host_memory_poisoned() -> Iterator[None]:
+    """Inside the block, glibc's ``free()`` fills the heap memory it takes back with ``0xa5`` bytes.
+
+    So a replay that reads a host tensor that died reads garbage whatever
+    the allocator does with the memory next. Elsewhere (another C library)
+    this does nothing.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        yield
+        return
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    before = int(os.environ.get("MALLOC_PERTURB_", "0") or 0)
+    mallopt(M_PERTURB, 0xA5)
+    try:
+        yield
+    finally:
+        mallopt(M_PERTURB, before)
+
+
+def replays_like_eager(be: hal.Backend, work: Callable[..., tuple[Any, ...]], buffers: int = 0,
+                       seeds: tuple[int, ...] = (1, 2)) -> None:
+    """Capture ``work(x, *buffers)``, then replay it on new values of ``x`` and compare with eager ``work``.
+
+    ``buffers`` are zeroed tensors made before the capture (outputs written
+    with ``out=`` or ``copy_``); ``work`` returns the tensors to compare.
+    Host memory freed during the check is filled with garbage (on glibc), and
+    fresh tensors of garbage are made right before each replay, so a replay
+    that reads memory it does not own (a tensor the capture made and
+    dropped) reads garbage.
+    """
+
+    dev = be.torch_device()
+    with freed_host_memory_poisoned() if dev.type == "cpu" else contextlib.nullcontext():
+        _replays_like_eager(be, work, buffers, seeds)
+
+
+def _replays_like_eager(be: hal.Backend, work: Callable[..., tuple[Any, ...]], buffers: int,
+                        seeds: tuple[int, ...]) -> None:
+    import torch
+
+    dev = be.torch_device()
+
+    def values(seed: int) -> Any:
+        return torch.randint(-8, 8, (N,), generator=torch.Generator().manual_seed(seed)).float()
+
+    x = values(0).to(dev)
+    bufs = [torch.zeros(N, device=dev) for _ in range(buffers)]
+    stream = be.create_stream()
+    with be.use_stream(stream):
+        work(x.clone(), *[b.clone() for b in bufs])
+    be.synchronize(stream)
+    graph = be.create_graph()
+    with be.capture(graph, None, stream):
+        outs = work(x, *bufs)
+    settle(be)
+    try:
+        for seed in seeds:
+            expected_bufs = [torch.zeros(N, device=dev) for _ in range(buffers)]
+            expected = work(values(seed).to(dev), *expected_bufs)
+            x.copy_(values(seed).to(dev))
+            # the eager run just freed its own tensors, perhaps where the capture's were: overwrite them
+            garbage = [torch.full((n,), float("nan"), device=dev) for n in (N,) * 64 + (N // 4, N // 2, 3) * 8]
+            replay_and_wait(be, graph)
+            del garbage
+            for i, (got, want) in enumerate(zip((*outs, *bufs), (*expected, *expected_bufs), strict=True)):
+                assert torch.equal(got.cpu(), want.cpu()), (
+                    f"replay {seed}: result {i} differs from the eager run of the captured function "
+                    f"(first values {got.flatten()[:4].tolist()} instead of {want.flatten()[:4].tolist()})")
+    finally:
+        be.release_graph(graph)
+
+
+def constant_work(x: Any) -> tuple[Any, ...]:
+    """Reads a constant made inside the captured function from Python data."""
+    import torch
+
+    c = torch.tensor([float(i % 7) - 3 for i in range(N)], device=x.device)
+    return (x * c + 1,)
+
+
+def in_place_work(x: Any, out: Any) -> tuple[Any, ...]:
+    """In-place ops on an intermediate, on a view of it and into a buffer made before the capture."""
+    t = x * 2
+    t.add_(1)
+    t.mul_(x)
+    t[: N // 2].neg_()
+    out.copy_(t)
+    out.sub_(x)
+    return (t,)
+
+
+def out_variant_work(x: Any, a: Any, b: Any) -> tuple[Any, ...]:
+    """``out=`` ops into buffers made before the capture and into an empty tensor made inside it."""
+    import torch
+
+    torch.mul(x, 3, out=a)
+    torch.add(a, x, out=b)
+    tmp = torch.empty_like(x)
+    torch.sub(b, 1, out=tmp)
+    torch.maximum(tmp, x, out=a)
+    return (tmp,)
+
+
+def view_work(x: Any) -> tuple[Any, ...]:
+    """Views of an input and of intermediates: transposes, slices, strides, in-place view ops, writes through them."""
+    side = int(N ** 0.5)
+    m = x.view(side, side)
+    t = m.t() * 2
+    t[1:3].add_(m[0])
+    s = t.reshape(-1)[::2]
+    u = (m + 1).unsqueeze(0)
+    u.squeeze_(0)
+    d = u.diagonal()
+    d.mul_(-1)
+    return t, s, u, m.t()[::3, 1:]
+
+
+class TestCapturedWork(_NeedsCapabilities):
+    """Replays compute what the captured function computes: constants, in-place and out= ops, views."""
+
+    def test_a_constant_made_inside_the_capture_replays_with_its_values(self, hal_backend: hal.Backend) -> None:
+        if hal_backend.torch_device().type != "cpu":  # a host-to-device copy cannot be captured on a device
+            pytest.skip(f"{hal_backend.name}: torch.tensor(data) inside a capture is a host-to-device copy, which "
+                        "device graphs refuse; this test is for backends that record host work")
+        replays_like_eager(hal_backend, constant_work)
+
+    def test_in_place_ops_replay(self, hal_backend: hal.Backend) -> None:
+        replays_like_eager(hal_backend, in_place_work, buffers=1)
+
+    def test_out_variant_ops_replay(self, hal_backend: hal.Backend) -> None:
+        replays_like_eager(hal_backend, out_variant_work, buffers=2)
+
+    def test_views_replay(self, hal_backend: hal.Backend) -> None:
+        replays_like_eager(hal_backend, view_work)
 
 
 class TestCustomPools(_NeedsCapabilities):
@@ -331,9 +489,7 @@ class TestCustomPools(_NeedsCapabilities):
         assert segments.allocs, "the capture never called alloc"
         assert segments.holds(y), "the output does not live in memory the callbacks handed out"
         x.fill_(3.0)
-        be.synchronize(None)
-        be.replay(graph)
-        be.synchronize(None)
+        replay_and_wait(be, graph)
         assert equals(y, 7.0)
         assert segments.frees == {}, "a segment was freed while its graph was alive"
         be.release_graph(graph)
@@ -360,8 +516,7 @@ class TestCustomPools(_NeedsCapabilities):
         be.release_graph(graph)
         be.release_pool(pool)
         graph, y = captured(be, x, stream=stream)  # the backend still captures
-        be.replay(graph)
-        be.synchronize(None)
+        replay_and_wait(be, graph)
         assert equals(y, 3.0)
         be.release_graph(graph)
 
@@ -387,9 +542,7 @@ class TestCaptureRouting(_NeedsCapabilities):
         assert events == ["route", ("end", True)]
         assert inside(be.pool_active_blocks(pool), y), "the routed capture did not draw from the router's pool"
         x.fill_(2.0)
-        be.synchronize(None)
-        be.replay(graph)
-        be.synchronize(None)
+        replay_and_wait(be, graph)
         assert equals(y, 5.0)
         other, _ = captured(be, x)  # after the block: not routed
         assert events == ["route", ("end", True)]

@@ -1,8 +1,9 @@
 """pytest plugin of the hal conformance suite (entry point ``pytest11: hal``).
 
-Adds ``--hal-backend NAME`` and ``--hal-option KEY=VALUE`` and the fixtures the
-suite uses. Every fixture can be overridden in a ``conftest.py``, e.g. a
-plugin's own repository can pin ``hal_backend_name``.
+Adds ``--hal-backend NAME``, ``--hal-option KEY=VALUE`` and ``--hal-half vmm|graph``
+(run one half of the suite) and the fixtures the suite uses. Every fixture
+can be overridden in a ``conftest.py``, e.g. a plugin's own repository can
+pin ``hal_backend_name``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from hal.testing.options import parse_options, split_options
 from hal.testing.requirements import Requirements
 
 ENV_VAR = "HAL_BACKEND"
+#: ``--hal-half`` values -> the module whose test classes make up that half.
+HALVES = {"vmm": "hal.testing.suite", "graph": "hal.testing.graph_suite"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -27,6 +30,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--hal-backend", dest="hal_backend", default=None, metavar="NAME",
         help=f"backend to run the hal conformance suite against (default: ${ENV_VAR}; "
              "without either the suite is skipped)",
+    )
+    group.addoption(
+        "--hal-half", dest="hal_half", choices=HALVES, default=None,
+        help="run one half of the suite: 'vmm' (queries, reserve/create/map, errors, faults, lifecycle) or "
+             "'graph' (streams, pools, capture, replay, routing); default: both",
     )
     group.addoption(
         "--hal-option", dest="hal_option", action="append", default=[], metavar="KEY=VALUE",
@@ -49,12 +57,28 @@ def pytest_configure(config: pytest.Config) -> None:
     _parsed(config)  # bad KEY=VALUE syntax is a usage error, reported once
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With ``--hal-half``, deselect the suite's tests of the other half (a plugin's own tests stay)."""
+    half = config.getoption("hal_half")
+    if not half:
+        return
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
+    for item in items:
+        module = getattr(getattr(item, "cls", None), "__module__", None)
+        (drop if module in HALVES.values() and module != HALVES[half] else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     name = config.getoption("hal_backend") or os.environ.get(ENV_VAR)
     if not name:
         return []
     options, overrides = _parsed(config)
-    return [f"hal conformance: backend={name} options={options} requirements={overrides}"]
+    half = config.getoption("hal_half") or "both"
+    return [f"hal conformance: backend={name} options={options} requirements={overrides} half={half}"]
 
 
 @pytest.fixture(scope="session")

@@ -44,14 +44,20 @@ _copy_dir: Path | None = None
 
 
 def sim_env(name: str, *, capacity: int = DEFAULT_CAPACITY, granularity: int = DEFAULT_GRANULARITY,
-            set_access: bool = True) -> dict[str, str]:
-    """Environment variables that point backend ``name`` of a child process at its simulator."""
+            set_access: bool = True, cann_version: str | None = None) -> dict[str, str]:
+    """Environment variables that point backend ``name`` of a child process at its simulator.
+
+    :param cann_version: ascend only: the CANN version the runtime reports (default ``"8.3.RC1"``).
+    """
     library_var, prefix = _ENV[name]
-    return {
+    env = {
         library_var: str(built(name, set_access=set_access)),
         f"{prefix}_CAPACITY": str(capacity),
         f"{prefix}_GRANULARITY": str(granularity),
     }
+    if cann_version is not None:
+        env[f"{prefix}_CANN_VERSION"] = cann_version
+    return env
 
 
 class Simulator:
@@ -67,13 +73,20 @@ class Simulator:
         self._last = last
 
     def count(self, what: str) -> int:
-        """``"ranges"``, ``"chunks"``, ``"mappings"``, ``"used"`` (bytes), ``"set_access"``, ``"init"``."""
+        """``"ranges"``, ``"chunks"``, ``"mappings"``, ``"used"`` (bytes), ``"set_access"``, ``"init"``;
+        ascend: ``"reserve_flags"`` (of the last reservation); mlu: ``"contexts"`` (created)."""
         return int(self._count(what.encode()))
 
     def last_error(self) -> str:
         """Why the simulator last refused a call on this thread."""
         raw = self._last()
         return raw.decode() if raw else ""
+
+    def set_cann_version(self, version: str) -> None:
+        """ascend only: the CANN version ``aclsysGetCANNVersion`` reports (``""``: it fails)."""
+        fn = self.cdll.acl_sim_set_cann_version
+        fn.argtypes, fn.restype = [ctypes.c_char_p], ctypes.c_int
+        fn(version.encode())
 
     def configure(self, capacity: int, granularity: int, devices: int = 1) -> None:
         fn = getattr(self.cdll, f"{self.prefix}_configure")
@@ -96,13 +109,15 @@ def private_copy(name: str, set_access: bool = True) -> Path:
 
 def simulated_backend(name: str, *, capacity: int = DEFAULT_CAPACITY, granularity: int = DEFAULT_GRANULARITY,
                       devices: int = 1, device: int = 0, set_access: bool = True, use_torch: bool = False,
-                      **options: Any) -> hal.Backend:
+                      cann_version: str | None = None, **options: Any) -> hal.Backend:
     """A :class:`hal.Backend` of ``name`` ("ascend" or "mlu") over a fresh simulated device.
 
     :param capacity: physical bytes; creating past it raises :class:`hal.DeviceOutOfMemoryError`.
     :param granularity: bytes (a multiple of the page size), 2 MiB like the devices by default.
     :param set_access: ascend only: ``False`` builds a runtime without ``aclrtMemSetAccess``.
     :param use_torch: passed to the backend: ``False`` keeps torch_npu / torch_mlu out (VMM only).
+    :param cann_version: ascend only: the CANN version the runtime reports (default ``"8.3.RC1"``;
+        ``""``: ``aclsysGetCANNVersion`` fails).
     :param options: further backend options.
     """
     from hal.backends.ascend import AscendBackend
@@ -111,7 +126,10 @@ def simulated_backend(name: str, *, capacity: int = DEFAULT_CAPACITY, granularit
     cls = {"ascend": AscendBackend, "mlu": MluBackend}[name]
     path = private_copy(name, set_access)
     try:
-        Simulator(ctypes.CDLL(str(path)), name).configure(capacity, granularity, devices)
+        sim = Simulator(ctypes.CDLL(str(path)), name)
+        sim.configure(capacity, granularity, devices)
+        if cann_version is not None:
+            sim.set_cann_version(cann_version)
         plugin = cls(device=device, library=str(path), use_torch=use_torch, **options)
     finally:
         path.unlink()  # the loaded copy stays mapped; nothing else may load it again

@@ -2,16 +2,22 @@
  * acl_sim.c -- a host-memory simulator of the VMM part of libascendcl (acl_rt.h).
  *
  * Exports the prototypes, struct layouts and enum values of the Ascend runtime
- * (see VENDOR_APIS.md) and enforces their documented rules:
+ * (acl_rt.h) and enforces the rules its documentation gives:
  *
+ *   - the CANN version (ACL_SIM_CANN_VERSION, default "8.3.RC1"; "" makes
+ *     aclsysGetCANNVersion fail) decides what is valid, as the CANN docs of
+ *     that version say;
  *   - aclrtPhysicalMemProp: handleType NONE (0), allocationType PINNED (0),
- *     memAttr HBM_MEM_HUGE (4) or HBM_MEM_HUGE1G (10), location {id, type}
- *     with type DEVICE (1), padding and reserve zero;
+ *     memAttr HBM_MEM_HUGE (4) or HBM_MEM_HUGE1G (10), also HBM_MEM_NORMAL (5)
+ *     on CANN 7-8 and MEM_NORMAL/HUGE/HUGE1G (12-14) on CANN 9, location
+ *     {id, type} with type DEVICE (1), padding zero; reserve may hold anything;
+ *   - aclrtReserveMemAddress: alignment 0; flags 0 or 1 (the page type) up to
+ *     CANN 8, 0 (reserved) from CANN 9;
  *   - aclrtMapMem: offset 0, flags 0, size equal to the physical size, inside a
  *     reservation, aligned, no overlap; memory is accessible right after it;
  *   - aclrtUnmapMem(va): one call per mapping, va must start a mapping;
  *   - aclrtMemSetAccess (left out when built with -DACL_SIM_NO_SET_ACCESS):
- *     flags READWRITE (3), location {id, DEVICE}, rsv zero, a mapped range;
+ *     flags READWRITE (3), location {id, DEVICE}, rsv zero, exactly one mapping;
  *   - memory calls need aclrtSetDevice on the calling thread (ACL_ERROR_RT_CONTEXT_NULL);
  *   - allocations past the capacity fail with ACL_ERROR_RT_MEMORY_ALLOCATION.
  *
@@ -20,8 +26,8 @@
  *
  * Configuration, read at first use: ACL_SIM_CAPACITY (bytes, default 16 GiB),
  * ACL_SIM_GRANULARITY (bytes, default 2 MiB), ACL_SIM_DEVICES (default 1); or
- * acl_sim_configure() before anything is allocated. acl_sim_count() and
- * aclGetRecentErrMsg() let tests look inside.
+ * acl_sim_configure() before anything is allocated; acl_sim_set_cann_version().
+ * acl_sim_count() and aclGetRecentErrMsg() let tests look inside.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -53,15 +59,28 @@ _Static_assert(offsetof(aclrtPhysicalMemProp, location) == 12, "location at 12")
 _Static_assert(offsetof(aclrtPhysicalMemProp, reserve) == 24, "reserve at 24");
 _Static_assert(sizeof(aclrtMemAccessDesc) == 24, "aclrtMemAccessDesc is 24 bytes");
 
+typedef struct {
+    char version[128];
+    char majorVersion[64];
+    char minorVersion[64];
+    char releaseVersion[64];
+    char patchVersion[64];
+    char reserved[128];
+} aclCANNPackageVersion;
+
+_Static_assert(sizeof(aclCANNPackageVersion) == 512, "aclCANNPackageVersion is 512 bytes");
+
 enum {
     ACL_SUCCESS = 0,
     ACL_ERROR_REPEAT_INITIALIZE = 100002,
     ACL_ERROR_RT_PARAM_INVALID = 107000,
     ACL_ERROR_RT_INVALID_DEVICEID = 107001,
     ACL_ERROR_RT_CONTEXT_NULL = 107002,
+    ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000,
     ACL_ERROR_RT_MEMORY_ALLOCATION = 207001,
 };
-enum { LOC_DEVICE = 1, HANDLE_NONE = 0, ALLOC_PINNED = 0, HBM_MEM_HUGE = 4, HBM_MEM_HUGE1G = 10 };
+enum { LOC_DEVICE = 1, HANDLE_NONE = 0, ALLOC_PINNED = 0, HBM_MEM_HUGE = 4, HBM_MEM_NORMAL = 5,
+       HBM_MEM_HUGE1G = 10, MEM_NORMAL = 12, MEM_HUGE = 13, MEM_HUGE1G = 14 };
 enum { ACL_DDR_MEM = 0, ACL_HBM_MEM = 1, ACCESS_READWRITE = 3 };
 
 struct chunk { struct chunk *next; uintptr_t token; int fd; size_t size; int maps; };
@@ -71,7 +90,8 @@ struct mapping { struct mapping *next; uintptr_t va; size_t size; struct chunk *
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int configured, initialized;
 static __thread int32_t current_device = -1; /* ACL binds a device to each thread */
-static uint64_t capacity, granularity, used, set_access_calls;
+static uint64_t capacity, granularity, used, set_access_calls, last_reserve_flags;
+static char cann_version[128];
 static uintptr_t next_token = 0xac1000000010ULL; /* handles are opaque tokens, never reused */
 static uint32_t devices;
 static struct chunk *chunks;
@@ -89,6 +109,8 @@ static void configure_once(void) {
     capacity = env_u64("ACL_SIM_CAPACITY", 16ULL << 30);
     granularity = env_u64("ACL_SIM_GRANULARITY", 2ULL << 20);
     devices = (uint32_t)env_u64("ACL_SIM_DEVICES", 1);
+    const char *version = getenv("ACL_SIM_CANN_VERSION");
+    snprintf(cann_version, sizeof cann_version, "%s", version ? version : "8.3.RC1");
     configured = 1;
 }
 
@@ -112,6 +134,15 @@ static int check_location(const aclrtMemLocation *loc, const char *what) {
     return 1;
 }
 
+/* The CANN major version; an unknown one counts as 8 (the last that documents reserve flags). */
+static int cann_major(void) { return cann_version[0] ? atoi(cann_version) : 8; }
+
+static int valid_mem_attr(int32_t attr) {
+    if (attr == HBM_MEM_HUGE || attr == HBM_MEM_HUGE1G) return 1;
+    if (cann_major() <= 8) return attr == HBM_MEM_NORMAL;
+    return attr == MEM_NORMAL || attr == MEM_HUGE || attr == MEM_HUGE1G;
+}
+
 static int check_prop(const aclrtPhysicalMemProp *p) {
     const uint8_t *raw = (const uint8_t *)p;
     if (!p) { snprintf(recent, sizeof recent, "prop is NULL"); return 0; }
@@ -121,13 +152,14 @@ static int check_prop(const aclrtPhysicalMemProp *p) {
     if (p->allocationType != ALLOC_PINNED) {
         snprintf(recent, sizeof recent, "prop.allocationType=%d, expected PINNED (0)", p->allocationType); return 0;
     }
-    if (p->memAttr != HBM_MEM_HUGE && p->memAttr != HBM_MEM_HUGE1G) {
-        snprintf(recent, sizeof recent, "prop.memAttr=%d, expected HBM_MEM_HUGE (4) or HUGE1G (10)", p->memAttr);
+    if (!valid_mem_attr(p->memAttr)) {
+        snprintf(recent, sizeof recent, "prop.memAttr=%d is not a memory type of CANN %s", p->memAttr,
+                 cann_version[0] ? cann_version : "(unknown)");
         return 0;
     }
     if (!check_location(&p->location, "prop")) return 0;
-    for (size_t i = 20; i < sizeof *p; i++)
-        if (raw[i]) { snprintf(recent, sizeof recent, "prop: byte %zu (padding/reserve) is not zero", i); return 0; }
+    for (size_t i = 20; i < offsetof(aclrtPhysicalMemProp, reserve); i++)
+        if (raw[i]) { snprintf(recent, sizeof recent, "prop: byte %zu (padding) is not zero", i); return 0; }
     return 1;
 }
 
@@ -148,21 +180,11 @@ static struct mapping *mapping_overlapping(uintptr_t lo, uintptr_t hi) {
     return NULL;
 }
 
-static struct mapping *mapping_at(uintptr_t va) {
+__attribute__((unused)) static struct mapping *mapping_at(uintptr_t va) {
     for (struct mapping *m = mappings; m; m = m->next) if (m->va == va) return m;
     return NULL;
 }
 
-/* [va, va + size) is exactly a run of contiguous whole mappings. */
-__attribute__((unused)) static int covered_by_mappings(uintptr_t va, size_t size) {
-    uintptr_t at = va, end = va + size;
-    while (at < end) {
-        struct mapping *m = mapping_at(at);
-        if (!m || m->va + m->size > end) return 0;
-        at += m->size;
-    }
-    return size > 0;
-}
 
 static void *reserve_aligned(size_t size, size_t align) {
     uint8_t *raw = mmap(NULL, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -190,6 +212,17 @@ EXPORT const char *aclGetRecentErrMsg(void) {
     memcpy(copy, recent, sizeof copy);
     recent[0] = 0;
     return copy;
+}
+
+EXPORT aclError aclsysGetCANNVersion(int32_t name, aclCANNPackageVersion *version) {
+    ENTER();
+    if (!version) REJECT(ACL_ERROR_RT_PARAM_INVALID, "aclsysGetCANNVersion: version is NULL");
+    if (name < 0 || name > 7) REJECT(ACL_ERROR_RT_PARAM_INVALID, "aclsysGetCANNVersion: package name=%d", name);
+    if (!cann_version[0]) REJECT(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, "aclsysGetCANNVersion: no version information");
+    memset(version, 0, sizeof *version);
+    snprintf(version->version, sizeof version->version, "%s", cann_version);
+    snprintf(version->majorVersion, sizeof version->majorVersion, "%d", cann_major());
+    LEAVE(ACL_SUCCESS);
 }
 
 EXPORT aclError aclrtGetDeviceCount(uint32_t *count) {
@@ -244,13 +277,17 @@ EXPORT aclError aclrtReserveMemAddress(void **virPtr, size_t size, size_t alignm
     if (!size || size % granularity)
         REJECT(ACL_ERROR_RT_PARAM_INVALID, "aclrtReserveMemAddress: size=%zu is not a positive multiple of %llu",
                size, (unsigned long long)granularity);
-    if (alignment & (alignment - 1)) REJECT(ACL_ERROR_RT_PARAM_INVALID, "alignment=%zu", alignment);
-    if (flags) REJECT(ACL_ERROR_RT_PARAM_INVALID, "aclrtReserveMemAddress: flags=%llu must be 0",
-                      (unsigned long long)flags);
+    if (alignment) REJECT(ACL_ERROR_RT_PARAM_INVALID, "aclrtReserveMemAddress: alignment=%zu is reserved, must be 0",
+                          alignment);
+    if (cann_major() >= 9 ? flags != 0 : flags > 1)
+        REJECT(ACL_ERROR_RT_PARAM_INVALID, "aclrtReserveMemAddress: flags=%llu; CANN %s takes %s",
+               (unsigned long long)flags, cann_version[0] ? cann_version : "(unknown)",
+               cann_major() >= 9 ? "0 (reserved)" : "0 or 1 (the page type)");
     struct range *r = calloc(1, sizeof *r);
-    void *va = r ? reserve_aligned(size, alignment > granularity ? alignment : granularity) : NULL;
+    void *va = r ? reserve_aligned(size, granularity) : NULL;
     if (!va) { free(r); REJECT(ACL_ERROR_RT_MEMORY_ALLOCATION, "no address space for %zu bytes", size); }
     r->va = (uintptr_t)va; r->size = size; r->next = ranges; ranges = r;
+    last_reserve_flags = flags;
     *virPtr = va;
     LEAVE(ACL_SUCCESS);
 }
@@ -363,8 +400,9 @@ EXPORT aclError aclrtMemSetAccess(void *virPtr, size_t size, aclrtMemAccessDesc 
         for (size_t k = 0; k < sizeof desc[i].rsv; k++)
             if (desc[i].rsv[k]) REJECT(ACL_ERROR_RT_PARAM_INVALID, "aclrtMemSetAccess: rsv is not zero");
     }
-    if (!covered_by_mappings((uintptr_t)virPtr, size))
-        REJECT(ACL_ERROR_RT_PARAM_INVALID, "aclrtMemSetAccess: [%p, +%zu) is not mapped", virPtr, size);
+    struct mapping *m = mapping_at((uintptr_t)virPtr);
+    if (!m || m->size != size)
+        REJECT(ACL_ERROR_RT_PARAM_INVALID, "aclrtMemSetAccess: [%p, +%zu) is not exactly one mapping", virPtr, size);
     set_access_calls++;
     LEAVE(ACL_SUCCESS);
 }
@@ -381,7 +419,15 @@ EXPORT int acl_sim_configure(uint64_t cap, uint64_t gran, uint32_t ndev) {
     LEAVE(ACL_SUCCESS);
 }
 
-/* Live objects and counters: "ranges", "chunks", "mappings", "used", "set_access", "init". */
+/* The CANN version aclsysGetCANNVersion reports ("" makes it fail). */
+EXPORT int acl_sim_set_cann_version(const char *version) {
+    ENTER();
+    snprintf(cann_version, sizeof cann_version, "%s", version ? version : "");
+    LEAVE(ACL_SUCCESS);
+}
+
+/* Live objects and counters: "ranges", "chunks", "mappings", "used", "set_access", "init", and
+   "reserve_flags" (the flags of the last successful aclrtReserveMemAddress). */
 EXPORT uint64_t acl_sim_count(const char *what) {
     uint64_t n = 0;
     ENTER();
@@ -391,5 +437,6 @@ EXPORT uint64_t acl_sim_count(const char *what) {
     else if (!strcmp(what, "used")) n = used;
     else if (!strcmp(what, "set_access")) n = set_access_calls;
     else if (!strcmp(what, "init")) n = (uint64_t)initialized;
+    else if (!strcmp(what, "reserve_flags")) n = last_reserve_flags;
     LEAVE(n);
 }

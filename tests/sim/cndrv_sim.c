@@ -2,17 +2,26 @@
  * cndrv_sim.c -- a host-memory simulator of the VMM part of libcndrv (cn_api.h).
  *
  * Exports the prototypes, struct layouts and enum values of Cambricon CNDrv
- * (see VENDOR_APIS.md) and enforces their documented rules:
+ * (cn_api.h) and enforces the rules its documentation gives:
  *
  *   - cnInit(0) before anything else (CN_ERROR_NOT_INITIALIZED otherwise);
+ *   - cnMemGetInfo and the VMM calls need a context current on the calling
+ *     thread (CN_CONTEXT_ERROR_INVALID otherwise): cnDeviceGet, cnCtxCreate
+ *     (which binds the new context too), cnCtxGetCurrent, cnCtxSetCurrent;
  *   - CNmemAllocationProp: type DEFAULT (1), requestedHandleTypes NONE (0),
  *     location {type, id} with type DEVICE (1), allocFlags and padding zero;
  *   - cnMemMap: offset 0, flags 0, size equal to the physical size, inside a
  *     reservation, aligned, no overlap; the range stays PROT_NONE until
- *     cnMemSetAccess (accessFlags READWRITE = 0 or READONLY = 1, location
- *     {DEVICE, id}, cacheType and pinnedType 0) over mapped memory;
+ *     cnMemSetAccess over mapped memory: count 1, location {DEVICE, id} with
+ *     id the device the memory was created on, accessFlags READWRITE = 0 or
+ *     READONLY = 1, cacheType 0-3, pinnedType 0-1;
  *   - cnMemUnmap(va, size) takes whole mappings only;
- *   - allocations past the capacity fail with CN_MEMORY_ERROR_OUT_OF_MEMORY.
+ *   - cnMemRelease of a handle still mapped succeeds: the memory goes when
+ *     its last mapping does;
+ *   - addresses that are not reserved or not mapped fail with
+ *     CN_MEMORY_ERROR_INVALID_ADDRESS; allocations past the capacity with
+ *     CN_MEMORY_ERROR_OUT_OF_MEMORY; an exhausted address space with
+ *     CN_OPS_ERROR_OUT_OF_RESOURCES.
  *
  * A physical handle is a memfd; a mapping is mmap(MAP_SHARED | MAP_FIXED) of it
  * into a PROT_NONE reservation, so two mappings of one handle really alias.
@@ -61,17 +70,27 @@ enum {
     CN_ERROR_NOT_INITIALIZED = 100002,
     CN_ERROR_INVALID_DEVICE = 100005,
     CN_ERROR_INVALID_VALUE = 100006,
+    CN_OPS_ERROR_OUT_OF_RESOURCES = 100053,
     CN_MEMORY_ERROR_OUT_OF_MEMORY = 100100,
+    CN_MEMORY_ERROR_INVALID_ADDRESS = 100102,
+    CN_CONTEXT_ERROR_INVALID = 100201,
 };
+typedef uint64_t CNdev;
+typedef struct CNcontext_st *CNcontext;
 enum { LOC_DEVICE = 1, ALLOC_DEFAULT = 1, HANDLE_NONE = 0, PROT_READWRITE_FLAG = 0, PROT_READONLY_FLAG = 1 };
 
-struct chunk { struct chunk *next; CNmemGenericAllocationHandle id; int fd; size_t size; int maps; };
+struct chunk { struct chunk *next; CNmemGenericAllocationHandle id; int fd; size_t size; int maps; int released;
+               uint32_t device; };
+struct context { struct context *next; uintptr_t token; CNdev dev; };
 struct range { struct range *next; uintptr_t va; size_t size; };
 struct mapping { struct mapping *next; uintptr_t va; size_t size; struct chunk *chunk; };
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int configured;
 static uint64_t capacity, granularity, used, init_calls, set_access_calls, next_handle = 0x7e5700000001ULL;
+static uintptr_t next_context = 0xc7c000000010ULL; /* contexts are opaque tokens */
+static struct context *contexts;
+static __thread uintptr_t current_context;
 static uint32_t devices;
 static struct chunk *chunks;
 static struct range *ranges;
@@ -95,6 +114,13 @@ static void configure_once(void) {
 #define LEAVE(rc) do { pthread_mutex_unlock(&lock); return (rc); } while (0)
 #define REJECT(code, ...) do { snprintf(last_error, sizeof last_error, __VA_ARGS__); LEAVE(code); } while (0)
 #define NEED_INIT() do { if (!init_calls) REJECT(CN_ERROR_NOT_INITIALIZED, "cnInit(0) was not called"); } while (0)
+#define NEED_CONTEXT() do { NEED_INIT(); if (!current_context) \
+    REJECT(CN_CONTEXT_ERROR_INVALID, "%s: no context is current on this thread", __func__); } while (0)
+
+static struct context *find_context(uintptr_t token) {
+    for (struct context *c = contexts; c; c = c->next) if (c->token == token) return c;
+    return NULL;
+}
 
 static int check_location(const CNmemLocation *loc, const char *what) {
     if (loc->type != LOC_DEVICE) {
@@ -128,9 +154,21 @@ static int check_prop(const CNmemAllocationProp *p) {
     return 1;
 }
 
+/* A handle that was created and not yet released. */
 static struct chunk *find_chunk(CNmemGenericAllocationHandle id) {
-    for (struct chunk *c = chunks; c; c = c->next) if (c->id == id) return c;
+    for (struct chunk *c = chunks; c; c = c->next) if (c->id == id && !c->released) return c;
     return NULL;
+}
+
+/* Free a released chunk once nothing maps it any more. */
+static void free_if_done(struct chunk *c) {
+    if (!c->released || c->maps) return;
+    struct chunk **link = &chunks;
+    while (*link != c) link = &(*link)->next;
+    *link = c->next;
+    close(c->fd);
+    used -= c->size;
+    free(c);
 }
 
 static struct range *range_containing(uintptr_t va, size_t size) {
@@ -188,9 +226,50 @@ EXPORT CNresult cnDeviceGetCount(int *count) {
     LEAVE(CN_SUCCESS);
 }
 
-EXPORT CNresult cnMemGetInfo(uint64_t *free_bytes, uint64_t *total_bytes) {
+EXPORT CNresult cnDeviceGet(CNdev *pdev, int ordinal) {
     ENTER();
     NEED_INIT();
+    if (!pdev) REJECT(CN_ERROR_INVALID_VALUE, "cnDeviceGet: pdev is NULL");
+    if (ordinal < 0 || (uint32_t)ordinal >= devices)
+        REJECT(CN_ERROR_INVALID_DEVICE, "cnDeviceGet: no device %d (have %u)", ordinal, devices);
+    *pdev = (CNdev)ordinal;
+    LEAVE(CN_SUCCESS);
+}
+
+EXPORT CNresult cnCtxCreate(CNcontext *pcontext, unsigned int flags, CNdev dev) {
+    (void)flags; /* the scheduling policy */
+    ENTER();
+    NEED_INIT();
+    if (!pcontext) REJECT(CN_ERROR_INVALID_VALUE, "cnCtxCreate: pcontext is NULL");
+    if (dev >= devices) REJECT(CN_ERROR_INVALID_DEVICE, "cnCtxCreate: no device %llu", (unsigned long long)dev);
+    struct context *c = calloc(1, sizeof *c);
+    c->token = next_context; next_context += 0x10;
+    c->dev = dev; c->next = contexts; contexts = c;
+    current_context = c->token; /* created contexts are bound to the caller */
+    *pcontext = (CNcontext)c->token;
+    LEAVE(CN_SUCCESS);
+}
+
+EXPORT CNresult cnCtxGetCurrent(CNcontext *pcontext) {
+    ENTER();
+    NEED_INIT();
+    if (!pcontext) REJECT(CN_ERROR_INVALID_VALUE, "cnCtxGetCurrent: pcontext is NULL");
+    *pcontext = (CNcontext)current_context;
+    LEAVE(CN_SUCCESS);
+}
+
+EXPORT CNresult cnCtxSetCurrent(CNcontext context) {
+    ENTER();
+    NEED_INIT();
+    if (context && !find_context((uintptr_t)context))
+        REJECT(CN_CONTEXT_ERROR_INVALID, "cnCtxSetCurrent: %p is not a context", (void *)context);
+    current_context = (uintptr_t)context;
+    LEAVE(CN_SUCCESS);
+}
+
+EXPORT CNresult cnMemGetInfo(uint64_t *free_bytes, uint64_t *total_bytes) {
+    ENTER();
+    NEED_CONTEXT();
     if (!free_bytes || !total_bytes) REJECT(CN_ERROR_INVALID_VALUE, "cnMemGetInfo: NULL output");
     *total_bytes = capacity;
     *free_bytes = capacity - used;
@@ -199,7 +278,7 @@ EXPORT CNresult cnMemGetInfo(uint64_t *free_bytes, uint64_t *total_bytes) {
 
 EXPORT CNresult cnMemGetAllocationGranularity(uint64_t *gran, CNmemAllocationProp *prop, int32_t option) {
     ENTER();
-    NEED_INIT();
+    NEED_CONTEXT();
     if (!gran) REJECT(CN_ERROR_INVALID_VALUE, "cnMemGetAllocationGranularity: granularity output is NULL");
     if (!check_prop(prop)) LEAVE(CN_ERROR_INVALID_VALUE);
     if (option != 0 && option != 1) REJECT(CN_ERROR_INVALID_VALUE, "granularity option=%d", option);
@@ -210,7 +289,7 @@ EXPORT CNresult cnMemGetAllocationGranularity(uint64_t *gran, CNmemAllocationPro
 EXPORT CNresult cnMemAddressReserve(CNaddr *ptr, uint64_t size, uint64_t alignment, CNaddr start, uint64_t flags) {
     (void)start; /* a hint; the simulator places ranges where mmap does */
     ENTER();
-    NEED_INIT();
+    NEED_CONTEXT();
     if (!ptr) REJECT(CN_ERROR_INVALID_VALUE, "cnMemAddressReserve: ptr is NULL");
     if (!size || size % granularity)
         REJECT(CN_ERROR_INVALID_VALUE, "cnMemAddressReserve: size=%llu is not a positive multiple of %llu",
@@ -220,7 +299,7 @@ EXPORT CNresult cnMemAddressReserve(CNaddr *ptr, uint64_t size, uint64_t alignme
     if (flags) REJECT(CN_ERROR_INVALID_VALUE, "cnMemAddressReserve: flags must be 0");
     struct range *r = calloc(1, sizeof *r);
     void *va = r ? reserve_aligned(size, alignment > granularity ? alignment : granularity) : NULL;
-    if (!va) { free(r); REJECT(CN_MEMORY_ERROR_OUT_OF_MEMORY, "no address space"); }
+    if (!va) { free(r); REJECT(CN_OPS_ERROR_OUT_OF_RESOURCES, "cnMemAddressReserve: no address space"); }
     r->va = (uintptr_t)va; r->size = size; r->next = ranges; ranges = r;
     *ptr = (CNaddr)(uintptr_t)va;
     LEAVE(CN_SUCCESS);
@@ -228,11 +307,12 @@ EXPORT CNresult cnMemAddressReserve(CNaddr *ptr, uint64_t size, uint64_t alignme
 
 EXPORT CNresult cnMemAddressFree(CNaddr ptr, uint64_t size) {
     ENTER();
-    NEED_INIT();
+    NEED_CONTEXT();
     struct range **link = &ranges;
     while (*link && (*link)->va != ptr) link = &(*link)->next;
     struct range *r = *link;
-    if (!r) REJECT(CN_ERROR_INVALID_VALUE, "cnMemAddressFree: %#llx is not a reservation", (unsigned long long)ptr);
+    if (!r) REJECT(CN_MEMORY_ERROR_INVALID_ADDRESS, "cnMemAddressFree: %#llx is not a reservation",
+                   (unsigned long long)ptr);
     if (r->size != size)
         REJECT(CN_ERROR_INVALID_VALUE, "cnMemAddressFree: size=%llu differs from the reserved %zu",
                (unsigned long long)size, r->size);
@@ -247,7 +327,7 @@ EXPORT CNresult cnMemAddressFree(CNaddr ptr, uint64_t size) {
 EXPORT CNresult cnMemCreate(CNmemGenericAllocationHandle *handle, uint64_t size, CNmemAllocationProp *prop,
                             uint64_t flags) {
     ENTER();
-    NEED_INIT();
+    NEED_CONTEXT();
     if (!handle) REJECT(CN_ERROR_INVALID_VALUE, "cnMemCreate: handle is NULL");
     if (!check_prop(prop)) LEAVE(CN_ERROR_INVALID_VALUE);
     if (flags) REJECT(CN_ERROR_INVALID_VALUE, "cnMemCreate: flags must be 0");
@@ -263,7 +343,8 @@ EXPORT CNresult cnMemCreate(CNmemGenericAllocationHandle *handle, uint64_t size,
         REJECT(CN_MEMORY_ERROR_OUT_OF_MEMORY, "cnMemCreate: memfd failed");
     }
     struct chunk *c = calloc(1, sizeof *c);
-    c->id = next_handle++; c->fd = fd; c->size = size; c->next = chunks; chunks = c;
+    c->id = next_handle++; c->fd = fd; c->size = size; c->device = prop->location.id;
+    c->next = chunks; chunks = c;
     used += size;
     *handle = c->id;
     LEAVE(CN_SUCCESS);
@@ -271,23 +352,18 @@ EXPORT CNresult cnMemCreate(CNmemGenericAllocationHandle *handle, uint64_t size,
 
 EXPORT CNresult cnMemRelease(CNmemGenericAllocationHandle handle) {
     ENTER();
-    NEED_INIT();
-    struct chunk **link = &chunks;
-    while (*link && (*link)->id != handle) link = &(*link)->next;
-    struct chunk *c = *link;
+    NEED_CONTEXT();
+    struct chunk *c = find_chunk(handle);
     if (!c) REJECT(CN_ERROR_INVALID_VALUE, "cnMemRelease: %#llx is not a live handle", (unsigned long long)handle);
-    if (c->maps) REJECT(CN_ERROR_INVALID_VALUE, "cnMemRelease: the handle is still mapped %d time(s)", c->maps);
-    close(c->fd);
-    used -= c->size;
-    *link = c->next;
-    free(c);
+    c->released = 1; /* still mapped: the memory goes with the last mapping */
+    free_if_done(c);
     LEAVE(CN_SUCCESS);
 }
 
 EXPORT CNresult cnMemMap(CNaddr ptr, uint64_t size, uint64_t offset, CNmemGenericAllocationHandle handle,
                          uint64_t flags) {
     ENTER();
-    NEED_INIT();
+    NEED_CONTEXT();
     struct chunk *c = find_chunk(handle);
     if (!c) REJECT(CN_ERROR_INVALID_VALUE, "cnMemMap: %#llx is not a live handle", (unsigned long long)handle);
     if (offset) REJECT(CN_ERROR_INVALID_VALUE, "cnMemMap: offset=%llu must be 0", (unsigned long long)offset);
@@ -296,7 +372,7 @@ EXPORT CNresult cnMemMap(CNaddr ptr, uint64_t size, uint64_t offset, CNmemGeneri
         REJECT(CN_ERROR_INVALID_VALUE, "cnMemMap: size=%llu differs from the physical size %zu",
                (unsigned long long)size, c->size);
     if (ptr % granularity) REJECT(CN_ERROR_INVALID_VALUE, "cnMemMap: %#llx is not aligned", (unsigned long long)ptr);
-    if (!range_containing(ptr, size)) REJECT(CN_ERROR_INVALID_VALUE, "cnMemMap: not inside a reservation");
+    if (!range_containing(ptr, size)) REJECT(CN_MEMORY_ERROR_INVALID_ADDRESS, "cnMemMap: not inside a reservation");
     if (mapping_overlapping(ptr, ptr + size)) REJECT(CN_ERROR_INVALID_VALUE, "cnMemMap: overlaps a mapping");
     /* inaccessible until cnMemSetAccess */
     if (mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, c->fd, 0) == MAP_FAILED)
@@ -309,21 +385,28 @@ EXPORT CNresult cnMemMap(CNaddr ptr, uint64_t size, uint64_t offset, CNmemGeneri
 
 EXPORT CNresult cnMemSetAccess(CNaddr ptr, uint64_t size, CNmemAccessDesc *desc, uint64_t count) {
     ENTER();
-    NEED_INIT();
-    if (!desc || !count) REJECT(CN_ERROR_INVALID_VALUE, "cnMemSetAccess: no descriptor");
+    NEED_CONTEXT();
+    if (!desc) REJECT(CN_ERROR_INVALID_VALUE, "cnMemSetAccess: no descriptor");
+    if (count != 1) REJECT(CN_ERROR_INVALID_VALUE, "cnMemSetAccess: count=%llu must be 1", (unsigned long long)count);
+    if (!check_location(&desc->location, "cnMemSetAccess desc")) LEAVE(CN_ERROR_INVALID_VALUE);
     int prot = PROT_READ | PROT_WRITE;
-    for (uint64_t i = 0; i < count; i++) {
-        if (!check_location(&desc[i].location, "cnMemSetAccess desc")) LEAVE(CN_ERROR_INVALID_VALUE);
-        if (desc[i].accessFlags == PROT_READONLY_FLAG) prot = PROT_READ;
-        else if (desc[i].accessFlags != PROT_READWRITE_FLAG)
-            REJECT(CN_ERROR_INVALID_VALUE, "cnMemSetAccess: accessFlags=%d, expected READWRITE (0) or READONLY (1)",
-                   desc[i].accessFlags);
-        if (desc[i].cacheType || desc[i].pinnedType)
-            REJECT(CN_ERROR_INVALID_VALUE, "cnMemSetAccess: cacheType and pinnedType must be 0");
-    }
+    if (desc->accessFlags == PROT_READONLY_FLAG) prot = PROT_READ;
+    else if (desc->accessFlags != PROT_READWRITE_FLAG)
+        REJECT(CN_ERROR_INVALID_VALUE, "cnMemSetAccess: accessFlags=%d, expected READWRITE (0) or READONLY (1)",
+               desc->accessFlags);
+    if (desc->cacheType < 0 || desc->cacheType > 3 || desc->pinnedType < 0 || desc->pinnedType > 1)
+        REJECT(CN_ERROR_INVALID_VALUE, "cnMemSetAccess: cacheType=%d (0-3) or pinnedType=%d (0-1) is not valid",
+               desc->cacheType, desc->pinnedType);
     if (!covered_by_mappings(ptr, size))
-        REJECT(CN_ERROR_INVALID_VALUE, "cnMemSetAccess: [%#llx, +%llu) is not mapped", (unsigned long long)ptr,
-               (unsigned long long)size);
+        REJECT(CN_MEMORY_ERROR_INVALID_ADDRESS, "cnMemSetAccess: [%#llx, +%llu) is not mapped",
+               (unsigned long long)ptr, (unsigned long long)size);
+    for (uintptr_t at = ptr; at < ptr + size;) {
+        struct mapping *m = mapping_at(at);
+        if (m->chunk->device != desc->location.id)
+            REJECT(CN_ERROR_INVALID_VALUE, "cnMemSetAccess: location.id=%u, but the memory at %#llx was created "
+                   "on device %u", desc->location.id, (unsigned long long)at, m->chunk->device);
+        at += m->size;
+    }
     mprotect((void *)(uintptr_t)ptr, size, prot);
     set_access_calls++;
     LEAVE(CN_SUCCESS);
@@ -331,9 +414,10 @@ EXPORT CNresult cnMemSetAccess(CNaddr ptr, uint64_t size, CNmemAccessDesc *desc,
 
 EXPORT CNresult cnMemUnmap(CNaddr ptr, uint64_t size) {
     ENTER();
-    NEED_INIT();
+    NEED_CONTEXT();
     if (!covered_by_mappings(ptr, size))
-        REJECT(CN_ERROR_INVALID_VALUE, "cnMemUnmap: [%#llx, +%llu) is not a run of whole mappings",
+        REJECT(mapping_overlapping(ptr, ptr + size) ? CN_ERROR_INVALID_VALUE : CN_MEMORY_ERROR_INVALID_ADDRESS,
+               "cnMemUnmap: [%#llx, +%llu) is not a run of whole mappings",
                (unsigned long long)ptr, (unsigned long long)size);
     mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
     for (uintptr_t at = ptr; at < ptr + size;) {
@@ -342,6 +426,7 @@ EXPORT CNresult cnMemUnmap(CNaddr ptr, uint64_t size) {
         struct mapping *m = *link;
         at += m->size;
         m->chunk->maps--;
+        free_if_done(m->chunk);
         *link = m->next;
         free(m);
     }
@@ -359,12 +444,14 @@ EXPORT int cndrv_sim_configure(uint64_t cap, uint64_t gran, uint32_t ndev) {
     LEAVE(CN_SUCCESS);
 }
 
-/* Live objects and counters: "ranges", "chunks", "mappings", "used", "set_access", "init". */
+/* Live objects and counters: "ranges", "chunks" (not released), "mappings", "used", "set_access", "init",
+   "contexts" (created). */
 EXPORT uint64_t cndrv_sim_count(const char *what) {
     uint64_t n = 0;
     ENTER();
     if (!strcmp(what, "ranges")) for (struct range *r = ranges; r; r = r->next) n++;
-    else if (!strcmp(what, "chunks")) for (struct chunk *c = chunks; c; c = c->next) n++;
+    else if (!strcmp(what, "chunks")) for (struct chunk *c = chunks; c; c = c->next) n += !c->released;
+    else if (!strcmp(what, "contexts")) for (struct context *c = contexts; c; c = c->next) n++;
     else if (!strcmp(what, "mappings")) for (struct mapping *m = mappings; m; m = m->next) n++;
     else if (!strcmp(what, "used")) n = used;
     else if (!strcmp(what, "set_access")) n = set_access_calls;

@@ -1,9 +1,16 @@
 """Stand-ins for torch_npu / torch_mlu (and torch.cuda), to test the backends' torch glue on a CPU.
 
-Each has the attributes the glue uses (per VENDOR_APIS.md), records every
-call in ``stub.calls``, and can fail a capture the way a device would. Inject
-an :func:`extension_stub` with ``monkeypatch.setitem(sys.modules,
-stub.__name__, stub)``; hand a :func:`cuda_stub` to ``CudaGlue(device, ext=stub)``.
+Each has the attributes the glue uses, records every call in ``stub.calls``,
+and can fail a capture the way a device would (``stub.fail_capture`` on entering
+``graph(...)``, ``stub.fail_end`` once, on leaving it). Inject an
+:func:`extension_stub` with ``monkeypatch.setitem(sys.modules, stub.__name__,
+stub)``; hand a :func:`cuda_stub` to ``CudaGlue(device, ext=stub)``.
+
+The extension stand-ins come in the generations of the real releases
+(:data:`GENERATIONS`), and ``stub.allocate(nbytes)`` takes memory the way that
+generation's caching allocator does: from a pool's custom allocator (calling
+the C callbacks handed to ``_npu_customAllocator`` / ``_mlu_customAllocator``)
+or from the extension's own memory, recorded as ``("own_alloc", nbytes, why)``.
 """
 
 from __future__ import annotations
@@ -12,8 +19,34 @@ import contextlib
 import gc
 import importlib.machinery
 import itertools
+import os
 import types
 from typing import Any
+
+#: name -> the keyword arguments of :func:`extension_stub` that make one generation of a real release
+GENERATIONS: dict[str, dict[str, Any]] = {
+    # torch_npu 2.5.1-7.0.0: MemPool, but a pool's allocator is used only inside use_mem_pool; no pool ids in
+    # the memory snapshot
+    "torch_npu 2.5.1": {"name": "torch_npu", "version": "2.5.1.post1", "pool_ids_in_snapshot": False},
+    # torch_npu 2.12: as 2.5.1, with pool ids in the snapshot
+    "torch_npu 2.12.0": {"name": "torch_npu", "version": "2.12.0"},
+    # torch_npu 2.13 and later: a pool's own allocator takes its segments, captures included
+    "torch_npu 2.13.0": {"name": "torch_npu", "version": "2.13.0"},
+    "torch_npu 2.14.0": {"name": "torch_npu", "version": "2.14.0"},
+    # the public torch_mlu branches: no MemPool
+    "torch_mlu 1.24": {"name": "torch_mlu", "version": "1.24.1+torch2.1.0", "mempool": False},
+    # torch-mlu 1.27 and later (torch 2.7): torch.mlu.memory.MemPool and use_mem_pool
+    "torch_mlu 1.27": {"name": "torch_mlu", "version": "1.27.0+torch2.7.0", "mempool": True},
+}
+
+#: the allocator config variables each extension reads
+_ALLOC_CONF = {"torch_npu": ("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_ALLOC_CONF"), "torch_mlu": ("PYTORCH_MLU_ALLOC_CONF",)}
+
+
+def generation(label: str, **overrides: Any) -> types.ModuleType:
+    """The stand-in of generation ``label`` (a key of :data:`GENERATIONS`)."""
+    kwargs = {**GENERATIONS[label], **overrides}
+    return extension_stub(kwargs.pop("name"), **kwargs)
 
 
 class _Graph:
@@ -54,9 +87,11 @@ class _CapturingContext:
         if self.stub.fail_capture is not None:
             raise self.stub.fail_capture
         self.graph.capture_begin(*(() if self.pool is None else (self.pool,)), capture_error_mode=self.mode)
+        self.stub.capturing = self.graph.pool_id  # the pool capture_begin got (a router may have chosen it)
         return self.graph
 
     def __exit__(self, *exc: object) -> None:
+        self.stub.capturing = None
         self.graph.capture_end()
 
 
@@ -68,39 +103,106 @@ class _GraphContext:
         self.stub.calls.append(("graph", self.graph, self.kwargs, gc.isenabled()))
         if self.stub.fail_capture is not None:
             raise self.stub.fail_capture
+        self.stub.capturing = self.kwargs.get("pool")
         return self.graph
 
     def __exit__(self, *exc: object) -> None:
+        self.stub.capturing = None
+        failure, self.stub.fail_end = self.stub.fail_end, None  # the next capture fails at its end
+        if failure is not None:
+            raise failure
         self.stub.calls.append(("capture_end", self.graph))
 
 
-def extension_stub(name: str, *, mempool: bool = True, snapshot: bool = True,
-                   capture_api: bool = False) -> types.ModuleType:
+def _expandable_segments(name: str) -> bool:
+    for var in _ALLOC_CONF[name]:
+        if var in os.environ:
+            return "expandable_segments:True" in os.environ[var].split(",")
+    return False
+
+
+def _allocate(stub: types.ModuleType, nbytes: int) -> int:
+    """Memory for ``nbytes`` as the caching allocator of this generation takes it (see the module docstring)."""
+    from hal.backends._native.callbacks import ALLOC_FN
+
+    def own(why: str) -> int:
+        stub.calls.append(("own_alloc", nbytes, why))
+        stub.own_bytes += nbytes
+        return 0x5EED0000 + stub.own_bytes
+
+    if _expandable_segments(stub.__name__):
+        return own("expandable segments")
+    if stub.routes_pools:  # a pool's own allocator: the capture's pool, else the use_mem_pool one
+        pool_id = stub.capturing if stub.capturing is not None else stub.active_pool
+    else:  # only while use_mem_pool is active
+        pool_id = stub.active_pool
+    mempool = stub.mempools.get(pool_id) if pool_id is not None else None
+    if mempool is None or mempool.allocator is None:
+        return own("no pool with a custom allocator")
+    _, alloc_ptr, _ = mempool.allocator
+    ptr = ALLOC_FN(alloc_ptr)(nbytes, 0, None) or 0
+    stub.calls.append(("pool_alloc", pool_id, ptr, nbytes))
+    return ptr
+
+
+def extension_stub(name: str, *, version: str | None = None, mempool: bool = True, snapshot: bool = True,
+                   capture_api: bool = False, pool_ids_in_snapshot: bool = True) -> types.ModuleType:
     """A module object named ``name`` ("torch_npu" or "torch_mlu") with a device namespace.
 
-    :param mempool: whether the build has ``MemPool`` (the custom-allocator entry point is always there).
+    :param version: ``__version__``; by default the newest generation's (torch_npu 2.14.0, torch_mlu
+        1.27.0 with MemPool, 1.24.1 without). torch_npu before 2.13 hands segments to a pool's
+        allocator only inside ``use_mem_pool``, has ``_npu_endAllocateCurrentStreamToPool`` and a
+        ``memory_snapshot()`` without arguments; later ones route a graph pool's segments to its
+        allocator, have ``_npu_endAllocateToPool`` and ``memory_snapshot(mempool_id=None)``.
+    :param mempool: whether the build has ``MemPool`` and ``use_mem_pool`` (the custom-allocator entry
+        point is always there); torch_mlu has them under ``torch.mlu.memory``.
     :param snapshot: whether ``memory_snapshot`` (and ``MemPool.snapshot``) exist.
     :param capture_api: the graph class has ``capture_begin``/``capture_end`` and ``graph(...)`` calls
         them, as torch's does (a class of its own per stub, so routing one stub leaves others alone).
+    :param pool_ids_in_snapshot: False drops ``segment_pool_id`` from the snapshot (torch_npu 2.5.1).
     """
     npu = name == "torch_npu"
+    if version is None:
+        version = "2.14.0" if npu else ("1.27.0+torch2.7.0" if mempool else "1.24.1+torch2.1.0")
+    release = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
     stub = types.ModuleType(name)
     stub.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    stub.__version__ = version
     stub.calls = []
-    stub.fail_capture = None
+    stub.fail_capture = stub.fail_end = None
     stub.segments = []  # what memory_snapshot() returns
+    stub.mempools = {}  # pool id -> MemPool
+    stub.capturing = stub.active_pool = None
+    stub.own_bytes = 0
+    stub.routes_pools = release >= (2, 13) if npu else mempool  # a graph pool's segments go to its allocator
+    stub.allocate = lambda nbytes: _allocate(stub, nbytes)
     ns = types.SimpleNamespace()
     calls, has_snapshot = stub.calls, snapshot
+
+    def visible(segments: list[dict]) -> list[dict]:
+        if pool_ids_in_snapshot:
+            return list(segments)
+        return [{k: v for k, v in s.items() if k != "segment_pool_id"} for s in segments]
 
     class MemPool:
         def __init__(self, allocator: Any = None) -> None:
             self.allocator = allocator
             self.id = ("mempool", id(self))
+            stub.mempools[self.id] = self
             calls.append(("MemPool", allocator))
 
         if has_snapshot:
             def snapshot(self) -> list[dict]:
-                return [s for s in stub.segments if s.get("segment_pool_id") == self.id]
+                return visible([s for s in stub.segments if s.get("segment_pool_id") == self.id])
+
+    @contextlib.contextmanager
+    def use_mem_pool(pool: MemPool, device: Any = None) -> Any:
+        calls.append(("use_mem_pool", pool, device))
+        previous, stub.active_pool = stub.active_pool, pool.id
+        try:
+            yield
+        finally:
+            stub.active_pool = previous
 
     ns.set_device = lambda device: calls.append(("set_device", device))
     ns.Stream = lambda device=None: ("stream", device)
@@ -119,12 +221,22 @@ def extension_stub(name: str, *, mempool: bool = True, snapshot: bool = True,
     else:
         ns.graph = lambda g, **kwargs: _GraphContext(stub, g, kwargs)
         setattr(ns, "NPUGraph" if npu else "MLUGraph", lambda: _Graph(calls))
-    if snapshot:
-        ns.memory_snapshot = lambda: list(stub.segments)
+    if snapshot and (not npu or release >= (2, 13)):
+        ns.memory_snapshot = lambda mempool_id=None: visible(
+            [s for s in stub.segments if mempool_id is None or s.get("segment_pool_id") == mempool_id])
+    elif snapshot:
+        ns.memory_snapshot = lambda: visible(stub.segments)
     entry = "_npu_customAllocator" if npu else "_mlu_customAllocator"
     internals = types.SimpleNamespace(**{entry: lambda alloc, free: ("allocator", alloc, free)})
-    if mempool:
-        ns.MemPool = MemPool
+    end = "_npu_endAllocateToPool" if not npu or release >= (2, 13) else "_npu_endAllocateCurrentStreamToPool"
+    setattr(internals, end if npu else "_mlu_endAllocateToPool",
+            lambda device, pool_id: calls.append(("endAllocateToPool", device, pool_id)))
+    setattr(internals, "_npu_releasePool" if npu else "_mlu_releasePool",
+            lambda device, pool_id: calls.append(("releasePool", device, pool_id)))
+    if mempool and npu:
+        ns.MemPool, ns.use_mem_pool = MemPool, use_mem_pool
+    elif mempool:  # torch.mlu.memory.MemPool
+        ns.memory = types.SimpleNamespace(MemPool=MemPool, use_mem_pool=use_mem_pool)
     setattr(stub, "_C" if npu else "_MLUC", internals)
     setattr(stub, "npu" if npu else "mlu", ns)
     return stub

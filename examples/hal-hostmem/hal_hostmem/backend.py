@@ -1,9 +1,14 @@
-"""The ``hostmem`` backend: the vmm half of the hal contract over host memory.
+"""The ``hostmem`` backend: the whole hal contract over host memory.
 
-A reservation is inaccessible host address space, a physical chunk is a
-``memfd``, and ``map`` puts the chunk's pages at the address, so two mappings
-of one chunk really share their bytes. The OS calls come from
+The vmm half: a reservation is inaccessible host address space, a physical
+chunk is a ``memfd``, and ``map`` puts the chunk's pages at the address, so
+two mappings of one chunk really share their bytes. The OS calls come from
 ``hal.backends.fake.hostvm``; a device backend would call its driver there.
+
+The graph half comes from hal's host recorder (:class:`hal.host.HostGraphs`):
+wired to the device's own allocator (:meth:`HostMemBackend.device_malloc`),
+it gives the ``graphs``, ``custom_pool``, ``capture_routing``, ``use_pool``
+and ``graph_addresses`` capabilities.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any, ClassVar
 
 import hal
 from hal.backends.fake import hostvm
+from hal.host import HostGraphs
 from hal.types import MemInfo
 
 NAME = "hostmem"
@@ -39,8 +45,8 @@ def checked(call: str) -> Iterator[None]:
                               code=exc.errno, code_name=f"errno {exc.errno}") from exc
 
 
-class HostMemBackend:
-    """Host memory as a device with virtual memory management.
+class HostMemBackend(HostGraphs):
+    """Host memory as a device with virtual memory management and graphs.
 
     Options (``hal.get_backend("hostmem", **options)``):
 
@@ -51,6 +57,8 @@ class HostMemBackend:
 
     #: What the conformance suite may assume (see ``hal.testing.Requirements``).
     hal_requirements: ClassVar[dict[str, Any]] = {"host_accessible": True}
+    #: Tried after ``fake`` (1000): installing a host device must not change what a CPU machine chooses.
+    hal_priority: ClassVar[int] = 2000
 
     def __init__(self, device: int = 0, *, granularity: int = 64 << 10, capacity: int = 1 << 30) -> None:
         if device != 0:
@@ -66,11 +74,43 @@ class HostMemBackend:
         self.capacity = capacity
         self.used = 0
         self._lock = threading.Lock()
+        self.init_host_graphs(NAME, alloc=self.device_malloc, free=self.device_free, segment_size=granularity)
 
     @classmethod
     def probe(cls) -> str | None:
         """Cheap check, run by discovery: ``None`` when usable here, else the reason."""
         return hostvm.unavailable_reason()
+
+    # -- the device's own allocator, for the pools of the host recorder ---------------
+
+    @contextlib.contextmanager
+    def charged(self, size: int, call: str) -> Iterator[None]:
+        """Count ``size`` bytes as used while the block allocates them; give them back if it fails."""
+        with self._lock:
+            if self.used + size > self.capacity:
+                raise hal.DeviceOutOfMemoryError(f"{size} bytes requested, {self.capacity - self.used} free",
+                                                 backend=NAME, call=call)
+            self.used += size
+        try:
+            with checked(call):
+                yield
+        except BaseException:
+            self.refund(size)
+            raise
+
+    def refund(self, size: int) -> None:
+        with self._lock:
+            self.used -= size
+
+    def device_malloc(self, nbytes: int) -> int:
+        """A segment of ``nbytes`` for a pool; raises ``DeviceOutOfMemoryError`` when the device is full."""
+        with self.charged(nbytes, "device_malloc"):
+            return hostvm.alloc_anonymous(nbytes)
+
+    def device_free(self, ptr: int, nbytes: int) -> None:
+        with checked("device_free"):
+            hostvm.free(ptr, nbytes)
+        self.refund(nbytes)
 
     # -- queries ------------------------------------------------------------------
 
@@ -100,21 +140,14 @@ class HostMemBackend:
 
     @hal.hookimpl
     def create_phy_mem_handle(self, size: int) -> Chunk:
-        with self._lock:
-            if self.used + size > self.capacity:
-                raise hal.DeviceOutOfMemoryError(f"{size} bytes requested, {self.capacity - self.used} free",
-                                                 backend=NAME, call="create_phy_mem_handle")
-            with checked("create_phy_mem_handle"):
-                chunk = Chunk(hostvm.create_chunk(size), size)
-            self.used += size
-        return chunk
+        with self.charged(size, "create_phy_mem_handle"):
+            return Chunk(hostvm.create_chunk(size), size)
 
     @hal.hookimpl
     def release_phy_mem_handle(self, handle: Chunk) -> None:
         with checked("release_phy_mem_handle"):
             hostvm.release_chunk(handle.fd)
-        with self._lock:
-            self.used -= handle.size
+        self.refund(handle.size)
 
     @hal.hookimpl
     def map(self, ptr: int, size: int, handle: Chunk) -> None:

@@ -143,12 +143,26 @@ def _forget_all() -> None:
             pair.live.clear()
 
 
+def keep_forever(obj: object) -> None:
+    """Give ``obj`` a reference nobody drops, so it outlives even the interpreter's teardown.
+
+    At exit, CPython clears module globals and then collects what is left in
+    reference cycles; framework tensors freed in that last collection still
+    call the C callbacks, and a callback whose ctypes object was collected
+    first is a jump into freed memory (a segmentation fault instead of the
+    exit code). The memory this keeps is a few hundred bytes per pool.
+    """
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
 def new_pair(alloc: AllocFn, free: FreeFn, *, device: int, backend: str) -> CallbackPair:
-    """A :class:`CallbackPair` for a new pool, kept alive for the lifetime of the process."""
+    """A :class:`CallbackPair` for a new pool, kept alive for the lifetime of the process (teardown included)."""
     with _keep_alive_lock:
         pair = CallbackPair(alloc, free, device=device, backend=backend,
                             label=f"{backend} pool #{len(KEEP_ALIVE) + 1} (device {device})")
         KEEP_ALIVE.append(pair)
+    for obj in (pair, pair.c_alloc, pair.c_free):
+        keep_forever(obj)
     return pair
 
 

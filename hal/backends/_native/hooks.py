@@ -7,13 +7,28 @@ A backend may run without its torch extension (VMM hooks only): then
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from hal.api import AllocFn, FreeFn, hookimpl
-from hal.backends._native.torch_glue import TorchGlue
+from hal.backends._native.torch_glue import ExtensionGlue, TorchGlue
 from hal.errors import BackendUnavailableError, UnsupportedError
+from hal.types import MemInfo
+
+
+def extension_report(glue: TorchGlue | None, extension: str) -> tuple[str | None, dict[str, str]]:
+    """``(extension and version, {capability: why it is on or off})`` for ``python -m hal``.
+
+    :param glue: the backend's glue, None when it runs without its extension.
+    :param extension: the extension's module name.
+    """
+    if glue is None:
+        return None, {"graphs": f"the backend runs without {extension} (VMM hooks only)"}
+    reasons = getattr(glue, "capability_reasons", None)
+    version = getattr(glue, "extension_version", extension)
+    return version, (reasons() if reasons is not None else {})
 
 
 class TorchHooks:
@@ -81,9 +96,8 @@ class TorchHooks:
         return self._torch("use_stream").use_stream(stream)
 
     @hookimpl
-    def synchronize(self, stream: Any) -> bool:
+    def synchronize(self, stream: Any) -> None:
         self._torch("synchronize").synchronize(stream)
-        return True
 
     @hookimpl
     def create_pool(self, alloc: AllocFn | None, free: FreeFn | None) -> Any:
@@ -94,9 +108,8 @@ class TorchHooks:
         return self._torch("pool_active_blocks").pool_active_blocks(pool)
 
     @hookimpl
-    def release_pool(self, pool: Any) -> bool:
+    def release_pool(self, pool: Any) -> None:
         self._torch("release_pool").release_pool(pool)
-        return True
 
     @hookimpl
     def create_graph(self) -> Any:
@@ -116,11 +129,63 @@ class TorchHooks:
         return self._torch("default_capture_stream").default_capture_stream()
 
     @hookimpl
-    def replay(self, graph: Any) -> bool:
+    def replay(self, graph: Any) -> None:
         self._torch("replay").replay(graph)
-        return True
 
     @hookimpl
-    def release_graph(self, graph: Any) -> bool:
+    def release_graph(self, graph: Any) -> None:
         self._torch("release_graph").release_graph(graph)
-        return True
+
+
+class ExtensionHooks(TorchHooks):
+    """Mixin for a backend over a vendor library (VMM) and a torch extension (an :class:`ExtensionGlue`).
+
+    The backend names the library's two queries, makes its native calls through ``_call``, queries
+    both granularities when it opens (``_granularity``) and keeps its library loaded for the process.
+    """
+
+    glue: TorchGlue | None
+    #: ``{recommended: bytes}``, queried once when the backend opens
+    _granularity: dict[bool, int]
+    #: the native function that counts the devices, and the ctypes type of its one output
+    count_devices: ClassVar[tuple[str, type]]
+    #: the native function of free and total memory, its arguments before those two outputs, and their ctypes type
+    read_mem_info: ClassVar[tuple[str, tuple[Any, ...], type]]
+
+    def _call(self, call: str, native: str, *args: Any) -> None:
+        """Call ``native(*args)`` on behalf of hook ``call``, raising the hal error when it fails."""
+        raise NotImplementedError
+
+    def _outputs(self, call: str, native: str, leading: tuple[Any, ...], ctype: type, count: int) -> list[int]:
+        """The values ``native(*leading, &out1, ... &out<count>)`` writes to its ``ctype`` outputs."""
+        outs = [ctype(0) for _ in range(count)]
+        self._call(call, native, *leading, *(ctypes.byref(out) for out in outs))
+        return [out.value for out in outs]
+
+    @hookimpl
+    def device_count(self) -> int:
+        native, ctype = self.count_devices
+        return self._outputs("device_count", native, (), ctype, 1)[0]
+
+    @hookimpl
+    def mem_info(self) -> MemInfo:
+        native, leading, ctype = self.read_mem_info
+        free, total = self._outputs("mem_info", native, leading, ctype, 2)
+        return MemInfo(free=free, total=total)
+
+    def capability_report(self) -> tuple[str | None, dict[str, str]]:
+        """The torch extension in use (None without one) and why each capability is on or off."""
+        return extension_report(self.glue, self.torch_extension)
+
+    @hookimpl
+    def granularity(self, recommended: bool) -> int:
+        return self._granularity[bool(recommended)]
+
+    @hookimpl
+    def use_pool(self, pool: Any) -> AbstractContextManager[None]:
+        return cast(ExtensionGlue, self._torch("use_pool")).use_pool(pool)
+
+    @hookimpl
+    def shutdown(self) -> None:
+        """Nothing to do: the library stays loaded (and initialised) for the process; the facade released
+        everything else."""

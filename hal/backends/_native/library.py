@@ -10,26 +10,45 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
-from hal.errors import BackendUnavailableError, DeviceOutOfMemoryError, DriverError, HalError
+from hal.errors import BackendUnavailableError, DeviceOutOfMemoryError, DriverError, HalError, InvalidArgumentError
 
 
-def native_error(code: int, call: str, native: str, *, backend: str, code_name: str | None,
-                 out_of_memory: bool, error_class: type[DriverError] = DriverError, detail: str = "") -> HalError:
-    """The hal error for a failed ``native`` call made on behalf of hook ``call``.
+class NativeOutOfMemoryError(DriverError, DeviceOutOfMemoryError):
+    """The vendor's out-of-memory code: a :class:`hal.DeviceOutOfMemoryError` that keeps the native code."""
+
+
+class NativeInvalidArgumentError(DriverError, InvalidArgumentError):
+    """The vendor refused an argument: a :class:`hal.InvalidArgumentError` that keeps the native code."""
+
+
+@dataclass(frozen=True)
+class ErrorClasses:
+    """The :class:`hal.DriverError` classes a backend raises for each kind of failed code."""
+
+    other: type[DriverError] = DriverError
+    out_of_memory: type[DriverError] = NativeOutOfMemoryError
+    invalid_argument: type[DriverError] = NativeInvalidArgumentError
+
+
+def native_error(code: int, call: str | None, native: str, *, backend: str, code_name: str | None,
+                 out_of_memory: bool = False, invalid_argument: bool = False, explanation: str = "",
+                 context: str = "", classes: ErrorClasses = ErrorClasses()) -> DriverError:
+    """The hal error for a failed ``native`` call made on behalf of hook ``call``: every vendor's.
 
     :param code_name: the vendor's name for ``code``, if it has one.
     :param out_of_memory: the vendor says ``code`` means out of memory.
-    :param error_class: the :class:`hal.DriverError` (sub)class for any other code.
-    :param detail: the runtime's own explanation, if it gave one.
+    :param invalid_argument: the vendor says ``code`` means a refused argument.
+    :param explanation: the vendor's text for the failure, if it gave one.
+    :param context: what the call was about (``"stream=0x..."``), if the caller says.
     """
-    message = f"{native} failed" + (f": {detail}" if detail else "")
-    if out_of_memory:
-        err: HalError = DeviceOutOfMemoryError(f"{message} [{code_name} = {code}]", backend=backend, call=call)
-        err.code, err.code_name = code, code_name  # type: ignore[attr-defined]
-        return err
-    return error_class(message, backend=backend, call=call, code=code, code_name=code_name)
+    cls = (classes.out_of_memory if out_of_memory else classes.invalid_argument if invalid_argument
+           else classes.other)
+    where = f" ({context})" if context else ""
+    message = f"{native}{where} failed" + (f": {explanation}" if explanation else "")
+    return cls(message, backend=backend, call=call, code=code, code_name=code_name, native_call=native)
 
 
 class NativeLibrary:

@@ -11,23 +11,40 @@ A graph that was routed learns to report its own end: its ``reset`` is
 wrapped on the instance (the class is left alone) and a ``weakref.finalize``
 covers a graph that is simply dropped, so a route's ``on_release`` runs
 exactly once, also long after the routing block ended.
+
+Where the backend can read a graph under construction (an *inspector*), a
+route with ``inspect`` set has the graph's addresses recorded on the graph
+object (attribute :data:`ADDRESSES`) just before the framework ends the
+capture, so that the route's ``on_end(True)`` can check them. When
+``on_end(True)`` raises, the graph is refused: it is reset, marked
+(:data:`REFUSED`), its route's ``on_release`` is never called, the stream
+that ``torch.<device>.graph`` made current is given back, and the error
+leaves ``capture_end``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from hal.types import CaptureRouter, Route
+from hal.types import CaptureRouter, GraphAddresses, Route
 
 log = logging.getLogger("hal.routing")
 
 _ROUTE = "_hal_route"  # attribute of a graph whose capture is being routed
 UNROUTED = "_hal_unrouted"  # set on a graph the backend captures for itself (no router sees it)
+#: attribute of a graph: what its last capture uses (GraphAddresses), or why that could not be read (str)
+ADDRESSES = "_hal_addresses"
+#: attribute of a graph whose route refused it in on_end(True) (the graph was reset)
+REFUSED = "_hal_refused"
+
+#: reads the graph being captured on the current stream: ``inspector(graph) -> GraphAddresses``
+Inspector = Callable[[Any], GraphAddresses]
 
 
 class _Once:
@@ -80,13 +97,17 @@ class GraphClassRouting:
     :param graph_class: e.g. ``torch.cuda.CUDAGraph``.
     :param current_device: the device a capture starting now belongs to.
     :param pool_id: turns the backend pool a router chose into what ``capture_begin`` takes.
+    :param inspector: reads the addresses of the graph being captured on the current stream, called
+        just before the framework's ``capture_end`` for routes with ``inspect`` set; None where the
+        backend cannot (see also :meth:`set_inspector`).
     """
 
     def __init__(self, graph_class: type, current_device: Callable[[], int],
-                 pool_id: Callable[[Any], Any]) -> None:
+                 pool_id: Callable[[Any], Any], inspector: Inspector | None = None) -> None:
         self.graph_class = graph_class
         self.current_device = current_device
         self.pool_id = pool_id
+        self.inspector = inspector
         self._lock = threading.Lock()
         self._routers: dict[int, list[CaptureRouter]] = {}
         self._originals: dict[str, Any] | None = None
@@ -111,10 +132,10 @@ class GraphClassRouting:
                 if not self._routers:
                     self._unpatch()
 
-    def router_for(self, device: int) -> CaptureRouter | None:
+    def routers_for(self, device: int) -> list[CaptureRouter]:
+        """The active routers of ``device``, innermost first."""
         with self._lock:
-            stack = self._routers.get(device)
-            return stack[-1] if stack else None
+            return list(reversed(self._routers.get(device, ())))
 
     def _patch(self) -> None:
         cls: Any = self.graph_class  # a framework's graph class: routable() checked its two methods; patched here
@@ -123,6 +144,7 @@ class GraphClassRouting:
         routing = self
 
         def capture_begin(graph: Any, pool: Any = None, *args: Any, **kwargs: Any) -> Any:
+            forget(graph, ADDRESSES, REFUSED)  # of an earlier capture of the same graph object
             if getattr(graph, _ROUTE, None) is None and not getattr(graph, UNROUTED, False):
                 chosen = routing.begin(graph, pool, routing.current_device())
                 if chosen is not None:
@@ -134,6 +156,7 @@ class GraphClassRouting:
                 raise
 
         def capture_end(graph: Any, *args: Any, **kwargs: Any) -> Any:
+            routing.inspect(graph)  # while the graph under construction can still be read
             try:
                 result = end(graph, *args, **kwargs)
             except BaseException:
@@ -159,27 +182,133 @@ class GraphClassRouting:
     # -- one capture ------------------------------------------------------------
 
     def begin(self, graph: Any, requested_pool: Any, device: int) -> Any | None:
-        """Ask the router of ``device`` for the capture's pool; None when no router is active.
+        """Ask the routers of ``device`` for the capture's pool; None when none routes it.
 
         The route is kept on the graph until :meth:`end`.
         """
-        router = self.router_for(device)
-        if router is None:
+        route = choose_route(self.routers_for(device), graph, requested_pool)
+        if route is None:
             return None
-        route = router(graph, requested_pool)
-        if not isinstance(route, Route):
-            raise TypeError(f"a capture router must return a hal.types.Route, not {type(route).__name__}")
         setattr(graph, _ROUTE, route)
         return route.pool
 
+    def set_inspector(self, inspector: Inspector | None) -> None:
+        """Read graphs with ``inspector`` from now on (one per graph class: every device's captures use it)."""
+        self.inspector = inspector
+
+    def inspect(self, graph: Any) -> None:
+        """Record the addresses of ``graph``, being captured, when its route asks and nothing recorded them yet.
+
+        A failed read is recorded as its reason (a ``str``), so that the route learns why there is none.
+        """
+        route: Route | None = getattr(graph, "__dict__", {}).get(_ROUTE)
+        inspector = self.inspector
+        if route is None or not route.inspect or inspector is None or ADDRESSES in graph.__dict__:
+            return
+        try:
+            found: GraphAddresses | str = inspector(graph)
+        except Exception as exc:  # noqa: BLE001 - the capture goes on; the route sees why nothing was read
+            found = f"{type(exc).__name__}: {exc}"
+            log.warning("the addresses of a routed capture could not be read: %s", found)
+        graph.__dict__[ADDRESSES] = found
+
     def end(self, graph: Any, ok: bool) -> None:
-        """The routed capture of ``graph`` ended (``ok``) or failed; idempotent."""
+        """The routed capture of ``graph`` ended (``ok``) or failed; idempotent.
+
+        When the route's ``on_end(True)`` raises, the graph is refused (see :meth:`refuse`) and the
+        error propagates.
+        """
         route: Route | None = graph.__dict__.pop(_ROUTE, None) if hasattr(graph, "__dict__") else None
         if route is None:
             return
-        route.on_end(ok)
-        if ok:
-            watch_release(graph, route.on_release)
+        if not ok:
+            forget(graph, ADDRESSES)
+            route.on_end(False)
+            return
+        try:
+            route.on_end(True)
+        except BaseException:
+            self.refuse(graph)
+            raise
+        watch_release(graph, _forgetting(graph, route.on_release))
+
+    def refuse(self, graph: Any) -> None:
+        """Reset a graph whose route refused it, as after a failed capture, and mark it :data:`REFUSED`.
+
+        The capture itself ended, so the stream the capture block made current is given back as the
+        block would have (see :func:`leave_capture_block`).
+        """
+        forget(graph, ADDRESSES)
+        graph.__dict__[REFUSED] = True
+        try:
+            type(graph).reset(graph)
+        except Exception as exc:  # noqa: BLE001 - the refusal's own error is the one that matters
+            log.debug("reset of a refused graph: %s", exc)
+        leave_capture_block(graph)
+
+
+#: how far up the stack :func:`leave_capture_block` looks for the capture block
+_BLOCK_FRAMES = 8
+
+
+def leave_capture_block(graph: Any) -> bool:
+    """Undo the stream switch of the ``torch.<device>.graph`` block whose ``capture_end`` is raising.
+
+    torch's graph context managers (``torch.cuda.graph``, and torch_npu's after it) make the
+    capture stream current through a ``stream_ctx`` on entry and give it back after ``capture_end``
+    returns; when ``capture_end`` raises they skip that, and the caller's later work would run on
+    the capture stream, unordered with its own. After a refusal the capture has ended, so the block
+    is found among the callers (an object holding ``graph`` and a ``stream_ctx``) and its stream
+    context left. Returns whether one was found.
+    """
+    frame = sys._getframe(1)
+    for _ in range(_BLOCK_FRAMES):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return False
+        block = frame.f_locals.get("self")
+        context = getattr(block, "stream_ctx", None)
+        if context is not None and any(v is graph for v in getattr(block, "__dict__", {}).values()):
+            try:
+                context.__exit__(None, None, None)
+            except Exception as exc:  # noqa: BLE001 - the refusal's own error is the one that matters
+                log.debug("leaving the capture block of a refused graph: %s", exc)
+                return False
+            return True
+    return False
+
+
+def forget(graph: Any, *names: str) -> None:
+    """Drop the instance attributes ``names`` of ``graph`` where it has them."""
+    attrs = getattr(graph, "__dict__", None)
+    if attrs is not None:
+        for name in names:
+            attrs.pop(name, None)
+
+
+def _forgetting(graph: Any, on_release: Callable[[bool], None]) -> Callable[[bool], None]:
+    """``on_release``, after dropping what the graph's capture recorded (a reset graph uses nothing)."""
+    ref = weakref.ref(graph)
+
+    def released(collected: bool) -> None:
+        target = ref()
+        if target is not None:
+            forget(target, ADDRESSES)
+        on_release(collected)
+
+    return released
+
+
+def choose_route(routers: list[CaptureRouter], graph: Any, requested_pool: Any) -> Route | None:
+    """The route of the innermost router that takes the capture (a router returns None to pass it on)."""
+    for router in routers:
+        route = router(graph, requested_pool)
+        if route is None:
+            continue
+        if not isinstance(route, Route):
+            raise TypeError(f"a capture router must return a hal.types.Route or None, not {type(route).__name__}")
+        return route
+    return None
 
 
 _by_class: dict[type, GraphClassRouting] = {}

@@ -22,8 +22,10 @@ attribute ``torch.<device>.graph.default_capture_stream``
 from __future__ import annotations
 
 import ctypes
+import itertools
+import os
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,49 +56,66 @@ class PrivateApi:
         return paths[0] if paths else f"<no {self.purpose} for {device_type}>"
 
 
+#: device type -> (module, the module's C extension): where each framework keeps its private bindings
+_HOMES = {"cuda": ("torch", "_C"), "npu": ("torch_npu", "_C"), "mlu": ("torch_mlu", "_MLUC")}
+
+
+def _bindings(*names: str) -> dict[str, tuple[str, ...]]:
+    """The paths of the C binding ``_<device>_<name>`` of each framework, for each of ``names`` in turn."""
+    return {dev: tuple(f"{module}.{ext}._{dev}_{name}" for name in names) for dev, (module, ext) in _HOMES.items()}
+
+
+def _namespace(name: str, memory_too: Iterable[str] = ()) -> dict[str, tuple[str, ...]]:
+    """The paths of ``<module>.<device>.<name>``; for the device types in ``memory_too`` also
+    ``<module>.<device>.memory.<name>`` (where some releases keep it)."""
+    paths: dict[str, tuple[str, ...]] = {dev: (f"{module}.{dev}.{name}",) for dev, (module, _) in _HOMES.items()}
+    for dev in memory_too:
+        paths[dev] += (f"{_HOMES[dev][0]}.{dev}.memory.{name}",)
+    return paths
+
+
 CUSTOM_ALLOCATOR = PrivateApi(
     purpose="wrap two C function pointers (alloc, free) as an allocator object for a MemPool",
-    paths={"cuda": ("torch._C._cuda_customAllocator",),
-           "npu": ("torch_npu._C._npu_customAllocator",),
-           "mlu": ("torch_mlu._MLUC._mlu_customAllocator",)},
+    paths=_bindings("customAllocator"),
     checked=f"{_GPU}; absent from CPU builds ({_CPU})",
     missing='no "custom_pool" capability: create_pool with callbacks raises UnsupportedError',
 )
 
+#: absent from the public torch_mlu branches; torch.mlu.memory.MemPool in torch-mlu >= 1.27
 MEM_POOL = PrivateApi(
     purpose="a pool over a custom allocator: MemPool(allocator), its .id, use_count()",
-    paths={"cuda": ("torch.cuda.MemPool",),
-           "npu": ("torch_npu.npu.MemPool",),
-           "mlu": ("torch_mlu.mlu.MemPool",)},  # absent from today's torch_mlu
+    paths=_namespace("MemPool", memory_too=("npu", "mlu")),
     checked=f"{_GPU}; {_CPU} (unusable there: its base class is a dummy)",
     missing='no "custom_pool" capability: create_pool with callbacks raises UnsupportedError',
 )
 
+#: torch_npu renamed the first in 2.13 (the second is the older name)
 END_ALLOCATE_TO_POOL = PrivateApi(
     purpose="stop routing a stream's allocations to a pool (undo of a capture that failed half-way)",
-    paths={"cuda": ("torch._C._cuda_endAllocateToPool", "torch._C._cuda_endAllocateCurrentStreamToPool"),
-           "npu": ("torch_npu._C._npu_endAllocateCurrentStreamToPool",),
-           "mlu": ("torch_mlu._MLUC._mlu_endAllocateToPool", "torch_mlu._MLUC._mlu_endAllocateCurrentStreamToPool")},
+    paths=_bindings("endAllocateToPool", "endAllocateCurrentStreamToPool"),
     checked=f"{_GPU}; a dummy in {_CPU}",
     missing="the failed capture is not undone and a warning says so (an error would hide the capture's own)",
 )
 
 RELEASE_POOL = PrivateApi(
     purpose="drop the reference on a pool that a failed capture took",
-    paths={"cuda": ("torch._C._cuda_releasePool",),
-           "npu": ("torch_npu._C._npu_releasePool",),
-           "mlu": ("torch_mlu._MLUC._mlu_releasePool",)},
+    paths=_bindings("releasePool"),
     checked=f"{_GPU}; a dummy in {_CPU}",
     missing="as for END_ALLOCATE_TO_POOL",
 )
 
 MEMORY_SNAPSHOT = PrivateApi(
     purpose="the caching allocator's segments and blocks (read by pool_active_blocks)",
-    paths={"cuda": ("torch.cuda.memory_snapshot",),
-           "npu": ("torch_npu.npu.memory_snapshot",),
-           "mlu": ("torch_mlu.mlu.memory_snapshot",)},
+    paths=_namespace("memory_snapshot"),
     checked=f"{_GPU} (keywords mempool_id, include_traces); {_CPU} has the function",
     missing="pool_active_blocks reports no blocks and logs why once per glue",
+)
+
+USE_MEM_POOL = PrivateApi(
+    purpose="route the calling thread's allocations to a MemPool inside a block (the use_pool hook)",
+    paths=_namespace("use_mem_pool", memory_too=("npu", "mlu")),
+    checked=f"{_GPU}; torch_npu and torch_mlu read from their sources only",
+    missing='no "use_pool" capability: use_pool raises UnsupportedError',
 )
 
 
@@ -143,6 +162,38 @@ def require(api: PrivateApi, device_type: str, modules: Mapping[str, Any], *, ba
         raise UnsupportedError(f"{api.name(device_type)} is missing in {versions(modules)} (checked on "
                                f"{api.checked}): {api.missing}", backend=backend, call=call)
     return found
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """The leading numbers of a version string: ``"2.5.1.post17+cpu"`` -> ``(2, 5, 1)``, ``"rc"`` -> ``()``."""
+    numbers = []
+    for part in text.split("+")[0].split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        numbers.append(int(digits))
+        if len(digits) < len(part):
+            break
+    return tuple(numbers)
+
+
+def alloc_conf_setting(variables: Iterable[str], key: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """``"VAR=...key:True..."`` when the first of ``variables`` that is set turns option ``key`` on, else None.
+
+    The value is read as torch's allocator config parser reads it: comma-separated
+    ``key:value`` pairs, where only ``True`` switches an option on.
+    """
+    env = os.environ if environ is None else environ
+    for var in variables:
+        conf = env.get(var)
+        if conf is None:
+            continue
+        for item in conf.split(","):
+            name, _, value = item.partition(":")
+            if name.strip() == key and value.strip() == "True":
+                return f"{var}={conf}"
+        return None  # the extension reads the first variable that is set, not the others
+    return None
 
 
 def torch_version(torch: Any) -> tuple[int, int]:
@@ -205,19 +256,23 @@ def _give_back_references(values: tuple, before: list[int]) -> None:
 
 
 def active_blocks(segments: Iterable[dict], pool_id: tuple | None = None,
-                  device: int | None = None) -> list[tuple[int, int]]:
+                  device: int | None = None, addresses: Container[int] | None = None) -> list[tuple[int, int]]:
     """``(address, bytes)`` of every allocated block in snapshot ``segments``, sorted.
 
     A segment has ``address``, ``segment_pool_id``, ``device`` and ``blocks``;
     a block has ``size``, ``state`` and, in some builds, its own ``address``
-    (otherwise it starts where the previous block ended).
+    (otherwise it starts where the previous block ended). Some builds (torch_npu
+    2.5.1) leave ``segment_pool_id`` out.
 
     :param pool_id: keep only the segments of this pool.
     :param device: keep only the segments of this device (segments without one are kept).
+    :param addresses: where a segment has no ``segment_pool_id``, it belongs to ``pool_id`` when its
+        address is one of these (the segments the pool's allocator handed out); without them such a
+        segment belongs to no pool.
     """
     found = []
     for segment in segments:
-        if pool_id is not None and tuple(segment.get("segment_pool_id", ())) != tuple(pool_id):
+        if pool_id is not None and not _in_pool(segment, tuple(pool_id), addresses):
             continue
         if device is not None and segment.get("device", device) != device:
             continue
@@ -228,6 +283,12 @@ def active_blocks(segments: Iterable[dict], pool_id: tuple | None = None,
                 found.append((address, size))
             at = address + size
     return sorted(found)
+
+
+def _in_pool(segment: dict, pool_id: tuple, addresses: Container[int] | None) -> bool:
+    if "segment_pool_id" in segment:
+        return tuple(segment["segment_pool_id"]) == pool_id
+    return addresses is not None and int(segment.get("address", -1)) in addresses
 
 
 # -- the graph context manager's side stream -----------------------------------------------------

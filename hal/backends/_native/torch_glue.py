@@ -5,9 +5,11 @@ torch.cuda and the extensions that mirror it under another device type
 ``graph_pool_handle``, a graph class, ``memory_snapshot`` and -- in some
 builds -- a ``MemPool`` over a custom allocator. A vendor subclass of
 :class:`TorchGlue` names them (:class:`TorchExtension`), picks the default
-capture mode and recognises its own capture failures. Private APIs are looked
-up through :mod:`hal.backends._native.torch_compat`. torch and the extension
-are imported only when a glue is created.
+capture mode and recognises its own capture failures; every vendor captures
+through :mod:`hal.backends._native.capture`, overriding only the few methods
+it differs in (its graph objects, a capture's pool id, what it records). Private
+APIs are looked up through :mod:`hal.backends._native.torch_compat`. torch and
+the extension are imported only when a glue is created.
 """
 
 from __future__ import annotations
@@ -16,18 +18,18 @@ import contextlib
 import functools
 import importlib
 import logging
-from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from hal.api import AllocFn, FreeFn
+from hal.backends._native import capture as capturing
 from hal.backends._native import torch_compat as compat
-from hal.backends._native.callbacks import CallbackPair, new_pair
+from hal.backends._native.callbacks import CallbackPair, keep_forever, new_pair
+from hal.backends._native.capture import StreamInspector
 from hal.backends._native.routing import GraphClassRouting, routable, routing_for
 from hal.errors import CaptureError, InvalidStateError, UnsupportedError
-from hal.gcguard import gc_disabled
-from hal.types import fmt_bytes
+from hal.types import GraphAddresses, fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ class TorchGlue:
         if not names.scoped:
             self.ns.set_device(device)
         self.routing: GraphClassRouting | None = None
+        self.inspector: StreamInspector | None = None
         if "capture_routing" in names.capabilities(self.ext, self.ns):
             self.routing = routing_for(getattr(self.ns, names.graph_class), self.ns.current_device,
                                        lambda pool: pool.id)
@@ -140,10 +143,6 @@ class TorchGlue:
             if self.private(api) is None:
                 return (f"{self.no_custom_pool} ({api.name(self.extension.device_type)} is missing in "
                         f"{compat.versions(self.modules)})")
-        return None
-
-    def capture_error(self, exc: BaseException) -> CaptureError | None:
-        """The :class:`hal.CaptureError` that ``exc`` from a capture stands for, or None."""
         return None
 
     # -- devices and streams --------------------------------------------------------------
@@ -190,6 +189,7 @@ class TorchGlue:
             raise UnsupportedError(problem, backend=self.backend, call="create_pool")
         pair = new_pair(alloc, free, device=self.device, backend=self.backend)
         pair.torch_allocator = self.require(compat.CUSTOM_ALLOCATOR, "create_pool")(*pair.addresses)
+        keep_forever(pair.torch_allocator)  # torch's pools point at it until the process ends
         with self.on_device():
             mempool = self.require(compat.MEM_POOL, "create_pool")(pair.torch_allocator)
         return TorchPool(id=tuple(mempool.id), device=self.device, backend=self.backend, mempool=mempool,
@@ -256,32 +256,168 @@ class TorchGlue:
         if reason and isinstance(exc, self.torch.OutOfMemoryError) and hasattr(exc, "add_note"):
             exc.add_note(f"hal {self.backend}: {reason}")
 
-    def capture(self, graph: Any, pool: TorchPool | None, stream: Any,
-                capture_error_mode: str | None) -> AbstractContextManager[Any]:
-        """``torch.<device>.graph`` with GC off (the allocator callbacks run inside it) and the
-        failures :meth:`capture_error` recognises turned into :class:`hal.CaptureError`."""
-        return self._capture(graph, pool, stream, capture_error_mode)
+    def use_inspector(self, inspector: StreamInspector | None) -> None:
+        """Read graphs under construction with ``inspector(stream)``: captures with ``inspect=True``
+        and routed captures whose route asks for it (the routing of a graph class is shared by
+        every device, and so is its inspector)."""
+        self.inspector = inspector
+        if self.routing is not None:
+            self.routing.set_inspector(None if inspector is None else self._inspect_current)
 
-    @contextlib.contextmanager
-    def _capture(self, graph: Any, pool: TorchPool | None, stream: Any,
-                 capture_error_mode: str | None) -> Iterator[Any]:
-        if self.routing is not None:  # inside route_captures the router chooses the pool
-            pool = self.routing.begin(graph, pool, self.device) or pool
-        if pool is not None and pool.callbacks is not None:
-            pool.callbacks.last_error = None
-        try:
-            with gc_disabled(), self.ns.graph(graph, pool=None if pool is None else pool.id, stream=stream,
-                                              capture_error_mode=capture_error_mode or self.default_capture_mode):
-                yield graph
-        except Exception as exc:
-            self.explain_out_of_memory(exc, pool)
-            translated = self.capture_error(exc)
-            if translated is None:
-                raise
-            raise translated from exc
+    def _inspect_current(self, torch_graph: Any) -> GraphAddresses:
+        """What the graph being captured on the current stream uses (the framework ends a capture there)."""
+        assert self.inspector is not None
+        return self.inspector(self.ns.current_stream())
+
+    def capture(self, graph: Any, pool: TorchPool | None, stream: Any, capture_error_mode: str | None,
+                inspect: bool = False) -> AbstractContextManager[Any]:
+        """The capture of :mod:`hal.backends._native.capture`, in ``capture_error_mode`` (the glue's
+        default when None).
+
+        :param inspect: record what the graph uses; needs an inspector (:meth:`use_inspector`).
+        """
+        if inspect and self.inspector is None:
+            raise UnsupportedError("inspect=True: this glue has no way to read a graph under construction",
+                                   backend=self.backend, call="capture")
+        return capturing.capture(self, graph, pool, stream, capture_error_mode or self.default_capture_mode,
+                                 self.inspector if inspect else None)
+
+    # what a vendor's capture differs in (see hal.backends._native.capture.CaptureGlue)
+
+    @property
+    def graph_class(self) -> str:
+        """The name of the framework's graph class in the device namespace."""
+        return self.extension.graph_class
+
+    def check_capture(self, graph: Any, stream: Any) -> None:
+        """Refuse a capture of ``graph`` on ``stream`` before it starts (nothing is refused here)."""
+
+    def torch_graph_of(self, graph: Any) -> Any:
+        """The framework's graph behind a graph of this backend (here: the same object)."""
+        return graph
+
+    def capture_pool_id(self, pool: TorchPool | None) -> Any:
+        """What the framework's capture takes as its pool (None: a pool private to the graph)."""
+        return None if pool is None else pool.id
+
+    def captured(self, graph: Any, stream: Any, pool: TorchPool | None) -> None:
+        """Record a capture that ended well (nothing to record here)."""
+
+    def capture_error(self, exc: BaseException, phase: capturing.Phase) -> CaptureError | None:
+        """The :class:`hal.CaptureError` that ``exc``, raised in ``phase`` of a capture, stands for, or None."""
+        return None
 
     def replay(self, graph: Any) -> None:
         graph.replay()
 
     def release_graph(self, graph: Any) -> None:
         graph.reset()
+
+
+#: the capabilities that depend on the extension giving a pool's segments to the pool's allocator
+ROUTED_CAPABILITIES = ("custom_pool", "use_pool", "capture_routing")
+
+
+class ExtensionGlue(TorchGlue):
+    """The glue of a vendor extension (torch_npu, torch_mlu) whose routing of pool memory depends on its release.
+
+    ``"custom_pool"``, ``"use_pool"`` and ``"capture_routing"`` are reported only
+    where :meth:`routing_problem` finds nothing: otherwise a capture into a pool
+    over hal's callbacks would silently take the extension's own memory. When it
+    finds something, the three are absent, a warning names the version or the
+    setting, and graphkit falls back as it does for any backend without them.
+    """
+
+    #: the allocator config variables the extension reads, in the order it reads them
+    alloc_conf_vars: ClassVar[tuple[str, ...]]
+    #: added to the reason a routed capability is on (what is known about that routing)
+    routed_note: ClassVar[str] = ""
+
+    def __init__(self, device: int, ext: Any = None) -> None:
+        super().__init__(device, ext)
+        if "capture_routing" not in self.capabilities:
+            self.routing = None  # captures are never routed where the pools would not take hal's memory
+
+    @property
+    def extension_version(self) -> str:
+        """``"torch_npu 2.13.0"``: the extension's name and ``__version__``."""
+        return f"{self.extension.module} {getattr(self.ext, '__version__', '(version unknown)')}"
+
+    def expandable_segments(self) -> str | None:
+        """The setting (``"VAR=value"``) that turns expandable segments on, or None."""
+        return compat.alloc_conf_setting(self.alloc_conf_vars, "expandable_segments")
+
+    def routing_problem(self) -> str | None:
+        """Why this build would not give a pool's segments to the pool's allocator, or None.
+
+        Here: expandable segments, which the extension's allocator tries before a
+        pool's own allocator (graph pools included). Vendor glues add their version rules.
+        """
+        setting = self.expandable_segments()
+        if setting is not None:
+            return (f"expandable segments are on ({setting}): {self.extension.module} serves every pool, "
+                    "graph pools included, from expandable segments before the pool's allocator; unset "
+                    "expandable_segments to let graphkit's allocator back the pools")
+        return None
+
+    def find_capabilities(self) -> frozenset[str]:
+        """The shared ones, without the routed ones where :meth:`routing_problem` finds something,
+        plus ``"use_pool"`` where ``"custom_pool"`` works and the build has ``use_mem_pool``."""
+        caps = set(super().find_capabilities())
+        problem = self.routing_problem()
+        if problem is not None:
+            self.log.warning("%s: no pools over allocator callbacks, no use_pool, no capture routing: %s",
+                             self.backend, problem)
+            return frozenset(caps - set(ROUTED_CAPABILITIES))
+        if "custom_pool" in caps and self.private(compat.USE_MEM_POOL) is not None:
+            caps.add("use_pool")
+        return frozenset(caps)
+
+    def custom_pool_problem(self) -> str | None:
+        """:meth:`routing_problem` first, then what the build lacks."""
+        return self.routing_problem() or super().custom_pool_problem()
+
+    def capability_reasons(self) -> dict[str, str]:
+        """Why each capability beyond the VMM hooks is on or off here, for ``python -m hal``."""
+        caps, names = self.capabilities, self.extension
+        problem = self.routing_problem()
+        missing = super().custom_pool_problem()
+        graph_api = f"{names.module}.{names.device_type}.{names.graph_class}, graph and graph_pool_handle"
+        reasons = {"graphs": f"{graph_api} {'are there' if 'graphs' in caps else 'are missing'}"}
+        for cap in ROUTED_CAPABILITIES:
+            if cap in caps:
+                reasons[cap] = f"{self.extension_version} gives a pool's segments to its allocator{self.routed_note}"
+            elif problem is not None:
+                reasons[cap] = problem
+            elif cap == "capture_routing":
+                reasons[cap] = f"{names.graph_class} has no capture_begin/capture_end to route"
+            elif missing is not None:
+                reasons[cap] = missing
+            else:
+                reasons[cap] = f"{compat.USE_MEM_POOL.name(names.device_type)} is missing"
+        return reasons
+
+    def use_pool(self, pool: TorchPool) -> AbstractContextManager[None]:
+        """The framework's allocations on this thread inside the block come from ``pool``'s MemPool."""
+        if pool.mempool is None:
+            raise UnsupportedError(f"{pool!r} is not a {self.extension.module} MemPool", backend=self.backend,
+                                   call="use_pool")
+        use_mem_pool = self.require(compat.USE_MEM_POOL, "use_pool")
+        return use_mem_pool(pool.mempool, device=self.device)
+
+    def pool_active_blocks(self, pool: TorchPool) -> list[tuple[int, int]]:
+        """As :meth:`TorchGlue.pool_active_blocks`; where the snapshot has no pool ids, a custom pool's
+        segments are recognised by the addresses its allocator handed out."""
+        if pool.released:
+            raise InvalidStateError(f"{pool!r} was released", backend=self.backend, call="pool_active_blocks")
+        snapshot = self.private(compat.MEMORY_SNAPSHOT)
+        if snapshot is None:
+            return super().pool_active_blocks(pool)
+        segments = compat.memory_snapshot(snapshot, pool.id)
+        addresses = set(pool.callbacks.live) if pool.callbacks is not None else None
+        unattributed = addresses is None and segments and not any("segment_pool_id" in s for s in segments)
+        if unattributed and not self._no_snapshot_logged:
+            self.log.info("%s: the memory snapshot of %s has no segment_pool_id; pool_active_blocks reports "
+                          "nothing for pools of the framework's own allocator", self.backend, self.extension_version)
+            self._no_snapshot_logged = True
+        return compat.active_blocks(segments, pool.id, pool.device, addresses)

@@ -1,8 +1,8 @@
 """The ``map`` hook's two steps, for every backend: map a chunk, then make it accessible.
 
-CUDA (``cuMemMap`` + ``cuMemSetAccess``), CNDrv (``cnMemMap`` +
-``cnMemSetAccess``) and recent ACL runtimes (``aclrtMapMem`` +
-``aclrtMemSetAccess``) map first and grant access in a second call. When that
+CUDA (``cuMemMap`` + ``cuMemSetAccess``) and CNDrv (``cnMemMap`` +
+``cnMemSetAccess``) map first and grant access in a second call (ACL needs
+none for the owning device). When that
 second call fails the mapping is undone, so that a failed ``map`` leaves
 nothing half-mapped; the access call's error is the one raised.
 """

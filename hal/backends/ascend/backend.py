@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
+import os
 import threading
 from typing import Any, ClassVar
 
 from hal.api import hookimpl
-from hal.backends._native.hooks import TorchHooks
+from hal.backends._native import torch_compat as compat
+from hal.backends._native.hooks import ExtensionHooks
 from hal.backends._native.torch_glue import TorchGlue
-from hal.backends._native.vmm import map_with_access
 from hal.backends.ascend import lib, locate
-from hal.types import MemInfo
+from hal.errors import InvalidArgumentError
 
 log = logging.getLogger("hal.ascend")
 NAME = lib.NAME
+#: overrides the aclrtReserveMemAddress flags chosen from the CANN version: "0" or "1"
+ENV_RESERVE_FLAGS = "HAL_ASCEND_RESERVE_FLAGS"
 
 
 def _npu_glue(device: int) -> TorchGlue:
@@ -25,7 +27,7 @@ def _npu_glue(device: int) -> TorchGlue:
     return NpuGlue(device)  # torch_npu runs aclInit and sets the device
 
 
-class AscendBackend(TorchHooks):
+class AscendBackend(ExtensionHooks):
     """Huawei Ascend NPUs through libascendcl (VMM) and torch_npu (graphs, streams, pools).
 
     Options:
@@ -34,11 +36,17 @@ class AscendBackend(TorchHooks):
       ``$HAL_ASCEND_LIBRARY``, else ``$ASCEND_HOME_PATH/lib64/libascendcl.so``,
       else the soname on the loader path;
     * ``use_torch`` -- ``None`` (default): use torch_npu when it is installed;
-      ``False``: VMM hooks only, torch_npu is never imported; ``True``: require it.
+      ``False``: VMM hooks only, torch_npu is never imported; ``True``: require it;
+    * ``reserve_flags`` -- the ``flags`` of ``aclrtReserveMemAddress``, 0 or 1;
+      default ``$HAL_ASCEND_RESERVE_FLAGS``, else chosen from the CANN version
+      the runtime reports (:func:`~hal.backends.ascend.lib.reserve_flags_for`:
+      1, the huge-page type, up to CANN 8; 0 from CANN 9).
 
     Without torch_npu the ``"graphs"`` capability is absent and the graph hooks
     raise :class:`hal.UnsupportedError`; the runtime is then initialised with
-    ``aclInit`` here instead of by torch_npu.
+    ``aclInit`` here instead of by torch_npu. Maps are ``aclrtMapMem`` alone:
+    the owning device may use the memory at once, and ``aclrtMemSetAccess`` is
+    for other devices.
     """
 
     #: device memory is not host-accessible; the conformance suite over a
@@ -46,23 +54,47 @@ class AscendBackend(TorchHooks):
     hal_requirements: ClassVar[dict[str, Any]] = {"host_accessible": False}
     backend_name = NAME
     torch_extension = locate.EXTENSION
+    count_devices = ("aclrtGetDeviceCount", ctypes.c_uint32)
+    read_mem_info = ("aclrtGetMemInfo", (lib.ACL_HBM_MEM,), ctypes.c_size_t)
 
-    def __init__(self, device: int = 0, *, library: str | None = None, use_torch: bool | None = None) -> None:
+    def __init__(self, device: int = 0, *, library: str | None = None, use_torch: bool | None = None,
+                 reserve_flags: int | None = None) -> None:
         self.device = device
+        override = self._reserve_flags_override(reserve_flags)  # a bad value fails before anything is opened
         self.library = locate.open_library(library)
         self.glue = self._open_glue(use_torch, locate.extension_installed, lambda: _npu_glue(device))
         if self.glue is None:
             self.library.init_once()  # otherwise torch_npu ran aclInit
         self._thread = threading.local()  # ACL binds a device per thread: aclrtSetDevice once in each
         self._prop = lib.physical_prop(device)
-        self._access = lib.access_desc(device) if self.library.has("aclrtMemSetAccess") else None
+        self.cann_version = self.library.cann_version()
+        cann = compat.version_tuple(self.cann_version) if self.cann_version else None
+        self.reserve_flags, self.reserve_flags_from = override or (
+            lib.reserve_flags_for(cann),
+            f"CANN {self.cann_version}" if self.cann_version else "an unknown CANN version (before CANN 9)")
         self._granularity = {rec: self._query_granularity(rec) for rec in (False, True)}
-        log.debug("%s: device %d over %s (set access: %s, torch_npu: %s)", NAME, device, self.library.path,
-                  self._access is not None, self.glue is not None)
+        log.debug("%s: device %d over %s (CANN %s, reserve flags %d from %s, torch_npu: %s)", NAME, device,
+                  self.library.path, self.cann_version or "unknown", self.reserve_flags, self.reserve_flags_from,
+                  self.glue is not None)
 
     @classmethod
     def probe(cls) -> str | None:
         return locate.probe_reason()
+
+    @staticmethod
+    def _reserve_flags_override(option: int | None) -> tuple[int, str] | None:
+        """``(flags, where they come from)`` from the option, else the variable; None when neither is set."""
+        if option is not None:
+            source, raw = "the reserve_flags option", str(option)
+        elif os.environ.get(ENV_RESERVE_FLAGS, "").strip():
+            source, raw = f"${ENV_RESERVE_FLAGS}", os.environ[ENV_RESERVE_FLAGS].strip()
+        else:
+            return None
+        if raw not in ("0", "1"):
+            raise InvalidArgumentError(f"reserve_flags: {source} is {raw!r}; aclrtReserveMemAddress takes 0 "
+                                       "(normal pages, or reserved on CANN 9) or 1 (huge pages)",
+                                       backend=NAME, call="open")
+        return int(raw), source
 
     def _call(self, call: str, native: str, *args: Any) -> None:
         if not getattr(self._thread, "device_set", False):
@@ -78,36 +110,19 @@ class AscendBackend(TorchHooks):
                    ctypes.byref(gran))
         return gran.value
 
-    # -- queries ---------------------------------------------------------------------
-
-    @hookimpl
-    def device_count(self) -> int:
-        count = ctypes.c_uint32(0)
-        self._call("device_count", "aclrtGetDeviceCount", ctypes.byref(count))
-        return count.value
-
-    @hookimpl
-    def granularity(self, recommended: bool) -> int:
-        return self._granularity[bool(recommended)]
-
-    @hookimpl
-    def mem_info(self) -> MemInfo:
-        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        self._call("mem_info", "aclrtGetMemInfo", lib.ACL_HBM_MEM, ctypes.byref(free), ctypes.byref(total))
-        return MemInfo(free=free.value, total=total.value)
+    # -- queries: device_count, mem_info and granularity are ExtensionHooks' over the two names above
 
     # -- vmm -------------------------------------------------------------------------
 
     @hookimpl
     def create_vir_ptr(self, size: int) -> int:
         ptr = ctypes.c_void_p()
-        self._call("create_vir_ptr", "aclrtReserveMemAddress", ctypes.byref(ptr), size, 0, None, 0)
+        self._call("create_vir_ptr", "aclrtReserveMemAddress", ctypes.byref(ptr), size, 0, None, self.reserve_flags)
         return int(ptr.value or 0)
 
     @hookimpl
-    def release_vir_ptr(self, ptr: int, size: int) -> bool:
+    def release_vir_ptr(self, ptr: int, size: int) -> None:
         self._call("release_vir_ptr", "aclrtReleaseMemAddress", ptr)
-        return True
 
     @hookimpl
     def create_phy_mem_handle(self, size: int) -> int:
@@ -117,26 +132,15 @@ class AscendBackend(TorchHooks):
         return int(handle.value or 0)
 
     @hookimpl
-    def release_phy_mem_handle(self, handle: int) -> bool:
+    def release_phy_mem_handle(self, handle: int) -> None:
         self._call("release_phy_mem_handle", "aclrtFreePhysical", handle)
-        return True
 
     @hookimpl
-    def map(self, ptr: int, size: int, handle: int) -> bool:
-        call = functools.partial(self._call, "map")
-        access = self._access
-        set_access = None if access is None else lambda: call("aclrtMemSetAccess", ptr, size, ctypes.byref(access), 1)
-        map_with_access(lambda: call("aclrtMapMem", ptr, size, 0, handle, 0), set_access,
-                        lambda: call("aclrtUnmapMem", ptr), backend=NAME, ptr=ptr, access_call="aclrtMemSetAccess")
-        return True
+    def map(self, ptr: int, size: int, handle: int) -> None:
+        self._call("map", "aclrtMapMem", ptr, size, 0, handle, 0)  # usable by the owning device at once
 
     @hookimpl
-    def unmap(self, ptr: int, size: int) -> bool:
+    def unmap(self, ptr: int, size: int) -> None:
         self._call("unmap", "aclrtUnmapMem", ptr)  # ACL unmaps one whole mapping by its address
-        return True
 
-    # -- graphs, streams, pools: inherited from TorchHooks, over torch_npu when it is there
-
-    @hookimpl
-    def shutdown(self) -> bool:
-        return True  # the library stays loaded for the process; the facade released everything else
+    # -- graphs, streams, pools, use_pool, shutdown: inherited from ExtensionHooks, over torch_npu when it is there

@@ -1,6 +1,7 @@
 """ctypes bindings to libascendcl's VMM calls, and the one place their return codes are checked.
 
-Prototypes, struct layouts and enum values follow ``acl_rt.h`` (CANN 1.15-1.17).
+Prototypes, struct layouts and enum values follow ``acl_rt.h`` (ACL 1.15-1.17, and
+the header shipped in the torch-npu 2.14.0 wheel).
 They differ from CNDrv's and CUDA's (location is ``{id, type}``, pinned is 0,
 read-write is 3): nothing here is shared with another vendor.
 """
@@ -8,11 +9,11 @@ read-write is 3): nothing here is shared with another vendor.
 from __future__ import annotations
 
 import ctypes
-from ctypes import POINTER, c_char_p, c_int, c_int32, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
+from ctypes import POINTER, c_char, c_char_p, c_int, c_int32, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
 from typing import Any
 
-from hal.backends._native.library import LibraryCache, NativeLibrary, native_error
-from hal.errors import DriverError, HalError, InvalidArgumentError
+from hal.backends._native.library import LibraryCache, NativeInvalidArgumentError, NativeLibrary, native_error
+from hal.errors import HalError
 
 NAME = "ascend"
 
@@ -21,6 +22,7 @@ NAME = "ascend"
 ACL_SUCCESS = 0
 ACL_ERROR_REPEAT_INITIALIZE = 100002
 ACL_ERROR_RT_MEMORY_ALLOCATION = 207001
+ACL_ERROR_RT_RESOURCE_ALLOC_FAIL = 207005
 ACL_ERROR_RT_NO_STREAM_RESOURCE = 207008
 
 CODE_NAMES = {
@@ -36,11 +38,13 @@ CODE_NAMES = {
     207004: "ACL_ERROR_RT_NO_DEVICE",
     207005: "ACL_ERROR_RT_RESOURCE_ALLOC_FAIL",
     207008: "ACL_ERROR_RT_NO_STREAM_RESOURCE",
+    207018: "ACL_ERROR_RT_DEVICE_OOM",
+    200000: "ACL_ERROR_BAD_ALLOC",
     507000: "ACL_ERROR_RT_INTERNAL_ERROR",
     507899: "ACL_ERROR_RT_DRV_INTERNAL_ERROR",
 }
 INVALID_ARGUMENT_CODES = frozenset({100000, 107000})
-OUT_OF_MEMORY_CODES = frozenset({ACL_ERROR_RT_MEMORY_ALLOCATION})
+OUT_OF_MEMORY_CODES = frozenset({ACL_ERROR_RT_MEMORY_ALLOCATION, 207018, 200000})
 
 # -- enums ---------------------------------------------------------------------------------
 
@@ -48,6 +52,10 @@ ACL_MEM_LOCATION_TYPE_DEVICE = 1
 ACL_MEM_HANDLE_TYPE_NONE = 0
 ACL_MEM_ALLOCATION_TYPE_PINNED = 0
 ACL_HBM_MEM_HUGE = 4
+#: aclrtReserveMemAddress flags: the page type of the memory to be mapped (CANN 7.0-8.x); reserved on CANN 9
+ACL_RESERVE_NORMAL_PAGES = 0
+ACL_RESERVE_HUGE_PAGES = 1
+ACL_PKG_NAME_CANN = 0  # aclCANNPackageName for aclsysGetCANNVersion
 ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM = 0
 ACL_RT_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
 ACL_HBM_MEM = 1  # aclrtMemAttr for aclrtGetMemInfo
@@ -78,6 +86,26 @@ class AclrtMemAccessDesc(ctypes.Structure):
     """``aclrtMemAccessDesc``: 24 bytes."""
 
     _fields_ = [("flags", c_int32), ("location", AclrtMemLocation), ("rsv", c_uint8 * 12)]
+
+
+class AclCANNPackageVersion(ctypes.Structure):
+    """``aclCANNPackageVersion``: strings, 512 bytes."""
+
+    _fields_ = [("version", c_char * 128), ("majorVersion", c_char * 64), ("minorVersion", c_char * 64),
+                ("releaseVersion", c_char * 64), ("patchVersion", c_char * 64), ("reserved", c_char * 128)]
+
+
+def reserve_flags_for(cann: tuple[int, ...] | None) -> int:
+    """``aclrtReserveMemAddress`` flags that suit HBM_MEM_HUGE memory on CANN version ``cann``.
+
+    CANN 7.0-8.x documents the flags as the page type, which must match the
+    physical memory's (torch_npu passes 1 with huge pages); CANN 9.0 documents
+    them as reserved, 0. An unknown version (runtimes without
+    ``aclsysGetCANNVersion`` predate CANN 9) gets the page type.
+    """
+    if cann and cann[0] >= 9:
+        return ACL_RESERVE_NORMAL_PAGES
+    return ACL_RESERVE_HUGE_PAGES
 
 
 def physical_prop(device: int) -> AclrtPhysicalMemProp:
@@ -111,22 +139,23 @@ PROTOTYPES: dict[str, list[Any]] = {
     "aclrtMapMem": [c_void_p, c_size_t, c_size_t, c_void_p, c_uint64],
     "aclrtUnmapMem": [c_void_p],
 }
-#: looked up with hasattr: aclrtMemSetAccess appears in ACL 1.17; aclGetRecentErrMsg adds detail
+#: bound where the library exports them: aclrtMemSetAccess (ACL 1.17; access for *other* devices, never
+#: called for the owning one); aclsysGetCANNVersion (chooses the reserve flags). aclGetRecentErrMsg adds detail.
 OPTIONAL: dict[str, list[Any]] = {
     "aclrtMemSetAccess": [c_void_p, c_size_t, _P(AclrtMemAccessDesc), c_size_t],
+    "aclsysGetCANNVersion": [c_int, _P(AclCANNPackageVersion)],
 }
 
 
-class AclInvalidArgumentError(DriverError, InvalidArgumentError):
-    """The runtime refused an argument: an :class:`hal.InvalidArgumentError` that keeps the native code."""
+#: deprecated: the former name of the shared :class:`~hal.backends._native.library.NativeInvalidArgumentError`
+AclInvalidArgumentError = NativeInvalidArgumentError
 
 
 def error_for(code: int, call: str, native: str, detail: str = "") -> HalError:
     """The hal error for a failed ``native`` call made on behalf of hook ``call``."""
-    invalid = code in INVALID_ARGUMENT_CODES
     return native_error(code, call, native, backend=NAME, code_name=CODE_NAMES.get(code),
-                        out_of_memory=code in OUT_OF_MEMORY_CODES,
-                        error_class=AclInvalidArgumentError if invalid else DriverError, detail=detail)
+                        out_of_memory=code in OUT_OF_MEMORY_CODES, invalid_argument=code in INVALID_ARGUMENT_CODES,
+                        explanation=detail)
 
 
 class AclLibrary(NativeLibrary):
@@ -155,6 +184,16 @@ class AclLibrary(NativeLibrary):
             return ""
         raw = self._recent()
         return raw.decode(errors="replace").strip() if raw else ""
+
+    def cann_version(self) -> str | None:
+        """The CANN version the runtime reports (``aclsysGetCANNVersion``), None where it cannot say."""
+        if not self.has("aclsysGetCANNVersion"):
+            return None
+        version = AclCANNPackageVersion()
+        if self._fns["aclsysGetCANNVersion"](ACL_PKG_NAME_CANN, ctypes.byref(version)) != ACL_SUCCESS:
+            self._recent_message()  # consumed: it belongs to this query, not to the next failure
+            return None
+        return version.version.decode(errors="replace").strip() or None
 
     def initialize(self) -> None:
         """``aclInit(NULL)``; an earlier initialisation (torch_npu's) is fine."""

@@ -15,7 +15,7 @@ from hal.backends._native.hooks import TorchHooks
 from hal.backends._native.vmm import map_with_access
 from hal.backends.cuda.errors import NAME
 from hal.backends.cuda.probe import probe_reason
-from hal.types import MemInfo
+from hal.types import GraphAddresses, MemInfo
 
 if TYPE_CHECKING:
     from hal.backends.cuda.torch_glue import CudaGlue
@@ -163,8 +163,39 @@ class CudaBackend(TorchHooks):
             if self.glue is None:
                 from hal.backends.cuda.torch_glue import CudaGlue
 
-                self.glue = CudaGlue(self.device)
+                glue = CudaGlue(self.device)
+                if self._can_read_graphs(glue):
+                    from hal.backends.cuda import introspect
+
+                    glue.use_inspector(lambda stream: introspect.addresses_of(int(stream.cuda_stream)))
+                self.glue = glue
             return self.glue
+
+    @staticmethod
+    def _can_read_graphs(glue: CudaGlue) -> bool:
+        """Whether graphs under construction can be read here (the driver calls exist; logged once if not)."""
+        if "graphs" not in glue.capabilities:
+            return False
+        from hal.backends.cuda.introspect import unavailable_reason
+
+        return unavailable_reason() is None
+
+    @hookimpl
+    def capabilities(self) -> frozenset[str]:
+        """The glue's, plus ``"graph_addresses"`` where graphs under construction can be read."""
+        glue = self._current_glue()
+        caps = glue.capabilities
+        return caps | {"graph_addresses"} if glue.inspector is not None else caps
+
+    @hookimpl
+    def capture(self, graph: Any, pool: Any, stream: Any, capture_error_mode: str | None,  # type: ignore[override]
+                inspect: bool) -> AbstractContextManager[Any]:
+        # ``inspect`` has no default: pluggy passes only the arguments an implementation names without one
+        return self._current_glue().capture(graph, pool, stream, capture_error_mode, inspect=inspect)
+
+    @hookimpl
+    def graph_addresses(self, graph: Any) -> GraphAddresses:
+        return self._current_glue().graph_addresses(graph)
 
     @hookimpl
     def use_pool(self, pool: Any) -> AbstractContextManager[None]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hal.backends._native.library import ErrorClasses, native_error
 from hal.errors import DeviceOutOfMemoryError, DriverError, InvalidArgumentError
 
 NAME = "cuda"
@@ -16,11 +17,6 @@ CUDA_ERROR_OUT_OF_MEMORY = 2
 class CudaDriverError(DriverError):
     """A CUDA driver call failed; ``native_call`` names the driver function."""
 
-    def __init__(self, message: str, *, call: str | None, native_call: str,
-                 code: int, code_name: str | None) -> None:
-        self.native_call = native_call
-        super().__init__(message, backend=NAME, call=call, code=code, code_name=code_name)
-
 
 class CudaOutOfMemoryError(CudaDriverError, DeviceOutOfMemoryError):
     """CUDA_ERROR_OUT_OF_MEMORY: a :class:`hal.DeviceOutOfMemoryError` that keeps the native code."""
@@ -28,6 +24,10 @@ class CudaOutOfMemoryError(CudaDriverError, DeviceOutOfMemoryError):
 
 class CudaInvalidValueError(CudaDriverError, InvalidArgumentError):
     """CUDA_ERROR_INVALID_VALUE: a :class:`hal.InvalidArgumentError` that keeps the native code."""
+
+
+CUDA_ERRORS = ErrorClasses(other=CudaDriverError, out_of_memory=CudaOutOfMemoryError,
+                           invalid_argument=CudaInvalidValueError)
 
 
 def error_name(code: int) -> str | None:
@@ -56,15 +56,12 @@ def error_text(code: int) -> str:
     return text.decode() if isinstance(text, bytes) else str(text)
 
 
-def error_for(code: int, native_call: str, call: str | None, detail: str = "") -> CudaDriverError:
+def error_for(code: int, native_call: str, call: str | None, detail: str = "") -> DriverError:
     """The hal error for a failed driver call (``code`` != CUDA_SUCCESS)."""
-    cls: type[CudaDriverError] = {
-        CUDA_ERROR_OUT_OF_MEMORY: CudaOutOfMemoryError,
-        CUDA_ERROR_INVALID_VALUE: CudaInvalidValueError,
-    }.get(code, CudaDriverError)
-    where = f" ({detail})" if detail else ""
-    message = f"{native_call}{where} failed: {error_text(code)}"
-    return cls(message, call=call, native_call=native_call, code=code, code_name=error_name(code))
+    return native_error(code, call, native_call, backend=NAME, code_name=error_name(code),
+                        out_of_memory=code == CUDA_ERROR_OUT_OF_MEMORY,
+                        invalid_argument=code == CUDA_ERROR_INVALID_VALUE, explanation=error_text(code),
+                        context=detail, classes=CUDA_ERRORS)
 
 
 def check(result: Any, native_call: str, call: str | None, detail: str = "") -> Any:

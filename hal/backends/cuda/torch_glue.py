@@ -3,12 +3,16 @@
 The plumbing is shared with torch_npu and torch_mlu
 (:mod:`hal.backends._native.torch_glue`): streams, pools over the allocator
 callbacks of :mod:`hal.backends._native.callbacks`, memory snapshots, capture
-routing. What is cuda's own is here: the names, the ``"global"`` capture
-mode, a device entered around every call (one process drives several GPUs,
-and a backend must not change the current one), the conditions under which a
-``torch.cuda.MemPool`` takes segments from Python callbacks, and the graph
-lifecycle of :mod:`hal.backends.cuda.graph`. torch is imported only when a
-glue is created.
+routing, and the capture itself (:mod:`hal.backends._native.capture`). What
+is cuda's own is here: the names, the ``"global"`` capture mode, a device
+entered around every call (one process drives several GPUs, and a backend
+must not change the current one), the conditions under which a
+``torch.cuda.MemPool`` takes segments from Python callbacks, and the graphs
+of :mod:`hal.backends.cuda.graph`: checked before a capture, given a pool id
+of their own when captured without a pool, replayed on their capture stream
+and keeping the addresses read at their capture where the backend gives the
+glue an inspector (:meth:`CudaGlue.use_inspector`). torch is imported only
+when a glue is created.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 from hal.backends._native import torch_compat as compat
+from hal.backends._native.capture import BODY, Phase, first_line
+from hal.backends._native.routing import ADDRESSES, forget
 from hal.backends._native.torch_glue import TorchExtension, TorchGlue, TorchPool
-from hal.backends.cuda import graph as graphs
 from hal.backends.cuda.errors import NAME
-from hal.errors import UnsupportedError
+from hal.backends.cuda.graph import CudaGraph, addresses
+from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError, UnsupportedError
+from hal.types import GraphAddresses
 
 log = logging.getLogger("hal.cuda")
 
@@ -90,22 +97,86 @@ class CudaGlue(TorchGlue):
         memory.owner = owner  # type: ignore[attr-defined]
         return self.torch.as_tensor(memory, device=self.torch_device())
 
-    # -- graphs --------------------------------------------------------------------------------
+    # -- graphs: the shared capture, with cuda's graph record, stream, private pool ids and errors ---------
 
-    def create_graph(self) -> graphs.CudaGraph:
-        return graphs.CudaGraph(super().create_graph(), self.device)
+    def create_graph(self) -> CudaGraph:
+        return CudaGraph(super().create_graph(), self.device)
 
-    def capture(self, graph: graphs.CudaGraph, pool: TorchPool | None, stream: Any,
-                capture_error_mode: str | None) -> AbstractContextManager[graphs.CudaGraph]:
-        """:func:`hal.backends.cuda.graph.capture`, on a stream of this backend's own when given none."""
+    def capture(self, graph: CudaGraph, pool: TorchPool | None, stream: Any, capture_error_mode: str | None,
+                inspect: bool = False) -> AbstractContextManager[CudaGraph]:
+        """The shared capture, on a stream of this backend's own when given none."""
         if stream is None:
             if self._capture_stream is None:
                 self._capture_stream = self.create_stream()
             stream = self._capture_stream
-        return graphs.capture(self, graph, pool, stream, capture_error_mode or self.default_capture_mode)
+        return super().capture(graph, pool, stream, capture_error_mode, inspect)
 
-    def replay(self, graph: graphs.CudaGraph) -> None:
-        graphs.replay(self, graph)
+    def torch_graph_of(self, graph: CudaGraph) -> Any:
+        """The ``torch.cuda.CUDAGraph`` of ``graph``."""
+        return graph.torch_graph
 
-    def release_graph(self, graph: graphs.CudaGraph) -> None:
-        graphs.release(self, graph)
+    def check_capture(self, graph: CudaGraph, stream: Any) -> None:
+        """Refuse a graph captured or released before, and a stream of another device."""
+        if graph.captured or graph.released:
+            raise InvalidStateError(f"{graph!r} cannot be captured again", backend=NAME, call="capture")
+        if stream is None or stream.device != self.torch.device("cuda", graph.device):
+            raise InvalidArgumentError(f"stream={stream!r} is not a stream of device {graph.device}",
+                                       backend=NAME, call="capture")
+        graph.addresses = None
+
+    def capture_pool_id(self, pool: TorchPool | None) -> Any:
+        """A capture without a pool gets an id of its own, so that its failure can be undone."""
+        return pool.id if pool is not None else tuple(self.ns.graph_pool_handle())
+
+    def captured(self, graph: CudaGraph, stream: Any, pool: TorchPool | None) -> None:
+        graph.stream, graph.pool, graph.captured = stream, pool, True
+        graph.addresses = graph.torch_graph.__dict__.get(ADDRESSES)  # ours, or what a route asked for
+        if pool is not None:
+            pool.graphs += 1
+
+    def capture_error(self, exc: BaseException, phase: Phase) -> CaptureError | None:
+        """Inside the block, torch's errors about the capture (not its out-of-memory error)."""
+        if phase != BODY or not isinstance(exc, RuntimeError) or isinstance(exc, self.torch.OutOfMemoryError):
+            return None
+        if "captur" not in str(exc).lower():
+            return None
+        return CaptureError(f"the work inside the block could not be captured: {first_line(exc)}",
+                            backend=NAME, call="capture")
+
+    def graph_addresses(self, graph: Any) -> GraphAddresses:
+        """What ``graph`` (a :class:`~hal.backends.cuda.graph.CudaGraph` or a ``torch.cuda.CUDAGraph``)
+        uses, as recorded at its capture."""
+        return addresses(graph)
+
+    def replay(self, graph: CudaGraph) -> None:
+        """Launch ``graph`` on its capture stream, ordered after (and before) the current stream's work."""
+        cuda = self.ns
+        if not graph.captured or graph.released:
+            raise InvalidStateError(f"{graph!r} cannot be replayed", backend=NAME, call="replay")
+        with cuda.device(graph.device):
+            current = cuda.current_stream()
+            stream = graph.stream
+            if current == stream:
+                graph.torch_graph.replay()
+                return
+            stream.wait_stream(current)
+            with cuda.stream(stream):
+                graph.torch_graph.replay()
+            current.wait_stream(stream)
+
+    def release_graph(self, graph: CudaGraph) -> None:
+        """Wait for the graph's last replay, then destroy it; idempotent."""
+        if graph.released:
+            return
+        graph.released = True
+        if graph.pool is not None:  # before the reset: a routed graph's reset may release its pool
+            graph.pool.graphs -= 1
+            graph.pool = None
+        with self.ns.device(graph.device):
+            if graph.captured and graph.stream is not None:
+                graph.stream.synchronize()
+            graph.torch_graph.reset()
+        forget(graph.torch_graph, ADDRESSES)
+        graph.addresses = None
+        graph.torch_graph = None
+        graph.stream = None

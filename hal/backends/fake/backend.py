@@ -1,4 +1,4 @@
-"""The ``fake`` backend plugin: host-memory VMM with real aliasing and a tape graph."""
+"""The ``fake`` backend plugin: host-memory VMM with real aliasing, and graphs from the host recorder."""
 
 from __future__ import annotations
 
@@ -6,31 +6,26 @@ import contextlib
 import itertools
 import threading
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
 from typing import Any
 
-from hal.api import AllocFn, FreeFn, hookimpl
+from hal.api import hookimpl
 from hal.backends.fake import hostvm
 from hal.errors import DeviceOutOfMemoryError, DriverError, InvalidArgumentError
+from hal.host import HostGraphs, HostStream
 from hal.types import MemInfo, fmt_bytes
 
 NAME = "fake"
 
 
-class FakeStream:
-    """A stand-in for a device stream: work on a CPU runs when it is issued."""
-
-    _ids = itertools.count()
-
-    def __init__(self) -> None:
-        self.id = next(self._ids)
-
-    def __repr__(self) -> str:
-        return f"<fake stream {self.id}>"
+#: The fake device's stream is the host recorder's.
+FakeStream = HostStream
 
 
-class FakeBackend:
+class FakeBackend(HostGraphs):
     """Host memory made to behave like a device with virtual memory management.
+
+    Its graphs, pools and capture routing are the public host recorder's
+    (:class:`hal.host.HostGraphs`), wired to :meth:`device_malloc`.
 
     Options:
 
@@ -63,11 +58,16 @@ class FakeBackend:
         self._chunks: dict[int, tuple[int, int]] = {}  # handle -> (fd, size)
         self._anon: dict[int, int] = {}  # own allocations: ptr -> size
         self._handle_ids = itertools.count(1)
-        self._routers: list[Any] = []  # route_captures blocks, innermost last
+        self.init_host_graphs(NAME, alloc=self.device_malloc, free=self.device_free, segment_size=granularity)
 
     @classmethod
     def probe(cls) -> str | None:
         return hostvm.unavailable_reason()
+
+    @property
+    def _routers(self) -> list[Any]:
+        """The ``route_captures`` blocks active now, innermost last (the host recorder's list)."""
+        return self._host_routers
 
     # -- internal memory ---------------------------------------------------------
 
@@ -101,9 +101,15 @@ class FakeBackend:
         self._refund(size)
 
     @staticmethod
-    def _os_error(call: str, exc: OSError) -> DriverError:
-        return DriverError(exc.strerror or str(exc), backend=NAME, call=call, code=exc.errno,
-                           code_name=f"errno {exc.errno}")
+    @contextlib.contextmanager
+    def _os_errors(call: str) -> Iterator[None]:
+        """An ``OSError`` of the host calls inside the block leaves as a :class:`hal.DriverError` of ``call``
+        carrying its errno."""
+        try:
+            yield
+        except OSError as exc:
+            raise DriverError(exc.strerror or str(exc), backend=NAME, call=call, code=exc.errno,
+                              code_name=f"errno {exc.errno}") from exc
 
     # -- queries ---------------------------------------------------------------------
 
@@ -132,20 +138,16 @@ class FakeBackend:
 
     @hookimpl
     def release_vir_ptr(self, ptr: int, size: int) -> None:
-        try:
+        with self._os_errors("release_vir_ptr"):
             hostvm.free(ptr, size)
-        except OSError as exc:
-            raise self._os_error("release_vir_ptr", exc) from exc
 
     @hookimpl
     def create_phy_mem_handle(self, size: int) -> int:
         self._charge("create_phy_mem_handle", size)
         try:
-            fd = hostvm.create_chunk(size)
-        except OSError as exc:
-            self._refund(size)
-            raise self._os_error("create_phy_mem_handle", exc) from exc
-        except BaseException:  # OverflowError and the like: nothing may stay charged
+            with self._os_errors("create_phy_mem_handle"):
+                fd = hostvm.create_chunk(size)
+        except BaseException:  # OSError, OverflowError and the like: nothing may stay charged
             self._refund(size)
             raise
         handle = next(self._handle_ids)
@@ -155,10 +157,8 @@ class FakeBackend:
     @hookimpl
     def release_phy_mem_handle(self, handle: int) -> None:
         fd, size = self._chunks[handle]
-        try:
+        with self._os_errors("release_phy_mem_handle"):
             hostvm.release_chunk(fd)
-        except OSError as exc:
-            raise self._os_error("release_phy_mem_handle", exc) from exc
         del self._chunks[handle]
         self._refund(size)
 
@@ -167,148 +167,16 @@ class FakeBackend:
         fd, chunk_size = self._chunks[handle]
         if size != chunk_size:  # the facade checks this too; real drivers refuse it
             raise InvalidArgumentError(f"size={size} differs from the chunk's {chunk_size}", backend=NAME, call="map")
-        try:
+        with self._os_errors("map"):
             hostvm.map_chunk(ptr, size, fd)
-        except OSError as exc:
-            raise self._os_error("map", exc) from exc
 
     @hookimpl
     def unmap(self, ptr: int, size: int) -> None:
-        try:
+        with self._os_errors("unmap"):
             hostvm.unmap_chunk(ptr, size)
-        except OSError as exc:
-            raise self._os_error("unmap", exc) from exc
-
-    # -- graphs ------------------------------------------------------------------------
 
     @hookimpl
-    def capabilities(self) -> frozenset[str]:
-        return frozenset({"graphs", "custom_pool", "capture_routing", "use_pool"})
-
-    @hookimpl
-    def torch_device(self) -> Any:
-        import torch
-
-        return torch.device("cpu")
-
-    @hookimpl
-    def create_stream(self) -> FakeStream:
-        return FakeStream()
-
-    @hookimpl
-    def current_stream(self) -> FakeStream:
-        return _DEFAULT_STREAM
-
-    @hookimpl
-    def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
-        return contextlib.nullcontext(stream)
-
-    @hookimpl
-    def synchronize(self, stream: Any) -> bool:
-        return True  # CPU work is done when issued
-
-    @hookimpl
-    def create_pool(self, alloc: AllocFn | None, free: FreeFn | None) -> Any:
-        from hal.backends.fake.pool import BlockPool
-
-        if alloc is None:
-            return BlockPool(self.device_malloc, self.device_free, self._granularity, "fake device pool")
-        return BlockPool(alloc, free, self._granularity, "fake custom pool")  # type: ignore[arg-type]
-
-    @hookimpl
-    def use_pool(self, pool: Any) -> AbstractContextManager[None]:
-        from hal.backends.fake.graph import Placer
-
-        return Placer(pool)
-
-    @hookimpl
-    def tensor_at(self, ptr: int, nbytes: int, owner: Any) -> Any:
-        from hal.backends.fake.graph import tensor_at
-
-        tensor, buf = tensor_at(ptr, nbytes, torch_uint8(), (nbytes,))
-        if buf is not None:
-            buf.owner = owner  # the tensor's storage holds the buffer, the buffer holds the owner
-        return tensor
-
-    @hookimpl
-    def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:
-        return pool.active_blocks()
-
-    @hookimpl
-    def release_pool(self, pool: Any) -> bool:
-        pool.release()
-        return True
-
-    @hookimpl
-    def create_graph(self) -> Any:
-        from hal.backends.fake.graph import FakeGraph
-
-        return FakeGraph()
-
-    @hookimpl
-    def capture(self, graph: Any, pool: Any, stream: Any, capture_error_mode: str) -> AbstractContextManager[Any]:
-        return self._capture(graph, pool)
-
-    @contextlib.contextmanager
-    def _capture(self, graph: Any, pool: Any) -> Iterator[Any]:
-        from hal.backends._native.routing import watch_release
-        from hal.backends.fake import graph as tape
-        from hal.backends.fake.pool import BlockPool
-
-        route = self._routers[-1](graph, pool) if self._routers and not graph.captured else None
-        if route is not None:
-            pool = route.pool
-        if pool is None:
-            pool = graph.own_pool = BlockPool(self.device_malloc, self.device_free, self._granularity,
-                                              "fake private pool")
-        try:
-            with tape.capture(graph, pool):
-                yield graph
-        except BaseException:
-            if route is not None:
-                route.on_end(False)
-            raise
-        if route is not None:
-            route.on_end(True)
-            graph.on_release = watch_release(graph, route.on_release, reset_name=None)
-
-    @hookimpl
-    def route_captures(self, router: Any) -> AbstractContextManager[None]:
-        return self._routing(router)
-
-    @contextlib.contextmanager
-    def _routing(self, router: Any) -> Iterator[None]:
-        self._routers.append(router)
-        try:
-            yield
-        finally:
-            self._routers.remove(router)
-
-    @hookimpl
-    def default_capture_stream(self) -> FakeStream:
-        return _DEFAULT_STREAM
-
-    @hookimpl
-    def replay(self, graph: Any) -> bool:
-        graph.replay()
-        return True
-
-    @hookimpl
-    def release_graph(self, graph: Any) -> bool:
-        graph.release()
-        return True
-
-    @hookimpl
-    def shutdown(self) -> bool:
+    def shutdown(self) -> None:
         for ptr, size in list(self._anon.items()):
             self.device_free(ptr, size)
-        return True
 
-
-def torch_uint8() -> Any:
-    import torch
-
-    return torch.uint8
-
-
-_DEFAULT_STREAM = FakeStream()

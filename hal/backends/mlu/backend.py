@@ -5,14 +5,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import threading
 from typing import Any, ClassVar
 
 from hal.api import hookimpl
-from hal.backends._native.hooks import TorchHooks
+from hal.backends._native.hooks import ExtensionHooks
 from hal.backends._native.torch_glue import TorchGlue
 from hal.backends._native.vmm import map_with_access
 from hal.backends.mlu import lib, locate
-from hal.types import MemInfo
 
 log = logging.getLogger("hal.mlu")
 NAME = lib.NAME
@@ -24,7 +24,7 @@ def _mlu_glue(device: int) -> TorchGlue:
     return MluGlue(device)  # torch_mlu makes the device's context current
 
 
-class MluBackend(TorchHooks):
+class MluBackend(ExtensionHooks):
     """Cambricon MLUs through libcndrv (VMM) and torch_mlu (graphs, streams).
 
     Options:
@@ -35,11 +35,16 @@ class MluBackend(TorchHooks):
     * ``use_torch`` -- ``None`` (default): use torch_mlu when it is installed;
       ``False``: VMM hooks only, torch_mlu is never imported; ``True``: require it.
 
-    ``cnInit(0)`` runs once per library and process. Every map is followed by
-    ``cnMemSetAccess`` (read-write is flag 0); a failed SetAccess unmaps again.
-    Captures use the mode the caller passes, ``"relaxed"`` (torch_mlu's
-    default) when it passes none. The ``"custom_pool"`` capability is absent
-    with today's torch_mlu (no public MemPool).
+    ``cnInit(0)`` runs once per library and process, when the backend opens
+    (never when it is probed). ``cnMemGetInfo`` and the VMM calls need a current
+    CNDrv context: on each thread, before its first call, the backend keeps the
+    one that is current; where none is, it asks torch_mlu to make its device
+    current, and failing that binds a context of its own (``cnDeviceGet`` +
+    ``cnCtxCreate`` once per device and process, then ``cnCtxSetCurrent``).
+    Every map is followed by ``cnMemSetAccess`` (read-write is flag 0); a failed
+    SetAccess unmaps again. Captures use the mode the caller passes,
+    ``"relaxed"`` (torch_mlu's default) when it passes none. ``"custom_pool"``
+    and ``"use_pool"`` need a torch_mlu with ``MemPool`` and expandable segments off.
     """
 
     #: device memory is not host-accessible; the conformance suite over a
@@ -47,12 +52,16 @@ class MluBackend(TorchHooks):
     hal_requirements: ClassVar[dict[str, Any]] = {"host_accessible": False}
     backend_name = NAME
     torch_extension = locate.EXTENSION
+    count_devices = ("cnDeviceGetCount", ctypes.c_int)
+    read_mem_info = ("cnMemGetInfo", (), ctypes.c_uint64)
 
     def __init__(self, device: int = 0, *, library: str | None = None, use_torch: bool | None = None) -> None:
         self.device = device
         self.library = locate.open_library(library)
         self.glue = self._open_glue(use_torch, locate.extension_installed, lambda: _mlu_glue(device))
         self.library.init_once()
+        self._thread = threading.local()  # CNDrv binds a context per thread: made sure of once in each
+        self.made_context = False  # whether a context of the backend's own was bound on some thread
         self._prop = lib.allocation_prop(device)
         self._access = lib.access_desc(device)
         self._granularity = {rec: self._query_granularity(rec) for rec in (False, True)}
@@ -64,7 +73,21 @@ class MluBackend(TorchHooks):
         return locate.probe_reason()
 
     def _call(self, call: str, native: str, *args: Any) -> None:
+        if not getattr(self._thread, "has_context", False):
+            self._bind_context(call)
         self.library.call(call, native, *args)
+
+    def _bind_context(self, call: str) -> None:
+        """Make sure a CNDrv context is current on this thread (see the class docstring)."""
+        cndrv = self.library
+        if not cndrv.current_context(call) and self.glue is not None:
+            self.glue.ns.set_device(self.device)  # torch_mlu binds the device's context
+        if not cndrv.current_context(call):
+            cndrv.call(call, "cnCtxSetCurrent", cndrv.own_context(self.device, call))
+            self.made_context = True
+            log.debug("%s: bound a context of its own for device %d on thread %s", NAME, self.device,
+                      threading.current_thread().name)
+        self._thread.has_context = True
 
     def _query_granularity(self, recommended: bool) -> int:
         gran = ctypes.c_uint64(0)
@@ -74,23 +97,7 @@ class MluBackend(TorchHooks):
                    option)
         return gran.value
 
-    # -- queries ---------------------------------------------------------------------
-
-    @hookimpl
-    def device_count(self) -> int:
-        count = ctypes.c_int(0)
-        self._call("device_count", "cnDeviceGetCount", ctypes.byref(count))
-        return count.value
-
-    @hookimpl
-    def granularity(self, recommended: bool) -> int:
-        return self._granularity[bool(recommended)]
-
-    @hookimpl
-    def mem_info(self) -> MemInfo:
-        free, total = ctypes.c_uint64(0), ctypes.c_uint64(0)
-        self._call("mem_info", "cnMemGetInfo", ctypes.byref(free), ctypes.byref(total))
-        return MemInfo(free=free.value, total=total.value)
+    # -- queries: device_count, mem_info and granularity are ExtensionHooks' over the two names above
 
     # -- vmm -------------------------------------------------------------------------
 
@@ -101,9 +108,8 @@ class MluBackend(TorchHooks):
         return ptr.value
 
     @hookimpl
-    def release_vir_ptr(self, ptr: int, size: int) -> bool:
+    def release_vir_ptr(self, ptr: int, size: int) -> None:
         self._call("release_vir_ptr", "cnMemAddressFree", ptr, size)
-        return True
 
     @hookimpl
     def create_phy_mem_handle(self, size: int) -> int:
@@ -112,25 +118,18 @@ class MluBackend(TorchHooks):
         return handle.value
 
     @hookimpl
-    def release_phy_mem_handle(self, handle: int) -> bool:
+    def release_phy_mem_handle(self, handle: int) -> None:
         self._call("release_phy_mem_handle", "cnMemRelease", handle)
-        return True
 
     @hookimpl
-    def map(self, ptr: int, size: int, handle: int) -> bool:
+    def map(self, ptr: int, size: int, handle: int) -> None:
         call = functools.partial(self._call, "map")
         map_with_access(lambda: call("cnMemMap", ptr, size, 0, handle, 0),
                         lambda: call("cnMemSetAccess", ptr, size, ctypes.byref(self._access), 1),
                         lambda: call("cnMemUnmap", ptr, size), backend=NAME, ptr=ptr, access_call="cnMemSetAccess")
-        return True
 
     @hookimpl
-    def unmap(self, ptr: int, size: int) -> bool:
+    def unmap(self, ptr: int, size: int) -> None:
         self._call("unmap", "cnMemUnmap", ptr, size)
-        return True
 
-    # -- graphs, streams, pools: inherited from TorchHooks, over torch_mlu when it is there
-
-    @hookimpl
-    def shutdown(self) -> bool:
-        return True  # the library stays loaded (and initialised) for the process
+    # -- graphs, streams, pools, use_pool, shutdown: inherited from ExtensionHooks, over torch_mlu when it is there

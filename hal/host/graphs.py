@@ -1,0 +1,225 @@
+"""The graph hooks of the hal contract for a device whose memory the host can address.
+
+:class:`HostGraphs` is a mixin for a backend plugin class. Wired to the
+device's own allocator, it implements every hook of the ``"graphs"``,
+``"custom_pool"``, ``"capture_routing"``, ``"use_pool"`` and
+``"graph_addresses"`` capabilities by recording torch ops (:mod:`hal.host.tape`)
+into pools of blocks (:class:`hal.host.pool.BlockPool`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from hal.api import AllocFn, FreeFn, hookimpl
+from hal.errors import InvalidArgumentError
+from hal.host.pool import BlockPool
+from hal.types import CaptureRouter, GraphAddresses
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hal.host import tape
+
+#: What :class:`HostGraphs` provides, as :func:`hal.api.capabilities` names it.
+CAPABILITIES: frozenset[str] = frozenset({"graphs", "custom_pool", "capture_routing", "use_pool",
+                                          "graph_addresses"})
+
+
+class HostStream:
+    """A stand-in for a device stream: work on the host runs when it is issued."""
+
+    _ids = itertools.count()
+
+    def __init__(self) -> None:
+        self.id = next(self._ids)
+
+    def __repr__(self) -> str:
+        return f"<host stream {self.id}>"
+
+
+#: The stream work goes to when none is chosen (every :class:`HostGraphs` backend shares it).
+DEFAULT_STREAM = HostStream()
+
+
+class HostGraphs:
+    """Mixin: graphs, pools and capture routing for a plugin whose memory the host can address.
+
+    Call :meth:`init_host_graphs` from the plugin's constructor with the
+    device's own allocator; the mixin's hooks do the rest::
+
+        class MyBackend(hal.host.HostGraphs):
+            def __init__(self, device: int = 0) -> None:
+                self.init_host_graphs("mine", alloc=self.device_malloc, free=self.device_free,
+                                      segment_size=2 << 20)
+
+    Torch tensors live at the device's addresses through ``torch.frombuffer``,
+    so the memory must be readable and writable by the host (the device is
+    the CPU as torch sees it: ``torch_device()`` is ``cpu``). Override
+    :meth:`capabilities` to declare less.
+    """
+
+    _host_name: str
+    _host_alloc: AllocFn
+    _host_free: FreeFn
+    _host_segment: int
+    _host_routers: list[CaptureRouter]
+
+    def init_host_graphs(self, name: str, *, alloc: AllocFn, free: FreeFn, segment_size: int) -> None:
+        """Wire the hooks to the device's memory.
+
+        :param name: the backend's name, for errors.
+        :param alloc: ``alloc(nbytes) -> address``: the device's own allocator,
+            for pools created without callbacks and the private pool of a
+            capture given none; returns 0 (or raises
+            :class:`hal.DeviceOutOfMemoryError`) when memory runs out.
+        :param free: ``free(address, nbytes)``, once per address ``alloc`` gave.
+        :param segment_size: pools take memory from ``alloc`` (and from a custom
+            pool's callbacks) in multiples of it: the device's granularity.
+        """
+        if not isinstance(segment_size, int) or segment_size <= 0:
+            raise InvalidArgumentError(f"segment_size={segment_size!r} must be a positive int", backend=name,
+                                       call="init_host_graphs")
+        self._host_name = name
+        self._host_alloc = alloc
+        self._host_free = free
+        self._host_segment = segment_size
+        self._host_routers = []
+
+    def _pool(self, alloc: AllocFn, free: FreeFn, what: str) -> BlockPool:
+        return BlockPool(alloc, free, self._host_segment, f"{self._host_name} {what}", backend=self._host_name)
+
+    # -- capabilities and streams ---------------------------------------------------------
+
+    @hookimpl
+    def capabilities(self) -> frozenset[str]:
+        return CAPABILITIES
+
+    @hookimpl
+    def torch_device(self) -> Any:
+        import torch
+
+        return torch.device("cpu")
+
+    @hookimpl
+    def create_stream(self) -> HostStream:
+        return HostStream()
+
+    @hookimpl
+    def current_stream(self) -> HostStream:
+        return DEFAULT_STREAM
+
+    @hookimpl
+    def default_capture_stream(self) -> HostStream:
+        return DEFAULT_STREAM
+
+    @hookimpl
+    def use_stream(self, stream: HostStream) -> AbstractContextManager[HostStream]:
+        return contextlib.nullcontext(stream)
+
+    @hookimpl
+    def synchronize(self, stream: HostStream | None) -> None:
+        """Nothing to wait for: host work is done when it is issued."""
+
+    # -- pools ------------------------------------------------------------------------------
+
+    @hookimpl
+    def create_pool(self, alloc: AllocFn | None, free: FreeFn | None) -> BlockPool:
+        if alloc is None or free is None:
+            return self._pool(self._host_alloc, self._host_free, "device pool")
+        return self._pool(alloc, free, "custom pool")
+
+    @hookimpl
+    def use_pool(self, pool: BlockPool) -> AbstractContextManager[None]:
+        from hal.host.tape import Placer
+
+        return Placer(pool)
+
+    @hookimpl
+    def tensor_at(self, ptr: int, nbytes: int, owner: object) -> Any:
+        import torch
+
+        from hal.host import tape
+
+        tensor, buf = tape.tensor_at(ptr, nbytes, torch.uint8, (nbytes,))
+        if buf is not None:
+            buf.owner = owner  # the tensor's storage holds the buffer, the buffer holds the owner
+        return tensor
+
+    @hookimpl
+    def pool_active_blocks(self, pool: BlockPool) -> list[tuple[int, int]]:
+        return pool.active_blocks()
+
+    @hookimpl
+    def release_pool(self, pool: BlockPool) -> None:
+        pool.release()
+
+    # -- graphs ------------------------------------------------------------------------------
+
+    @hookimpl
+    def create_graph(self) -> tape.HostGraph:
+        from hal.host.tape import HostGraph
+
+        return HostGraph(backend=self._host_name)
+
+    @hookimpl
+    def capture(self, graph: tape.HostGraph, pool: BlockPool | None, stream: HostStream,
+                capture_error_mode: str | None, inspect: bool) -> AbstractContextManager[tape.HostGraph]:
+        # every mode is "thread_local" here: the recording sees only this thread's work;
+        # the tape knows its addresses whether or not ``inspect`` asks for them
+        return self._capture(graph, pool)
+
+    @contextlib.contextmanager
+    def _capture(self, graph: tape.HostGraph, pool: BlockPool | None) -> Iterator[tape.HostGraph]:
+        from hal.backends._native.routing import choose_route, watch_release
+        from hal.host import tape
+
+        route = choose_route(list(reversed(self._host_routers)), graph, pool) if not graph.captured else None
+        if route is not None:
+            pool = route.pool
+        private = pool is None
+        if pool is None:
+            pool = graph.own_pool = self._pool(self._host_alloc, self._host_free, "private pool")
+        try:
+            with tape.capture(graph, pool):
+                yield graph
+        except BaseException:
+            if private:  # a retry gets a fresh private pool; this one goes back now
+                pool.release()
+                graph.own_pool = None
+            if route is not None:
+                route.on_end(False)
+            raise
+        if route is not None:
+            try:
+                route.on_end(True)  # the tape knows its addresses: nothing to record first
+            except BaseException:
+                graph.discard()  # refused by the router: empty, as after a failed capture (released by its caller)
+                raise
+            graph.on_release = watch_release(graph, route.on_release, reset_name=None)
+
+    @hookimpl
+    def replay(self, graph: tape.HostGraph) -> None:
+        graph.replay()
+
+    @hookimpl
+    def release_graph(self, graph: tape.HostGraph) -> None:
+        graph.release()
+
+    @hookimpl
+    def graph_addresses(self, graph: tape.HostGraph) -> GraphAddresses:
+        return graph.addresses()
+
+    @hookimpl
+    def route_captures(self, router: CaptureRouter) -> AbstractContextManager[None]:
+        return self._routing(router)
+
+    @contextlib.contextmanager
+    def _routing(self, router: Callable[[Any, Any], Any]) -> Iterator[None]:
+        self._host_routers.append(router)
+        try:
+            yield
+        finally:
+            self._host_routers.remove(router)

@@ -1,0 +1,494 @@
+"""The host recorder's graph: a recording tape of torch ops.
+
+Capture runs the user's function once under a ``TorchDispatchMode``:
+
+* every result that is not a view of an existing tensor is placed at an
+  address handed out by the capture's pool (so intermediates really live in
+  the pool's memory, e.g. a virtual space of graphkit's allocator), and the
+  op is recorded;
+* ops that write into their arguments (in-place, ``out=``) are recorded too;
+* views are recorded once, to be rebuilt over the placed memory.
+
+Replay re-runs the recorded ops on the same addresses, never the
+Python function, so its cost is proportional to the ops recorded. Ops that
+synchronise with the host (``.item()``, ``bool(t)``, printing) raise
+:class:`hal.CaptureError`, as they do inside a CUDA graph capture.
+
+At the end of a capture the tape is compiled into a flat program (see
+:func:`_compile`): every step is a pre-bound ``(callable, args, kwargs)``
+with its tensor arguments resolved once, and an op whose results were
+placed writes them straight into their placed memory through its ``out=``
+overload, so a replay neither allocates, copies nor walks pytrees for it.
+Ops without such an overload, random ops, and ops whose placed output
+overlaps one of their inputs (possible through a weak alias into a shared
+pool) run as recorded and their results are copied into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from hal.errors import CaptureError, InvalidStateError
+from hal.host.pool import BlockPool
+from hal.types import GraphAddresses
+
+aten = torch.ops.aten
+log = logging.getLogger("hal.host")
+
+#: ops that need a value on the host (or a data-dependent shape) to proceed
+HOST_SYNC_OPS = {
+    aten._local_scalar_dense.default,
+    aten.is_nonzero.default,
+    aten.equal.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten._unique2.default,
+    aten.unique_consecutive.default,
+    aten.unique_dim.default,
+}
+_HOST_SYNC_PACKETS = {op.overloadpacket for op in HOST_SYNC_OPS}
+
+
+@dataclass
+class _Slot:
+    """A tensor placed in the pool: where it lives and how to view it."""
+
+    ptr: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class _Op:
+    func: Any
+    args: Any  # pytree with tensors replaced by _Ref
+    kwargs: Any
+    fresh: list[tuple[int, int]]  # (output position in the flat result, tensor index)
+
+
+@dataclass(frozen=True)
+class _Ref:
+    index: int  # into HostGraph._tensors
+
+
+#: one step of a compiled replay: ``fn(*args, **kwargs)``
+_Step = tuple[Callable[..., Any], tuple, dict]
+
+
+@dataclass
+class HostGraph:
+    """A captured tape; build with the backend's ``create_graph``.
+
+    ``backend`` names the backend in errors. ``own_pool`` is the private
+    pool of a capture given no pool: released with the graph.
+    """
+
+    backend: str = "host"
+    ops: list[_Op] = field(default_factory=list)
+    # each recorded tensor: ("slot", _Slot) | ("view", func, args, kwargs, position) | ("const", tensor)
+    entries: list[tuple] = field(default_factory=list)
+    tensors: list[torch.Tensor | None] = field(default_factory=list)
+    # what a replay runs: ``fn(*args, **kwargs)`` per step, built from ``ops`` at the end of the capture
+    program: list[_Step] = field(default_factory=list)
+    own_pool: BlockPool | None = None
+    captured: bool = False
+    released: bool = False
+    on_release: Any = None  # set by a routed capture: told once when the graph is released
+
+    def replay(self) -> None:
+        if not self.captured:
+            raise InvalidStateError("replay of a graph that was never captured", backend=self.backend,
+                                    call="replay")
+        with torch.no_grad():  # a device graph's replay records no autograd either
+            self._replay()
+
+    def _replay(self) -> None:
+        for fn, args, kwargs in self.program:
+            fn(*args, **kwargs)
+
+    def addresses(self) -> GraphAddresses:
+        """Every byte span a replay reads or writes: the storage of each tensor on the tape."""
+        if not self.captured or self.released:
+            raise InvalidStateError("graph_addresses of a graph that is not captured", backend=self.backend,
+                                    call="graph_addresses")
+        start = time.perf_counter()
+        spans = {(s.data_ptr(), s.nbytes()) for s in
+                 (t.untyped_storage() for t in self.tensors if t is not None and t.numel())}
+        return GraphAddresses(tuple(sorted(spans)), nodes=len(self.ops), seconds=time.perf_counter() - start)
+
+    def discard(self) -> None:
+        """Forget a capture that was refused after it ended: the graph is empty again, as after a failed one."""
+        self.program.clear()
+        self.ops.clear()
+        self.entries.clear()
+        self.tensors.clear()
+        self.captured = False
+
+    def release(self) -> None:
+        """Drop the tape and the private pool; tell a routed capture's router once. Idempotent."""
+        self.program.clear()
+        self.ops.clear()
+        self.entries.clear()
+        self.tensors.clear()
+        if self.own_pool is not None:
+            self.own_pool.release()
+            self.own_pool = None
+        self.released = True
+        if self.on_release is not None:
+            on_release, self.on_release = self.on_release, None
+            on_release(False)
+
+
+def tensor_at(ptr: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[torch.Tensor, Any]:
+    """A contiguous tensor over ``nbytes`` of host memory at ``ptr``; also return the buffer."""
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype), None
+    buf = (ctypes.c_char * nbytes).from_address(ptr)
+    flat = torch.frombuffer(buf, dtype=torch.uint8)
+    return flat.view(dtype).view(shape), buf
+
+
+def place(pool: BlockPool, out: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A contiguous copy of ``out`` in a block of ``pool`` (freed when the copy dies); also its address."""
+    nbytes = out.numel() * out.element_size()
+    ptr = pool.malloc(nbytes) if nbytes else 0
+    placed, buf = tensor_at(ptr, nbytes, out.dtype, tuple(out.shape))
+    if buf is not None:
+        weakref.finalize(buf, pool.free, ptr)
+    placed.copy_(out)
+    return placed, ptr
+
+
+class Placer(TorchDispatchMode):
+    """Outside captures: every new tensor made inside the mode lives in ``pool`` (``use_pool``)."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        super().__init__()
+        self.pool = pool
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        storages = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
+                    if isinstance(a, torch.Tensor) and a.numel()}
+        flat, spec = tree_flatten(result)
+        for i, out in enumerate(flat):
+            if isinstance(out, torch.Tensor) and out.numel() and out.untyped_storage().data_ptr() not in storages:
+                flat[i] = place(self.pool, out)[0]
+        return tree_unflatten(flat, spec)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, graph: HostGraph, pool: BlockPool) -> None:
+        super().__init__()
+        self.graph = graph
+        self.pool = pool
+        self._index: dict[int, tuple[weakref.ref, int]] = {}
+
+    # -- tensor bookkeeping --------------------------------------------------
+
+    def _lookup(self, t: torch.Tensor) -> int | None:
+        hit = self._index.get(id(t))
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        return None
+
+    def _register(self, t: torch.Tensor, entry: tuple) -> int:
+        index = len(self.graph.entries)
+        self.graph.entries.append(entry)
+        self._index[id(t)] = (weakref.ref(t), index)
+        return index
+
+    def _ref(self, a: Any) -> Any:
+        if not isinstance(a, torch.Tensor):
+            return a
+        index = self._lookup(a)
+        if index is None:  # made before the capture: weights, inputs, constants
+            index = self._register(a, ("const", a))
+        return _Ref(index)
+
+    def _place(self, out: torch.Tensor) -> tuple[torch.Tensor, _Slot]:
+        placed, ptr = place(self.pool, out)
+        nbytes = out.numel() * out.element_size()
+        return placed, _Slot(ptr, nbytes, out.dtype, tuple(out.shape))
+
+    # -- dispatch --------------------------------------------------------------
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func.overloadpacket in _HOST_SYNC_PACKETS:
+            raise CaptureError(
+                f"{func} needs a value on the host during a graph capture "
+                "(.item(), bool(tensor), printing a tensor or a data-dependent shape); "
+                "move it out of the captured function",
+                backend=self.graph.backend, call="capture")
+        arg_refs = tree_map(self._ref, args)
+        kwarg_refs = tree_map(self._ref, kwargs)
+        if torch.Tag.inplace_view in func.tags:  # squeeze_, t_, ...: new metadata, same memory
+            result = func(*args, **kwargs)
+            # from now on the tensor is a view of what it was; replaying the op itself would
+            # change the replay tensor's shape again on every replay
+            self._register(args[0], ("view", _functional_view(func), arg_refs, kwarg_refs, 0))
+            return result
+        in_storages = {
+            a.untyped_storage().data_ptr()
+            for a in tree_flatten((args, kwargs))[0]
+            if isinstance(a, torch.Tensor) and a.numel()
+        }
+        written = [
+            kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        ]
+        result = func(*args, **kwargs)
+        flat, spec = tree_flatten(result)
+        fresh: list[tuple[int, int]] = []
+        for pos, out in enumerate(flat):
+            if not isinstance(out, torch.Tensor) or self._lookup(out) is not None:
+                continue
+            aliases = out.numel() and out.untyped_storage().data_ptr() in in_storages
+            target = next((w for w in written if isinstance(w, torch.Tensor)
+                           and w.numel() and w.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+                           and w.shape == out.shape and w.stride() == out.stride()), None)
+            if aliases and target is not None:  # an in-place op returned a new handle on its target
+                self._index[id(out)] = (weakref.ref(out), self._ref(target).index)
+            elif aliases:
+                self._register(out, ("view", func, arg_refs, kwarg_refs, pos))
+            else:
+                placed, slot = self._place(out)
+                flat[pos] = placed
+                fresh.append((pos, self._register(placed, ("slot", slot))))
+        if fresh or written:
+            self.graph.ops.append(_Op(func, arg_refs, kwarg_refs, fresh))
+        return tree_unflatten(flat, spec)
+
+
+def _functional_view(func: Any) -> Any:
+    """The view op an in-place view op stands for: ``aten.squeeze_.dim`` -> ``aten.squeeze.dim``."""
+    name = func._schema.name.split("::")[-1].rstrip("_")
+    return getattr(getattr(aten, name), func._overloadname)
+
+
+def _materialise(graph: HostGraph) -> None:
+    """Build the replay tensors: fresh views over the placed memory, constants as they are."""
+    tensors: list[torch.Tensor | None] = []
+    for entry in graph.entries:
+        kind = entry[0]
+        if kind == "const":
+            tensors.append(entry[1])
+        elif kind == "slot":
+            slot: _Slot = entry[1]
+            tensors.append(tensor_at(slot.ptr, slot.nbytes, slot.dtype, slot.shape)[0])
+        else:
+            _, func, args, kwargs, pos = entry
+            args = tree_map(lambda a: tensors[a.index] if isinstance(a, _Ref) else a, args)
+            kwargs = tree_map(lambda a: tensors[a.index] if isinstance(a, _Ref) else a, kwargs)
+            tensors.append(tree_flatten(func(*args, **kwargs))[0][pos])
+    graph.tensors = tensors
+    # views only served to rebuild tensors; drop what the ops do not need
+    for i, entry in enumerate(graph.entries):
+        if entry[0] == "view":
+            graph.entries[i] = ("view",)
+
+
+# -- the compiled replay ------------------------------------------------------------
+
+
+def _is_write(arg: Any) -> bool:
+    return arg.alias_info is not None and arg.alias_info.is_write
+
+
+@functools.cache
+def _out_variant(func: Any) -> tuple[Callable[..., Any], tuple[str, ...]] | None:
+    """The ``out=`` overload of a functional op and its out argument names (one per return), or None.
+
+    Only for ops that write nothing, return plain tensors, draw no random
+    numbers, and whose out overload takes exactly the same arguments plus
+    keyword-only outs (``aten.mean.dim`` -> ``aten.mean.out``).
+    """
+    try:
+        return _find_out_variant(func)
+    except Exception:  # not an OpOverload as aten's are: run it as recorded
+        log.debug("no out= lookup for %s", func, exc_info=True)
+        return None
+
+
+def _find_out_variant(func: Any) -> tuple[Callable[..., Any], tuple[str, ...]] | None:
+    schema = func._schema
+    returns = schema.returns
+    if (not returns or schema.is_mutable or any(a.alias_info is not None for a in schema.arguments)
+            or any(str(r.type) != "Tensor" or r.alias_info is not None for r in returns)
+            or torch.Tag.nondeterministic_seeded in func.tags):
+        return None
+    want = [(a.name, str(a.type), a.kwarg_only) for a in schema.arguments]
+    packet = func.overloadpacket
+    for name in packet.overloads():
+        candidate = getattr(packet, name)
+        arguments = candidate._schema.arguments
+        outs = [a for a in arguments if _is_write(a)]
+        if (len(outs) != len(returns) or not all(a.kwarg_only and str(a.type) == "Tensor" for a in outs)
+                or any(a.alias_info is not None and not _is_write(a) for a in arguments)):
+            continue
+        if [(a.name, str(a.type), a.kwarg_only) for a in arguments if not _is_write(a)] == want:
+            return candidate._op, tuple(a.name for a in outs)
+    return None
+
+
+def _span(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes of ``t``'s storage, or None for an empty tensor."""
+    if not t.numel():
+        return None
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
+def _overlaps(outs: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
+    spans = [s for s in map(_span, inputs) if s is not None]
+    for out in outs:
+        mine = _span(out)
+        if mine is not None and any(lo < mine[1] and mine[0] < hi for lo, hi in spans):
+            return True
+    return False
+
+
+def _copying_step(fn: Callable[..., Any], args: tuple, kwargs: dict,
+                  targets: list[tuple[int, torch.Tensor]]) -> _Step:
+    """Run ``fn`` as recorded, then copy its fresh results into their placed tensors."""
+    if len(targets) == 1 and targets[0][0] == 0:
+        target = targets[0][1]
+
+        def run_one() -> None:
+            result = fn(*args, **kwargs)
+            target.copy_(result if isinstance(result, torch.Tensor) else tree_flatten(result)[0][0])
+
+        return run_one, (), {}
+
+    def run() -> None:
+        flat, _ = tree_flatten(fn(*args, **kwargs))
+        for pos, target in targets:
+            target.copy_(flat[pos])
+
+    return run, (), {}
+
+
+def _compile(graph: HostGraph) -> list[_Step]:
+    """Turn the tape into pre-bound steps over the replay tensors (see the module doc)."""
+    tensors = graph.tensors
+
+    def resolve(tree: Any) -> Any:
+        return tree_map(lambda a: tensors[a.index] if isinstance(a, _Ref) else a, tree)
+
+    program: list[_Step] = []
+    direct = copied = 0
+    for op in graph.ops:
+        args, kwargs = tuple(resolve(op.args)), dict(resolve(op.kwargs))
+        fn = getattr(op.func, "_op", op.func)  # the C++ callable, without OpOverload.__call__'s frame
+        if not op.fresh:  # in place or out=: writes where it wrote at capture
+            program.append((fn, args, kwargs))
+            continue
+        targets: list[tuple[int, torch.Tensor]] = []
+        for pos, index in op.fresh:
+            target = tensors[index]
+            assert target is not None  # every slot was materialised
+            targets.append((pos, target))
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        out = _out_variant(op.func)
+        if (out is not None and sorted(pos for pos, _ in targets) == list(range(len(out[1])))
+                and not _overlaps([t for _, t in targets], inputs)):
+            out_fn, names = out
+            by_pos = dict(targets)
+            program.append((out_fn, args, {**kwargs, **{name: by_pos[i] for i, name in enumerate(names)}}))
+            direct += 1
+        else:
+            program.append(_copying_step(fn, args, kwargs, targets))
+            copied += 1
+    log.debug("compiled %d ops: %d write through out=, %d copy their results", len(graph.ops), direct, copied)
+    return program
+
+
+#: tensor methods that read values on the host without going through torch's dispatcher
+HOST_READ_METHODS = ("tolist", "numpy", "__array__", "__repr__", "__str__", "__format__")
+_capturing = threading.local()
+_patch_lock = threading.Lock()
+_patch_users = 0
+
+
+def _refusing(name: str, original: Any) -> Any:
+    def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_capturing, "depth", 0):
+            raise CaptureError(
+                f"Tensor.{name}() reads values on the host during a graph capture; the graph would replay "
+                "with the values seen at capture time. Move it out of the captured function",
+                backend=getattr(_capturing, "backend", "host"), call="capture")
+        return original(self, *args, **kwargs)
+
+    method.__name__ = name
+    method._hal_original = original  # type: ignore[attr-defined]
+    return method
+
+
+@contextlib.contextmanager
+def _host_reads_refused(backend: str) -> Iterator[None]:
+    """On this thread, inside the block, Tensor.tolist(), .numpy(), repr() and print() raise CaptureError.
+
+    They read memory directly, so the recording mode never sees them; on a
+    device they would need a host synchronisation, which a capture forbids.
+    The methods are wrapped while any capture runs and restored after the last.
+    """
+    global _patch_users
+    with _patch_lock:
+        if _patch_users == 0:
+            for name in HOST_READ_METHODS:
+                setattr(torch.Tensor, name, _refusing(name, getattr(torch.Tensor, name)))
+        _patch_users += 1
+    _capturing.depth = getattr(_capturing, "depth", 0) + 1
+    outer, _capturing.backend = getattr(_capturing, "backend", backend), backend
+    try:
+        yield
+    finally:
+        _capturing.depth -= 1
+        _capturing.backend = outer
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                for name in HOST_READ_METHODS:
+                    original = getattr(torch.Tensor, name)._hal_original
+                    if name in _ORIGINAL_DICT:
+                        setattr(torch.Tensor, name, original)
+                    else:
+                        delattr(torch.Tensor, name)
+
+
+_ORIGINAL_DICT = {name for name in HOST_READ_METHODS if name in vars(torch.Tensor)}
+
+
+@contextlib.contextmanager
+def capture(graph: HostGraph, pool: BlockPool) -> Iterator[HostGraph]:
+    """Record the torch work done inside the block into ``graph``, placing results in ``pool``."""
+    if graph.captured or graph.released:
+        raise InvalidStateError("a graph can be captured once", backend=graph.backend, call="capture")
+    recorder = _Recorder(graph, pool)
+    try:
+        with recorder, _host_reads_refused(graph.backend):
+            yield graph
+    except BaseException:
+        graph.ops.clear()
+        graph.entries.clear()
+        raise
+    _materialise(graph)
+    graph.program = _compile(graph)
+    graph.captured = True

@@ -1,0 +1,111 @@
+"""Fair comparisons in the bench: cases run by run with no strategy in a fixed place, figures as median and spread."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from graphkit.bench import engines
+from graphkit.bench.fair import fmt_spread, interleaved, rotated, spread
+
+
+def test_every_run_visits_every_strategy_and_the_first_rotates() -> None:
+    cases = interleaved(["a", "b", "c"], ["desc", "asc"], 3)
+    assert cases[:6] == [("a", "desc", 0), ("b", "desc", 0), ("c", "desc", 0),
+                         ("a", "asc", 0), ("b", "asc", 0), ("c", "asc", 0)]
+    assert [s for s, o, i in cases if o == "desc"] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    firsts = [cases[6 * i][0] for i in range(3)]
+    assert firsts == ["a", "b", "c"]  # over as many runs as strategies, each goes first once
+    assert sorted(cases) == sorted((s, o, i) for s in "abc" for o in ("desc", "asc") for i in range(3))
+    assert rotated([], 3) == [] and rotated([1, 2], 5) == [2, 1]
+
+
+def test_spread_is_the_median_with_min_and_max() -> None:
+    assert spread([3.0, 1.0, 2.0, None, 10.0]) == {"median": 2.5, "min": 1.0, "max": 10.0, "n": 4}
+    assert spread([None]) == {"median": None, "min": None, "max": None, "n": 0}
+    assert fmt_spread(spread([0.001, 0.002, 0.004]), 1e3, 1) == "2.0 (1.0-4.0)"
+    assert fmt_spread(spread([0.5]), 1.0, 2) == "0.50" and fmt_spread(spread([])) == "-"
+
+
+def test_the_engine_bench_interleaves_its_cases_and_reports_the_spread(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    """Strategy-major order gave every run of one strategy the same neighbours; now runs alternate."""
+    seen: list[tuple[str, str, int]] = []
+
+    def one_case(workload, strategy, order, sizes, backend, device, config, seed, iters) -> dict:
+        seen.append((strategy, order, seed))
+        capture = {"own-kept": 1.0, "graph_memory": 2.0}[strategy] + seed / 10
+        return {"strategy": strategy, "order": order, "graph_memory_bytes": 100 + seed, "chunk_bytes": None,
+                "capture_seconds": capture, "replay_ms_1": 1.0 + seed, "replay_ms_max": 2.0, "tokens_equal": True}
+
+    monkeypatch.setattr(engines, "run_one", one_case)
+    rc = engines.run_engine_bench("engine", "tiny", [1, 2], ["own-kept", "graph_memory"], ["descending"], runs=3,
+                                  backend="fake", device=0, seed=0, iters=1, isolate=False, out_dir=tmp_path,
+                                  command="test", progress=False)
+    assert rc == 0
+    assert seen == [("own-kept", "descending", 0), ("graph_memory", "descending", 0),
+                    ("graph_memory", "descending", 1), ("own-kept", "descending", 1),
+                    ("own-kept", "descending", 2), ("graph_memory", "descending", 2)]
+    saved = json.loads((tmp_path / "bench-engine.json").read_text())
+    assert saved["case_order"] == "interleaved"
+    own = next(r for r in saved["summary"] if r["strategy"] == "own-kept")
+    assert own["capture_seconds"] == pytest.approx(1.1)
+    assert own["spread"]["capture_seconds"] == pytest.approx({"median": 1.1, "min": 1.0, "max": 1.2, "n": 3})
+    assert own["spread"]["replay_ms_1"] == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert own["spread"]["graph_memory_bytes"]["max"] == 102
+    assert "1.100 (1.000-1.200)" in engines.table(saved["summary"])
+
+
+def test_the_sleep_bench_alternates_graphkit_and_torch_memory_saver(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    """Round by round the one that goes first swaps; figures are medians of every cycle, first pauses apart."""
+    from graphkit.bench import sleep
+
+    calls: list[tuple[str, bool]] = []
+    real = sleep.graphkit_case
+
+    def graphkit_case(be, nbytes, backup, cycles):
+        calls.append(("graphkit", backup))
+        return real(be, nbytes, backup, cycles)
+
+    def tms_case(be, nbytes, backup, cycles):  # a stand-in: torch_memory_saver needs CUDA
+        calls.append(("tms", backup))
+        n = len(calls)
+        return {"impl": "torch_memory_saver", "bytes": nbytes, "backup": backup, "pauses": [n, 0.5],
+                "resumes": [n, 0.25], "asleep_each": [0, 0], "exact": True}
+
+    monkeypatch.setattr(sleep, "graphkit_case", graphkit_case)
+    monkeypatch.setattr(sleep, "tms_case", tms_case)
+    rc = sleep.run_sleep_bench("fake", 0, [2 << 20], 2, tmp_path, "test", rounds=3)
+    assert rc == 0
+    measured = calls[4:]  # after one untimed warm-up case of each kind and backup
+    assert measured == [("graphkit", False), ("tms", False), ("tms", False), ("graphkit", False),
+                        ("graphkit", False), ("tms", False),
+                        ("graphkit", True), ("tms", True), ("tms", True), ("graphkit", True),
+                        ("graphkit", True), ("tms", True)]
+    out = json.loads((tmp_path / "bench-sleep.json").read_text())
+    assert out["case_order"] == "alternated" and out["rounds"] == 3
+    tms = next(r for r in out["rows"] if r["impl"] == "torch_memory_saver" and not r["backup"])
+    assert tms["first_pause"] == {"median": 7, "min": 6, "max": 10, "n": 3}  # calls 6, 7 and 10
+    assert tms["pause"]["n"] == 6 and tms["pause_s"] == pytest.approx(3.25)
+    ours = next(r for r in out["rows"] if r["impl"] == "graphkit" and r["backup"])
+    assert ours["exact"] and ours["pause"]["n"] == 6 and ours["first_pause"]["n"] == 3
+
+
+def test_the_elastic_bench_alternates_regrowth_and_elastic_growth(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hal
+    from graphkit.bench import elastic
+
+    order: list[str] = []
+    device_timed, host_timed = elastic._device_timed, elastic._host_timed
+    monkeypatch.setattr(elastic, "_device_timed", lambda be, fn: order.append("regrow") or device_timed(be, fn))
+    monkeypatch.setattr(elastic, "_host_timed", lambda fn: order.append("elastic") or host_timed(fn))
+    with hal.get_backend("fake", granularity=1 << 16) as be:
+        row = elastic.regrow_case(be, 1 << 20, 3)
+        assert be.live.zero, be.live
+    assert order == ["regrow", "elastic", "elastic", "regrow", "regrow", "elastic"]
+    assert row["exact"] and row["alternations"] == 3 and row["regrow_copied_bytes"] == 1 << 20
+    assert row["regrow"]["n"] == row["elastic_grow"]["n"] == 3 and row["elastic_copied_bytes"] == 0
+    assert row["regrow"]["min"] <= row["regrow_s"] == row["regrow"]["median"] <= row["regrow"]["max"]
