@@ -44,14 +44,24 @@ _serial = itertools.count(1)
 _ALLOCATOR_OPTIONS = frozenset({"reserve_bytes", "capacity", "arena_bytes"})
 
 
-@dataclass(frozen=True)
-class CaptureKey:
-    """The key :func:`graph_memory` gives a capture outside any group: equal to no key of the engine's own."""
+class CaptureKey(tuple):
+    """The key :func:`graph_memory` gives a capture outside any group: ``('capture', n)``.
 
-    serial: int
+    It prints like the tuple but equals only another :class:`CaptureKey`:
+    an engine's own key ``('capture', 1)`` never meets it.
+    """
 
-    def __repr__(self) -> str:
-        return f"capture#{self.serial}"
+    def __new__(cls, serial: int) -> CaptureKey:
+        return super().__new__(cls, ("capture", serial))
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is CaptureKey and tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash((CaptureKey, tuple(self)))
 
 
 class PoolHandle(tuple):
