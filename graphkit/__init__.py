@@ -8,7 +8,8 @@ from graphkit.graph_pools import GraphPools, KeyReport, PoolHandle, PoolsReport,
 from graphkit.isolation import IsolationError
 from graphkit.report import RunnerReport, SizeReport
 from graphkit.runner import GraphRunner, RunnerOptions
-from graphkit.saver import MemorySaver, TagReport
+from graphkit.saver import MemorySaver, Sleeper, TagReport
+from graphkit.transaction import Transaction
 from hal import __version__
 
 __all__ = [
@@ -27,7 +28,9 @@ __all__ = [
     "RunnerReport",
     "SharedVMMAllocator",
     "SizeReport",
+    "Sleeper",
     "StaticInputs",
     "TagReport",
+    "Transaction",
     "graph_memory",
 ]

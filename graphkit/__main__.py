@@ -37,8 +37,19 @@ def fail(prog: str, message: str) -> NoReturn:
     CliParser(prog=prog, add_help=False).error(message)
 
 
-def parse_sizes(text: str) -> list[int]:
-    """``"1,2,4,8:257:8"``: commas separate items; ``a:b:c`` is ``range(a, b, c)``; each size >= 1."""
+#: the most sizes one flag may name (a range of billions would only exhaust memory)
+MAX_SIZES = 4096
+#: batch sizes are below this (GraphRunner's limit)
+BATCH_LIMIT = 1 << 31
+#: tag and regrowth sizes in MiB are below this (a pebibyte)
+MIB_LIMIT = 1 << 30
+
+
+def parse_size_list(text: str, high: int = BATCH_LIMIT) -> list[int]:
+    """``"1,2,4,8:257:8"``: commas separate items; ``a:b:c`` is ``range(a, b, c)``; each size in ``[1, high)``.
+
+    At most :data:`MAX_SIZES` sizes, counted before any is made.
+    """
     sizes: set[int] = set()
     for part in text.split(","):
         part = part.strip()
@@ -56,16 +67,36 @@ def parse_sizes(text: str) -> list[int]:
             r = range(*bounds)
             if not r:
                 raise argparse.ArgumentTypeError(f"element {part!r} is an empty range")
-            if min(r[0], r[-1]) < 1:
-                raise argparse.ArgumentTypeError(f"element {part!r}: sizes must be >= 1 (got {min(r[0], r[-1])})")
+            low, top = min(r[0], r[-1]), max(r[0], r[-1])
+            if low < 1:
+                raise argparse.ArgumentTypeError(f"element {part!r}: sizes must be >= 1 (got {low})")
+            if top >= high:
+                raise argparse.ArgumentTypeError(f"element {part!r}: sizes must be < {high} (got {top})")
+            if len(sizes) + len(r) > MAX_SIZES:
+                raise argparse.ArgumentTypeError(f"element {part!r} names {len(r)} sizes: at most {MAX_SIZES} "
+                                                 "in all")
             sizes.update(r)
         else:
             if bounds[0] < 1:
                 raise argparse.ArgumentTypeError(f"element {part!r}: sizes must be >= 1 (got {bounds[0]})")
+            if bounds[0] >= high:
+                raise argparse.ArgumentTypeError(f"element {part!r}: sizes must be < {high} (got {bounds[0]})")
+            if len(sizes) >= MAX_SIZES:
+                raise argparse.ArgumentTypeError(f"more than {MAX_SIZES} sizes")
             sizes.add(bounds[0])
     if not sizes:
         raise argparse.ArgumentTypeError(f"{text!r} names no size")
     return sorted(sizes)
+
+
+def parse_sizes(text: str) -> list[int]:
+    """Batch sizes: :func:`parse_size_list` below 2**31."""
+    return parse_size_list(text, BATCH_LIMIT)
+
+
+def parse_mib_sizes(text: str) -> list[int]:
+    """Sizes in MiB: :func:`parse_size_list` below a pebibyte."""
+    return parse_size_list(text, MIB_LIMIT)
 
 
 def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -156,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     sleep.add_argument("--sleep", action="store_true",
                        help="measure pause and resume instead of graphs: 1, 4 and 16 GiB on a device (16 and 64 MiB "
                             "on a CPU), without and with backup, next to torch_memory_saver where installed")
-    sleep.add_argument("--sleep-sizes", type=parse_sizes, default=None,
+    sleep.add_argument("--sleep-sizes", type=parse_mib_sizes, default=None,
                        help="tag sizes in MiB for --sleep, e.g. '1024,4096'")
     sleep.add_argument("--cycles", type=int_in(1), default=5,
                        help="pause/resume cycles per case (the median is shown)")
@@ -170,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="measure elastic buffers instead of graphs: single-granule grow latency from the free "
                               "list and with fresh chunks against a bare map, allocate-and-copy regrowth at 1, 4 and "
                               "16 GiB on a device (16 and 64 MiB on a CPU), physical against used bytes as it grows")
-    elastic.add_argument("--elastic-sizes", type=parse_sizes, default=None,
+    elastic.add_argument("--elastic-sizes", type=parse_mib_sizes, default=None,
                          help="regrowth sizes in MiB for --elastic, e.g. '1024,4096'")
     kv = bench.add_argument_group("KV cache sizing (--kv-sizing: sized after capture against a pre-capture "
                                   "estimate)")
@@ -269,6 +300,22 @@ def backend_error(name: str | None, device: int = 0, options: dict[str, Any] | N
     return None
 
 
+def memory_error(args: argparse.Namespace) -> str | None:
+    """Why ``--sleep-sizes`` / ``--elastic-sizes`` cannot fit on the device, in one line; ``None`` if they can."""
+    flag, mib = (("--sleep-sizes", args.sleep_sizes) if args.sleep else
+                 ("--elastic-sizes", args.elastic_sizes) if args.elastic else (None, None))
+    if not mib:
+        return None
+    try:
+        with hal.get_backend(args.backend, device=args.device) as be:
+            total = be.mem_info().total
+    except hal.HalError as exc:
+        return f"{flag}: the device's memory cannot be read: {exc}"
+    if max(mib) << 20 > total:
+        return f"{flag}: {max(mib)} MiB is more than the device's {total >> 20} MiB"
+    return None
+
+
 def out_dir_error(path: Path) -> str | None:
     """Create ``path`` (parents too) and write and delete a file in it; the reason in one line if that fails."""
     try:
@@ -286,6 +333,12 @@ def validate_bench(args: argparse.Namespace, prog: str) -> None:
                                     ("--kv-sizing", args.kv_sizing)) if on]
     if len(chosen) > 1:
         fail(prog, f"{' and '.join(chosen)} exclude each other")
+    mode = chosen[0] if chosen else "the graph bench"
+    own = {"--sleep": "--sleep-sizes", "--elastic": "--elastic-sizes"}.get(mode, "--sizes")
+    for flag, value in (("--sizes", args.sizes), ("--sleep-sizes", args.sleep_sizes),
+                        ("--elastic-sizes", args.elastic_sizes)):
+        if value is not None and flag != own:
+            fail(prog, f"{flag} does not apply to {mode} (it takes {own})")
     if not chosen:
         if args.workload in WORKLOADS:
             strategies = args.strategies or list(ENGINE_STRATEGIES)
@@ -315,6 +368,9 @@ def validate_bench(args: argparse.Namespace, prog: str) -> None:
             fail(prog, f"--part: unknown part {args.part!r}")
         return  # a child of an isolated run: the parent checked the backend, the device and the folder
     why = backend_error(args.backend, args.device)
+    if why:
+        fail(prog, why)
+    why = memory_error(args)
     if why:
         fail(prog, why)
     why = out_dir_error(args.out_dir)

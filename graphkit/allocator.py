@@ -15,9 +15,13 @@ which trims it to what its capture used and gives the rest back to the
 arena. Chunks are mapped into a space lazily, as its bump pointer reaches
 them, so a small capture after a large one costs a few map calls.
 
-Every multi-step operation keeps an undo list: a driver failure half-way
-through an allocation, a switch or a release undoes what that call did, so
-the allocator stays consistent and usable and nothing leaks.
+Every multi-step operation runs in a :class:`graphkit.transaction.Transaction`:
+a driver failure half-way through an allocation, a switch or a release
+undoes what that call did, so the allocator stays consistent and usable and
+nothing leaks. Where an undo step fails too, the record of what is mapped
+stays exact (a granule that would not map back is a *hole* of its space, and
+the allocator reads :attr:`~SharedVMMAllocator.paused` until
+:meth:`~SharedVMMAllocator.restore_physical` maps it).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import hal
+from graphkit.transaction import Transaction, release_or_keep, retry_releases, unmap_run
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.allocator")
@@ -48,18 +53,19 @@ class VirtualSpace:
     id: int
     base: int
     size: int
-    arena: _Arena = field(repr=False)
+    arena: Arena = field(repr=False)
     offset: int = 0  # bump pointer: bytes handed out so far
     mapped: int = 0  # chunks 0 .. mapped-1 are mapped at base + i * granularity
     live_allocations: int = 0
     dying: bool = False  # release requested while allocations were still live
     sealed: bool = False  # trimmed to its use: it cannot grow any more
+    holes: set[int] = field(default_factory=set, repr=False)  # granules < mapped that are not mapped now
 
     def contains(self, ptr: int) -> bool:
         return self.base <= ptr < self.base + self.size
 
 
-class _Arena:
+class Arena:
     """One reservation, handed out in ranges (first fit, neighbours coalesce)."""
 
     def __init__(self, base: int, size: int) -> None:
@@ -103,24 +109,6 @@ class AllocatorStats:
     arena_bytes: int = 0
 
 
-class _Undo:
-    """Undo list for a multi-step driver operation (run in reverse on failure)."""
-
-    def __init__(self) -> None:
-        self._steps: list[tuple[str, Callable[[], None]]] = []
-
-    def push(self, what: str, fn: Callable[[], None]) -> None:
-        self._steps.append((what, fn))
-
-    def run(self) -> None:
-        for what, fn in reversed(self._steps):
-            try:
-                fn()
-            except Exception as exc:  # noqa: BLE001 - a second failure is logged; the rest of the rollback still runs
-                log.error("rollback step %r failed: %s", what, str(exc))
-        self._steps.clear()
-
-
 class SharedVMMAllocator:
     """Bump allocator over virtual spaces that all map the same physical chunks.
 
@@ -153,8 +141,8 @@ class SharedVMMAllocator:
         self.capacity = capacity
         self._lock = threading.RLock()
         self._spaces: dict[int, VirtualSpace] = {}
-        self._arenas: list[_Arena] = []
-        self._chunks: list[Any] = []
+        self._arenas: list[Arena] = []
+        self._chunks: list[Any] = []  # chunk i's handle; None while released (paused)
         self._zombies: list[Any] = []  # unmapped chunks whose release failed; retried later
         self._ids = itertools.count(1)
         self.current: int | None = None
@@ -162,7 +150,9 @@ class SharedVMMAllocator:
         self.map_seconds = 0.0
         self.last_error: str | None = None
         self._closed = False
-        self._paused_chunks: int | None = None  # chunk count to recreate on resume; None: awake
+        self._sleeping = False  # some memory is released or unmapped: nothing may use the spaces
+        self._parked: list[VirtualSpace] = []  # spaces parked over a scratch chunk by close(park_live=True)
+        self.backup = False  # graph memory needs no backup: every replay writes it afresh
         self.parked_bytes = 0  # address space left over a scratch chunk at close (tensors still used it)
 
     # -- figures ------------------------------------------------------------------
@@ -170,12 +160,12 @@ class SharedVMMAllocator:
     @property
     def physical_bytes(self) -> int:
         """Bytes of physical chunks held (mapped into the spaces that reach them)."""
-        return len(self._chunks) * self.granularity
+        return sum(h is not None for h in self._chunks) * self.granularity
 
     @property
     def footprint_bytes(self) -> int:
         """Physical bytes it holds while awake (what a pause releases)."""
-        return (self._paused_chunks if self._paused_chunks is not None else len(self._chunks)) * self.granularity
+        return len(self._chunks) * self.granularity
 
     @property
     def reserved_bytes(self) -> int:
@@ -202,8 +192,8 @@ class SharedVMMAllocator:
 
     @property
     def chunks(self) -> list[Any]:
-        """Physical handles, chunk ``i`` at offset ``i * granularity`` of every space that reaches it."""
-        return list(self._chunks)
+        """Physical handles held, chunk ``i`` at offset ``i * granularity`` of every space that reaches it."""
+        return [h for h in self._chunks if h is not None]
 
     def stats(self) -> AllocatorStats:
         with self._lock:
@@ -215,56 +205,130 @@ class SharedVMMAllocator:
         return (f"<SharedVMMAllocator {self.backend.name} spaces={self.num_virtual_spaces} "
                 f"physical={fmt_bytes(self.physical_bytes)} reserved={fmt_bytes(self.reserved_bytes)}>")
 
-    # -- driver steps with timing ---------------------------------------------------------
+    # -- driver steps -------------------------------------------------------------------------
+    # Each step records what it did the moment the driver call succeeded and appends its undo,
+    # which records the undoing the same way: the bookkeeping is exact whatever fails.
 
-    def _map(self, space: VirtualSpace, index: int, undo: _Undo) -> None:
+    def _map_granule(self, space: VirtualSpace, index: int) -> None:
         ptr = space.base + index * self.granularity
         t0 = time.perf_counter()
         self.backend.map(ptr, self.granularity, self._chunks[index])
         self.map_seconds += time.perf_counter() - t0
         self.map_calls += 1
-        undo.push(f"unmap {ptr:#x}", lambda: self.backend.unmap(ptr, self.granularity))
+
+    def _grow_space(self, space: VirtualSpace, index: int, tx: Transaction) -> None:
+        """Map chunk ``index`` at the end of ``space`` (``index == space.mapped``)."""
+        self._map_granule(space, index)
+        space.mapped = index + 1
+        tx.append(functools.partial(self._ungrow_space, space, index))
+
+    def _ungrow_space(self, space: VirtualSpace, index: int) -> None:
+        if space.mapped != index + 1:  # a later granule would not unmap: this one stays mapped below it
+            return
+        self.backend.unmap(space.base + index * self.granularity, self.granularity)
+        space.mapped = index
+
+    def _unmap_space(self, space: VirtualSpace, tx: Transaction) -> None:
+        """Unmap every granule mapped in ``space`` (each becomes a hole), last first; mapped back on rollback."""
+        unmap_run(self.backend, space.base, self.granularity, self._chunks, tx,
+                  indices=[i for i in range(space.mapped) if i not in space.holes],
+                  on_unmap=space.holes.add, on_map=space.holes.discard)
+
+    def _fill_hole(self, space: VirtualSpace, index: int) -> None:
+        self._map_granule(space, index)
+        space.holes.discard(index)
+
+    def _fill_hole_step(self, space: VirtualSpace, index: int, tx: Transaction) -> None:
+        self._fill_hole(space, index)
+        tx.append(functools.partial(self._unmap_hole, space, index))
+
+    def _unmap_hole(self, space: VirtualSpace, index: int) -> None:
+        self.backend.unmap(space.base + index * self.granularity, self.granularity)
+        space.holes.add(index)
+
+    def _mapped_anywhere(self, index: int) -> bool:
+        return any(index < s.mapped and index not in s.holes for s in self._spaces.values())
+
+    def _has_holes(self) -> bool:
+        return any(s.holes for s in self._spaces.values())
+
+    def _ensure_chunk(self, index: int, tx: Transaction) -> None:
+        """Create chunk ``index`` if it is missing (past the end, or released); released again on rollback."""
+        if index < len(self._chunks) and self._chunks[index] is not None:
+            return
+        handle = self.backend.create_phy_mem_handle(self.granularity)
+        appended = index == len(self._chunks)
+        if appended:
+            self._chunks.append(handle)
+        else:
+            self._chunks[index] = handle
+        tx.append(functools.partial(self._drop_chunk, index, appended))
+
+    def _drop_chunk(self, index: int, appended: bool) -> None:
+        """Undo a chunk's creation: release it unless a mapping that would not go still uses it."""
+        if self._mapped_anywhere(index):
+            log.error("chunk %d is still mapped (an unmap failed): kept until it can be unmapped", index)
+            return
+        handle = self._chunks[index]
+        if appended and index == len(self._chunks) - 1:
+            self._chunks.pop()
+        else:
+            self._chunks[index] = None
+        if handle is not None:
+            release_or_keep(self.backend, handle, self._zombies)
+
+    def _after(self, tx: Transaction) -> None:
+        """A rollback that left holes makes the allocator read paused (until restore_physical maps them)."""
+        if not tx.clean and self._has_holes():
+            self._sleeping = True
 
     def _check_open(self, call: str, awake: bool = False) -> None:
         if self._closed:
             raise hal.InvalidStateError("the allocator is closed", backend=self.backend.name, call=call)
-        if awake and self._paused_chunks is not None:
-            raise hal.InvalidStateError("the allocator's physical memory is released (paused): resume it first",
+        if awake and self._sleeping:
+            raise hal.InvalidStateError("the allocator's physical memory is released (paused): resume its "
+                                        "MemorySaver tag, or call restore_physical(), first",
                                         backend=self.backend.name, call=call)
 
     # -- sleep and wake -------------------------------------------------------------------
 
     @property
     def paused(self) -> bool:
-        """Whether the physical memory is released (spaces keep their addresses, nothing is mapped)."""
-        return self._paused_chunks is not None
+        """Whether any of its memory is released or unmapped: nothing of its spaces may run until it is restored.
+
+        True from the first unmap of :meth:`release_physical` until
+        :meth:`restore_physical` has mapped everything back (also after a
+        failed pause whose rollback could not map everything back).
+        """
+        return self._sleeping
 
     def release_physical(self) -> int:
         """Unmap every chunk from every space and release them all; spaces keep their addresses.
 
         Returns the bytes released. Nothing may read or write the spaces
         (no graph of them may replay) until :meth:`restore_physical`.
-        Idempotent; a driver failure half-way maps back what was unmapped.
+        Idempotent; a driver failure half-way maps back what was unmapped
+        (what will not map back stays recorded, and the allocator paused).
+        A chunk whose release fails is kept and released later.
         """
         with self._lock:
             self._check_open("release_physical")
-            if self._paused_chunks is not None:
-                return 0
-            undo = _Undo()
+            was = self._sleeping
+            self._sleeping = True  # from the first unmap on, nothing may use the spaces
             try:
-                for space in self._spaces.values():
-                    for index in reversed(range(space.mapped)):
-                        ptr, handle = space.base + index * self.granularity, self._chunks[index]
-                        self.backend.unmap(ptr, self.granularity)
-                        undo.push(f"remap {ptr:#x}", functools.partial(self.backend.map, ptr, self.granularity, handle))
+                with Transaction() as tx:
+                    for space in self._spaces.values():
+                        self._unmap_space(space, tx)
+                    tx.commit()
             except BaseException:
-                undo.run()
+                self._sleeping = was or self._has_holes()
                 raise
-            released = self.physical_bytes
-            self._paused_chunks = len(self._chunks)
-            self._zombies.extend(self._chunks)
-            self._chunks = []
-            self._retry_zombies()
+            released = 0
+            for index, handle in enumerate(self._chunks):
+                if handle is not None:
+                    self._chunks[index] = None
+                    released += self.granularity if release_or_keep(self.backend, handle, self._zombies) else 0
+            retry_releases(self.backend, self._zombies)
             return released
 
     def restore_physical(self) -> None:
@@ -275,40 +339,37 @@ class SharedVMMAllocator:
         """
         with self._lock:
             self._check_open("restore_physical")
-            if self._paused_chunks is None:
+            if not self._sleeping:
                 return
-            undo = _Undo()
-            try:
-                for _ in range(self._paused_chunks):
-                    self._create_chunk(undo)
+            retry_releases(self.backend, self._zombies)
+            with Transaction() as tx:
+                for index in range(len(self._chunks)):
+                    self._ensure_chunk(index, tx)
                 for space in self._spaces.values():
-                    for index in range(space.mapped):
-                        self._map(space, index, undo)
-            except BaseException:
-                undo.run()
-                self._chunks = []
-                raise
-            self._paused_chunks = None
+                    for index in sorted(space.holes):
+                        self._fill_hole_step(space, index, tx)
+                tx.commit()
+            self._sleeping = False
 
     # -- spaces -------------------------------------------------------------------------
 
-    def _carve(self, size: int, undo: _Undo) -> tuple[_Arena, int]:
+    def _carve(self, size: int, tx: Transaction) -> tuple[Arena, int]:
         """A range of ``size`` bytes from an arena, reserving a new arena when none has room."""
         for arena in self._arenas:
             start = arena.take(size)
             if start is not None:
-                undo.push("give the range back", functools.partial(arena.give, start, size))
+                tx.append(functools.partial(arena.give, start, size))
                 return arena, start
         nbytes = max(self.arena_bytes, size)
         base = self.backend.create_vir_ptr(nbytes)
-        arena = _Arena(base, nbytes)
+        arena = Arena(base, nbytes)
         self._arenas.append(arena)
 
         def drop() -> None:
-            self._arenas.remove(arena)
             self.backend.release_vir_ptr(base, nbytes)
+            self._arenas.remove(arena)
 
-        undo.push("release the arena", drop)
+        tx.append(drop)
         start = arena.take(size)
         assert start is not None
         log.debug("arena of %s at %#x", fmt_bytes(nbytes), base)
@@ -322,15 +383,12 @@ class SharedVMMAllocator:
         with self._lock:
             self._check_open("switch_to_new_virtual_space", awake=True)
             self._reap()
-            self._retry_zombies()
+            retry_releases(self.backend, self._zombies)
             if self.current is not None:
                 self.seal(self.current)
-            undo = _Undo()
-            try:
-                arena, base = self._carve(self.reserve_bytes, undo)
-            except BaseException:
-                undo.run()
-                raise
+            with Transaction() as tx:
+                arena, base = self._carve(self.reserve_bytes, tx)
+                tx.commit()
             space = VirtualSpace(next(self._ids), base, self.reserve_bytes, arena)
             self._spaces[space.id] = space
             self.current = space.id
@@ -347,7 +405,7 @@ class SharedVMMAllocator:
             space = self._live_space(space_id, "seal")
             if space.sealed:
                 return
-            keep = max(round_up(space.offset, self.granularity), self.granularity)
+            keep = max(round_up(space.offset, self.granularity), self.granularity, space.mapped * self.granularity)
             space.arena.give(space.base + keep, space.size - keep)
             space.size = keep
             space.sealed = True
@@ -357,24 +415,26 @@ class SharedVMMAllocator:
     def _live_space(self, space_id: int, call: str) -> VirtualSpace:
         space = self._spaces.get(space_id)
         if space is None:
-            raise hal.InvalidStateError(f"space_id={space_id} is not a live virtual space",
+            raise hal.InvalidStateError(f"space_id={space_id!r} is not a live virtual space",
                                         backend=self.backend.name, call=call)
         return space
 
     def release_virtual_space(self, space_id: int) -> None:
-        """Unmap and free one space; chunks no remaining space needs are released too."""
+        """Unmap and free one space; chunks no remaining space needs are released too.
+
+        All or nothing: a failed unmap maps back what this call unmapped and
+        the space stays, to release again.
+        """
         with self._lock:
             self._check_open("release_virtual_space")
             space = self._live_space(space_id, "release_virtual_space")
-            undo = _Undo()
+            tx = Transaction()
             try:
-                for index in reversed(range(0 if self.paused else space.mapped)):
-                    ptr, handle = space.base + index * self.granularity, self._chunks[index]
-                    self.backend.unmap(ptr, self.granularity)
-                    undo.push(f"remap {ptr:#x}", functools.partial(self.backend.map, ptr, self.granularity, handle))
-            except BaseException:
-                undo.run()
-                raise
+                with tx:
+                    self._unmap_space(space, tx)
+                    tx.commit()
+            finally:
+                self._after(tx)
             del self._spaces[space_id]
             if self.current == space_id:
                 self.current = None
@@ -382,30 +442,17 @@ class SharedVMMAllocator:
             if space.arena.empty:
                 self._release_arena(space.arena)
             keep = max((s.mapped for s in self._spaces.values()), default=0)
-            if self._paused_chunks is not None:
-                self._paused_chunks = min(self._paused_chunks, keep)
             trimmed, self._chunks = self._chunks[keep:], self._chunks[:keep]
-            self._zombies.extend(trimmed)
-            self._retry_zombies()
+            self._zombies.extend(h for h in trimmed if h is not None)
+            retry_releases(self.backend, self._zombies)
 
-    def _release_arena(self, arena: _Arena) -> None:
+    def _release_arena(self, arena: Arena) -> None:
         try:
             self.backend.release_vir_ptr(arena.base, arena.size)
         except hal.HalError as exc:  # an empty arena is still usable: keep it
             log.warning("could not release an empty arena (kept for reuse): %s", str(exc))
             return
         self._arenas.remove(arena)
-
-    def _retry_zombies(self) -> None:
-        """Release chunks that are mapped nowhere; keep those whose release fails for later."""
-        left = []
-        for handle in self._zombies:
-            try:
-                self.backend.release_phy_mem_handle(handle)
-            except hal.HalError as exc:
-                log.warning("could not release a chunk yet (will retry): %s", str(exc))
-                left.append(handle)
-        self._zombies = left
 
     @property
     def pending_release(self) -> int:
@@ -421,20 +468,6 @@ class SharedVMMAllocator:
                 f"{fmt_bytes(self.capacity)} ({fmt_bytes(self.physical_bytes)} in use)",
                 backend=self.backend.name, call=call)
 
-    def _create_chunk(self, undo: _Undo) -> None:
-        handle = self.backend.create_phy_mem_handle(self.granularity)
-        self._chunks.append(handle)
-
-        def drop() -> None:
-            self._chunks.remove(handle)
-            try:
-                self.backend.release_phy_mem_handle(handle)
-            except BaseException:
-                self._zombies.append(handle)  # a second fault: released later, never lost
-                raise
-
-        undo.push("release chunk", drop)
-
     def extend_mapping(self, nbytes: int) -> None:
         """Create chunks for ``nbytes`` more physical memory (all or nothing).
 
@@ -443,6 +476,9 @@ class SharedVMMAllocator:
         """
         with self._lock:
             self._check_open("extend_mapping", awake=True)
+            if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+                raise hal.InvalidArgumentError(f"nbytes={nbytes!r} must be an int", backend=self.backend.name,
+                                               call="extend_mapping")
             count = -(-nbytes // self.granularity)
             if count <= 0:
                 return
@@ -452,29 +488,26 @@ class SharedVMMAllocator:
                     f"{fmt_bytes(self.physical_bytes + count * self.granularity)} would not fit in a virtual "
                     f"space of reserve_bytes={self.reserve_bytes}; make the allocator's reserve_bytes larger",
                     backend=self.backend.name, call="extend_mapping")
-            undo = _Undo()
-            try:
-                for _ in range(count):
-                    self._create_chunk(undo)
-            except BaseException:
-                undo.run()
-                raise
+            with Transaction() as tx:
+                first = len(self._chunks)
+                for index in range(first, first + count):
+                    self._ensure_chunk(index, tx)
+                tx.commit()
 
     def _map_up_to(self, space: VirtualSpace, count: int) -> None:
         """Map chunks ``space.mapped .. count-1`` into ``space``, creating missing ones (all or nothing)."""
         if count <= space.mapped:
             return
         self._check_capacity(max(count - len(self._chunks), 0), "allocate")
-        undo = _Undo()
+        tx = Transaction()
         try:
-            for index in range(space.mapped, count):
-                if index == len(self._chunks):
-                    self._create_chunk(undo)
-                self._map(space, index, undo)
-        except BaseException:
-            undo.run()
-            raise
-        space.mapped = count
+            with tx:
+                for index in range(space.mapped, count):
+                    self._ensure_chunk(index, tx)
+                    self._grow_space(space, index, tx)
+                tx.commit()
+        finally:
+            self._after(tx)
 
     # -- allocation -------------------------------------------------------------------------
 
@@ -591,6 +624,9 @@ class SharedVMMAllocator:
     def close(self, park_live: bool = False) -> None:
         """Unmap every space, free the arenas, release every chunk. Idempotent.
 
+        Goes on past driver failures and raises the first; what failed stays
+        recorded, and calling ``close()`` again finishes the job.
+
         :param park_live: a space that a framework tensor still uses (a view
             output kept after its graph) is *parked* instead: its range stays
             reserved and mapped to one scratch chunk, so reading the tensor
@@ -601,37 +637,51 @@ class SharedVMMAllocator:
             if self._closed:
                 return
             errors: list[BaseException] = []
-            busy = [s for s in self._spaces.values() if s.live_allocations and s.mapped and not self.paused]
-            if busy and not park_live:
-                log.warning("closing with allocations still live in space(s) %s: tensors still using them "
-                            "must not be touched after this", [s.id for s in busy])
-            parked = self._park(busy, errors) if busy and park_live else []
-            for space in list(self._spaces.values()):
-                if space in parked:
+            if not self._parked:
+                busy = [s for s in self._spaces.values() if s.live_allocations and s.mapped and not self._sleeping]
+                if busy and not park_live:
+                    log.warning("closing with allocations still live in space(s) %s: tensors still using them "
+                                "must not be touched after this", [s.id for s in busy])
+                if busy and park_live:
+                    self._parked = self._park(busy, errors)
+            for space in self._spaces.values():
+                if space in self._parked:
                     continue
-                for index in range(0 if self.paused else space.mapped):
+                for index in range(space.mapped):
+                    if index in space.holes:
+                        continue
                     try:
-                        self.backend.unmap(space.base + index * self.granularity, self.granularity)
-                    except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after releasing the rest
+                        self._unmap_hole(space, index)
+                    except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after the rest
                         errors.append(exc)
-            keep = {id(s.arena) for s in parked}
-            for arena in self._arenas:
+            keep = {id(s.arena) for s in self._parked}
+            for arena in list(self._arenas):
                 if id(arena) in keep:
                     continue
                 try:
                     self.backend.release_vir_ptr(arena.base, arena.size)
-                except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after releasing the rest
+                except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after the rest
                     errors.append(exc)
+                else:
+                    self._arenas.remove(arena)
+            for index, handle in enumerate(self._chunks):
+                if handle is not None and not self._mapped_anywhere(index):
+                    self._chunks[index] = None
+                    self._zombies.append(handle)
+            retry_releases(self.backend, self._zombies)
+            self._sleeping = True  # nothing of it may run any more
+            if errors or self._zombies or any(h is not None for h in self._chunks):
+                first = errors[0] if errors else hal.InvalidStateError(
+                    f"{len(self._zombies)} chunk(s) could not be released yet; close() again to retry",
+                    backend=self.backend.name, call="close")
+                log.error("allocator close: %d step(s) failed; close() again to finish: %s",
+                          len(errors) or 1, str(first))
+                raise first
             self._spaces.clear()
-            self._arenas.clear()
-            self._zombies.extend(self._chunks)
+            self._arenas = [a for a in self._arenas if id(a) in keep]
             self._chunks = []
-            self._retry_zombies()
             self.current = None
             self._closed = True
-            if errors or self._zombies:
-                raise (errors[0] if errors else hal.InvalidStateError(
-                    f"{len(self._zombies)} chunk(s) could not be released", backend=self.backend.name, call="close"))
 
     def _park(self, busy: list[VirtualSpace], errors: list[BaseException]) -> list[VirtualSpace]:
         """Map one scratch chunk over every granule of the busy spaces in place of the real chunks."""
@@ -647,7 +697,9 @@ class SharedVMMAllocator:
             for index in range(space.mapped):
                 ptr = space.base + index * g
                 try:
-                    self.backend.unmap(ptr, g)
+                    if index not in space.holes:
+                        self.backend.unmap(ptr, g)
+                        space.holes.add(index)
                     self.backend.map(ptr, g, scratch)
                 except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after releasing the rest
                     errors.append(exc)

@@ -158,6 +158,7 @@ def capture(backend: hal.Backend, fn: Callable[..., Any], inputs: dict[str, Any]
     before = active_blocks(backend, lease)
     graph = backend.create_graph()
     t0 = time.perf_counter()
+    outputs: Any = None
     try:
         with gc_disabled(), torch.no_grad():
             with backend.capture(graph, pool=lease.pool, stream=stream,
@@ -171,13 +172,16 @@ def capture(backend: hal.Backend, fn: Callable[..., Any], inputs: dict[str, Any]
         # inside the capture: free them now, while their pool and its memory still exist, rather
         # than whenever the garbage collector reaches the traceback
         traceback.clear_frames(exc.__traceback__)
+        outputs = None  # this frame outlives the exception's handlers: its outputs must not
         backend.release_graph(graph)
         raise
     seconds = time.perf_counter() - t0
-    leftovers = leftover_blocks(backend, lease, outputs, before)
     try:
+        leftovers = leftover_blocks(backend, lease, outputs, before)
         report_leftovers(backend, leftovers, what, strict=strict_hygiene)
-    except CaptureHygieneError:
-        backend.release_graph(graph)  # rejected: nobody else holds it
+    except hal.HalError as exc:  # rejected, or the check itself failed: nobody else holds the graph
+        traceback.clear_frames(exc.__traceback__)  # the check's frames hold the outputs too
+        outputs = None
+        backend.release_graph(graph)
         raise
     return Captured(graph, outputs, seconds, leftovers)

@@ -34,12 +34,34 @@ from graphkit.allocator import SharedVMMAllocator
 from graphkit.capture import CaptureHygieneError, framework_capturer, leftover_blocks, report_leftovers
 from graphkit.isolation import IsolationError
 from graphkit.pools import Lease
+from graphkit.saver import GRAPHS, MemorySaver
 from hal.types import Route, fmt_bytes
 
 log = logging.getLogger("graphkit.graph_pools")
 
 Kind = Literal["vmm", "shared"]
 _serial = itertools.count(1)
+_ALLOCATOR_OPTIONS = frozenset({"reserve_bytes", "capacity", "arena_bytes"})
+
+
+class CaptureKey(tuple):
+    """The key :func:`graph_memory` gives a capture outside any group: ``('capture', n)``.
+
+    It prints like the tuple but equals only another :class:`CaptureKey`:
+    an engine's own key ``('capture', 1)`` never meets it.
+    """
+
+    def __new__(cls, serial: int) -> CaptureKey:
+        return super().__new__(cls, ("capture", serial))
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is CaptureKey and tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash((CaptureKey, tuple(self)))
 
 
 class PoolHandle(tuple):
@@ -182,7 +204,17 @@ class GraphPools:
     """
 
     def __init__(self, backend: hal.Backend | None = None, kind: Kind = "vmm", *, hygiene: bool = False,
-                 saver: Any = None, verify: bool = True, **allocator_options: Any) -> None:
+                 saver: MemorySaver | None = None, verify: bool = True, **allocator_options: Any) -> None:
+        if backend is not None and not isinstance(backend, hal.Backend):
+            raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend", call="GraphPools")
+        unknown = sorted(set(allocator_options) - _ALLOCATOR_OPTIONS)
+        if unknown:
+            raise hal.InvalidArgumentError(f"unknown option(s) {', '.join(unknown)}; GraphPools takes kind, hygiene, "
+                                           f"saver and {', '.join(sorted(_ALLOCATOR_OPTIONS))}",
+                                           backend=getattr(backend, "name", None), call="GraphPools")
+        if saver is not None and not isinstance(saver, MemorySaver):
+            raise hal.InvalidArgumentError(f"saver={saver!r} must be a graphkit.MemorySaver",
+                                           backend=getattr(backend, "name", None), call="GraphPools")
         self._owns_backend = backend is None
         self.backend = be = backend if backend is not None else hal.get_backend(requires=("graphs",))
         if kind not in ("vmm", "shared"):
@@ -201,7 +233,11 @@ class GraphPools:
                 raise hal.UnsupportedError("a shared pool is drawn from the framework's allocator and cannot sleep "
                                            "with a MemorySaver (needs 'custom_pool')", backend=be.name,
                                            call="GraphPools")
-            saver.adopt(self.allocator)
+            try:
+                saver.adopt(self.allocator, GRAPHS)
+            except BaseException:
+                self.allocator.close()
+                raise
         self._shared_pool: Any = None
         self._entries: dict[Hashable, _Entry] = {}
         self._lock = threading.RLock()
@@ -209,6 +245,9 @@ class GraphPools:
         self._groups = threading.local()
         self._auto = itertools.count(1)
         self._closed = False
+        self._close_done = False
+        self._unreleased_spaces: list[int] = []  # spaces of released keys whose release failed: retried
+        self._undropped: list[_Entry] = []  # keys of dead routed graphs whose release failed: retried
         be.synchronize()
         self._used_at_start = be.mem_info().used
         self.verify_stats = isolation.VerifyStats()
@@ -237,13 +276,16 @@ class GraphPools:
         with self._lock:
             self._check_open("pool")
             self._settle()
-            try:
-                hash(key)
-            except TypeError:
-                raise hal.InvalidArgumentError(f"key={key!r} must be hashable", backend=self.backend.name,
-                                               call="GraphPools.pool") from None
-            entry = self._entries.get(key) or self._new_entry(key, auto=False)
+            entry = self._lookup(key, "pool") or self._new_entry(key, auto=False)
             return entry.handle
+
+    def _lookup(self, key: Hashable, call: str) -> _Entry | None:
+        """The entry of ``key`` or None; a key that cannot be hashed or compared is a hal error."""
+        try:
+            return self._entries.get(key)
+        except Exception as exc:  # noqa: BLE001 - whatever the key's __hash__ or __eq__ raises
+            raise hal.InvalidArgumentError(f"key={key!r} must be hashable and comparable ({type(exc).__name__}: "
+                                           f"{exc})", backend=self.backend.name, call=f"GraphPools.{call}") from None
 
     def _new_entry(self, key: Hashable, auto: bool) -> _Entry:
         be = self.backend
@@ -296,7 +338,7 @@ class GraphPools:
         """
         with self._lock:
             self._check_open("release")
-            entry = self._entries.get(key)
+            entry = self._lookup(key, "release")
             if entry is None:
                 raise hal.InvalidStateError(f"key={key!r} has no pool (released twice?)", backend=self.backend.name,
                                             call="GraphPools.release")
@@ -304,21 +346,49 @@ class GraphPools:
             self._settle()
 
     def _drop(self, entry: _Entry) -> None:
-        del self._entries[entry.key]
+        """Release the key's pool, then its space; a failed pool release keeps the key, to release again."""
         if entry.space_id is None:  # a key of the shared pool: the pool stays for the others
+            del self._entries[entry.key]
             return
         assert self.allocator is not None
         self.backend.release_pool(entry.pool)
-        self.allocator.release_when_idle(entry.space_id)
+        del self._entries[entry.key]
+        try:
+            self.allocator.release_when_idle(entry.space_id)
+        except hal.HalError:
+            self._unreleased_spaces.append(entry.space_id)  # retried at the next safe point
+            raise
+
+    def _try_drop(self, entry: _Entry) -> None:
+        """Drop a key whose graphs are gone; one that fails is kept and dropped again at the next safe point."""
+        try:
+            self._drop(entry)
+        except hal.HalError as exc:
+            log.error("key %r: its pool could not be released yet (retried at the next call): %s", entry.key,
+                      str(exc))
+            if self._entries.get(entry.key) is entry:
+                self._undropped.append(entry)
 
     def _settle(self) -> None:
         """Release what routed graphs that died left behind (a safe point: no allocator call is running)."""
+        retry, self._undropped = self._undropped, []
+        for entry in retry:
+            if self._entries.get(entry.key) is entry:
+                self._try_drop(entry)
         while self._dead:
             entry = self._dead.popleft()
             entry.graphs -= 1
             if entry.auto and entry.graphs <= 0 and self._entries.get(entry.key) is entry:
-                self._drop(entry)
+                self._try_drop(entry)
         if self.allocator is not None and not self.allocator.closed:
+            spaces, self._unreleased_spaces = self._unreleased_spaces, []
+            for space_id in spaces:
+                if space_id in self.allocator.spaces:
+                    try:
+                        self.allocator.release_when_idle(space_id)
+                    except hal.HalError as exc:
+                        log.error("a released key's space could not be released yet (retried): %s", str(exc))
+                        self._unreleased_spaces.append(space_id)
             self.allocator.reap()
 
     def collect(self) -> None:
@@ -343,11 +413,12 @@ class GraphPools:
             yield handle
         finally:
             stack.pop()
-            with self._lock:
-                entry = self._entries.get(key)
-                if entry is not None and entry.space_id is not None and self.allocator is not None \
-                        and not self.allocator.closed and entry.space_id in self.allocator.spaces:
-                    self.allocator.seal(entry.space_id)
+            if key not in stack:  # an outer group of the same key keeps its space open
+                with self._lock:
+                    entry = self._entries.get(key)
+                    if entry is not None and entry.space_id is not None and self.allocator is not None \
+                            and not self.allocator.closed and entry.space_id in self.allocator.spaces:
+                        self.allocator.seal(entry.space_id)
 
     def _group_stack(self) -> list[Hashable]:
         stack = getattr(self._groups, "stack", None)
@@ -382,7 +453,7 @@ class GraphPools:
                 key = ("make_graphed_callables", _pool_ident(requested_pool))
                 entry = self._entries.get(key) or self._new_entry(key, auto=True)
             else:
-                entry = self._new_entry(("capture", next(self._auto)), auto=True)
+                entry = self._new_entry(CaptureKey(next(self._auto)), auto=True)
             entry.graphs += 1
             before = self._blocks(entry) if self.hygiene else set()
 
@@ -477,6 +548,11 @@ class GraphPools:
         created state (cuBLAS workspaces, caches) is born outside the capture.
         """
         be = self.backend
+        if not callable(fn):
+            raise hal.InvalidArgumentError(f"fn={fn!r} must be callable", backend=be.name, call="GraphPools.warm_up")
+        if not isinstance(runs, int) or isinstance(runs, bool) or runs < 0:
+            raise hal.InvalidArgumentError(f"runs={runs!r} must be an int >= 0", backend=be.name,
+                                           call="GraphPools.warm_up")
         stream = stream if stream is not None else be.default_capture_stream()
         result = None
         with be.use_stream(stream):
@@ -491,7 +567,7 @@ class GraphPools:
         :raises CaptureHygieneError: ``strict`` and something other than the outputs is left.
         """
         with self._lock:
-            entry = self._entries.get(key)
+            entry = self._lookup(key, "leftovers")
             if entry is None:
                 raise hal.InvalidStateError(f"key={key!r} has no pool", backend=self.backend.name,
                                             call="GraphPools.leftovers")
@@ -539,39 +615,53 @@ class GraphPools:
         """Release every pool, unmap every space, release the chunks. Idempotent.
 
         Reset (or drop) the graphs captured with these pools first: their
-        memory is gone after this.
+        memory is gone after this. Goes on past failures and raises the
+        first; ``close()`` again finishes the job.
         """
         with self._lock:
-            if self._closed:
+            if self._close_done:
                 return
+            self._closed = True  # from here on every call raises InvalidStateError
             self._finalizer.detach()
             if self._watching is not None:
-                self._watching.close()
-            self.backend.synchronize()
-            gc.collect()  # framework tensors of these pools caught in reference cycles go while the pools exist
+                watching, self._watching = self._watching, None
+                watching.close()
             errors: list[BaseException] = []
+            try:
+                self.backend.synchronize()
+            except hal.HalError as exc:
+                errors.append(exc)
+            gc.collect()  # framework tensors of these pools caught in reference cycles go while the pools exist
             for entry in list(self._entries.values()):
                 try:
                     self._drop(entry)
                 except hal.HalError as exc:
                     errors.append(exc)
-            self._entries.clear()
             self._dead.clear()
+            self._undropped.clear()  # dropped above with every other key
+            self._unreleased_spaces.clear()  # the allocator's close takes them down
             if self._shared_pool is not None:
-                pool, self._shared_pool = self._shared_pool, None
-                self.backend.release_pool(pool)
+                try:
+                    self.backend.release_pool(self._shared_pool)
+                except hal.HalError as exc:
+                    errors.append(exc)
+                else:
+                    self._shared_pool = None
             if self.allocator is not None:
                 if self.saver is not None:
                     self.saver.forget(self.allocator)
-                try:
-                    self.allocator.close()
-                except hal.HalError as exc:
-                    errors.append(exc)
-            self._closed = True
+                if not self._entries:  # a key whose pool would not go keeps its space for the retry
+                    try:
+                        self.allocator.close()
+                    except hal.HalError as exc:
+                        errors.append(exc)
+            if errors:
+                log.error("GraphPools.close: %d step(s) failed; close() again to finish: %s", len(errors),
+                          str(errors[0]))
+                raise errors[0]
+            self._close_done = True
             if self._owns_backend:
                 self.backend.close()
-            if errors:
-                raise errors[0]
 
     def __enter__(self) -> GraphPools:
         return self
@@ -619,6 +709,11 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
         ``pools.group(key)`` fails loudly instead of replaying wrong results.
     :raises hal.UnsupportedError: the backend cannot route the framework's captures.
     """
+    if pools is not None and not isinstance(pools, GraphPools):
+        raise hal.InvalidArgumentError(f"pools={pools!r} must be a graphkit.GraphPools", call="graph_memory")
+    if backend is not None and not isinstance(backend, hal.Backend):
+        raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend (hal.get_backend(...))",
+                                       call="graph_memory")
     if pools is None:
         chosen = backend if backend is not None else hal.get_backend(requires=("graphs", "capture_routing"))
         pools = GraphPools(chosen, kind, hygiene=hygiene, verify=verify, **allocator_options)
@@ -627,5 +722,5 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
         yield pools
 
 
-__all__ = ["CaptureHygieneError", "GraphPools", "IsolationError", "KeyReport", "PoolHandle", "PoolsReport",
-           "graph_memory"]
+__all__ = ["CaptureHygieneError", "CaptureKey", "GraphPools", "IsolationError", "KeyReport", "PoolHandle",
+           "PoolsReport", "graph_memory"]

@@ -69,8 +69,8 @@ class PrivatePools(PoolStrategy):
 
     def give_back(self, lease: Lease) -> None:
         if lease.pool is not None:
-            pool, lease.pool = lease.pool, None
-            self.backend.release_pool(pool)
+            self.backend.release_pool(lease.pool)  # a failure keeps it in the lease, to give back again
+            lease.pool = None
 
 
 class SharedPool(PoolStrategy):
@@ -89,8 +89,8 @@ class SharedPool(PoolStrategy):
 
     def close(self) -> None:
         if self._pool is not None:
-            pool, self._pool = self._pool, None
-            self.backend.release_pool(pool)
+            self.backend.release_pool(self._pool)  # a failure keeps it, to release at the next close()
+            self._pool = None
 
 
 class VmmPools(PoolStrategy):
@@ -120,21 +120,43 @@ class VmmPools(PoolStrategy):
         return Lease(pool=pool, space_id=space)
 
     def give_back(self, lease: Lease) -> None:
-        self.backend.release_pool(lease.pool)
+        if lease.pool is not None:
+            self.backend.release_pool(lease.pool)  # a failure keeps it in the lease, to give back again
+            lease.pool = None
         if lease.space_id is not None:
             self._returned.append(lease.space_id)
+            lease.space_id = None
 
     def settle(self) -> None:
-        """Release the spaces given back; a space a tensor still uses waits for its last free."""
+        """Release the spaces given back; a space a tensor still uses waits for its last free.
+
+        Goes on past failures (kept, released at the next settle) and raises the first.
+        """
         gc.collect()  # framework pools caught in reference cycles give their segments back now
         returned, self._returned = self._returned, []
+        errors: list[BaseException] = []
         for space_id in returned:
-            self.allocator.release_when_idle(space_id)
+            if self.allocator.closed or space_id not in self.allocator.spaces:
+                continue
+            try:
+                self.allocator.release_when_idle(space_id)
+            except hal.HalError as exc:
+                self._returned.append(space_id)
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def close(self) -> None:
-        self.settle()
+        errors: list[BaseException] = []
+        try:
+            self.settle()
+        except hal.HalError as exc:  # the allocator's close below takes the spaces down anyway
+            errors.append(exc)
         if self._own:  # outputs the caller still holds (views) keep readable memory under them
             self.allocator.close(park_live=True)
+            self._returned.clear()
+        if errors and not self._own:
+            raise errors[0]
 
     def figures(self) -> dict[str, int]:
         return {

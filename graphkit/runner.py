@@ -14,6 +14,7 @@ captured the first time a batch needs it.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -35,6 +36,7 @@ from graphkit.allocator import SharedVMMAllocator
 from graphkit.buffers import StaticInputs
 from graphkit.pools import Lease, PoolStrategy, make_pool_strategy
 from graphkit.report import RunnerReport, SizeReport
+from graphkit.saver import GRAPHS, MemorySaver
 from hal.types import fmt_bytes
 
 log = logging.getLogger("graphkit.runner")
@@ -159,7 +161,7 @@ class GraphRunner:
         pool: str = "vmm",
         *,
         options: RunnerOptions | None = None,
-        saver: Any = None,
+        saver: MemorySaver | None = None,
         **overrides: Any,
     ) -> None:
         unknown = sorted(set(overrides) - _OPTION_NAMES)
@@ -222,11 +224,13 @@ class GraphRunner:
         self.saver = saver
         self._adopted: SharedVMMAllocator | None = None  # the allocator the saver sleeps and wakes
         if saver is not None:
+            if not isinstance(saver, MemorySaver):
+                raise bad(f"saver={saver!r} must be a graphkit.MemorySaver")
             allocator = getattr(self.strategy, "allocator", None)
             if allocator is None:
                 raise hal.UnsupportedError(f"pool={self.pool!r} cannot sleep with a MemorySaver: use pool='vmm' "
                                            "on a backend with 'custom_pool'", backend=be.name, call="GraphRunner")
-            saver.adopt(allocator)
+            saver.adopt(allocator, GRAPHS)
             self._adopted = allocator
         self.inputs: StaticInputs | None = None
         self._buckets: dict[int, _Bucket] = {}
@@ -236,7 +240,9 @@ class GraphRunner:
         self._lock = threading.RLock()  # graphs of one pool never run concurrently
         self._static_out: list[torch.Tensor | None] | None = None  # None: a leaf that is no batched tensor
         self._mem_before: int | None = None
+        self._leftover: list[_Bucket] = []  # buckets whose release failed at close(): finished by close() again
         self._closed = False
+        self._close_done = False
 
     # -- capture -------------------------------------------------------------------
 
@@ -339,16 +345,21 @@ class GraphRunner:
                 bucket.outputs.append(tree_map(cap.weak_alias, outputs) if self.keep_outputs == "weak"
                                       else outputs)
                 del outputs
+            be.synchronize()
+            seconds = time.perf_counter() - t0
+            if self.measure_memory:
+                cap.release_cached_memory(be)
+            bucket.report = SizeReport(size, seconds, be.mem_info().used - used0,
+                                       strategy.figures().get("chunk_bytes"))
         except BaseException:
-            self._release_bucket(bucket)
-            strategy.settle()
+            try:
+                self._release_bucket(bucket)
+                strategy.settle()
+            except hal.HalError as exc:  # kept for close() to finish; the capture's own error is the one raised
+                log.error("batch %d: cleaning up the failed capture failed (close() finishes it): %s", size,
+                          str(exc))
+                self._leftover.append(bucket)
             raise
-        be.synchronize()
-        seconds = time.perf_counter() - t0
-        if self.measure_memory:
-            cap.release_cached_memory(be)
-        bucket.report = SizeReport(size, seconds, be.mem_info().used - used0,
-                                   strategy.figures().get("chunk_bytes"))
         self._buckets[size] = bucket
         bisect.insort(self._captured, size)
         self._capture_order.append(size)
@@ -413,15 +424,17 @@ class GraphRunner:
             wants_grad = torch.is_grad_enabled() and any(
                 isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(inputs)[0])
             if size is not None and not wants_grad:
-                if self.saver is not None:
-                    self.saver.check_awake("graphs", "GraphRunner")
-                bucket = self._buckets.get(size) or self._capture_size(size)
-                with torch.no_grad():
-                    self.inputs.update(inputs, batch, size)
-                if self.debug:
-                    self._check_addresses()
-                out = self._replay(bucket)
-                return self._deliver(out, batch, size)
+                # a pause waits for this block to end, and a call waits for a pause under way
+                awake = (self.saver.awake(GRAPHS, "GraphRunner") if self.saver is not None
+                         else contextlib.nullcontext())
+                with awake:
+                    bucket = self._buckets.get(size) or self._capture_size(size)
+                    with torch.no_grad():
+                        self.inputs.update(inputs, batch, size)
+                    if self.debug:
+                        self._check_addresses()
+                    out = self._replay(bucket)
+                    return self._deliver(out, batch, size)
         if wants_grad:
             return self._eager_pipeline(**inputs)
         with torch.no_grad():
@@ -490,23 +503,29 @@ class GraphRunner:
                             self.graph_memory(), self.strategy.figures() if self.strategy else {})
 
     def _release_bucket(self, bucket: _Bucket) -> None:
-        """Release every graph and the lease of a bucket; a failure does not stop the rest (the first is raised)."""
+        """Release every graph and the lease of a bucket; a failure does not stop the rest (the first is raised).
+
+        What failed stays in the bucket, so that releasing it again finishes the job.
+        """
         errors: list[BaseException] = []
+        kept = []
         for graph in bucket.graphs:
             try:
                 self.backend.release_graph(graph)
             except hal.HalError as exc:
                 log.error("batch %d: a graph could not be released: %s", bucket.size, str(exc))
                 errors.append(exc)
-        bucket.graphs.clear()
+                kept.append(graph)
+        bucket.graphs[:] = kept
         bucket.outputs.clear()
         bucket.piece_inputs.clear()
         assert self.strategy is not None  # buckets exist only when mode != "none"
-        try:
-            self.strategy.give_back(bucket.lease)
-        except hal.HalError as exc:
-            log.error("batch %d: its pool could not be given back: %s", bucket.size, str(exc))
-            errors.append(exc)
+        if not kept:  # the pool goes only once no graph of it is left
+            try:
+                self.strategy.give_back(bucket.lease)
+            except hal.HalError as exc:
+                log.error("batch %d: its pool could not be given back: %s", bucket.size, str(exc))
+                errors.append(exc)
         if errors:
             raise errors[0]
 
@@ -524,7 +543,12 @@ class GraphRunner:
                                                backend=self.backend.name, call="GraphRunner.release_size")
             self.backend.synchronize()
             gc.collect()  # tensors of its pool caught in reference cycles go while the pool exists
-            self._release_bucket(self._forget(size))
+            bucket = self._forget(size)
+            try:
+                self._release_bucket(bucket)
+            except hal.HalError:
+                self._leftover.append(bucket)  # what would not go is finished by close()
+                raise
             assert self.strategy is not None
             self.strategy.settle()
 
@@ -533,34 +557,45 @@ class GraphRunner:
             raise hal.InvalidStateError("the runner is closed", backend=self.backend.name, call="GraphRunner")
 
     def close(self) -> None:
-        """Synchronize, drop graphs, drop pools, unmap, free ranges, release chunks. Idempotent."""
+        """Synchronize, drop graphs, drop pools, unmap, free ranges, release chunks. Idempotent.
+
+        Goes on past failures and raises the first; what failed is kept, and
+        ``close()`` again finishes the job.
+        """
         with self._lock:
-            if self._closed:
+            if self._close_done:
                 return
             self._closed = True  # from here on every call raises InvalidStateError
             errors: list[BaseException] = []
-            self.backend.synchronize()
+            try:
+                self.backend.synchronize()
+            except hal.HalError as exc:  # keep going: what follows waits for the device itself where it must
+                errors.append(exc)
             gc.collect()  # tensors of the pools caught in reference cycles go while the pools exist
-            for size in list(self._captured):
+            self._leftover.extend(self._forget(size) for size in list(self._captured))
+            left = []
+            for bucket in self._leftover:
                 try:
-                    self._release_bucket(self._forget(size))
+                    self._release_bucket(bucket)
                 except hal.HalError as exc:  # keep going: release what can be released
                     errors.append(exc)
-            if self.strategy is not None:
-                if self._adopted is not None:  # set exactly when a saver was given
-                    self.saver.forget(self._adopted)
+                    left.append(bucket)
+            self._leftover = left
+            if self._adopted is not None and self.saver is not None:
+                self.saver.forget(self._adopted)  # a pause must not reach an allocator being closed
+            if self.strategy is not None and not left:  # a graph that would not go keeps its pool for the retry
                 try:
                     self.strategy.close()
                 except hal.HalError as exc:
                     errors.append(exc)
+            if errors:
+                log.error("close: %d step(s) failed; close() again to finish: %s", len(errors), str(errors[0]))
+                raise errors[0]
             self.inputs = None
             self._static_out = None
+            self._close_done = True
             if self._owns_backend:
                 self.backend.close()
-            if errors:
-                log.error("close: %d release(s) failed; what they held is still live (Backend.close() "
-                          "releases it)", len(errors))
-                raise errors[0]
 
     def __enter__(self) -> GraphRunner:
         return self

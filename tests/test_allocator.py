@@ -179,7 +179,8 @@ def test_a_second_fault_during_a_rollback_loses_nothing(be: hal.Backend) -> None
     a = graphkit.SharedVMMAllocator(be, reserve_bytes=16 * G)
     a.switch_to_new_virtual_space()
     be.faults.fail("map", nth=3)  # the third chunk's map fails: the allocation rolls back...
-    be.faults.fail("release_phy_mem_handle", nth=1)  # ...and releasing the third chunk fails too
+    be.faults.fail("release_phy_mem_handle", nth=1)  # ...and releasing the third chunk fails too,
+    be.faults.fail("release_phy_mem_handle", nth=1)  # twice (a failed release is retried at once)
     with pytest.raises(hal.DriverError):
         a.allocate(3 * G)
     be.faults.clear()
@@ -190,3 +191,80 @@ def test_a_second_fault_during_a_rollback_loses_nothing(be: hal.Backend) -> None
     a.allocate(2 * G)
     a.close()
     assert be.live.zero
+
+
+# -- two faults: a rollback step that fails too leaves an exact record, never a silent hole -------------------
+
+
+def _two_spaces(be: hal.Backend) -> tuple[graphkit.SharedVMMAllocator, int, int]:
+    a = graphkit.SharedVMMAllocator(be, reserve_bytes=8 * G)
+    a.switch_to_new_virtual_space()
+    p1 = a.allocate(3 * G)
+    a.switch_to_new_virtual_space()
+    p2 = a.allocate(2 * G)
+    ctypes.memmove(p1, b"graphs!!", 8)
+    return a, p1, p2
+
+
+def test_a_pause_whose_remap_fails_twice_reads_paused_until_restored(be: hal.Backend) -> None:
+    a, p1, _ = _two_spaces(be)
+    mapped = be.live.mappings
+    be.faults.fail("unmap", nth=2)
+    be.faults.fail("map", nth=1)
+    be.faults.fail("map", nth=1)  # the remap and its retry both fail
+    with pytest.raises(hal.DriverError, match="injected"):
+        a.release_physical()
+    assert a.paused and be.live.mappings == mapped - 1  # exactly one granule is missing, and it says so
+    with pytest.raises(hal.InvalidStateError, match="restore_physical"):
+        a.allocate(16)
+    a.restore_physical()
+    assert not a.paused and be.live.mappings == mapped
+    assert ctypes.string_at(p1, 8) == b"graphs!!"  # the chunk was never released: data intact
+    a.release_physical()
+    a.restore_physical()
+    a.close()
+    assert be.live.zero, be.live
+
+
+def test_a_resume_whose_rollback_fails_keeps_the_chunk_and_can_be_retried(be: hal.Backend) -> None:
+    a, p1, p2 = _two_spaces(be)
+    a.release_physical()
+    asleep = be.live
+    be.faults.fail("map", nth=3)
+    be.faults.fail("unmap", nth=1)
+    be.faults.fail("unmap", nth=1)
+    with pytest.raises(hal.DriverError, match="injected"):
+        a.restore_physical()
+    assert a.paused and be.live.mappings == asleep.mappings + 1  # the mapping that would not go is known
+    a.restore_physical()
+    assert not a.paused and a.physical_bytes == 3 * G
+    ctypes.memmove(p2, b"again!!!", 8)
+    assert ctypes.string_at(p1, 8) == b"again!!!"  # both spaces on the same chunks again
+    a.close()
+    assert be.live.zero, be.live
+
+
+def test_an_allocation_whose_rollback_fails_leaves_the_allocator_usable(be: hal.Backend) -> None:
+    a = graphkit.SharedVMMAllocator(be, reserve_bytes=8 * G)
+    a.switch_to_new_virtual_space()
+    be.faults.fail("map", nth=3)
+    be.faults.fail("unmap", nth=1)
+    be.faults.fail("unmap", nth=1)
+    with pytest.raises(hal.DriverError, match="injected"):
+        a.allocate(4 * G)
+    assert not a.paused  # what stayed mapped is recorded as mapped: no hole
+    p = a.allocate(4 * G)
+    ctypes.memmove(p + 3 * G, b"end", 3)
+    a.close()
+    assert be.live.zero, be.live
+
+
+@pytest.mark.parametrize("hook", ["unmap", "release_vir_ptr"])
+def test_close_goes_on_past_a_fault_and_a_second_close_finishes(be: hal.Backend, hook: str) -> None:
+    a, _, _ = _two_spaces(be)
+    be.faults.fail(hook, nth=1)
+    with pytest.raises(hal.DriverError, match="injected"):
+        a.close()
+    assert not a.closed and a.paused  # nothing of it may run any more
+    a.close()
+    assert a.closed and be.live.zero, be.live

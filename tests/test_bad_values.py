@@ -105,3 +105,59 @@ def test_graph_pools(be: hal.Backend, kind: object, key: object) -> None:
 def test_runner_sizes(be: hal.Backend, sizes: list) -> None:
     with pytest.raises(hal.HalError):
         graphkit.GraphRunner(lambda x: x, sizes=sizes, backend=be, progress=False)
+
+
+class _BadHash:
+    def __hash__(self) -> int:
+        raise ValueError("no hash")
+
+
+class _BadEq:
+    def __hash__(self) -> int:
+        return 1
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("no eq")
+
+
+BAD_CALLS = {
+    "precreate(1.5)": lambda o: o["pool"].precreate(1.5),
+    "precreate('x')": lambda o: o["pool"].precreate("x"),
+    "ElasticBuffer(pool=object())": lambda o: graphkit.ElasticBuffer(o["be"], max_bytes=G, pool=object()),
+    "ElasticBuffer(saver=object())": lambda o: graphkit.ElasticBuffer(o["be"], max_bytes=G, saver=object()),
+    "is_paused(['x'])": lambda o: o["saver"].is_paused(["x"]),
+    "check_awake(['x'])": lambda o: o["saver"].check_awake(["x"], "c"),
+    "awake(['x'])": lambda o: o["saver"].awake(["x"]).__enter__(),
+    "region(backup='yes')": lambda o: o["saver"].region("tb", backup="yes").__enter__(),
+    "adopt(object())": lambda o: o["saver"].adopt(object(), "zz"),
+    "MemorySaver('fake')": lambda o: graphkit.MemorySaver("fake"),
+    "pool(a key that will not hash)": lambda o: o["pools"].pool(_BadHash()),
+    "pool(a key that will not compare)": lambda o: o["pools"].pool(_BadEq()),
+    "release([1])": lambda o: o["pools"].release([1]),
+    "leftovers([1])": lambda o: o["pools"].leftovers([1], None),
+    "warm_up(1)": lambda o: o["pools"].warm_up(1),
+    "warm_up(runs='x')": lambda o: o["pools"].warm_up(lambda: None, runs="x"),
+    "GraphPools(bogus=1)": lambda o: graphkit.GraphPools(o["be"], bogus=1),
+    "GraphPools(saver=object())": lambda o: graphkit.GraphPools(o["be"], saver=object()),
+    "GraphPools('fake')": lambda o: graphkit.GraphPools("fake"),
+    "GraphRunner(saver=object())": lambda o: graphkit.GraphRunner(lambda x: x, [1], o["be"], saver=object()),
+    "graph_memory(pools=object())": lambda o: graphkit.graph_memory(o["be"], pools=object()).__enter__(),
+    "graph_memory('fake')": lambda o: graphkit.graph_memory("fake").__enter__(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CALLS))
+def test_bad_values_of_sleep_elastic_and_pools_give_hal_errors(name: str) -> None:
+    be = hal.get_backend("fake", granularity=G)
+    objects = {"be": be, "saver": graphkit.MemorySaver(be), "pool": graphkit.ElasticPool(be, reserve_bytes=8 * G),
+               "pools": graphkit.GraphPools(be)}
+    objects["pools"].pool(_BadEq())  # the next key of that hash gets compared with it
+    before = be.live
+    with pytest.raises(hal.InvalidArgumentError):
+        BAD_CALLS[name](objects)
+    assert be.live == before  # nothing made on the way to the error
+    objects["pools"].close()
+    objects["pool"].close()
+    objects["saver"].close()
+    be.close()
+    assert be.live.zero

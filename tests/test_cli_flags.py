@@ -123,6 +123,17 @@ def test_size_lists_name_the_bad_element(flag: str, value: str, bad: str, tmp_pa
 
 
 @pytest.mark.parametrize("argv,needles", [
+    (["--sizes", "1:100000000000"], ["--sizes", "'1:100000000000'", "2147483648"]),  # counted, never built
+    (["--sizes", "1:2000000:3"], ["--sizes", "'1:2000000:3'", "4096"]),
+    (["--sizes", "99999999999999999999999"], ["--sizes", "99999999999999999999999"]),
+    (["--sleep", "--sleep-sizes", "99999999999"], ["--sleep-sizes", "99999999999"]),
+    (["--elastic", "--elastic-sizes", "99999999999"], ["--elastic-sizes", "99999999999"]),
+    (["--sleep", "--sleep-sizes", "999999"], ["--sleep-sizes", "999999 MiB", "device"]),
+    (["--elastic", "--elastic-sizes", "999999"], ["--elastic-sizes", "999999 MiB", "device"]),
+    (["--sleep", "--sizes", "4"], ["--sizes", "--sleep", "--sleep-sizes"]),
+    (["--sleep", "--elastic-sizes", "4"], ["--elastic-sizes", "--sleep"]),
+    (["--elastic", "--sleep-sizes", "4"], ["--sleep-sizes", "--elastic"]),
+    (["--sleep-sizes", "4"], ["--sleep-sizes", "graph bench", "--sizes"]),
     (["--compile-budget", "0"], ["--compile-budget", "0"]),
     (["--compile-budget", "nan"], ["--compile-budget", "nan"]),
     (["--seed", "-1"], ["--seed", "-1"]),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
+import threading
 
 import pytest
 import torch
@@ -181,3 +183,186 @@ def test_a_surviving_slice_of_a_view_still_stops_a_shrink(be: hal.Backend) -> No
     del whole
     buf.close()
     assert be.live.zero
+
+
+# -- failures: every one ends in a hal error or a clean recovery, nothing lost, nothing leaked ---------------
+
+
+def test_a_release_fault_in_a_pause_keeps_the_buffer_honest_and_the_chunk_for_later(be: hal.Backend) -> None:
+    """The chunk that would not release is kept (released later); the buffer reads paused, refuses views,
+    and a second pause, a resume with the backup, a resize and a close all work."""
+    saver = graphkit.MemorySaver(be)
+    kv = graphkit.ElasticBuffer(be, max_bytes=8 * G, saver=saver, tag="kv", backup=True)
+    kv.resize(3 * G)
+    v = kv.view(torch.int64, (3 * G // 8,))
+    v.copy_(torch.arange(v.numel()))
+    del v
+    be.faults.fail("release_phy_mem_handle", nth=2)
+    be.faults.fail("release_phy_mem_handle", nth=2)  # the immediate retry fails too
+    saver.pause("kv")
+    assert saver.is_paused("kv") and kv.paused and kv.mapped_bytes == 0 and be.live.mappings == 0
+    with pytest.raises(hal.InvalidStateError, match="paused"):
+        kv.view(torch.int64, (4,))
+    assert saver.pause("kv") == 0  # idempotent: nothing copied from unmapped memory
+    saver.resume("kv")
+    v = kv.view(torch.int64, (3 * G // 8,))
+    assert torch.equal(v, torch.arange(v.numel()))  # the backup came back
+    del v
+    kv.resize(G)
+    kv.close()
+    saver.close()
+    assert be.live.zero, be.live
+
+
+def test_a_fault_while_copying_the_backup_back_keeps_the_buffer_paused_and_the_data(be: hal.Backend) -> None:
+    saver = graphkit.MemorySaver(be)
+    kv = graphkit.ElasticBuffer(be, max_bytes=4 * G, saver=saver, tag="kv", backup=True)
+    kv.resize(2 * G)
+    v = kv.view(torch.int32, (2 * G // 4,))
+    v.copy_(torch.arange(v.numel(), dtype=torch.int32))
+    del v
+    saver.pause("kv")
+    paused = be.live
+    be.faults.fail("tensor_at", nth=1)
+    with pytest.raises(hal.DriverError, match="injected"):
+        saver.resume("kv")
+    assert saver.is_paused("kv") and kv.paused and be.live == paused  # what the resume made is gone again
+    saver.resume("kv")
+    v = kv.view(torch.int32, (2 * G // 4,))
+    assert torch.equal(v, torch.arange(v.numel(), dtype=torch.int32))
+    del v
+    kv.close()
+    saver.close()
+
+
+def test_a_buffer_refused_by_its_saver_keeps_no_range(be: hal.Backend) -> None:
+    saver = graphkit.MemorySaver(be)
+    with saver.region("kv_cache"):
+        t = torch.empty(16)
+    before = be.live
+    for bad_tag in ("kv_cache", "", 3):
+        with pytest.raises(hal.InvalidArgumentError):
+            graphkit.ElasticBuffer(be, max_bytes=1 << 30, saver=saver, tag=bad_tag)  # type: ignore[arg-type]
+    pool = graphkit.ElasticPool(be, reserve_bytes=4 * G)
+    for _ in range(2):  # the carved range goes back: the second try is refused for its tag, not for room
+        with pytest.raises(hal.InvalidArgumentError, match="region"):
+            pool.buffer(4 * G, saver=saver, tag="kv_cache")
+    pool.buffer(4 * G).close()
+    pool.close()
+    gc.collect()
+    assert be.live == before
+    del t
+    saver.close()
+
+
+def test_pool_close_racing_resizes_in_other_threads_never_deadlocks(be: hal.Backend) -> None:
+    """Resizes take the buffer's lock, then the pool's; close() must not take them the other way round."""
+    for _ in range(20):  # seven resizing threads and the closer
+        pool = graphkit.ElasticPool(be, reserve_bytes=112 * G)
+        bufs = [pool.buffer(16 * G) for _ in range(7)]
+        start = threading.Barrier(len(bufs) + 1)
+
+        def churn(b: graphkit.ElasticBuffer, start: threading.Barrier = start) -> None:
+            start.wait()
+            for i in itertools.count():
+                try:
+                    b.resize((i % 16) * G + 1)
+                except hal.InvalidStateError:  # closed under it: the expected end
+                    return
+
+        threads = [threading.Thread(target=churn, args=(b,), daemon=True) for b in bufs]
+        for t in threads:
+            t.start()
+        start.wait()
+        closer = threading.Thread(target=pool.close, daemon=True)
+        closer.start()
+        closer.join(10)
+        assert not closer.is_alive(), "ElasticPool.close() deadlocked against resize()"
+        for t in threads:
+            t.join(10)
+            assert not t.is_alive()
+        assert pool.closed and all(b.closed for b in bufs)
+    assert be.live.zero, be.live
+
+
+def test_a_shrink_that_shrank_does_not_raise_and_the_chunk_is_released_later(be: hal.Backend) -> None:
+    kv = graphkit.ElasticBuffer(be, max_bytes=8 * G)
+    kv.resize(6 * G)
+    be.faults.fail("release_phy_mem_handle", nth=1)
+    be.faults.fail("release_phy_mem_handle", nth=1)  # the immediate retry fails too
+    kv.resize(2 * G)
+    assert kv.mapped_bytes == 2 * G and kv.pool.pending_release == 1
+    kv.close()
+    assert be.live.zero, be.live
+
+
+def test_a_dropped_buffer_gives_its_memory_back_with_a_warning(be: hal.Backend,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    pool = graphkit.ElasticPool(be, reserve_bytes=16 * G)
+    buf = pool.buffer(8 * G)
+    buf.resize(3 * G)
+    with caplog.at_level(logging.WARNING, logger="graphkit.elastic"):
+        del buf
+        gc.collect()
+    assert "garbage-collected without close()" in caplog.text
+    again = pool.buffer(16 * G)  # the dropped range is back in the reservation
+    again.resize(16 * G)
+    assert pool.created == 16  # the dropped buffer's 3 chunks were reused
+    again.close()
+    pool.close()
+    kv = graphkit.ElasticBuffer(be, max_bytes=4 * G)  # a buffer of its own: reservation and chunks go too
+    kv.resize(4 * G)
+    del kv
+    gc.collect()
+    assert be.live.zero, be.live
+
+
+def test_two_faults_in_a_rollback_keep_the_chunk_for_a_later_release(be: hal.Backend) -> None:
+    be.faults.fail("create_phy_mem_handle", nth=2)
+    be.faults.fail("release_phy_mem_handle", nth=1)
+    with pytest.raises(hal.DriverError, match="injected"):
+        graphkit.ElasticPool(be, reserve_bytes=8 * G, precreate_bytes=3 * G)
+    assert be.live.zero, be.live  # the failed constructor kept nothing
+    saver = graphkit.MemorySaver(be)
+    kv = graphkit.ElasticBuffer(be, max_bytes=4 * G, saver=saver, tag="kv")
+    kv.resize(3 * G)
+    saver.pause()
+    for hook in ("map", "release_phy_mem_handle", "release_phy_mem_handle"):
+        be.faults.fail(hook, nth=2 if hook == "map" else 1)
+    with pytest.raises(hal.DriverError, match="injected"):
+        saver.resume()
+    be.faults.clear()
+    assert kv.pool.pending_release == 1  # kept, not lost
+    saver.resume()
+    kv.close()
+    saver.close()
+    assert be.live.zero, be.live
+
+
+def test_pool_close_goes_on_past_faults_and_a_second_close_finishes(be: hal.Backend) -> None:
+    pool = graphkit.ElasticPool(be, reserve_bytes=16 * G, precreate_bytes=8 * G)
+    a = pool.buffer(4 * G)
+    a.resize(2 * G)
+    b = pool.buffer(4 * G)
+    b.resize(2 * G)
+    be.faults.fail("unmap", nth=1)
+    with pytest.raises(hal.DriverError, match="injected"):
+        pool.close()
+    assert a.closed != b.closed and not pool.closed  # one closed although the other failed
+    be.faults.fail("release_phy_mem_handle", nth=1)  # retried at once: the close still completes
+    pool.close()
+    assert pool.closed and a.closed and be.live.zero, be.live
+
+
+def test_views_made_in_a_loop_do_not_pile_up(be: hal.Backend) -> None:
+    kv = graphkit.ElasticBuffer(be, max_bytes=64 * G)
+    kv.resize(G)
+    keep = kv.view(torch.float32, (4,))
+    for _ in range(5000):
+        v = kv.view(torch.float32, (16, 64))
+        del v
+    assert len(kv._views) <= 128  # dead entries are dropped as views are made
+    with pytest.raises(hal.InvalidStateError, match="live view"):
+        kv.resize(0)  # the live one is still known
+    del keep
+    kv.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 import time
@@ -220,3 +221,34 @@ def test_reading_a_view_output_after_close_does_not_fault() -> None:
     proc = subprocess.run([sys.executable, "-c", VIEW_AFTER_CLOSE], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "read" in proc.stdout and "clean" in proc.stdout
+
+
+@pytest.mark.parametrize("hook,nth", [("mem_info", 3), ("synchronize", 4), ("pool_active_blocks", 2)])
+def test_a_fault_late_in_capture_leaves_nothing_behind(hook: str, nth: int) -> None:
+    """After the graph is captured (the tail: synchronize, memory figures, the hygiene check)."""
+    w = torch.randn(32, 32)
+    be = hal.get_backend("fake", granularity=G)
+    runner = graphkit.GraphRunner(lambda x: torch.tanh(x @ w), sizes=[8], backend=be, progress=False)
+    be.faults.fail(hook, nth=nth)
+    with pytest.raises(hal.DriverError, match="injected"):
+        runner.capture(x=torch.zeros(8, 32))
+    assert be.faults.fired == [hook]
+    be.faults.clear()
+    runner.close()
+    gc.collect()
+    assert be.live.zero, be.live
+    be.close()
+
+
+@pytest.mark.parametrize("hook", ["synchronize", "release_graph", "release_pool"])
+def test_close_goes_on_past_a_fault_and_a_second_close_finishes(be: hal.Backend, hook: str) -> None:
+    runner = graphkit.GraphRunner(lambda x: torch.tanh(x) * 2, sizes=[4, 8], backend=be, progress=False)
+    runner.capture(x=torch.zeros(8, 8))
+    be.faults.fail(hook, nth=1)
+    with pytest.raises(hal.DriverError, match="injected"):
+        runner.close()
+    with pytest.raises(hal.InvalidStateError, match="closed"):
+        runner(x=torch.zeros(2, 8))
+    runner.close()
+    gc.collect()
+    assert be.live.zero, be.live

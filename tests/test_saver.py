@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -314,3 +315,289 @@ def test_pausing_graphs_under_nccl_with_graph_register_on_warns_once(monkeypatch
     pools.close()
     saver.close()
     be.close()
+
+
+# -- a tag pauses all or nothing, and says exactly what it is -------------------------------------------------
+
+W = torch.randn(64, 64) / 8
+
+
+def step(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ W) + x
+
+
+def test_a_failed_pause_of_a_tag_with_several_sleepers_restores_them_all(be: hal.Backend) -> None:
+    saver = graphkit.MemorySaver(be)
+    a = graphkit.ElasticBuffer(be, max_bytes=4 * G, saver=saver, tag="kv")
+    b = graphkit.ElasticBuffer(be, max_bytes=4 * G, saver=saver, tag="kv")
+    a.resize(2 * G)
+    b.resize(2 * G)
+    awake = be.live
+    be.faults.fail("unmap", nth=3)  # a is released; b's first unmap fails
+    with pytest.raises(hal.DriverError, match="injected"):
+        saver.pause("kv")
+    assert not saver.is_paused("kv") and not a.paused and not b.paused and be.live == awake
+    a.resize(3 * G)  # usable
+    saver.pause("kv")
+    assert a.paused and b.paused and saver.is_paused("kv")
+    saver.resume("kv")
+    a.close()
+    b.close()
+    saver.close()
+
+
+def test_a_failed_pause_of_graphs_never_lets_the_runner_replay_into_unmapped_memory(be: hal.Backend) -> None:
+    """The README's set-up: a GraphRunner and a GraphPools both under "graphs"."""
+    saver = graphkit.MemorySaver(be)
+    runner = graphkit.GraphRunner(step, sizes=[4, 8], backend=be, saver=saver, progress=False)
+    runner.capture(x=torch.zeros(8, 64))
+    pools = graphkit.GraphPools(be, saver=saver)
+    g = be.create_graph()
+    x = torch.zeros(4, 64)
+    with be.capture(g, pool=pools.pool(4)):
+        out = step(x)
+    runner_maps = sum(s.mapped for s in runner.strategy.allocator.spaces.values())
+    be.faults.fail("unmap", nth=runner_maps + 1)  # the first unmap of the pools' allocator
+    with pytest.raises(hal.DriverError, match="injected"):
+        saver.pause("graphs")
+    assert not saver.is_paused("graphs") and not runner.strategy.allocator.paused
+    y = torch.randn(3, 64)
+    torch.testing.assert_close(runner(x=y), step(y))
+    saver.pause("graphs")
+    with pytest.raises(hal.InvalidStateError, match="paused"):
+        runner(x=y)
+    saver.resume("graphs")
+    torch.testing.assert_close(runner(x=y), step(y))
+    be.release_graph(g)
+    del out
+    runner.close()
+    pools.close()
+    saver.close()
+
+
+@pytest.mark.parametrize("memory", ["region", "graphs"])
+def test_two_faults_a_pause_whose_rollback_fails_leaves_the_tag_paused_until_resumed(be: hal.Backend,
+                                                                                     memory: str) -> None:
+    """A remap that fails twice in the rollback: the tag reads paused (its memory is partly unmapped),
+    nothing runs over it, and a resume maps it back with the data."""
+    saver = graphkit.MemorySaver(be)
+    if memory == "region":
+        with saver.region("w", backup=True):
+            a = torch.ones(G // 4)
+            b = torch.ones(G // 4) * 2
+        tag = "w"
+    else:
+        runner = graphkit.GraphRunner(step, sizes=[32, 64], backend=be, saver=saver, progress=False)
+        runner.capture(x=torch.zeros(64, 64))
+        tag = "graphs"
+    mapped = be.live.mappings
+    be.faults.fail("unmap", nth=2)
+    be.faults.fail("map", nth=1)
+    be.faults.fail("map", nth=1)  # the retry of the remap fails too
+    with pytest.raises(hal.DriverError, match="injected"):
+        saver.pause(tag)
+    assert saver.is_paused(tag) and be.live.mappings == mapped - 1  # exactly one granule would not map back
+    saver.pause(tag)  # a pause of the paused tag releases what the failed one left
+    assert saver.is_paused(tag) and be.live.mappings == 0 and be.live.chunks == 0
+    if memory == "graphs":
+        assert runner.strategy.allocator.paused
+        with pytest.raises(hal.InvalidStateError, match="paused"):
+            runner(x=torch.randn(2, 64))
+    saver.resume(tag)
+    assert not saver.is_paused(tag)
+    if memory == "region":
+        assert float(a.sum()) + float(b.sum()) == 3 * G // 4
+        del a, b
+    else:
+        y = torch.randn(5, 64)
+        torch.testing.assert_close(runner(x=y), step(y))
+        runner.close()
+    saver.close()
+
+
+def test_a_fault_creating_a_regions_pool_leaves_no_half_made_tag(be: hal.Backend) -> None:
+    saver = graphkit.MemorySaver(be)
+    be.faults.fail("create_pool", nth=1)
+    with pytest.raises(hal.DriverError, match="injected"):
+        with saver.region("w"):
+            pass
+    assert saver.tags == []
+    with saver.region("w"):
+        t = torch.ones(1024)
+    assert inside(saver, "w", t)
+    assert saver.pause() > 0
+    saver.resume()
+    del t
+    saver.close()
+    assert be.live.zero, be.live
+
+
+def test_a_tag_does_not_pause_while_a_region_block_of_it_is_open(be: hal.Backend) -> None:
+    """Inside the block the framework may hand out the region's cached memory without asking graphkit:
+    a pause there would let that memory be used unmapped."""
+    saver = graphkit.MemorySaver(be)
+    errors: list[BaseException] = []
+    with saver.region("kv"):
+        keep = torch.zeros(16)
+        tmp = torch.zeros(1024)
+        del tmp  # its block goes back to the pool's cache
+
+        def pause() -> None:
+            try:
+                saver.pause("kv")
+            except hal.HalError as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=pause)
+        t.start()
+        t.join()
+        assert len(errors) == 1 and isinstance(errors[0], hal.InvalidStateError)
+        assert "region() block" in str(errors[0]) and not saver.is_paused("kv")
+        y = torch.ones(1024)  # mapped memory
+        assert float(y.sum()) == 1024
+    saver.pause("kv")  # outside the block it pauses
+    saver.resume("kv")
+    del keep, y
+    saver.close()
+
+
+def test_pause_and_resume_racing_runner_calls_in_eight_threads(be: hal.Backend) -> None:
+    """A pause waits for the calls under way; calls during a pause are refused; every answer is right."""
+    saver = graphkit.MemorySaver(be)
+    w = torch.randn(128, 128) / 12
+    runner = graphkit.GraphRunner(lambda x: torch.tanh(x @ w) @ w + x, sizes=[16, 32], backend=be, saver=saver,
+                                  progress=False)
+    runner.capture(x=torch.zeros(32, 128))
+    stop = threading.Event()
+    counts = {"ok": 0, "refused": 0}
+    failures: list[BaseException] = []
+
+    def serve(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        while not stop.is_set():
+            x = torch.randn(1 + seed % 32, 128, generator=gen)
+            try:
+                y = runner(x=x)
+            except hal.InvalidStateError:
+                counts["refused"] += 1
+                continue
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                failures.append(exc)
+                return
+            if not torch.allclose(y, torch.tanh(x @ w) @ w + x, atol=1e-5):
+                failures.append(AssertionError("wrong answer"))
+            counts["ok"] += 1
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+
+    def sleeper() -> None:
+        for _ in range(150):
+            saver.pause()
+            saver.resume()
+
+    sleepers = [threading.Thread(target=sleeper) for _ in range(2)]
+    for t in sleepers:
+        t.start()
+    for t in sleepers:
+        t.join(120)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert not failures, failures[:3]
+    assert counts["ok"] > 0
+    runner.close()
+    saver.close()
+    assert be.live.zero, be.live
+
+
+def test_a_thread_inside_awake_cannot_pause_that_tag(be: hal.Backend) -> None:
+    saver = graphkit.MemorySaver(be)
+    pools = graphkit.GraphPools(be, saver=saver)
+    with saver.awake("graphs"):
+        with pytest.raises(hal.InvalidStateError, match="awake"):
+            saver.pause("graphs")
+    saver.pause("graphs")
+    with pytest.raises(hal.InvalidStateError, match="paused"):
+        with saver.awake("graphs"):
+            pass
+    saver.resume("graphs")
+    pools.close()
+    saver.close()
+
+
+def test_the_pause_log_names_each_tags_own_bytes(be: hal.Backend, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    saver = graphkit.MemorySaver(be)
+    a = graphkit.ElasticBuffer(be, max_bytes=8 * G, saver=saver, tag="a")
+    b = graphkit.ElasticBuffer(be, max_bytes=8 * G, saver=saver, tag="b")
+    a.resize(2 * G)
+    b.resize(5 * G)
+    with caplog.at_level(logging.INFO, logger="graphkit.saver"):
+        saver.pause("a", "b")
+    assert "paused 'a': 128.0 KiB released" in caplog.text and "paused 'b': 320.0 KiB released" in caplog.text
+    saver.resume()
+    a.close()
+    b.close()
+    saver.close()
+
+
+def test_after_the_saver_closed_a_paused_object_says_how_to_wake_it(be: hal.Backend) -> None:
+    saver = graphkit.MemorySaver(be)
+    kv = graphkit.ElasticBuffer(be, max_bytes=4 * G, saver=saver, tag="kv")
+    kv.resize(G)
+    saver.pause()
+    saver.close()
+    with pytest.raises(hal.InvalidStateError, match="restore_physical"):
+        kv.resize(2 * G)
+    kv.restore_physical()
+    kv.resize(2 * G)
+    kv.close()
+    assert be.live.zero, be.live
+
+
+def test_saver_close_goes_on_past_a_fault_and_a_second_close_finishes(be: hal.Backend) -> None:
+    saver = graphkit.MemorySaver(be)
+    for tag in ("a", "b"):
+        with saver.region(tag):
+            t = torch.ones(8)
+    del t
+    gc.collect()
+    be.faults.fail("release_pool", nth=1)
+    with pytest.raises(hal.DriverError, match="injected"):
+        saver.close()
+    assert not saver.closed
+    saver.close()
+    gc.collect()
+    assert saver.closed and be.live.zero, be.live
+
+
+def test_a_pause_waiting_for_a_runner_call_does_not_block_the_calls_own_allocations(be: hal.Backend) -> None:
+    """A call inside a region block may need a new segment of the region while a pause waits for it."""
+    import time
+
+    saver = graphkit.MemorySaver(be)
+    pools = graphkit.GraphPools(be, saver=saver)
+    done = threading.Event()
+
+    def call() -> None:
+        with saver.region("kv"), saver.awake("graphs"):
+            pauser = threading.Thread(target=saver.pause, args=("graphs",), daemon=True)
+            pauser.start()
+            time.sleep(0.2)  # the pause now waits for this block
+            t = torch.ones(1 << 16)  # a new segment of the region
+            assert float(t.sum()) == 1 << 16
+        pauser.join(10)
+        done.set()
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(20)
+    assert done.is_set(), "deadlock: the pause held the saver while it waited for the call"
+    assert saver.is_paused("graphs")
+    saver.resume()
+    pools.close()
+    gc.collect()
+    saver.close()
