@@ -160,7 +160,7 @@ class TmsSleeper(Sleeper):
         self.tms.resume("weights")
 
     def wake_rest(self) -> None:
-        self.tms.resume()
+        self.tms.resume("kv_cache")  # torch_memory_saver refuses to resume a tag that is awake already
 
 
 def tms_missing(be: hal.Backend) -> str | None:
