@@ -518,8 +518,14 @@ class GraphPools:
                "`with pools.group(key):` around them" if entry.auto else
                "Use one key for the captures that pass tensors to each other (the pieces of one batch): "
                "the same pools.pool(key), or `with pools.group(key):` around them")
+        pools = {e.space_id: e.pool for e in self._entries.values() if e.space_id is not None}
+
+        def live_blocks(space_id: int) -> list[tuple[int, int]] | None:
+            pool = pools.get(space_id)
+            return None if pool is None else self.backend.pool_active_blocks(pool)
+
         isolation.verify(self.backend, graph, self.verify_stats, alloc.spaces, entry.space_id, entry.key, keys.get,
-                         fix)
+                         fix, live_blocks)
 
     def _blocks(self, entry: _Entry) -> set[tuple[int, int]]:
         return set(self.backend.pool_active_blocks(entry.pool))

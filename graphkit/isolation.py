@@ -70,12 +70,12 @@ class VerifyStats:
         self.seconds += max(asking, found.seconds) + checking
 
 
-def foreign_uses(found: GraphAddresses, spaces: Mapping[int, VirtualSpace], own: int | None) -> list[ForeignUse]:
-    """The spaces other than ``own`` that the graph's spans reach into, with how much of each."""
-    ordered = sorted((s.base, s.base + s.size, s.id) for s in spaces.values() if s.id != own and s.size)
+def _hits(spans: tuple[tuple[int, int], ...], ranges: list[tuple[int, int, int]]) -> list[ForeignUse]:
+    """For each range id, how much of ``spans`` falls in its ``(lo, hi, id)`` ranges."""
+    ordered = sorted(ranges)
     starts = [lo for lo, _, _ in ordered]
-    hits: dict[int, list[int]] = {}  # space id -> [count, bytes, first address, pointers]
-    for ptr, nbytes in found.spans:
+    hits: dict[int, list[int]] = {}  # range id -> [count, bytes, first address, pointers]
+    for ptr, nbytes in spans:
         end = ptr + max(nbytes, 1)
         i = max(bisect.bisect_right(starts, ptr) - 1, 0)
         while i < len(ordered) and ordered[i][0] < end:
@@ -90,27 +90,52 @@ def foreign_uses(found: GraphAddresses, spaces: Mapping[int, VirtualSpace], own:
     return [ForeignUse(space_id, *hit) for space_id, hit in sorted(hits.items())]
 
 
+def foreign_uses(found: GraphAddresses, spaces: Mapping[int, VirtualSpace], own: int | None,
+                 live_blocks: Callable[[int], list[tuple[int, int]] | None] | None = None) -> list[ForeignUse]:
+    """The spaces other than ``own`` that the graph's spans reach into, with how much of each.
+
+    :param live_blocks: the blocks still allocated in a space (None where
+        unknown): a use counts only inside one of them. A backend that finds
+        bare pointers among kernel arguments also finds integers that happen
+        to fall in a space (a division constant); inside a live block of
+        another key they are what the check is about.
+    """
+    uses = _hits(found.spans, [(s.base, s.base + s.size, s.id) for s in spaces.values() if s.id != own and s.size])
+    if not uses or live_blocks is None:
+        return uses
+    ranges: list[tuple[int, int, int]] = []
+    for use in uses:
+        blocks = live_blocks(use.space_id)
+        space = spaces[use.space_id]
+        ranges += ([(space.base, space.base + space.size, use.space_id)] if blocks is None
+                   else [(ptr, ptr + size, use.space_id) for ptr, size in blocks])
+    return _hits(found.spans, ranges)
+
+
 def verify(backend: hal.Backend, graph: Any, stats: VerifyStats, spaces: Mapping[int, VirtualSpace],
-           own: int | None, key: Hashable, key_of: Callable[[int], Hashable | None], fix: str) -> None:
+           own: int | None, key: Hashable, key_of: Callable[[int], Hashable | None], fix: str,
+           live_blocks: Callable[[int], list[tuple[int, int]] | None] | None = None) -> None:
     """Ask the backend which addresses ``graph`` uses, :func:`check` them, and count it in ``stats``."""
     start = time.perf_counter()
     found = backend.graph_addresses(graph)
     asked = time.perf_counter()
     try:
-        check(backend, found, spaces, own, key, key_of, fix)
+        check(backend, found, spaces, own, key, key_of, fix, live_blocks)
     finally:
         stats.add(found, asked - start, time.perf_counter() - asked)
 
 
 def check(backend: hal.Backend, found: GraphAddresses, spaces: Mapping[int, VirtualSpace], own: int | None,
-          key: Hashable, key_of: Callable[[int], Hashable | None], fix: str) -> None:
-    """Raise :class:`IsolationError` when the graph of ``key`` uses another key's space.
+          key: Hashable, key_of: Callable[[int], Hashable | None], fix: str,
+          live_blocks: Callable[[int], list[tuple[int, int]] | None] | None = None) -> None:
+    """Raise :class:`IsolationError` when the graph of ``key`` uses memory another key left alive in its space.
 
     :param key_of: the key whose space has a given id (None for a space that
         no longer belongs to a key).
     :param fix: what the caller should do, for the message.
+    :param live_blocks: see :func:`foreign_uses`.
     """
-    foreign = foreign_uses(found, spaces, own)
+    foreign = foreign_uses(found, spaces, own, live_blocks)
     if not foreign:
         return
     parts = []

@@ -376,9 +376,15 @@ class GraphRunner:
 
         def verify(graph: Any) -> None:
             sizes = {b.lease.space_id: b.size for b in self._buckets.values()}
+            pools = {b.lease.space_id: b.lease.pool for b in self._buckets.values()}
+
+            def live_blocks(space_id: int) -> list[tuple[int, int]] | None:
+                pool = pools.get(space_id)
+                return None if pool is None else be.pool_active_blocks(pool)
+
             isolation.verify(be, graph, self.verify_stats, allocator.spaces, lease.space_id, size, sizes.get,
                              "Create what the step keeps between calls (caches, workspaces) before capturing, "
-                             "and pass nothing made by one size's graph to another")
+                             "and pass nothing made by one size's graph to another", live_blocks)
 
         return verify
 
