@@ -331,8 +331,10 @@ class SharedVMMAllocator:
             retry_releases(self.backend, self._zombies)
             return released
 
-    def restore_physical(self) -> None:
+    def restore_physical(self, restore: bool = True) -> None:
         """Create the chunks again and map them where they were: every space at the same addresses.
+
+        Graph memory keeps no backup: ``restore`` changes nothing.
 
         All or nothing: a failure (out of memory, a driver fault) releases
         what this call made and leaves the allocator paused, to retry.

@@ -609,8 +609,11 @@ class ElasticBuffer:
                         released += self.granularity
             return released
 
-    def restore_physical(self) -> None:
-        """Map fresh chunks at the same addresses and restore the backup (all or nothing). Idempotent."""
+    def restore_physical(self, restore: bool = True) -> None:
+        """Map fresh chunks at the same addresses and restore the backup (all or nothing). Idempotent.
+
+        ``restore=False`` leaves the fresh memory as it is (the caller overwrites it).
+        """
         be, g = self.backend, self.granularity
         with self._lock:
             self._check("resume", awake=False)
@@ -623,7 +626,7 @@ class ElasticBuffer:
                         self._chunks[index] = be.create_phy_mem_handle(g)
                         tx.append(functools.partial(self._drop_chunk, index))
                 self._fill_holes(tx)
-                if self.backup and self._backed_up and self._chunks:
+                if restore and self.backup and self._backed_up and self._chunks:
                     size = self.footprint_bytes
                     assert self._host is not None
                     be.tensor_at(self.ptr, size).copy_(self._host[:size], non_blocking=True)

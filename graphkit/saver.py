@@ -69,8 +69,8 @@ class Sleeper(Protocol):
         """Unmap and release its physical memory (backing it up first where it keeps a backup); the bytes released."""
         ...
 
-    def restore_physical(self) -> None:
-        """Map fresh memory at the same addresses (and copy the backup back)."""
+    def restore_physical(self, restore: bool = True) -> None:
+        """Map fresh memory at the same addresses (and copy the backup back, unless ``restore`` is false)."""
         ...
 
 
@@ -99,6 +99,8 @@ class _Region:
     blocks: int = 0  # region() blocks open on it (any thread)
     sleeping: bool = False
     backed_up: bool = False
+    preparing: threading.Thread | None = None  # making the backup buffers in the background
+    pin_seconds: float = 0.0  # time spent making (pinning) backup buffers, off the pause path or on it
 
     @property
     def paused(self) -> bool:
@@ -112,6 +114,42 @@ class _Region:
     def host_bytes(self) -> int:
         return sum(h.numel() for h in self.host.values())
 
+    @property
+    def pinned(self) -> bool:
+        return self.pin and self.backend.torch_device().type != "cpu"
+
+    def prepare_backups(self) -> None:
+        """Make the host buffer of every segment that has none (pinning is slow: about 0.5 s per GB).
+
+        Runs in the background when a backed-up region block ends, so that
+        the first pause only copies; a pause that finds buffers missing makes
+        them itself.
+        """
+        start = time.perf_counter()
+        made = False
+        for s in list(self.segments.values()):
+            host = self.host.get(s.ptr)
+            if host is None or host.numel() != s.size:
+                self.host[s.ptr] = torch.empty(s.size, dtype=torch.uint8, pin_memory=self.pinned)
+                made = True
+        if made:
+            self.pin_seconds += time.perf_counter() - start
+
+    def prepare_in_background(self) -> None:
+        """Start :meth:`prepare_backups` on a thread of its own (one at a time)."""
+        if self.preparing is not None and self.preparing.is_alive():
+            return
+
+        def run() -> None:
+            try:
+                self.prepare_backups()
+            except Exception as exc:  # noqa: BLE001 - the first pause makes what is missing
+                log.warning("tag %r: backup buffers not made in the background (the first pause makes them): %s",
+                            self.tag, exc)
+
+        self.preparing = threading.Thread(target=run, name=f"graphkit-backup-{self.tag}", daemon=True)
+        self.preparing.start()
+
     def release_physical(self) -> int:
         be = self.backend
         segments = list(self.segments.values())
@@ -119,12 +157,13 @@ class _Region:
             if any(not s.mapped for s in segments):
                 raise hal.InvalidStateError(f"tag {self.tag!r}: part of it is unmapped (a failed rollback); "
                                             "resume it before pausing", backend=be.name, call="MemorySaver.pause")
-            pin = self.pin and be.torch_device().type != "cpu"
+            if self.preparing is not None:
+                self.preparing.join()  # the buffers made in the background
+                self.preparing = None
+            self.prepare_backups()
+            pin = self.pinned
             for s in segments:
-                host = self.host.get(s.ptr)
-                if host is None or host.numel() != s.size:
-                    host = self.host[s.ptr] = torch.empty(s.size, dtype=torch.uint8, pin_memory=pin)
-                host.copy_(be.tensor_at(s.ptr, s.size), non_blocking=pin)
+                self.host[s.ptr].copy_(be.tensor_at(s.ptr, s.size), non_blocking=pin)
             be.synchronize()
             self.backed_up = True
         was, self.sleeping = self.sleeping, True
@@ -157,7 +196,7 @@ class _Region:
         self.backend.unmap(s.ptr, s.size)
         s.mapped = False
 
-    def restore_physical(self) -> None:
+    def restore_physical(self, restore: bool = True) -> None:
         be = self.backend
         if not self.paused:
             return
@@ -170,7 +209,7 @@ class _Region:
                 if not s.mapped:
                     self._map(s)
                     tx.append(functools.partial(self._unmap, s))
-            if self.backup and self.backed_up:
+            if restore and self.backup and self.backed_up:
                 for s in self.segments.values():
                     host = self.host.get(s.ptr)
                     if host is not None:
@@ -198,6 +237,7 @@ class TagReport:
     host_bytes: int  # host memory holding its backup
     last_pause_s: float | None = None
     last_resume_s: float | None = None
+    pin_s: float = 0.0  # time spent making its backup buffers (pinned host memory), mostly off the pause path
 
 
 class MemorySaver:
@@ -293,6 +333,8 @@ class MemorySaver:
         finally:
             with self._lock:
                 region.blocks -= 1
+                if region.backup and not region.blocks and tag not in self._paused:
+                    region.prepare_in_background()  # the first pause then only copies
 
     def _alloc(self, region: _Region, nbytes: int) -> int:
         """A segment of its own for the framework: a range, one chunk, mapped (all or nothing)."""
@@ -528,13 +570,20 @@ class MemorySaver:
         self._paused.add(tag)
         return released
 
-    def resume(self, *tags: str) -> None:
+    def resume(self, *tags: str, restore: bool = True) -> None:
         """Map new physical memory at the same addresses for ``tags`` (all when none); restore backups.
 
         Idempotent per tag. All or nothing per tag: a failure (out of
         memory, a driver fault) releases what it made, the tag stays paused,
         and resume can be called again.
+
+        :param restore: ``False`` maps the memory back without copying the
+            backups in: for weights about to be overwritten (an RL loop's
+            weight update), which saves a host-to-device copy of the whole
+            model. The backup buffers stay for the next pause.
         """
+        if not isinstance(restore, bool):
+            raise self._bad(f"restore={restore!r} must be a bool", "resume")
         with self._lock:
             self._check_open("resume")
             for tag in self._select(tags, "resume"):
@@ -546,7 +595,7 @@ class MemorySaver:
                 try:
                     for sleeper in members:
                         if sleeper.paused:
-                            sleeper.restore_physical()
+                            sleeper.restore_physical(restore=restore)
                             done.append(sleeper)
                 except BaseException:
                     for sleeper in reversed(done):
@@ -571,7 +620,8 @@ class MemorySaver:
                 size = sum(s.footprint_bytes for s in members)
                 host = sum(int(getattr(s, "host_bytes", 0)) for s in members)
                 backup = any(s.backup for s in members)
-                out.append(TagReport(tag, tag in self._paused, backup, size, host, pause_s, resume_s))
+                pin_s = sum(float(getattr(s, "pin_seconds", 0.0)) for s in members)
+                out.append(TagReport(tag, tag in self._paused, backup, size, host, pause_s, resume_s, pin_s))
             return out
 
     def _check_open(self, call: str) -> None:

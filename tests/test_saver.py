@@ -601,3 +601,72 @@ def test_a_pause_waiting_for_a_runner_call_does_not_block_the_calls_own_allocati
     pools.close()
     gc.collect()
     saver.close()
+
+
+def test_backup_buffers_are_made_when_a_region_block_ends_not_at_the_first_pause(be: hal.Backend) -> None:
+    saver = graphkit.MemorySaver(be)
+    with saver.region("weights", backup=True):
+        w = torch.randn(512, 512)
+    region = saver._regions["weights"]
+    assert region.preparing is not None  # started as the block ended
+    region.preparing.join()
+    made = dict(region.host)
+    assert set(made) == set(region.segments) and all(made[p].numel() == s.size for p, s in region.segments.items())
+    expected = w.clone()
+    saver.pause()
+    assert all(region.host[p] is t for p, t in made.items())  # the pause copied into them, made none
+    saver.resume()
+    assert torch.equal(w, expected)
+    report = {r.tag: r for r in saver.report()}
+    assert report["weights"].pin_s > 0 and report["weights"].last_pause_s is not None
+    del w
+    saver.close()
+
+
+def test_resume_without_restore_maps_the_memory_back_at_the_same_addresses_and_copies_nothing(
+        be: hal.Backend) -> None:
+    saver = graphkit.MemorySaver(be)
+    with saver.region("weights", backup=True):
+        w = torch.full((512, 512), 7.0)
+    address = w.data_ptr()
+    saver.pause()
+    saver.resume("weights", restore=False)
+    assert w.data_ptr() == address and not saver.is_paused("weights")
+    assert not torch.equal(w, torch.full_like(w, 7.0))  # fresh memory: the backup was not copied in
+    w.copy_(torch.full_like(w, 9.0))  # the new weights of an RL step, written in place
+    saver.pause()  # the next pause backs up the new weights
+    saver.resume()
+    assert torch.equal(w, torch.full_like(w, 9.0))
+    with pytest.raises(hal.InvalidArgumentError, match="restore"):
+        saver.resume(restore="no")  # type: ignore[arg-type]
+    del w
+    saver.close()
+
+
+def test_a_staged_wake_brings_the_weights_back_first(be: hal.Backend) -> None:
+    saver = graphkit.MemorySaver(be)
+    with saver.region("weights", backup=True):
+        w = torch.randn(256, 512)  # 512 KiB
+    with saver.region("kv_cache"):
+        kv = torch.zeros(4096, 512)  # 8 MiB
+    pools = graphkit.GraphPools(be, saver=saver)
+    graph = be.create_graph()
+    with be.capture(graph, pool=pools.pool(1)):
+        out = (kv[:8] @ w.t()).relu()
+    awake = be.mem_info().used
+    saver.pause()
+    asleep = be.mem_info().used
+    saver.resume("weights", restore=False)
+    staged = be.mem_info().used - asleep
+    assert saver.is_paused("kv_cache") and saver.is_paused("graphs") and not saver.is_paused("weights")
+    assert staged == sum(s.size for s in saver._regions["weights"].segments.values())  # the weights alone
+    w.normal_()  # new weights loaded while the rest still sleeps
+    saver.resume()
+    assert be.mem_info().used == awake
+    kv.zero_()
+    be.replay(graph)
+    torch.testing.assert_close(out, (kv[:8] @ w.t()).relu())
+    be.release_graph(graph)
+    del out, w, kv
+    pools.close()
+    saver.close()

@@ -126,9 +126,8 @@ class GraphkitSleeper(Sleeper):
         self.saver.pause()
 
     def wake_weights(self) -> None:
-        # the backup is restored and overwritten by the new weights right after; with a resume that maps the
-        # memory without restoring it, this line becomes: self.saver.resume("weights", restore=False)
-        self.saver.resume("weights")
+        # the memory comes back at the same addresses without its backup: the new weights overwrite it next
+        self.saver.resume("weights", restore=False)
 
     def wake_rest(self) -> None:
         self.saver.resume()
