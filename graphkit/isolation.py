@@ -100,7 +100,10 @@ def foreign_uses(found: GraphAddresses, spaces: Mapping[int, VirtualSpace], own:
         to fall in a space (a division constant); inside a live block of
         another key they are what the check is about.
     """
-    uses = _hits(found.spans, [(s.base, s.base + s.size, s.id) for s in spaces.values() if s.id != own and s.size])
+    # a bare word that is odd is no address of a tensor wider than a byte: packed integers of kernel arguments
+    # (the multiplier and shift of a division by a constant) are odd and fall among device addresses
+    spans = tuple(span for span in found.spans if span[1] > 1 or not span[0] & 1)
+    uses = _hits(spans, [(s.base, s.base + s.size, s.id) for s in spaces.values() if s.id != own and s.size])
     if not uses or live_blocks is None:
         return uses
     ranges: list[tuple[int, int, int]] = []
@@ -109,7 +112,7 @@ def foreign_uses(found: GraphAddresses, spaces: Mapping[int, VirtualSpace], own:
         space = spaces[use.space_id]
         ranges += ([(space.base, space.base + space.size, use.space_id)] if blocks is None
                    else [(ptr, ptr + size, use.space_id) for ptr, size in blocks])
-    return _hits(found.spans, ranges)
+    return _hits(spans, ranges)
 
 
 def verify(backend: hal.Backend, graph: Any, stats: VerifyStats, spaces: Mapping[int, VirtualSpace],

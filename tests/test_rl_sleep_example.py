@@ -90,5 +90,5 @@ def test_two_rl_steps_on_cuda() -> None:
     with hal.get_backend("cuda") as be:
         out = rl_sleep.rl_loop(be, "graphkit", steps=2, sizes=(1, 2, 4), rollout_steps=2)
     assert out["all_exact"], [(r["replay_max_abs_diff"], r["weights_loaded"]) for r in out["rows"]]
+    # (what stays asleep -- the context, cuBLAS workspaces -- can exceed what three small sizes release)
     assert all(r["weights_changed"] and r["released_bytes"] > 0 for r in out["rows"])
-    assert out["asleep_bytes"] < out["released_bytes"]
