@@ -138,7 +138,7 @@ def _discover() -> dict[str, _Entry]:
         entries[name] = _Entry(name, prio, "built-in", lambda p=path: _import_path(p))
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         if ep.name in entries:
-            log.warning("hal: entry point %s (%s) shadows an existing backend; ignored", ep.name, ep.value)
+            log.warning("entry point %s (%s) shadows an existing backend; ignored", ep.name, ep.value)
             continue
         dist = getattr(ep, "dist", None)
         origin = f"{dist.name} {dist.version}" if dist is not None else ep.value
@@ -326,7 +326,7 @@ class _ProbeCall:
 
     def result(self, timeout: float) -> str | None:
         if not self.done.wait(max(0.0, self.started + timeout - time.monotonic())):
-            log.warning("hal: the probe of backend %s did not answer within %g s; it is listed unavailable",
+            log.warning("the probe of backend %s did not answer within %g s; it is listed unavailable",
                         self.name, timeout)
             return (f"probe() did not answer within {timeout:g} s and was given up on (a probe must be cheap; "
                     f"${PROBE_TIMEOUT_ENV} sets the limit)")
@@ -459,6 +459,8 @@ def get_backend(name: str | None = None, device: int = 0, *, requires: Iterable[
     :raises InvalidArgumentError: an option the backend does not know, a bad
         value, or an unknown capability name.
     """
+    if name is not None and not isinstance(name, str):
+        raise InvalidArgumentError(f"name={name!r} must be a backend name (a str) or None", call="get_backend")
     needed = required_capabilities(requires)
     named = name or os.environ.get("HAL_BACKEND")
     if named:
@@ -582,7 +584,7 @@ def _open(chosen: str, device: int, options: dict[str, Any]) -> Backend:
         # a bug or a failed driver start in the plugin: unavailable from now on, with the reason
         why = f"its constructor raised {_raised(exc)}"
         _probe_cache[chosen] = why
-        log.warning("hal: backend %s is unavailable: %s", chosen, why)
+        log.warning("backend %s is unavailable: %s", chosen, why)
         raise BackendUnavailableError(f"backend is not available: {why}", backend=chosen,
                                       call="get_backend") from exc
     return Backend(chosen, plugin, device=device, origin=entry.origin)

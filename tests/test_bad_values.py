@@ -161,3 +161,8 @@ def test_bad_values_of_sleep_elastic_and_pools_give_hal_errors(name: str) -> Non
     objects["saver"].close()
     be.close()
     assert be.live.zero
+
+
+def test_a_backend_name_that_is_no_string_is_a_hal_error() -> None:
+    with pytest.raises(hal.InvalidArgumentError, match="name="):
+        hal.get_backend(["fake"])  # type: ignore[arg-type]
