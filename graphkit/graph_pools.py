@@ -41,7 +41,7 @@ log = logging.getLogger("graphkit.graph_pools")
 
 Kind = Literal["vmm", "shared"]
 _serial = itertools.count(1)
-_ALLOCATOR_OPTIONS = frozenset({"reserve_bytes", "capacity", "arena_bytes"})
+_ALLOCATOR_OPTIONS = frozenset({"reserve_bytes", "max_physical_bytes", "capacity", "arena_bytes"})
 
 
 class CaptureKey(tuple):
@@ -200,7 +200,7 @@ class GraphPools:
         check is skipped with one log line without it); ``pools.pool(key)``
         captures are seen through ``"capture_routing"``.
     :param allocator_options: options of :class:`SharedVMMAllocator`
-        (``reserve_bytes``, ``capacity``, ``arena_bytes``).
+        (``reserve_bytes``, ``max_physical_bytes``, ``arena_bytes``).
     """
 
     def __init__(self, backend: hal.Backend | None = None, kind: Kind = "vmm", *, hygiene: bool = False,

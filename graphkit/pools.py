@@ -179,5 +179,5 @@ def make_pool_strategy(kind: str, backend: hal.Backend, **options: Any) -> PoolS
         return SharedPool(backend)
     if kind == "private":
         return PrivatePools(backend)
-    raise hal.InvalidArgumentError(f"pool={kind!r} must be one of {', '.join(POOL_KINDS)}",
+    raise hal.InvalidArgumentError(f"kind={kind!r} must be one of {', '.join(POOL_KINDS)}",
                                    backend=backend.name, call="GraphRunner")

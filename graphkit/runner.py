@@ -1,6 +1,6 @@
 """GraphRunner: capture a step for many batch sizes and replay the one that fits.
 
->>> runner = graphkit.GraphRunner(step, sizes=[1, 2, 4, 8], backend=be, pool="vmm")
+>>> runner = graphkit.GraphRunner(step, sizes=[1, 2, 4, 8], backend=be, kind="vmm")
 >>> runner.capture(x=torch.zeros(8, 256))
 >>> y = runner(x=torch.randn(3, 256))   # replays the graph of size 4, returns 3 rows
 
@@ -34,6 +34,7 @@ from graphkit import capture as cap
 from graphkit import isolation
 from graphkit.allocator import SharedVMMAllocator
 from graphkit.buffers import StaticInputs
+from graphkit.deprecation import renamed
 from graphkit.pools import Lease, PoolStrategy, make_pool_strategy
 from graphkit.report import RunnerReport, SizeReport
 from graphkit.saver import GRAPHS, MemorySaver
@@ -89,7 +90,7 @@ class RunnerOptions:
     :param debug: check on every replay that the static inputs did not move.
     :param strict_hygiene: raise (instead of warn) when memory other than the
         outputs outlives a capture.
-    :param verify: with ``pool="vmm"``, read the addresses each captured
+    :param verify: with ``kind="vmm"``, read the addresses each captured
         graph uses and refuse it (:class:`graphkit.IsolationError`) when one
         lies in another size's space, which shares its physical memory
         (needs the backend's ``"graph_addresses"``; skipped with one log
@@ -103,9 +104,9 @@ class RunnerOptions:
     :param measure_memory: give cached framework memory back around each
         capture so the per-size memory figures are exact (slower).
     :param allocator_options: options of :class:`SharedVMMAllocator` for
-        ``pool="vmm"`` (``reserve_bytes``, ``capacity``, ...).
+        ``kind="vmm"`` (``reserve_bytes``, ``max_physical_bytes``, ...).
     :param pool_strategy: a ready :class:`graphkit.pools.PoolStrategy`
-        (overrides ``pool`` and ``allocator_options``).
+        (overrides ``kind`` and ``allocator_options``).
     """
 
     mode: Mode = "full"
@@ -140,12 +141,13 @@ class GraphRunner:
     :param sizes: the batch sizes to capture.
     :param backend: a :class:`hal.Backend` (default: ``hal.get_backend()``,
         then owned and closed by the runner).
-    :param pool: ``"vmm"`` (a fresh virtual space per size over shared
-        chunks: N sizes cost the largest), ``"shared"`` (one pool) or
-        ``"private"`` (a pool per graph).
+    :param kind: the pool kind, as in :class:`graphkit.GraphPools`:
+        ``"vmm"`` (a fresh virtual space per size over shared chunks: N sizes
+        cost the largest), ``"shared"`` (one pool) or ``"private"`` (a pool
+        per graph). ``pool=`` is its deprecated spelling.
     :param options: a :class:`RunnerOptions` (mode, outputs, on-demand
         capture, padding fill, hygiene, progress...); defaults work.
-    :param saver: a :class:`graphkit.MemorySaver`: with ``pool="vmm"`` the
+    :param saver: a :class:`graphkit.MemorySaver`: with ``kind="vmm"`` the
         graphs' memory sleeps and wakes with its tag ``"graphs"``; calls
         while it is paused raise :class:`hal.InvalidStateError`.
     :param overrides: any :class:`RunnerOptions` field as a keyword
@@ -158,12 +160,16 @@ class GraphRunner:
         fn: Callable[..., Any] | Sequence[Callable[..., Any]],
         sizes: Sequence[int],
         backend: hal.Backend | None = None,
-        pool: str = "vmm",
+        kind: str = "vmm",
         *,
         options: RunnerOptions | None = None,
         saver: MemorySaver | None = None,
+        pool: str | None = None,
         **overrides: Any,
     ) -> None:
+        if pool is not None:
+            renamed("GraphRunner(pool=)", "kind=")
+            kind = pool
         unknown = sorted(set(overrides) - _OPTION_NAMES)
         if unknown:
             raise hal.InvalidArgumentError(f"unknown option(s) {', '.join(unknown)}; RunnerOptions has "
@@ -219,8 +225,8 @@ class GraphRunner:
         self.keep_outputs = keep_outputs
         self.measure_memory = opts.measure_memory
         self.strategy = opts.pool_strategy or (
-            make_pool_strategy(pool, be, **dict(allocator_options or {})) if mode != "none" else None)
-        self.pool = self.strategy.kind if self.strategy else "none"
+            make_pool_strategy(kind, be, **dict(allocator_options or {})) if mode != "none" else None)
+        self.kind = self.strategy.kind if self.strategy else "none"
         self.saver = saver
         self._adopted: SharedVMMAllocator | None = None  # the allocator the saver sleeps and wakes
         if saver is not None:
@@ -228,7 +234,7 @@ class GraphRunner:
                 raise bad(f"saver={saver!r} must be a graphkit.MemorySaver")
             allocator = getattr(self.strategy, "allocator", None)
             if allocator is None:
-                raise hal.UnsupportedError(f"pool={self.pool!r} cannot sleep with a MemorySaver: use pool='vmm' "
+                raise hal.UnsupportedError(f"kind={self.kind!r} cannot sleep with a MemorySaver: use kind='vmm' "
                                            "on a backend with 'custom_pool'", backend=be.name, call="GraphRunner")
             saver.adopt(allocator, GRAPHS)
             self._adopted = allocator
@@ -281,7 +287,7 @@ class GraphRunner:
                 return self
             todo = [s for s in self._ordered(order, seed) if s not in self._buckets]
             try:
-                with tqdm(total=len(todo), desc=f"capturing ({self.pool})", unit="size",
+                with tqdm(total=len(todo), desc=f"capturing ({self.kind})", unit="size",
                           disable=not self.progress, leave=False) as bar:
                     for size in todo:
                         bar.set_postfix(batch=size)
@@ -494,7 +500,18 @@ class GraphRunner:
     def captured_sizes(self) -> list[int]:
         return list(self._captured)
 
+    @property
+    def pool(self) -> str:
+        """Deprecated spelling of :attr:`kind`."""
+        renamed("GraphRunner.pool", "kind")
+        return self.kind
+
     def graph_memory(self) -> int:
+        """Deprecated spelling of :meth:`graph_bytes` (``graphkit.graph_memory`` is the context manager)."""
+        renamed("GraphRunner.graph_memory()", "graph_bytes()")
+        return self.graph_bytes()
+
+    def graph_bytes(self) -> int:
         """Device memory used now beyond what was used before the first capture (bytes)."""
         if self._mem_before is None:
             return 0
@@ -505,8 +522,8 @@ class GraphRunner:
     def report(self) -> RunnerReport:
         """Capture seconds and memory per size (in capture order), and totals."""
         sizes = [self._buckets[s].report for s in self._capture_order if s in self._buckets]
-        return RunnerReport(self.backend.name, self.pool, self.mode, [r for r in sizes if r],
-                            self.graph_memory(), self.strategy.figures() if self.strategy else {})
+        return RunnerReport(self.backend.name, self.kind, self.mode, [r for r in sizes if r],
+                            self.graph_bytes(), self.strategy.figures() if self.strategy else {})
 
     def _release_bucket(self, bucket: _Bucket) -> None:
         """Release every graph and the lease of a bucket; a failure does not stop the rest (the first is raised).

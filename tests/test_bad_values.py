@@ -149,8 +149,8 @@ BAD_CALLS = {
 @pytest.mark.parametrize("name", sorted(BAD_CALLS))
 def test_bad_values_of_sleep_elastic_and_pools_give_hal_errors(name: str) -> None:
     be = hal.get_backend("fake", granularity=G)
-    objects = {"be": be, "saver": graphkit.MemorySaver(be), "pool": graphkit.ElasticPool(be, reserve_bytes=8 * G),
-               "pools": graphkit.GraphPools(be)}
+    objects = {"be": be, "saver": graphkit.MemorySaver(be),
+               "pool": graphkit.ElasticReservation(be, reserve_bytes=8 * G), "pools": graphkit.GraphPools(be)}
     objects["pools"].pool(_BadEq())  # the next key of that hash gets compared with it
     before = be.live
     with pytest.raises(hal.InvalidArgumentError):

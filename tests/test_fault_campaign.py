@@ -100,7 +100,7 @@ def saver_scenario(be: hal.Backend) -> None:
 
 
 def elastic_scenario(be: hal.Backend) -> None:
-    pool = graphkit.ElasticPool(be, reserve_bytes=32 * G)
+    pool = graphkit.ElasticReservation(be, reserve_bytes=32 * G)
     try:
         buf = pool.buffer(16 * G)
         done = 0
