@@ -4,9 +4,9 @@ from graphkit.allocator import SharedVMMAllocator
 from graphkit.buffers import StaticInputs
 from graphkit.capture import CaptureHygieneError
 from graphkit.elastic import ElasticBuffer, ElasticReservation
-from graphkit.graph_pools import GraphPools, KeyReport, PoolHandle, PoolsReport, graph_memory
+from graphkit.graph_pools import GraphPools, PoolHandle, graph_memory
 from graphkit.isolation import IsolationError
-from graphkit.report import RunnerReport, SizeReport
+from graphkit.report import KeyReport, PoolsReport, RunnerReport, SizeReport
 from graphkit.runner import GraphRunner, RunnerOptions
 from graphkit.saver import MemorySaver, Sleeper, TagReport
 from graphkit.transaction import Transaction

@@ -25,7 +25,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import hal
@@ -34,6 +34,7 @@ from graphkit.allocator import SharedVMMAllocator
 from graphkit.capture import CaptureHygieneError, framework_capturer, leftover_blocks, report_leftovers
 from graphkit.isolation import IsolationError
 from graphkit.pools import Lease
+from graphkit.report import KeyReport, PoolsReport
 from graphkit.saver import GRAPHS, MemorySaver
 from hal.types import Route, fmt_bytes
 
@@ -119,49 +120,6 @@ class _Entry:
     space_id: int | None  # None for the shared pool
     auto: bool = False  # made by graph_memory for one capture: released with its graph
     graphs: int = 0  # routed captures alive in it
-
-
-@dataclass
-class KeyReport:
-    """Memory of one key."""
-
-    key: Hashable
-    used_bytes: int  # bytes handed out in its space
-    mapped_bytes: int  # chunk bytes mapped into its space
-    reserved_bytes: int  # address space of its space
-    graphs: int  # routed graphs alive in it (captures through graph_memory)
-
-
-@dataclass
-class PoolsReport:
-    """Per-key and total memory of a :class:`GraphPools`."""
-
-    backend: str
-    kind: str
-    keys: list[KeyReport] = field(default_factory=list)
-    chunk_bytes: int = 0  # physical memory of the shared chunks
-    reserved_bytes: int = 0  # address space of the live spaces
-    arena_bytes: int = 0  # address space reserved from the driver
-    device_bytes: int | None = None  # device memory used now beyond the start, driver-measured
-    map_calls: int = 0  # map calls made so far (each maps one chunk into one space)
-    map_seconds: float = 0.0  # wall time those map calls took
-    verified_graphs: int = 0  # captures whose addresses were checked against the other keys' spaces
-    inspected_nodes: int = 0  # graph nodes (ops, kernels) read for that
-    missed_nodes: int = 0  # nodes the backend could not read
-    verify_seconds: float = 0.0  # time reading and checking
-
-    def __str__(self) -> str:
-        lines = [f"graph pools on {self.backend} ({self.kind}): {len(self.keys)} key(s), "
-                 f"{fmt_bytes(self.chunk_bytes)} of chunks, {fmt_bytes(self.reserved_bytes)} of spaces"
-                 + (f", device memory +{fmt_bytes(self.device_bytes)}" if self.device_bytes is not None else "")
-                 + (f", {self.map_calls} map calls in {self.map_seconds * 1e3:.1f} ms" if self.map_calls else "")
-                 + (f"; {self.verified_graphs} graph(s) verified isolated ({self.inspected_nodes} nodes read"
-                    + (f", {self.missed_nodes} unreadable" if self.missed_nodes else "")
-                    + f", {self.verify_seconds * 1e3:.1f} ms)" if self.verified_graphs else "")]
-        for k in self.keys:
-            lines.append(f"  {k.key!r:>16}  used {fmt_bytes(k.used_bytes):>10}  mapped {fmt_bytes(k.mapped_bytes):>10}"
-                         f"  graphs {k.graphs}")
-        return "\n".join(lines)
 
 
 def _abandoned(backend_name: str, entries: dict) -> None:

@@ -1,7 +1,8 @@
-"""What capturing cost: per size and in total."""
+"""What graph memory cost: a :class:`GraphRunner` per size and in total, a :class:`GraphPools` per key."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from graphkit.deprecation import renamed
@@ -55,4 +56,47 @@ class RunnerReport:
         for s in self.sizes:
             chunks = fmt_bytes(s.chunk_bytes) if s.chunk_bytes is not None else "-"
             lines.append(f"  {s.size:>6} {s.capture_seconds:>10.4f} {fmt_bytes(s.memory_delta):>11} {chunks:>11}")
+        return "\n".join(lines)
+
+
+@dataclass
+class KeyReport:
+    """Memory of one key."""
+
+    key: Hashable
+    used_bytes: int  # bytes handed out in its space
+    mapped_bytes: int  # chunk bytes mapped into its space
+    reserved_bytes: int  # address space of its space
+    graphs: int  # routed graphs alive in it (captures through graph_memory)
+
+
+@dataclass
+class PoolsReport:
+    """Per-key and total memory of a :class:`GraphPools`."""
+
+    backend: str
+    kind: str
+    keys: list[KeyReport] = field(default_factory=list)
+    chunk_bytes: int = 0  # physical memory of the shared chunks
+    reserved_bytes: int = 0  # address space of the live spaces
+    arena_bytes: int = 0  # address space reserved from the driver
+    device_bytes: int | None = None  # device memory used now beyond the start, driver-measured
+    map_calls: int = 0  # map calls made so far (each maps one chunk into one space)
+    map_seconds: float = 0.0  # wall time those map calls took
+    verified_graphs: int = 0  # captures whose addresses were checked against the other keys' spaces
+    inspected_nodes: int = 0  # graph nodes (ops, kernels) read for that
+    missed_nodes: int = 0  # nodes the backend could not read
+    verify_seconds: float = 0.0  # time reading and checking
+
+    def __str__(self) -> str:
+        lines = [f"graph pools on {self.backend} ({self.kind}): {len(self.keys)} key(s), "
+                 f"{fmt_bytes(self.chunk_bytes)} of chunks, {fmt_bytes(self.reserved_bytes)} of spaces"
+                 + (f", device memory +{fmt_bytes(self.device_bytes)}" if self.device_bytes is not None else "")
+                 + (f", {self.map_calls} map calls in {self.map_seconds * 1e3:.1f} ms" if self.map_calls else "")
+                 + (f"; {self.verified_graphs} graph(s) verified isolated ({self.inspected_nodes} nodes read"
+                    + (f", {self.missed_nodes} unreadable" if self.missed_nodes else "")
+                    + f", {self.verify_seconds * 1e3:.1f} ms)" if self.verified_graphs else "")]
+        for k in self.keys:
+            lines.append(f"  {k.key!r:>16}  used {fmt_bytes(k.used_bytes):>10}  mapped {fmt_bytes(k.mapped_bytes):>10}"
+                         f"  graphs {k.graphs}")
         return "\n".join(lines)

@@ -448,3 +448,14 @@ def test_torch_npu_captures_are_routed_through_the_ascend_glue(monkeypatch: pyte
         pools.collect()
         assert pools.keys == []
         pools.close()
+
+
+def test_the_reports_live_in_graphkit_report_and_keep_their_old_import_path() -> None:
+    import graphkit.graph_pools
+    import graphkit.report
+
+    for name in ("KeyReport", "PoolsReport", "RunnerReport", "SizeReport"):
+        cls = getattr(graphkit.report, name)
+        assert cls.__module__ == "graphkit.report" and getattr(graphkit, name) is cls
+    assert graphkit.graph_pools.KeyReport is graphkit.report.KeyReport
+    assert graphkit.graph_pools.PoolsReport is graphkit.report.PoolsReport
