@@ -12,15 +12,7 @@ import graphkit
 import hal
 from hal.api import VMM_HOOKS
 from tests.allocator_machine import allocator_machine
-
-G = 1 << 16
-
-
-@pytest.fixture
-def be():
-    backend = hal.get_backend("fake", granularity=G)
-    yield backend
-    backend.close()
+from tests.conftest import G
 
 
 def test_the_documented_example_works_as_written() -> None:

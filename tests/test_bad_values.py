@@ -9,8 +9,7 @@ from hypothesis import strategies as st
 
 import graphkit
 import hal
-
-G = 1 << 16
+from tests.conftest import G
 
 #: values that are never a valid byte count: not ints, bools, negatives, beyond 64 bits
 NOT_A_SIZE = st.one_of(

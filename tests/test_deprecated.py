@@ -8,15 +8,7 @@ import torch
 import graphkit
 import graphkit.elastic
 import hal
-
-G = 1 << 16
-
-
-@pytest.fixture
-def be():
-    backend = hal.get_backend("fake", granularity=G)
-    yield backend
-    backend.close()
+from tests.conftest import G
 
 
 def _runner(be: hal.Backend, **kw) -> graphkit.GraphRunner:

@@ -12,16 +12,7 @@ import torch
 
 import graphkit
 import hal
-
-G = 1 << 16
-
-
-@pytest.fixture
-def be():
-    backend = hal.get_backend("fake", granularity=G)
-    yield backend
-    gc.collect()
-    backend.close()
+from tests.conftest import G
 
 
 def test_data_survives_growth_in_place(be: hal.Backend) -> None:

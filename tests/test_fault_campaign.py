@@ -25,8 +25,8 @@ import torch
 import graphkit
 import hal
 from hal.api import ALL_HOOKS, VMM_HOOKS
+from tests.conftest import G
 
-G = 1 << 16
 W = torch.randn(64, 64) / 8
 
 

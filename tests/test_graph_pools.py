@@ -13,16 +13,10 @@ import graphkit
 import hal
 from hal.backends._native.routing import GraphClassRouting
 from hal.types import Route
+from tests.conftest import G
 
-G = 1 << 16
 SIZES = [16, 8, 4, 2, 1]
 
-
-@pytest.fixture
-def be():
-    backend = hal.get_backend("fake", granularity=G)
-    yield backend
-    backend.close()
 
 
 def make_step(width: int = 256):

@@ -13,15 +13,7 @@ import torch
 
 import graphkit
 import hal
-
-G = 1 << 16
-
-
-@pytest.fixture
-def be():
-    backend = hal.get_backend("fake", granularity=G)
-    yield backend
-    backend.close()
+from tests.conftest import G
 
 
 def test_a_call_that_wants_gradients_runs_eagerly_and_the_runner_keeps_working(be: hal.Backend) -> None:
