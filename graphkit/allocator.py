@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import hal
+from graphkit.closing import Closable
 from graphkit.deprecation import renamed
 from graphkit.transaction import Transaction, release_or_keep, retry_releases, unmap_run
 from hal.types import fmt_bytes, round_up
@@ -110,7 +111,7 @@ class AllocatorStats:
     arena_bytes: int = 0
 
 
-class SharedVMMAllocator:
+class SharedVMMAllocator(Closable):
     """Bump allocator over virtual spaces that all map the same physical chunks.
 
     :param backend: a :class:`hal.Backend` (any vendor); the allocator only
@@ -639,6 +640,31 @@ class SharedVMMAllocator:
     def closed(self) -> bool:
         return self._closed
 
+    def _unmap_unparked(self, errors: list[BaseException]) -> None:
+        """close(): unmap every mapped chunk of every space not parked; failures go to ``errors``."""
+        for space in self._spaces.values():
+            if space in self._parked:
+                continue
+            for index in range(space.mapped):
+                if index in space.holes:
+                    continue
+                try:
+                    self._unmap_hole(space, index)
+                except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after the rest
+                    errors.append(exc)
+
+    def _release_arenas(self, keep: set[int], errors: list[BaseException]) -> None:
+        """close(): give back every arena but those in ``keep`` (ids of parked spaces' arenas)."""
+        for arena in list(self._arenas):
+            if id(arena) in keep:
+                continue
+            try:
+                self.backend.release_vir_ptr(arena.base, arena.size)
+            except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after the rest
+                errors.append(exc)
+            else:
+                self._arenas.remove(arena)
+
     def close(self, park_live: bool = False) -> None:
         """Unmap every space, free the arenas, release every chunk. Idempotent.
 
@@ -662,26 +688,9 @@ class SharedVMMAllocator:
                                 "must not be touched after this", [s.id for s in busy])
                 if busy and park_live:
                     self._parked = self._park(busy, errors)
-            for space in self._spaces.values():
-                if space in self._parked:
-                    continue
-                for index in range(space.mapped):
-                    if index in space.holes:
-                        continue
-                    try:
-                        self._unmap_hole(space, index)
-                    except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after the rest
-                        errors.append(exc)
+            self._unmap_unparked(errors)
             keep = {id(s.arena) for s in self._parked}
-            for arena in list(self._arenas):
-                if id(arena) in keep:
-                    continue
-                try:
-                    self.backend.release_vir_ptr(arena.base, arena.size)
-                except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after the rest
-                    errors.append(exc)
-                else:
-                    self._arenas.remove(arena)
+            self._release_arenas(keep, errors)
             for index, handle in enumerate(self._chunks):
                 if handle is not None and not self._mapped_anywhere(index):
                     self._chunks[index] = None
@@ -726,9 +735,3 @@ class SharedVMMAllocator:
                     "chunk (reads give garbage) until the backend closes", [s.id for s in busy],
                     fmt_bytes(self.parked_bytes))
         return busy
-
-    def __enter__(self) -> SharedVMMAllocator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

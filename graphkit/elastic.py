@@ -28,6 +28,7 @@ import torch
 
 import hal
 from graphkit.allocator import Arena
+from graphkit.closing import Closable, raise_first_failure
 from graphkit.deprecation import renamed
 from graphkit.saver import MemorySaver
 from graphkit.transaction import Transaction, map_run, release_or_keep, retry_releases, unmap_run
@@ -68,7 +69,7 @@ def _dropped(pool: ElasticReservation, orphan: _Orphan, own_pool: bool) -> None:
         log.error("closing a dropped ElasticBuffer's own pool failed: %s", str(exc))
 
 
-class ElasticReservation:
+class ElasticReservation(Closable):
     """One reservation carved into elastic ranges, and physical chunks they share through a free list.
 
     :param backend: a :class:`hal.Backend` (default ``hal.get_backend()``, then owned).
@@ -259,19 +260,10 @@ class ElasticReservation:
             if not errors and self._zombies:
                 errors.append(hal.InvalidStateError(f"{len(self._zombies)} chunk(s) could not be released yet",
                                                     backend=self.backend.name, call="ElasticReservation.close"))
-            if errors:
-                log.error("ElasticReservation.close: %d step(s) failed; close() again to finish: %s", len(errors),
-                          str(errors[0]))
-                raise errors[0]
+            raise_first_failure(log, errors, "ElasticReservation.close")
             self._closed = True
             if self._owns_backend:
                 self.backend.close()
-
-    def __enter__(self) -> ElasticReservation:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class _ViewToken:
@@ -283,7 +275,7 @@ class _ViewToken:
         self.buffer = buffer
 
 
-class ElasticBuffer:
+class ElasticBuffer(Closable):
     """A virtual range of ``max_bytes`` whose prefix is backed by physical memory as it grows.
 
     :param backend: a :class:`hal.Backend` (default ``hal.get_backend()``, then owned).
@@ -704,12 +696,6 @@ class ElasticBuffer:
             log.debug("elastic buffer at %#x closed", self.ptr)
             if self._own_pool:
                 self.pool.close()
-
-    def __enter__(self) -> ElasticBuffer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def __getattr__(name: str) -> Any:

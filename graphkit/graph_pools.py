@@ -32,6 +32,7 @@ import hal
 from graphkit import isolation
 from graphkit.allocator import SharedVMMAllocator
 from graphkit.capture import CaptureHygieneError, framework_capturer, leftover_blocks, report_leftovers
+from graphkit.closing import Closable, raise_first_failure
 from graphkit.isolation import IsolationError
 from graphkit.pools import Lease
 from graphkit.report import KeyReport, PoolsReport
@@ -129,7 +130,7 @@ def _abandoned(backend_name: str, entries: dict) -> None:
                     backend_name, len(entries))
 
 
-class GraphPools:
+class GraphPools(Closable):
     """Graph memory pools keyed by the engine's own keys (batch sizes, batch descriptors).
 
     ``pool(key)`` returns one handle per key: a fresh virtual space over
@@ -619,19 +620,10 @@ class GraphPools:
                         self.allocator.close()
                     except hal.HalError as exc:
                         errors.append(exc)
-            if errors:
-                log.error("GraphPools.close: %d step(s) failed; close() again to finish: %s", len(errors),
-                          str(errors[0]))
-                raise errors[0]
+            raise_first_failure(log, errors, "GraphPools.close")
             self._close_done = True
             if self._owns_backend:
                 self.backend.close()
-
-    def __enter__(self) -> GraphPools:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._entries)} key(s)"

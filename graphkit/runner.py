@@ -34,6 +34,7 @@ from graphkit import capture as cap
 from graphkit import isolation
 from graphkit.allocator import SharedVMMAllocator
 from graphkit.buffers import StaticInputs
+from graphkit.closing import Closable, raise_first_failure
 from graphkit.deprecation import renamed
 from graphkit.pools import Lease, PoolStrategy, make_pool_strategy
 from graphkit.report import RunnerReport, SizeReport
@@ -130,7 +131,48 @@ class RunnerOptions:
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(RunnerOptions))
 
 
-class GraphRunner:
+def _merged_options(options: RunnerOptions | None, overrides: dict[str, Any]) -> RunnerOptions:
+    """``options`` (default: the defaults) with the keyword overrides; an unknown keyword is an error."""
+    unknown = sorted(set(overrides) - _OPTION_NAMES)
+    if unknown:
+        raise hal.InvalidArgumentError(f"unknown option(s) {', '.join(unknown)}; RunnerOptions has "
+                                       f"{', '.join(sorted(_OPTION_NAMES))}", call="GraphRunner")
+    return dataclasses.replace(options or RunnerOptions(), **overrides)
+
+
+def _checked_pieces(fn: Callable[..., Any] | Sequence[Callable[..., Any]], sizes: Sequence[int],
+                    opts: RunnerOptions, be: hal.Backend) -> list[Callable[..., Any]]:
+    """Check the runner's sizes and options against each other and the backend; ``fn`` as a list of pieces."""
+
+    def bad(message: str) -> hal.InvalidArgumentError:
+        return hal.InvalidArgumentError(message, backend=be.name, call="GraphRunner")
+
+    mode, between = opts.mode, opts.between
+    if not isinstance(opts.warmup, int) or isinstance(opts.warmup, bool) or opts.warmup < 0:
+        raise bad(f"warmup={opts.warmup!r} must be an int >= 0")
+    if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or not 1 <= s < MAX_BATCH for s in sizes):
+        raise bad(f"sizes={list(sizes)!r} must be ints in [1, 2**31)")
+    if mode not in ("full", "piecewise", "none"):
+        raise bad(f"mode={mode!r} must be full, piecewise or none")
+    # the mode says which of the two fn is
+    pieces = (list(cast("Sequence[Callable[..., Any]]", fn)) if mode == "piecewise"
+              else [cast("Callable[..., Any]", fn)])
+    if mode == "piecewise" and len(between) != len(pieces) - 1:
+        raise bad(f"piecewise: {len(pieces)} pieces need {len(pieces) - 1} eager step(s) between them, "
+                  f"got {len(between)}")
+    if opts.outputs not in ("copy", "static", "view"):
+        raise bad(f"outputs={opts.outputs!r} must be copy, static or view")
+    if opts.keep_outputs not in ("strong", "weak"):
+        raise bad(f"keep_outputs={opts.keep_outputs!r} must be strong or weak")
+    if opts.oversize not in ("eager", "error"):
+        raise bad(f"oversize={opts.oversize!r} must be eager or error")
+    if mode != "none" and not be.supports("graphs"):
+        raise hal.UnsupportedError("this backend cannot capture graphs; use mode='none'",
+                                   backend=be.name, call="GraphRunner")
+    return pieces
+
+
+class GraphRunner(Closable):
     """Capture ``fn`` for several batch sizes on any hal backend and replay the one that fits.
 
     :param fn: the step; takes tensors (keyword arguments) whose dim 0 is the
@@ -170,42 +212,13 @@ class GraphRunner:
         if pool is not None:
             renamed("GraphRunner(pool=)", "kind=")
             kind = pool
-        unknown = sorted(set(overrides) - _OPTION_NAMES)
-        if unknown:
-            raise hal.InvalidArgumentError(f"unknown option(s) {', '.join(unknown)}; RunnerOptions has "
-                                           f"{', '.join(sorted(_OPTION_NAMES))}", call="GraphRunner")
-        opts = dataclasses.replace(options or RunnerOptions(), **overrides)
-        self.options = opts
+        self.options = opts = _merged_options(options, overrides)
         mode, between, outputs, oversize = opts.mode, opts.between, opts.outputs, opts.oversize
         keep_outputs, fill, allocator_options = opts.keep_outputs, opts.fill, opts.allocator_options
         self._owns_backend = backend is None
         self.backend = backend or hal.get_backend(requires=("graphs",))
         be = self.backend
-
-        def bad(message: str) -> hal.InvalidArgumentError:
-            return hal.InvalidArgumentError(message, backend=be.name, call="GraphRunner")
-
-        if not isinstance(opts.warmup, int) or isinstance(opts.warmup, bool) or opts.warmup < 0:
-            raise bad(f"warmup={opts.warmup!r} must be an int >= 0")
-        if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or not 1 <= s < MAX_BATCH for s in sizes):
-            raise bad(f"sizes={list(sizes)!r} must be ints in [1, 2**31)")
-        if mode not in ("full", "piecewise", "none"):
-            raise bad(f"mode={mode!r} must be full, piecewise or none")
-        # the mode says which of the two fn is
-        pieces = (list(cast("Sequence[Callable[..., Any]]", fn)) if mode == "piecewise"
-                  else [cast("Callable[..., Any]", fn)])
-        if mode == "piecewise" and len(between) != len(pieces) - 1:
-            raise bad(f"piecewise: {len(pieces)} pieces need {len(pieces) - 1} eager step(s) between them, "
-                      f"got {len(between)}")
-        if outputs not in ("copy", "static", "view"):
-            raise bad(f"outputs={outputs!r} must be copy, static or view")
-        if keep_outputs not in ("strong", "weak"):
-            raise bad(f"keep_outputs={keep_outputs!r} must be strong or weak")
-        if oversize not in ("eager", "error"):
-            raise bad(f"oversize={oversize!r} must be eager or error")
-        if mode != "none" and not be.supports("graphs"):
-            raise hal.UnsupportedError("this backend cannot capture graphs; use mode='none'",
-                                       backend=be.name, call="GraphRunner")
+        pieces = _checked_pieces(fn, sizes, opts, be)
         self.sizes = sorted(set(sizes))
         self.max_size = self.sizes[-1]
         self.mode = mode
@@ -230,14 +243,7 @@ class GraphRunner:
         self.saver = saver
         self._adopted: SharedVMMAllocator | None = None  # the allocator the saver sleeps and wakes
         if saver is not None:
-            if not isinstance(saver, MemorySaver):
-                raise bad(f"saver={saver!r} must be a graphkit.MemorySaver")
-            allocator = getattr(self.strategy, "allocator", None)
-            if allocator is None:
-                raise hal.UnsupportedError(f"kind={self.kind!r} cannot sleep with a MemorySaver: use kind='vmm' "
-                                           "on a backend with 'custom_pool'", backend=be.name, call="GraphRunner")
-            saver.adopt(allocator, GRAPHS)
-            self._adopted = allocator
+            self._adopt_saver(saver)
         self.inputs: StaticInputs | None = None
         self._buckets: dict[int, _Bucket] = {}
         self._captured: list[int] = []  # sorted sizes with graphs
@@ -249,6 +255,19 @@ class GraphRunner:
         self._leftover: list[_Bucket] = []  # buckets whose release failed at close(): finished by close() again
         self._closed = False
         self._close_done = False
+
+    def _adopt_saver(self, saver: MemorySaver) -> None:
+        """Hand the strategy's allocator to ``saver`` (tag ``graphs``); only a vmm strategy has one."""
+        if not isinstance(saver, MemorySaver):
+            raise hal.InvalidArgumentError(f"saver={saver!r} must be a graphkit.MemorySaver",
+                                           backend=self.backend.name, call="GraphRunner")
+        allocator = getattr(self.strategy, "allocator", None)
+        if allocator is None:
+            raise hal.UnsupportedError(f"kind={self.kind!r} cannot sleep with a MemorySaver: use kind='vmm' "
+                                       "on a backend with 'custom_pool'", backend=self.backend.name,
+                                       call="GraphRunner")
+        saver.adopt(allocator, GRAPHS)
+        self._adopted = allocator
 
     # -- capture -------------------------------------------------------------------
 
@@ -611,17 +630,9 @@ class GraphRunner:
                     self.strategy.close()
                 except hal.HalError as exc:
                     errors.append(exc)
-            if errors:
-                log.error("close: %d step(s) failed; close() again to finish: %s", len(errors), str(errors[0]))
-                raise errors[0]
+            raise_first_failure(log, errors, "GraphRunner.close")
             self.inputs = None
             self._static_out = None
             self._close_done = True
             if self._owns_backend:
                 self.backend.close()
-
-    def __enter__(self) -> GraphRunner:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
