@@ -34,7 +34,7 @@ from graphkit.allocator import SharedVMMAllocator
 from graphkit.capture import CaptureHygieneError, framework_capturer, leftover_blocks, report_leftovers
 from graphkit.closing import Closable, raise_first_failure
 from graphkit.isolation import IsolationError
-from graphkit.pools import Lease
+from graphkit.pools import Lease, vmm_or_shared
 from graphkit.report import KeyReport, PoolsReport
 from graphkit.saver import GRAPHS, MemorySaver
 from hal.types import Route, fmt_bytes
@@ -179,10 +179,8 @@ class GraphPools(Closable):
         if kind not in ("vmm", "shared"):
             raise hal.InvalidArgumentError(f"kind={kind!r} must be 'vmm' or 'shared'", backend=be.name,
                                            call="GraphPools")
-        if kind == "vmm" and not be.supports("custom_pool"):
-            log.warning("%s has no pools over custom allocators (capability 'custom_pool' is absent): GraphPools "
-                        "falls back to one shared pool; capture the largest size first to keep memory low", be.name)
-            kind = "shared"
+        if kind == "vmm":
+            kind = vmm_or_shared(be, "GraphPools")
         self.kind: Kind = kind
         self.hygiene = hygiene
         self.allocator = SharedVMMAllocator(be, **allocator_options) if kind == "vmm" else None

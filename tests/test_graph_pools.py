@@ -289,6 +289,7 @@ def test_shared_fallback_where_custom_pools_are_absent(caplog: pytest.LogCapture
     with caplog.at_level(logging.WARNING, logger="graphkit.graph_pools"):
         pools = graphkit.GraphPools(be)
     assert pools.kind == "shared" and "custom_pool" in caplog.text
+    assert "GraphPools falls back to one shared pool" in caplog.text  # the warning the runner gives, too
     a, b = pools.pool(1), pools.pool(2)
     assert a is not b and tuple(a) == tuple(b) and a.__hal_pool__ is b.__hal_pool__
     pools.close()

@@ -256,6 +256,7 @@ def test_vmm_falls_back_to_a_shared_pool_with_a_warning(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="graphkit.pools"):
         runner = graphkit.GraphRunner(lambda x: x * 3, sizes=[2, 4], backend=be, kind="vmm", progress=False)
     assert runner.kind == "shared" and "custom_pool" in caplog.text
+    assert "GraphRunner falls back to one shared pool" in caplog.text
     runner.capture(x=torch.zeros(4, 2))
     assert torch.equal(runner(x=torch.ones(1, 2)), torch.full((1, 2), 3.0))
     runner.close()
