@@ -138,17 +138,16 @@ def _names(allowed: list[str]) -> Callable[[str], list[str]]:
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = CliParser(prog="python -m graphkit", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_demo_command(sub: Any) -> None:
+    """The ``demo`` command and its options."""
     demo = sub.add_parser("demo", help="every memory strategy side by side on a small decoder (a minute on a CPU)")
     demo.add_argument("--out-dir", type=Path, default=Path("graphkit-demo"),
                       help="where the JSON and the PNG go (default: ./graphkit-demo)")
     demo.add_argument("--backend", help="hal backend (default: the best available; fake on a CPU)")
 
-    bench = sub.add_parser("bench", help="the full benchmark: strategies x capture orders, JSON + PNG + table",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+def _add_workload_options(bench: argparse.ArgumentParser) -> None:
+    """``bench``: what it measures (the decoder's shape, or an engine's own loop)."""
     ref = DecoderConfig()
     w = bench.add_argument_group("workload (defaults: the reference Qwen3-0.6B-shaped decoder)")
     w.add_argument("--workload", choices=["reference", "tiny", "engine", "hf"], default="reference",
@@ -163,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"decoder {name.replace('_', ' ')} (reference: {getattr(ref, name)})")
     w.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help=f"weights and activations (reference: {ref.dtype})")
+
+
+def _add_run_options(bench: argparse.ArgumentParser) -> None:
+    """``bench``: sizes, strategies, orders, backend and how each run is made."""
     bench.add_argument("--sizes", type=parse_sizes, default=None,
                        help="batch sizes, e.g. '1,2,4,8:257:8' (a:b:c = range(a, b, c)); "
                             "default [1, 2, 4] + range(8, 257, 8)")
@@ -183,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--isolate", choices=["auto", "yes", "no"], default="auto",
                        help="measure each strategy in a fresh process (auto: on devices other than the CPU), "
                             "so that nothing one strategy cached or leaked counts against another")
+
+
+def _add_sleep_options(bench: argparse.ArgumentParser) -> None:
+    """``bench --sleep``: pause and resume against torch_memory_saver."""
     sleep = bench.add_argument_group("sleep and wake (--sleep: MemorySaver against torch_memory_saver)")
     sleep.add_argument("--sleep", action="store_true",
                        help="measure pause and resume instead of graphs: 1, 4 and 16 GiB on a device (16 and 64 MiB "
@@ -195,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--sleep: rounds per size, graphkit and torch_memory_saver alternating, each a fresh tag "
                             "(default 3); --elastic: alternations of allocate-and-copy and elastic growth per size "
                             "(default 5)")
+
+
+def _add_elastic_options(bench: argparse.ArgumentParser) -> None:
+    """``bench --elastic``: elastic buffer growth."""
     elastic = bench.add_argument_group("elastic buffers (--elastic: growth in place against a bare map and "
                                        "allocate-and-copy)")
     elastic.add_argument("--elastic", action="store_true",
@@ -203,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
                               "16 GiB on a device (16 and 64 MiB on a CPU), physical against used bytes as it grows")
     elastic.add_argument("--elastic-sizes", type=parse_mib_sizes, default=None,
                          help="regrowth sizes in MiB for --elastic, e.g. '1024,4096'")
+
+
+def _add_kv_sizing_options(bench: argparse.ArgumentParser) -> None:
+    """``bench --kv-sizing``: a KV cache sized after capture against an estimate."""
     kv = bench.add_argument_group("KV cache sizing (--kv-sizing: sized after capture against a pre-capture "
                                   "estimate)")
     kv.add_argument("--kv-sizing", action="store_true",
@@ -214,6 +229,17 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--kv-estimate-mib", type=int_in(0), default=None,
                     help="--kv-sizing: the graph memory estimate (default: the peak of an eager step at the largest "
                          "batch, the profile engines make)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = CliParser(prog="python -m graphkit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_demo_command(sub)
+    bench = sub.add_parser("bench", help="the full benchmark: strategies x capture orders, JSON + PNG + table",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for add in (_add_workload_options, _add_run_options, _add_sleep_options, _add_elastic_options,
+                _add_kv_sizing_options):
+        add(bench)
     bench.add_argument("--part", help=argparse.SUPPRESS)
     bench.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
@@ -380,8 +406,6 @@ def validate_bench(args: argparse.Namespace, prog: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse and check every flag before any work; exit code 2 and one line on stderr when one is wrong."""
-    from graphkit.bench.run import REFERENCE_SIZES, BenchConfig
-
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
@@ -389,20 +413,35 @@ def main(argv: list[str] | None = None) -> int:
     prog = f"{parser.prog} {args.command}"
     command = "python -m graphkit " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     if args.command == "demo":
-        for check in (lambda: backend_error(args.backend), lambda: out_dir_error(args.out_dir)):
-            why = check()
-            if why:
-                fail(prog, why)
-        name = hal.registry.select_backend_name(args.backend, requires=("graphs",))
-        cfg = BenchConfig(workload=DecoderConfig.tiny(), sizes=DEMO_SIZES, strategies=list(STRATEGIES),
-                          orders=["descending", "ascending"], backend=name, iters=5, command=command,
-                          backend_options={"granularity": DEMO_FAKE_GRANULARITY} if name == "fake" else {})
-        print(f"graphkit demo on backend {name}: a "
-              f"{cfg.workload.layers}-layer decoder, {len(cfg.sizes)} batch sizes, "
-              f"{len(cfg.strategies)} memory strategies x {len(cfg.orders)} capture orders")
-        return run_bench(cfg, args.out_dir, "demo")
+        return demo(args, prog, command)
     validate_bench(args, prog)
     given = list(argv if argv is not None else sys.argv[1:])
+    special = measure_other(args, command)
+    if special is not None:
+        return special
+    return decoder_bench(args, command, given[given.index("bench") + 1:])
+
+
+def demo(args: argparse.Namespace, prog: str, command: str) -> int:
+    """``demo``: every strategy on a tiny decoder, two capture orders."""
+    from graphkit.bench.run import BenchConfig
+
+    for check in (lambda: backend_error(args.backend), lambda: out_dir_error(args.out_dir)):
+        why = check()
+        if why:
+            fail(prog, why)
+    name = hal.registry.select_backend_name(args.backend, requires=("graphs",))
+    cfg = BenchConfig(workload=DecoderConfig.tiny(), sizes=DEMO_SIZES, strategies=list(STRATEGIES),
+                      orders=["descending", "ascending"], backend=name, iters=5, command=command,
+                      backend_options={"granularity": DEMO_FAKE_GRANULARITY} if name == "fake" else {})
+    print(f"graphkit demo on backend {name}: a "
+          f"{cfg.workload.layers}-layer decoder, {len(cfg.sizes)} batch sizes, "
+          f"{len(cfg.strategies)} memory strategies x {len(cfg.orders)} capture orders")
+    return run_bench(cfg, args.out_dir, "demo")
+
+
+def measure_other(args: argparse.Namespace, command: str) -> int | None:
+    """``bench --sleep`` / ``--elastic`` / ``--kv-sizing`` / an engine workload; None for the decoder's bench."""
     if args.sleep:
         from graphkit.bench.sleep import run_sleep_bench
 
@@ -427,6 +466,13 @@ def main(argv: list[str] | None = None) -> int:
             args.isolate == "yes" or (args.isolate == "auto" and name != "fake"), args.out_dir, command)
     if args.workload in WORKLOADS:
         return engine_bench(args, command)
+    return None
+
+
+def decoder_bench(args: argparse.Namespace, command: str, user_argv: list[str]) -> int:
+    """``bench`` on the decoder: every strategy and order; ``user_argv`` is the bench's own options."""
+    from graphkit.bench.run import REFERENCE_SIZES, BenchConfig
+
     strategies = args.strategies or [*STRATEGIES, COMPILE]
     base = DecoderConfig() if args.workload == "reference" else DecoderConfig.tiny()
     overrides = {k: getattr(args, k) for k in base.as_dict() if getattr(args, k, None) is not None}
@@ -441,8 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     isolate = args.isolate == "yes" or (
         args.isolate == "auto"
         and hal.get_backend(args.backend, device=args.device, requires=("graphs",)).torch_device().type != "cpu")
-    user_argv = given[given.index("bench") + 1:]  # the bench's own options, for the child processes
-    return run_bench(cfg, args.out_dir, "bench", isolate=isolate, argv=user_argv)
+    return run_bench(cfg, args.out_dir, "bench", isolate=isolate, argv=user_argv)  # user_argv: for child processes
 
 
 def engine_bench(args: argparse.Namespace, command: str) -> int:

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import hal
+from graphkit.closing import Closable
+from graphkit.deprecation import renamed
 from graphkit.transaction import Transaction, release_or_keep, retry_releases, unmap_run
 from hal.types import fmt_bytes, round_up
 
@@ -109,7 +111,7 @@ class AllocatorStats:
     arena_bytes: int = 0
 
 
-class SharedVMMAllocator:
+class SharedVMMAllocator(Closable):
     """Bump allocator over virtual spaces that all map the same physical chunks.
 
     :param backend: a :class:`hal.Backend` (any vendor); the allocator only
@@ -117,28 +119,33 @@ class SharedVMMAllocator:
     :param reserve_bytes: how far one space can grow while it is open;
         defaults to the device's total memory (a graph can never need more),
         rounded to the granularity.
-    :param capacity: optional cap on physical bytes (beyond it, allocations
-        fail with :class:`hal.DeviceOutOfMemoryError`), e.g. to leave room for
-        the KV cache.
+    :param max_physical_bytes: optional cap on physical bytes (beyond it,
+        allocations fail with :class:`hal.DeviceOutOfMemoryError`), e.g. to
+        leave room for the KV cache. ``capacity=`` is its deprecated spelling.
     :param arena_bytes: size of each address reservation spaces are carved
         from (default ``8 * reserve_bytes``).
     """
 
     def __init__(self, backend: hal.Backend, reserve_bytes: int | None = None,
-                 capacity: int | None = None, arena_bytes: int | None = None) -> None:
+                 max_physical_bytes: int | None = None, arena_bytes: int | None = None, *,
+                 capacity: int | None = None) -> None:
+        if capacity is not None:
+            renamed("SharedVMMAllocator(capacity=)", "max_physical_bytes=")
+            if max_physical_bytes is None:
+                max_physical_bytes = capacity
         self.backend = backend
         self.granularity = g = backend.granularity
         if reserve_bytes is None:
             reserve_bytes = backend.mem_info().total
         for name, value in (("reserve_bytes", reserve_bytes), ("arena_bytes", arena_bytes),
-                            ("capacity", capacity)):
+                            ("max_physical_bytes", max_physical_bytes)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or not 0 < value < 1 << 64):
                 raise hal.InvalidArgumentError(f"{name}={value!r} must be a positive int of bytes below 2**64",
                                                backend=backend.name, call="SharedVMMAllocator")
         self.reserve_bytes = round_up(reserve_bytes, g)
         self.arena_bytes = max(round_up(arena_bytes or ARENA_SPACES * self.reserve_bytes, g), self.reserve_bytes)
-        self.capacity = capacity
+        self.max_physical_bytes = max_physical_bytes
         self._lock = threading.RLock()
         self._spaces: dict[int, VirtualSpace] = {}
         self._arenas: list[Arena] = []
@@ -463,44 +470,56 @@ class SharedVMMAllocator:
 
     # -- physical memory ---------------------------------------------------------------
 
-    def _check_capacity(self, count: int, call: str) -> None:
-        if self.capacity is not None and self.physical_bytes + count * self.granularity > self.capacity:
+    @property
+    def capacity(self) -> int | None:
+        """Deprecated spelling of :attr:`max_physical_bytes`."""
+        renamed("SharedVMMAllocator.capacity", "max_physical_bytes")
+        return self.max_physical_bytes
+
+    def _check_physical_limit(self, count: int, call: str) -> None:
+        limit = self.max_physical_bytes
+        if limit is not None and self.physical_bytes + count * self.granularity > limit:
             raise hal.DeviceOutOfMemoryError(
-                f"{fmt_bytes(count * self.granularity)} more would exceed the allocator's capacity "
-                f"{fmt_bytes(self.capacity)} ({fmt_bytes(self.physical_bytes)} in use)",
+                f"{fmt_bytes(count * self.granularity)} more would exceed the allocator's max_physical_bytes "
+                f"{fmt_bytes(limit)} ({fmt_bytes(self.physical_bytes)} in use)",
                 backend=self.backend.name, call=call)
 
-    def extend_mapping(self, nbytes: int) -> None:
-        """Create chunks for ``nbytes`` more physical memory (all or nothing).
+    def precreate(self, nbytes: int) -> None:
+        """Create chunks for ``nbytes`` more physical memory (all or nothing), mapped nowhere yet.
 
         Spaces map them as their allocations reach them; creating them ahead
         takes the driver's allocation off the capture.
         """
         with self._lock:
-            self._check_open("extend_mapping", awake=True)
+            self._check_open("precreate", awake=True)
             if not isinstance(nbytes, int) or isinstance(nbytes, bool):
                 raise hal.InvalidArgumentError(f"nbytes={nbytes!r} must be an int", backend=self.backend.name,
-                                               call="extend_mapping")
+                                               call="precreate")
             count = -(-nbytes // self.granularity)
             if count <= 0:
                 return
-            self._check_capacity(count, "extend_mapping")
+            self._check_physical_limit(count, "precreate")
             if (len(self._chunks) + count) * self.granularity > self.reserve_bytes:
                 raise hal.DeviceOutOfMemoryError(
                     f"{fmt_bytes(self.physical_bytes + count * self.granularity)} would not fit in a virtual "
                     f"space of reserve_bytes={self.reserve_bytes}; make the allocator's reserve_bytes larger",
-                    backend=self.backend.name, call="extend_mapping")
+                    backend=self.backend.name, call="precreate")
             with Transaction() as tx:
                 first = len(self._chunks)
                 for index in range(first, first + count):
                     self._ensure_chunk(index, tx)
                 tx.commit()
 
+    def extend_mapping(self, nbytes: int) -> None:
+        """Deprecated spelling of :meth:`precreate` (it creates chunks; it maps nothing)."""
+        renamed("SharedVMMAllocator.extend_mapping()", "precreate()")
+        self.precreate(nbytes)
+
     def _map_up_to(self, space: VirtualSpace, count: int) -> None:
         """Map chunks ``space.mapped .. count-1`` into ``space``, creating missing ones (all or nothing)."""
         if count <= space.mapped:
             return
-        self._check_capacity(max(count - len(self._chunks), 0), "allocate")
+        self._check_physical_limit(max(count - len(self._chunks), 0), "allocate")
         tx = Transaction()
         try:
             with tx:
@@ -623,6 +642,31 @@ class SharedVMMAllocator:
     def closed(self) -> bool:
         return self._closed
 
+    def _unmap_unparked(self, errors: list[BaseException]) -> None:
+        """close(): unmap every mapped chunk of every space not parked; failures go to ``errors``."""
+        for space in self._spaces.values():
+            if space in self._parked:
+                continue
+            for index in range(space.mapped):
+                if index in space.holes:
+                    continue
+                try:
+                    self._unmap_hole(space, index)
+                except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after the rest
+                    errors.append(exc)
+
+    def _release_arenas(self, keep: set[int], errors: list[BaseException]) -> None:
+        """close(): give back every arena but those in ``keep`` (ids of parked spaces' arenas)."""
+        for arena in list(self._arenas):
+            if id(arena) in keep:
+                continue
+            try:
+                self.backend.release_vir_ptr(arena.base, arena.size)
+            except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after the rest
+                errors.append(exc)
+            else:
+                self._arenas.remove(arena)
+
     def close(self, park_live: bool = False) -> None:
         """Unmap every space, free the arenas, release every chunk. Idempotent.
 
@@ -646,26 +690,9 @@ class SharedVMMAllocator:
                                 "must not be touched after this", [s.id for s in busy])
                 if busy and park_live:
                     self._parked = self._park(busy, errors)
-            for space in self._spaces.values():
-                if space in self._parked:
-                    continue
-                for index in range(space.mapped):
-                    if index in space.holes:
-                        continue
-                    try:
-                        self._unmap_hole(space, index)
-                    except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after the rest
-                        errors.append(exc)
+            self._unmap_unparked(errors)
             keep = {id(s.arena) for s in self._parked}
-            for arena in list(self._arenas):
-                if id(arena) in keep:
-                    continue
-                try:
-                    self.backend.release_vir_ptr(arena.base, arena.size)
-                except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after the rest
-                    errors.append(exc)
-                else:
-                    self._arenas.remove(arena)
+            self._release_arenas(keep, errors)
             for index, handle in enumerate(self._chunks):
                 if handle is not None and not self._mapped_anywhere(index):
                     self._chunks[index] = None
@@ -710,9 +737,3 @@ class SharedVMMAllocator:
                     "chunk (reads give garbage) until the backend closes", [s.id for s in busy],
                     fmt_bytes(self.parked_bytes))
         return busy
-
-    def __enter__(self) -> SharedVMMAllocator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

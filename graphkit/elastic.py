@@ -10,7 +10,7 @@ copies nothing.
 >>> cache = kv.view(torch.bfloat16, (n, 16, 8, 128))
 >>> kv.resize(4 << 30)                       # same kv.ptr, cache's data untouched
 
-Many ranges, vAttention style: an :class:`ElasticPool` carves ranges out of
+Many ranges, vAttention style: an :class:`ElasticReservation` carves ranges out of
 one reservation and keeps a free list of pre-created chunks, so growth costs
 a map call, not a driver allocation.
 """
@@ -28,6 +28,8 @@ import torch
 
 import hal
 from graphkit.allocator import Arena
+from graphkit.closing import Closable, raise_first_failure
+from graphkit.deprecation import renamed
 from graphkit.saver import MemorySaver
 from graphkit.transaction import Transaction, map_run, release_or_keep, retry_releases, unmap_run
 from hal.types import fmt_bytes, round_up
@@ -46,14 +48,14 @@ def _positive(value: Any, name: str, call: str, backend: str, zero: bool = False
 class _Orphan:
     """What a buffer dropped without ``close()`` left in its pool: given back at the pool's next safe point."""
 
-    __slots__ = ("capacity", "chunks", "holes", "ptr", "stray")
+    __slots__ = ("chunks", "holes", "max_bytes", "ptr", "stray")
 
-    def __init__(self, ptr: int, capacity: int, chunks: list[Any], holes: set[int],
+    def __init__(self, ptr: int, max_bytes: int, chunks: list[Any], holes: set[int],
                  stray: list[tuple[int, Any]]) -> None:
-        self.ptr, self.capacity, self.chunks, self.holes, self.stray = ptr, capacity, chunks, holes, stray
+        self.ptr, self.max_bytes, self.chunks, self.holes, self.stray = ptr, max_bytes, chunks, holes, stray
 
 
-def _dropped(pool: ElasticPool, orphan: _Orphan, own_pool: bool) -> None:
+def _dropped(pool: ElasticReservation, orphan: _Orphan, own_pool: bool) -> None:
     """Finalizer of an :class:`ElasticBuffer` garbage-collected without ``close()``."""
     log.warning("an ElasticBuffer on %s at %#x was garbage-collected without close(): its %s go back to its "
                 "pool (call close() when done with it)", pool.backend.name, orphan.ptr,
@@ -67,7 +69,7 @@ def _dropped(pool: ElasticPool, orphan: _Orphan, own_pool: bool) -> None:
         log.error("closing a dropped ElasticBuffer's own pool failed: %s", str(exc))
 
 
-class ElasticPool:
+class ElasticReservation(Closable):
     """One reservation carved into elastic ranges, and physical chunks they share through a free list.
 
     :param backend: a :class:`hal.Backend` (default ``hal.get_backend()``, then owned).
@@ -80,11 +82,11 @@ class ElasticPool:
     def __init__(self, backend: hal.Backend | None = None, reserve_bytes: int = 0, *,
                  precreate_bytes: int = 0) -> None:
         if backend is not None and not isinstance(backend, hal.Backend):
-            raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend", call="ElasticPool")
+            raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend", call="ElasticReservation")
         self._owns_backend = backend is None
         self.backend = be = backend if backend is not None else hal.get_backend(requires=("graphs",))
-        _positive(reserve_bytes, "reserve_bytes", "ElasticPool", be.name)
-        _positive(precreate_bytes, "precreate_bytes", "ElasticPool", be.name, zero=True)
+        _positive(reserve_bytes, "reserve_bytes", "ElasticReservation", be.name)
+        _positive(precreate_bytes, "precreate_bytes", "ElasticReservation", be.name, zero=True)
         self.granularity = g = be.granularity
         self.reserve_bytes = round_up(reserve_bytes, g)
         self._lock = threading.RLock()
@@ -120,7 +122,7 @@ class ElasticPool:
 
     def precreate(self, nbytes: int) -> None:
         """Create chunks for ``nbytes`` into the free list (all or nothing)."""
-        _positive(nbytes, "nbytes", "ElasticPool.precreate", self.backend.name, zero=True)
+        _positive(nbytes, "nbytes", "ElasticReservation.precreate", self.backend.name, zero=True)
         with self._lock:
             self._check_open("precreate")
             self._settle()
@@ -128,7 +130,7 @@ class ElasticPool:
             if count * self.granularity > self.reserve_bytes:
                 raise hal.DeviceOutOfMemoryError(f"nbytes={nbytes} is more than the pool's reservation of "
                                                  f"{fmt_bytes(self.reserve_bytes)} can ever map",
-                                                 backend=self.backend.name, call="ElasticPool.precreate")
+                                                 backend=self.backend.name, call="ElasticReservation.precreate")
             made: list[Any] = []
             with Transaction() as tx:
                 for _ in range(count):
@@ -171,7 +173,7 @@ class ElasticPool:
             if start is None:
                 raise hal.DeviceOutOfMemoryError(
                     f"no {fmt_bytes(size)} range left in the pool's reservation of {fmt_bytes(self.reserve_bytes)}",
-                    backend=self.backend.name, call="ElasticPool.buffer")
+                    backend=self.backend.name, call="ElasticReservation.buffer")
             return start
 
     def _take_chunk(self) -> Any:
@@ -215,12 +217,13 @@ class ElasticPool:
                 orphan.chunks[index] = None
                 self._free.append(handle)
         if done:
-            self._arena.give(orphan.ptr, orphan.capacity)
+            self._arena.give(orphan.ptr, orphan.max_bytes)
         return done
 
     def _check_open(self, call: str) -> None:
         if self._closed or self._closing:
-            raise hal.InvalidStateError("the pool is closed", backend=self.backend.name, call=f"ElasticPool.{call}")
+            raise hal.InvalidStateError("the reservation is closed", backend=self.backend.name,
+                                        call=f"ElasticReservation.{call}")
 
     def close(self) -> None:
         """Close every buffer, release the free list and the reservation. Idempotent.
@@ -253,23 +256,14 @@ class ElasticPool:
             elif not errors:
                 errors.append(hal.InvalidStateError(
                     f"{len(left) + len(self._orphans)} buffer(s) still hold mapped memory in the pool",
-                    backend=self.backend.name, call="ElasticPool.close"))
+                    backend=self.backend.name, call="ElasticReservation.close"))
             if not errors and self._zombies:
                 errors.append(hal.InvalidStateError(f"{len(self._zombies)} chunk(s) could not be released yet",
-                                                    backend=self.backend.name, call="ElasticPool.close"))
-            if errors:
-                log.error("ElasticPool.close: %d step(s) failed; close() again to finish: %s", len(errors),
-                          str(errors[0]))
-                raise errors[0]
+                                                    backend=self.backend.name, call="ElasticReservation.close"))
+            raise_first_failure(log, errors, "ElasticReservation.close")
             self._closed = True
             if self._owns_backend:
                 self.backend.close()
-
-    def __enter__(self) -> ElasticPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class _ViewToken:
@@ -281,12 +275,12 @@ class _ViewToken:
         self.buffer = buffer
 
 
-class ElasticBuffer:
+class ElasticBuffer(Closable):
     """A virtual range of ``max_bytes`` whose prefix is backed by physical memory as it grows.
 
     :param backend: a :class:`hal.Backend` (default ``hal.get_backend()``, then owned).
     :param max_bytes: the most it can grow to (rounded up to the granularity).
-    :param pool: carve the range out of this :class:`ElasticPool` and grow
+    :param pool: carve the range out of this :class:`ElasticReservation` and grow
         from its free list (default: a reservation of its own).
     :param saver: a :class:`graphkit.MemorySaver` to pause and resume with,
         under ``tag`` (default ``"kv_cache"``), with ``backup`` or not.
@@ -299,10 +293,11 @@ class ElasticBuffer:
     gives its memory back to its pool, with a warning.
     """
 
-    def __init__(self, backend: hal.Backend | None = None, max_bytes: int = 0, *, pool: ElasticPool | None = None,
-                 saver: MemorySaver | None = None, tag: str = "kv_cache", backup: bool = False) -> None:
-        if pool is not None and not isinstance(pool, ElasticPool):
-            raise hal.InvalidArgumentError(f"pool={pool!r} must be an ElasticPool",
+    def __init__(self, backend: hal.Backend | None = None, max_bytes: int = 0, *,
+                 pool: ElasticReservation | None = None, saver: MemorySaver | None = None, tag: str = "kv_cache",
+                 backup: bool = False) -> None:
+        if pool is not None and not isinstance(pool, ElasticReservation):
+            raise hal.InvalidArgumentError(f"pool={pool!r} must be an ElasticReservation",
                                            backend=getattr(backend, "name", None), call="ElasticBuffer")
         if backend is not None and not isinstance(backend, hal.Backend):
             raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend", call="ElasticBuffer")
@@ -318,14 +313,14 @@ class ElasticBuffer:
             backend if backend is not None else hal.get_backend(requires=("graphs",)))  # views are tensors
         _positive(max_bytes, "max_bytes", "ElasticBuffer", be.name)
         self._own_pool = pool is None
-        self.pool = pool if pool is not None else ElasticPool(be, max_bytes)
+        self.pool = pool if pool is not None else ElasticReservation(be, max_bytes)
         if self._own_pool and backend is None:
             self.pool._owns_backend = True
         self.backend = be
         self.granularity = g = be.granularity
-        self.capacity = round_up(max_bytes, g)
+        self.max_bytes = round_up(max_bytes, g)
         try:
-            self.ptr = self.pool._carve(self.capacity)
+            self.ptr = self.pool._carve(self.max_bytes)
         except BaseException:
             if self._own_pool:
                 self.pool.close()
@@ -345,7 +340,7 @@ class ElasticBuffer:
         self.tag = tag
         self._closed = False
         self._finalizer = weakref.finalize(self, _dropped, self.pool,
-                                           _Orphan(self.ptr, self.capacity, self._chunks, self._holes, self._stray),
+                                           _Orphan(self.ptr, self.max_bytes, self._chunks, self._holes, self._stray),
                                            self._own_pool)
         self._finalizer.atexit = False  # at exit the process gives everything back anyway
         self.pool._buffers.add(self)
@@ -376,9 +371,15 @@ class ElasticBuffer:
         """Whether part of its prefix is released or unmapped (nothing may read it until it is restored)."""
         return self._sleeping or bool(self._holes)
 
+    @property
+    def capacity(self) -> int:
+        """Deprecated spelling of :attr:`max_bytes` (the range's size, rounded to the granularity)."""
+        renamed("ElasticBuffer.capacity", "max_bytes")
+        return self.max_bytes
+
     def __repr__(self) -> str:
         return (f"<graphkit.ElasticBuffer {self.backend.name} at {self.ptr:#x} mapped {fmt_bytes(self.mapped_bytes)} "
-                f"of {fmt_bytes(self.capacity)}{' paused' if self.paused else ''}>")
+                f"of {fmt_bytes(self.max_bytes)}{' paused' if self.paused else ''}>")
 
     def _check(self, call: str, awake: bool = True) -> None:
         if self._closed:
@@ -396,7 +397,7 @@ class ElasticBuffer:
 
         All or nothing.
 
-        :raises hal.InvalidArgumentError: ``nbytes`` is not an int in ``[0, capacity]``.
+        :raises hal.InvalidArgumentError: ``nbytes`` is not an int in ``[0, max_bytes]``.
         :raises hal.InvalidStateError: shrinking below a live view; the buffer is paused.
         """
         be = self.backend
@@ -405,8 +406,8 @@ class ElasticBuffer:
             if self._sleeping:
                 self._check("resize")
             _positive(nbytes, "nbytes", "ElasticBuffer.resize", be.name, zero=True)
-            if nbytes > self.capacity:
-                raise hal.InvalidArgumentError(f"nbytes={nbytes} exceeds the buffer's max_bytes {self.capacity}",
+            if nbytes > self.max_bytes:
+                raise hal.InvalidArgumentError(f"nbytes={nbytes} exceeds the buffer's max_bytes {self.max_bytes}",
                                                backend=be.name, call="ElasticBuffer.resize")
             self._heal("resize")
             target = -(-nbytes // self.granularity)
@@ -543,7 +544,7 @@ class ElasticBuffer:
             for d in shape:
                 count *= d
             end = offset + count * itemsize
-            limit = self.capacity if whole_range else self.mapped_bytes
+            limit = self.max_bytes if whole_range else self.mapped_bytes
             if end > limit:
                 raise hal.InvalidArgumentError(
                     f"shape={tuple(shape)} of {dtype} at offset {offset} needs {end} bytes; "
@@ -693,14 +694,15 @@ class ElasticBuffer:
                 self.saver.forget(self)
             self._closed = True
             with self.pool._lock:
-                self.pool._arena.give(self.ptr, self.capacity)
+                self.pool._arena.give(self.ptr, self.max_bytes)
                 self.pool._buffers.discard(self)
             log.debug("elastic buffer at %#x closed", self.ptr)
             if self._own_pool:
                 self.pool.close()
 
-    def __enter__(self) -> ElasticBuffer:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def __getattr__(name: str) -> Any:
+    if name == "ElasticPool":
+        renamed("graphkit.ElasticPool", "graphkit.ElasticReservation")
+        return ElasticReservation
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

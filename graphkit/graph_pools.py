@@ -25,15 +25,17 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import hal
 from graphkit import isolation
 from graphkit.allocator import SharedVMMAllocator
 from graphkit.capture import CaptureHygieneError, framework_capturer, leftover_blocks, report_leftovers
+from graphkit.closing import Closable, raise_first_failure
 from graphkit.isolation import IsolationError
-from graphkit.pools import Lease
+from graphkit.pools import Lease, vmm_or_shared
+from graphkit.report import KeyReport, PoolsReport
 from graphkit.saver import GRAPHS, MemorySaver
 from hal.types import Route, fmt_bytes
 
@@ -41,7 +43,7 @@ log = logging.getLogger("graphkit.graph_pools")
 
 Kind = Literal["vmm", "shared"]
 _serial = itertools.count(1)
-_ALLOCATOR_OPTIONS = frozenset({"reserve_bytes", "capacity", "arena_bytes"})
+_ALLOCATOR_OPTIONS = frozenset({"reserve_bytes", "max_physical_bytes", "capacity", "arena_bytes"})
 
 
 class CaptureKey(tuple):
@@ -121,49 +123,6 @@ class _Entry:
     graphs: int = 0  # routed captures alive in it
 
 
-@dataclass
-class KeyReport:
-    """Memory of one key."""
-
-    key: Hashable
-    used_bytes: int  # bytes handed out in its space
-    mapped_bytes: int  # chunk bytes mapped into its space
-    reserved_bytes: int  # address space of its space
-    graphs: int  # routed graphs alive in it (captures through graph_memory)
-
-
-@dataclass
-class PoolsReport:
-    """Per-key and total memory of a :class:`GraphPools`."""
-
-    backend: str
-    kind: str
-    keys: list[KeyReport] = field(default_factory=list)
-    chunk_bytes: int = 0  # physical memory of the shared chunks
-    reserved_bytes: int = 0  # address space of the live spaces
-    arena_bytes: int = 0  # address space reserved from the driver
-    device_bytes: int | None = None  # device memory used now beyond the start, driver-measured
-    map_calls: int = 0  # map calls made so far (each maps one chunk into one space)
-    map_seconds: float = 0.0  # wall time those map calls took
-    verified_graphs: int = 0  # captures whose addresses were checked against the other keys' spaces
-    inspected_nodes: int = 0  # graph nodes (ops, kernels) read for that
-    missed_nodes: int = 0  # nodes the backend could not read
-    verify_seconds: float = 0.0  # time reading and checking
-
-    def __str__(self) -> str:
-        lines = [f"graph pools on {self.backend} ({self.kind}): {len(self.keys)} key(s), "
-                 f"{fmt_bytes(self.chunk_bytes)} of chunks, {fmt_bytes(self.reserved_bytes)} of spaces"
-                 + (f", device memory +{fmt_bytes(self.device_bytes)}" if self.device_bytes is not None else "")
-                 + (f", {self.map_calls} map calls in {self.map_seconds * 1e3:.1f} ms" if self.map_calls else "")
-                 + (f"; {self.verified_graphs} graph(s) verified isolated ({self.inspected_nodes} nodes read"
-                    + (f", {self.missed_nodes} unreadable" if self.missed_nodes else "")
-                    + f", {self.verify_seconds * 1e3:.1f} ms)" if self.verified_graphs else "")]
-        for k in self.keys:
-            lines.append(f"  {k.key!r:>16}  used {fmt_bytes(k.used_bytes):>10}  mapped {fmt_bytes(k.mapped_bytes):>10}"
-                         f"  graphs {k.graphs}")
-        return "\n".join(lines)
-
-
 def _abandoned(backend_name: str, entries: dict) -> None:
     if entries:
         log.warning("a GraphPools on %s with %d live key(s) was garbage-collected without close(): its memory "
@@ -171,7 +130,7 @@ def _abandoned(backend_name: str, entries: dict) -> None:
                     backend_name, len(entries))
 
 
-class GraphPools:
+class GraphPools(Closable):
     """Graph memory pools keyed by the engine's own keys (batch sizes, batch descriptors).
 
     ``pool(key)`` returns one handle per key: a fresh virtual space over
@@ -200,7 +159,7 @@ class GraphPools:
         check is skipped with one log line without it); ``pools.pool(key)``
         captures are seen through ``"capture_routing"``.
     :param allocator_options: options of :class:`SharedVMMAllocator`
-        (``reserve_bytes``, ``capacity``, ``arena_bytes``).
+        (``reserve_bytes``, ``max_physical_bytes``, ``arena_bytes``).
     """
 
     def __init__(self, backend: hal.Backend | None = None, kind: Kind = "vmm", *, hygiene: bool = False,
@@ -220,10 +179,8 @@ class GraphPools:
         if kind not in ("vmm", "shared"):
             raise hal.InvalidArgumentError(f"kind={kind!r} must be 'vmm' or 'shared'", backend=be.name,
                                            call="GraphPools")
-        if kind == "vmm" and not be.supports("custom_pool"):
-            log.warning("%s has no pools over custom allocators (capability 'custom_pool' is absent): GraphPools "
-                        "falls back to one shared pool; capture the largest size first to keep memory low", be.name)
-            kind = "shared"
+        if kind == "vmm":
+            kind = vmm_or_shared(be, "GraphPools")
         self.kind: Kind = kind
         self.hygiene = hygiene
         self.allocator = SharedVMMAllocator(be, **allocator_options) if kind == "vmm" else None
@@ -661,19 +618,10 @@ class GraphPools:
                         self.allocator.close()
                     except hal.HalError as exc:
                         errors.append(exc)
-            if errors:
-                log.error("GraphPools.close: %d step(s) failed; close() again to finish: %s", len(errors),
-                          str(errors[0]))
-                raise errors[0]
+            raise_first_failure(log, errors, "GraphPools.close")
             self._close_done = True
             if self._owns_backend:
                 self.backend.close()
-
-    def __enter__(self) -> GraphPools:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._entries)} key(s)"

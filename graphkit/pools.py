@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import hal
 from graphkit.allocator import SharedVMMAllocator
@@ -166,18 +166,27 @@ class VmmPools(PoolStrategy):
         }
 
 
+def vmm_or_shared(backend: hal.Backend, who: str) -> Literal["vmm", "shared"]:
+    """``"vmm"`` where ``backend`` has pools over custom allocators; else ``"shared"``, with one warning.
+
+    :param who: the object that falls back (``"GraphRunner"``, ``"GraphPools"``), named in the warning.
+    """
+    if backend.supports("custom_pool"):
+        return "vmm"
+    log.warning("%s has no pools over custom allocators (capability 'custom_pool' is absent): %s falls back to one "
+                "shared pool; capture the largest size first to keep memory low", backend.name, who)
+    return "shared"
+
+
 def make_pool_strategy(kind: str, backend: hal.Backend, **options: Any) -> PoolStrategy:
     """Build the strategy named ``kind``; ``vmm`` falls back to ``shared`` where it cannot work."""
     if kind == "vmm":
-        if not backend.supports("custom_pool"):
-            log.warning("%s has no pools over custom allocators (capability 'custom_pool' is absent): "
-                        "falling back to one shared pool; capture largest sizes first to keep memory low",
-                        backend.name)
+        if vmm_or_shared(backend, "GraphRunner") == "shared":
             return SharedPool(backend)
         return VmmPools(backend, **options)
     if kind == "shared":
         return SharedPool(backend)
     if kind == "private":
         return PrivatePools(backend)
-    raise hal.InvalidArgumentError(f"pool={kind!r} must be one of {', '.join(POOL_KINDS)}",
+    raise hal.InvalidArgumentError(f"kind={kind!r} must be one of {', '.join(POOL_KINDS)}",
                                    backend=backend.name, call="GraphRunner")

@@ -1,9 +1,11 @@
-"""What capturing cost: per size and in total."""
+"""What graph memory cost: a :class:`GraphRunner` per size and in total, a :class:`GraphPools` per key."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from graphkit.deprecation import renamed
 from hal.types import fmt_bytes
 
 
@@ -20,25 +22,81 @@ class SizeReport:
 @dataclass(frozen=True)
 class RunnerReport:
     backend: str
-    pool: str
+    kind: str
+    """The pool kind: ``vmm``, ``shared``, ``private`` or ``none``."""
     mode: str
     sizes: list[SizeReport] = field(default_factory=list)
-    graph_memory: int = 0
+    graph_bytes: int = 0
     """Device memory used beyond what was used before the first capture (bytes)."""
     pool_figures: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def pool(self) -> str:
+        """Deprecated spelling of :attr:`kind`."""
+        renamed("RunnerReport.pool", "kind")
+        return self.kind
+
+    @property
+    def graph_memory(self) -> int:
+        """Deprecated spelling of :attr:`graph_bytes`."""
+        renamed("RunnerReport.graph_memory", "graph_bytes")
+        return self.graph_bytes
 
     @property
     def capture_seconds(self) -> float:
         return sum(s.capture_seconds for s in self.sizes)
 
     def __str__(self) -> str:
-        lines = [(f"GraphRunner on {self.backend}: pool={self.pool} mode={self.mode}, "
+        lines = [(f"GraphRunner on {self.backend}: kind={self.kind} mode={self.mode}, "
                   f"{len(self.sizes)} size(s) captured in {self.capture_seconds:.3f} s, "
-                  f"graph memory {fmt_bytes(self.graph_memory)}")]
+                  f"graph memory {fmt_bytes(self.graph_bytes)}")]
         for key, value in self.pool_figures.items():
             lines.append(f"  {key}: {fmt_bytes(value) if key.endswith('bytes') else value}")
         lines.append(f"  {'batch':>6} {'capture s':>10} {'memory +':>11} {'chunks':>11}")
         for s in self.sizes:
             chunks = fmt_bytes(s.chunk_bytes) if s.chunk_bytes is not None else "-"
             lines.append(f"  {s.size:>6} {s.capture_seconds:>10.4f} {fmt_bytes(s.memory_delta):>11} {chunks:>11}")
+        return "\n".join(lines)
+
+
+@dataclass
+class KeyReport:
+    """Memory of one key."""
+
+    key: Hashable
+    used_bytes: int  # bytes handed out in its space
+    mapped_bytes: int  # chunk bytes mapped into its space
+    reserved_bytes: int  # address space of its space
+    graphs: int  # routed graphs alive in it (captures through graph_memory)
+
+
+@dataclass
+class PoolsReport:
+    """Per-key and total memory of a :class:`GraphPools`."""
+
+    backend: str
+    kind: str
+    keys: list[KeyReport] = field(default_factory=list)
+    chunk_bytes: int = 0  # physical memory of the shared chunks
+    reserved_bytes: int = 0  # address space of the live spaces
+    arena_bytes: int = 0  # address space reserved from the driver
+    device_bytes: int | None = None  # device memory used now beyond the start, driver-measured
+    map_calls: int = 0  # map calls made so far (each maps one chunk into one space)
+    map_seconds: float = 0.0  # wall time those map calls took
+    verified_graphs: int = 0  # captures whose addresses were checked against the other keys' spaces
+    inspected_nodes: int = 0  # graph nodes (ops, kernels) read for that
+    missed_nodes: int = 0  # nodes the backend could not read
+    verify_seconds: float = 0.0  # time reading and checking
+
+    def __str__(self) -> str:
+        lines = [f"graph pools on {self.backend} ({self.kind}): {len(self.keys)} key(s), "
+                 f"{fmt_bytes(self.chunk_bytes)} of chunks, {fmt_bytes(self.reserved_bytes)} of spaces"
+                 + (f", device memory +{fmt_bytes(self.device_bytes)}" if self.device_bytes is not None else "")
+                 + (f", {self.map_calls} map calls in {self.map_seconds * 1e3:.1f} ms" if self.map_calls else "")
+                 + (f"; {self.verified_graphs} graph(s) verified isolated ({self.inspected_nodes} nodes read"
+                    + (f", {self.missed_nodes} unreadable" if self.missed_nodes else "")
+                    + f", {self.verify_seconds * 1e3:.1f} ms)" if self.verified_graphs else "")]
+        for k in self.keys:
+            lines.append(f"  {k.key!r:>16}  used {fmt_bytes(k.used_bytes):>10}  mapped {fmt_bytes(k.mapped_bytes):>10}"
+                         f"  graphs {k.graphs}")
         return "\n".join(lines)

@@ -1,6 +1,6 @@
 """GraphRunner: capture a step for many batch sizes and replay the one that fits.
 
->>> runner = graphkit.GraphRunner(step, sizes=[1, 2, 4, 8], backend=be, pool="vmm")
+>>> runner = graphkit.GraphRunner(step, sizes=[1, 2, 4, 8], backend=be, kind="vmm")
 >>> runner.capture(x=torch.zeros(8, 256))
 >>> y = runner(x=torch.randn(3, 256))   # replays the graph of size 4, returns 3 rows
 
@@ -34,6 +34,8 @@ from graphkit import capture as cap
 from graphkit import isolation
 from graphkit.allocator import SharedVMMAllocator
 from graphkit.buffers import StaticInputs
+from graphkit.closing import Closable, raise_first_failure
+from graphkit.deprecation import renamed
 from graphkit.pools import Lease, PoolStrategy, make_pool_strategy
 from graphkit.report import RunnerReport, SizeReport
 from graphkit.saver import GRAPHS, MemorySaver
@@ -89,7 +91,7 @@ class RunnerOptions:
     :param debug: check on every replay that the static inputs did not move.
     :param strict_hygiene: raise (instead of warn) when memory other than the
         outputs outlives a capture.
-    :param verify: with ``pool="vmm"``, read the addresses each captured
+    :param verify: with ``kind="vmm"``, read the addresses each captured
         graph uses and refuse it (:class:`graphkit.IsolationError`) when one
         lies in another size's space, which shares its physical memory
         (needs the backend's ``"graph_addresses"``; skipped with one log
@@ -103,9 +105,9 @@ class RunnerOptions:
     :param measure_memory: give cached framework memory back around each
         capture so the per-size memory figures are exact (slower).
     :param allocator_options: options of :class:`SharedVMMAllocator` for
-        ``pool="vmm"`` (``reserve_bytes``, ``capacity``, ...).
+        ``kind="vmm"`` (``reserve_bytes``, ``max_physical_bytes``, ...).
     :param pool_strategy: a ready :class:`graphkit.pools.PoolStrategy`
-        (overrides ``pool`` and ``allocator_options``).
+        (overrides ``kind`` and ``allocator_options``).
     """
 
     mode: Mode = "full"
@@ -129,7 +131,48 @@ class RunnerOptions:
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(RunnerOptions))
 
 
-class GraphRunner:
+def _merged_options(options: RunnerOptions | None, overrides: dict[str, Any]) -> RunnerOptions:
+    """``options`` (default: the defaults) with the keyword overrides; an unknown keyword is an error."""
+    unknown = sorted(set(overrides) - _OPTION_NAMES)
+    if unknown:
+        raise hal.InvalidArgumentError(f"unknown option(s) {', '.join(unknown)}; RunnerOptions has "
+                                       f"{', '.join(sorted(_OPTION_NAMES))}", call="GraphRunner")
+    return dataclasses.replace(options or RunnerOptions(), **overrides)
+
+
+def _checked_pieces(fn: Callable[..., Any] | Sequence[Callable[..., Any]], sizes: Sequence[int],
+                    opts: RunnerOptions, be: hal.Backend) -> list[Callable[..., Any]]:
+    """Check the runner's sizes and options against each other and the backend; ``fn`` as a list of pieces."""
+
+    def bad(message: str) -> hal.InvalidArgumentError:
+        return hal.InvalidArgumentError(message, backend=be.name, call="GraphRunner")
+
+    mode, between = opts.mode, opts.between
+    if not isinstance(opts.warmup, int) or isinstance(opts.warmup, bool) or opts.warmup < 0:
+        raise bad(f"warmup={opts.warmup!r} must be an int >= 0")
+    if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or not 1 <= s < MAX_BATCH for s in sizes):
+        raise bad(f"sizes={list(sizes)!r} must be ints in [1, 2**31)")
+    if mode not in ("full", "piecewise", "none"):
+        raise bad(f"mode={mode!r} must be full, piecewise or none")
+    # the mode says which of the two fn is
+    pieces = (list(cast("Sequence[Callable[..., Any]]", fn)) if mode == "piecewise"
+              else [cast("Callable[..., Any]", fn)])
+    if mode == "piecewise" and len(between) != len(pieces) - 1:
+        raise bad(f"piecewise: {len(pieces)} pieces need {len(pieces) - 1} eager step(s) between them, "
+                  f"got {len(between)}")
+    if opts.outputs not in ("copy", "static", "view"):
+        raise bad(f"outputs={opts.outputs!r} must be copy, static or view")
+    if opts.keep_outputs not in ("strong", "weak"):
+        raise bad(f"keep_outputs={opts.keep_outputs!r} must be strong or weak")
+    if opts.oversize not in ("eager", "error"):
+        raise bad(f"oversize={opts.oversize!r} must be eager or error")
+    if mode != "none" and not be.supports("graphs"):
+        raise hal.UnsupportedError("this backend cannot capture graphs; use mode='none'",
+                                   backend=be.name, call="GraphRunner")
+    return pieces
+
+
+class GraphRunner(Closable):
     """Capture ``fn`` for several batch sizes on any hal backend and replay the one that fits.
 
     :param fn: the step; takes tensors (keyword arguments) whose dim 0 is the
@@ -140,12 +183,13 @@ class GraphRunner:
     :param sizes: the batch sizes to capture.
     :param backend: a :class:`hal.Backend` (default: ``hal.get_backend()``,
         then owned and closed by the runner).
-    :param pool: ``"vmm"`` (a fresh virtual space per size over shared
-        chunks: N sizes cost the largest), ``"shared"`` (one pool) or
-        ``"private"`` (a pool per graph).
+    :param kind: the pool kind, as in :class:`graphkit.GraphPools`:
+        ``"vmm"`` (a fresh virtual space per size over shared chunks: N sizes
+        cost the largest), ``"shared"`` (one pool) or ``"private"`` (a pool
+        per graph). ``pool=`` is its deprecated spelling.
     :param options: a :class:`RunnerOptions` (mode, outputs, on-demand
         capture, padding fill, hygiene, progress...); defaults work.
-    :param saver: a :class:`graphkit.MemorySaver`: with ``pool="vmm"`` the
+    :param saver: a :class:`graphkit.MemorySaver`: with ``kind="vmm"`` the
         graphs' memory sleeps and wakes with its tag ``"graphs"``; calls
         while it is paused raise :class:`hal.InvalidStateError`.
     :param overrides: any :class:`RunnerOptions` field as a keyword
@@ -158,48 +202,23 @@ class GraphRunner:
         fn: Callable[..., Any] | Sequence[Callable[..., Any]],
         sizes: Sequence[int],
         backend: hal.Backend | None = None,
-        pool: str = "vmm",
+        kind: str = "vmm",
         *,
         options: RunnerOptions | None = None,
         saver: MemorySaver | None = None,
+        pool: str | None = None,
         **overrides: Any,
     ) -> None:
-        unknown = sorted(set(overrides) - _OPTION_NAMES)
-        if unknown:
-            raise hal.InvalidArgumentError(f"unknown option(s) {', '.join(unknown)}; RunnerOptions has "
-                                           f"{', '.join(sorted(_OPTION_NAMES))}", call="GraphRunner")
-        opts = dataclasses.replace(options or RunnerOptions(), **overrides)
-        self.options = opts
+        if pool is not None:
+            renamed("GraphRunner(pool=)", "kind=")
+            kind = pool
+        self.options = opts = _merged_options(options, overrides)
         mode, between, outputs, oversize = opts.mode, opts.between, opts.outputs, opts.oversize
         keep_outputs, fill, allocator_options = opts.keep_outputs, opts.fill, opts.allocator_options
         self._owns_backend = backend is None
         self.backend = backend or hal.get_backend(requires=("graphs",))
         be = self.backend
-
-        def bad(message: str) -> hal.InvalidArgumentError:
-            return hal.InvalidArgumentError(message, backend=be.name, call="GraphRunner")
-
-        if not isinstance(opts.warmup, int) or isinstance(opts.warmup, bool) or opts.warmup < 0:
-            raise bad(f"warmup={opts.warmup!r} must be an int >= 0")
-        if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or not 1 <= s < MAX_BATCH for s in sizes):
-            raise bad(f"sizes={list(sizes)!r} must be ints in [1, 2**31)")
-        if mode not in ("full", "piecewise", "none"):
-            raise bad(f"mode={mode!r} must be full, piecewise or none")
-        # the mode says which of the two fn is
-        pieces = (list(cast("Sequence[Callable[..., Any]]", fn)) if mode == "piecewise"
-                  else [cast("Callable[..., Any]", fn)])
-        if mode == "piecewise" and len(between) != len(pieces) - 1:
-            raise bad(f"piecewise: {len(pieces)} pieces need {len(pieces) - 1} eager step(s) between them, "
-                      f"got {len(between)}")
-        if outputs not in ("copy", "static", "view"):
-            raise bad(f"outputs={outputs!r} must be copy, static or view")
-        if keep_outputs not in ("strong", "weak"):
-            raise bad(f"keep_outputs={keep_outputs!r} must be strong or weak")
-        if oversize not in ("eager", "error"):
-            raise bad(f"oversize={oversize!r} must be eager or error")
-        if mode != "none" and not be.supports("graphs"):
-            raise hal.UnsupportedError("this backend cannot capture graphs; use mode='none'",
-                                       backend=be.name, call="GraphRunner")
+        pieces = _checked_pieces(fn, sizes, opts, be)
         self.sizes = sorted(set(sizes))
         self.max_size = self.sizes[-1]
         self.mode = mode
@@ -219,19 +238,12 @@ class GraphRunner:
         self.keep_outputs = keep_outputs
         self.measure_memory = opts.measure_memory
         self.strategy = opts.pool_strategy or (
-            make_pool_strategy(pool, be, **dict(allocator_options or {})) if mode != "none" else None)
-        self.pool = self.strategy.kind if self.strategy else "none"
+            make_pool_strategy(kind, be, **dict(allocator_options or {})) if mode != "none" else None)
+        self.kind = self.strategy.kind if self.strategy else "none"
         self.saver = saver
         self._adopted: SharedVMMAllocator | None = None  # the allocator the saver sleeps and wakes
         if saver is not None:
-            if not isinstance(saver, MemorySaver):
-                raise bad(f"saver={saver!r} must be a graphkit.MemorySaver")
-            allocator = getattr(self.strategy, "allocator", None)
-            if allocator is None:
-                raise hal.UnsupportedError(f"pool={self.pool!r} cannot sleep with a MemorySaver: use pool='vmm' "
-                                           "on a backend with 'custom_pool'", backend=be.name, call="GraphRunner")
-            saver.adopt(allocator, GRAPHS)
-            self._adopted = allocator
+            self._adopt_saver(saver)
         self.inputs: StaticInputs | None = None
         self._buckets: dict[int, _Bucket] = {}
         self._captured: list[int] = []  # sorted sizes with graphs
@@ -243,6 +255,19 @@ class GraphRunner:
         self._leftover: list[_Bucket] = []  # buckets whose release failed at close(): finished by close() again
         self._closed = False
         self._close_done = False
+
+    def _adopt_saver(self, saver: MemorySaver) -> None:
+        """Hand the strategy's allocator to ``saver`` (tag ``graphs``); only a vmm strategy has one."""
+        if not isinstance(saver, MemorySaver):
+            raise hal.InvalidArgumentError(f"saver={saver!r} must be a graphkit.MemorySaver",
+                                           backend=self.backend.name, call="GraphRunner")
+        allocator = getattr(self.strategy, "allocator", None)
+        if allocator is None:
+            raise hal.UnsupportedError(f"kind={self.kind!r} cannot sleep with a MemorySaver: use kind='vmm' "
+                                       "on a backend with 'custom_pool'", backend=self.backend.name,
+                                       call="GraphRunner")
+        saver.adopt(allocator, GRAPHS)
+        self._adopted = allocator
 
     # -- capture -------------------------------------------------------------------
 
@@ -281,7 +306,7 @@ class GraphRunner:
                 return self
             todo = [s for s in self._ordered(order, seed) if s not in self._buckets]
             try:
-                with tqdm(total=len(todo), desc=f"capturing ({self.pool})", unit="size",
+                with tqdm(total=len(todo), desc=f"capturing ({self.kind})", unit="size",
                           disable=not self.progress, leave=False) as bar:
                     for size in todo:
                         bar.set_postfix(batch=size)
@@ -494,7 +519,18 @@ class GraphRunner:
     def captured_sizes(self) -> list[int]:
         return list(self._captured)
 
+    @property
+    def pool(self) -> str:
+        """Deprecated spelling of :attr:`kind`."""
+        renamed("GraphRunner.pool", "kind")
+        return self.kind
+
     def graph_memory(self) -> int:
+        """Deprecated spelling of :meth:`graph_bytes` (``graphkit.graph_memory`` is the context manager)."""
+        renamed("GraphRunner.graph_memory()", "graph_bytes()")
+        return self.graph_bytes()
+
+    def graph_bytes(self) -> int:
         """Device memory used now beyond what was used before the first capture (bytes)."""
         if self._mem_before is None:
             return 0
@@ -505,8 +541,8 @@ class GraphRunner:
     def report(self) -> RunnerReport:
         """Capture seconds and memory per size (in capture order), and totals."""
         sizes = [self._buckets[s].report for s in self._capture_order if s in self._buckets]
-        return RunnerReport(self.backend.name, self.pool, self.mode, [r for r in sizes if r],
-                            self.graph_memory(), self.strategy.figures() if self.strategy else {})
+        return RunnerReport(self.backend.name, self.kind, self.mode, [r for r in sizes if r],
+                            self.graph_bytes(), self.strategy.figures() if self.strategy else {})
 
     def _release_bucket(self, bucket: _Bucket) -> None:
         """Release every graph and the lease of a bucket; a failure does not stop the rest (the first is raised).
@@ -594,17 +630,9 @@ class GraphRunner:
                     self.strategy.close()
                 except hal.HalError as exc:
                     errors.append(exc)
-            if errors:
-                log.error("close: %d step(s) failed; close() again to finish: %s", len(errors), str(errors[0]))
-                raise errors[0]
+            raise_first_failure(log, errors, "GraphRunner.close")
             self.inputs = None
             self._static_out = None
             self._close_done = True
             if self._owns_backend:
                 self.backend.close()
-
-    def __enter__(self) -> GraphRunner:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

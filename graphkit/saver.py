@@ -35,6 +35,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 import hal
+from graphkit.closing import Closable
 from graphkit.transaction import Transaction, release_or_keep, retry_releases
 from hal.types import fmt_bytes, round_up
 
@@ -240,7 +241,7 @@ class TagReport:
     pin_s: float = 0.0  # time spent making its backup buffers (pinned host memory), mostly off the pause path
 
 
-class MemorySaver:
+class MemorySaver(Closable):
     """Tags of device memory that pause (release physical memory) and resume (at the same addresses).
 
     :param backend: a :class:`hal.Backend` (default ``hal.get_backend()``, then owned).
@@ -658,12 +659,6 @@ class MemorySaver:
             self._sleepers.clear()
             if self._owns_backend:
                 self.backend.close()
-
-    def __enter__(self) -> MemorySaver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _nccl_graph_register_hazard() -> str | None:

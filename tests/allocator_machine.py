@@ -59,7 +59,7 @@ def allocator_machine(make_backend: Callable[[], hal.Backend], host_visible: boo
 
         @rule(nbytes=st.integers(1, 3 << 16))
         def extend(self, nbytes: int) -> None:
-            ok, _ = self._ok(lambda: self.alloc.extend_mapping(nbytes))
+            ok, _ = self._ok(lambda: self.alloc.precreate(nbytes))
             if not ok:
                 return
             self.chunks += -(-nbytes // self.g)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+
 import pytest
 
 import hal
 
 DEVICE_MARKERS = ("cuda", "ascend", "mlu")
+
+#: the granule of the fake backend the tests make: small, so tests run small
+G = 1 << 16
 
 
 def _reasons() -> dict[str, str]:
@@ -48,3 +54,15 @@ def graph_backend(request: pytest.FixtureRequest):
     be.close()
     assert leftover.zero, f"{be.name}: the test left {leftover} live (close() had to release it)"
     assert be.live.zero, f"{be.name}: still live after close(): {be.live}"
+
+
+@pytest.fixture
+def be() -> Iterator[hal.Backend]:
+    """A fresh fake backend with granule ``G``; objects the test dropped are collected before it closes.
+
+    A test file that needs another backend (a device, a simulator) defines its own ``be``.
+    """
+    backend = hal.get_backend("fake", granularity=G)
+    yield backend
+    gc.collect()
+    backend.close()

@@ -12,15 +12,7 @@ import graphkit
 import hal
 from hal.api import VMM_HOOKS
 from tests.allocator_machine import allocator_machine
-
-G = 1 << 16
-
-
-@pytest.fixture
-def be():
-    backend = hal.get_backend("fake", granularity=G)
-    yield backend
-    backend.close()
+from tests.conftest import G
 
 
 def test_the_documented_example_works_as_written() -> None:
@@ -72,7 +64,7 @@ def test_a_fault_in_any_driver_call_rolls_back(be: hal.Backend, hook: str, step:
     before = (be.live, a.physical_bytes, a.num_virtual_spaces, a.chunks, a.spaces)
     be.faults.fail(hook, nth=2 if hook == "map" else 1)
     action = {"switch": a.switch_to_new_virtual_space,
-              "extend": lambda: a.extend_mapping(2 * G),
+              "extend": lambda: a.precreate(2 * G),
               "release": lambda: a.release_virtual_space(s1)}[step]
     try:
         action()
@@ -103,14 +95,14 @@ def test_requests_beyond_the_reserved_space_raise_clearly(be: hal.Backend) -> No
     a.close()
 
 
-def test_capacity_limit_and_pool_callbacks_keep_the_reason(be: hal.Backend) -> None:
-    a = graphkit.SharedVMMAllocator(be, capacity=2 * G)
+def test_physical_limit_and_pool_callbacks_keep_the_reason(be: hal.Backend) -> None:
+    a = graphkit.SharedVMMAllocator(be, max_physical_bytes=2 * G)
     sid = a.switch_to_new_virtual_space()
     alloc, free = a.pool_callbacks(sid)
     assert alloc(G) != 0
-    with pytest.raises(hal.DeviceOutOfMemoryError, match="capacity"):
+    with pytest.raises(hal.DeviceOutOfMemoryError, match="max_physical_bytes"):
         alloc(4 * G)
-    assert "capacity" in (a.last_error or "")
+    assert "max_physical_bytes" in (a.last_error or "")
     free(12345, 1)  # unknown pointer: accepted, no exception
     assert a.physical_bytes == G
     a.close()

@@ -9,8 +9,7 @@ from hypothesis import strategies as st
 
 import graphkit
 import hal
-
-G = 1 << 16
+from tests.conftest import G
 
 #: values that are never a valid byte count: not ints, bools, negatives, beyond 64 bits
 NOT_A_SIZE = st.one_of(
@@ -149,8 +148,8 @@ BAD_CALLS = {
 @pytest.mark.parametrize("name", sorted(BAD_CALLS))
 def test_bad_values_of_sleep_elastic_and_pools_give_hal_errors(name: str) -> None:
     be = hal.get_backend("fake", granularity=G)
-    objects = {"be": be, "saver": graphkit.MemorySaver(be), "pool": graphkit.ElasticPool(be, reserve_bytes=8 * G),
-               "pools": graphkit.GraphPools(be)}
+    objects = {"be": be, "saver": graphkit.MemorySaver(be),
+               "pool": graphkit.ElasticReservation(be, reserve_bytes=8 * G), "pools": graphkit.GraphPools(be)}
     objects["pools"].pool(_BadEq())  # the next key of that hash gets compared with it
     before = be.live
     with pytest.raises(hal.InvalidArgumentError):

@@ -232,7 +232,7 @@ def test_a_declared_capability_without_its_hooks_is_dropped(caplog: pytest.LogCa
 
 
 def test_graph_runner_without_a_backend_runs_on_a_graph_backend(vmm_only: Any) -> None:
-    runner = graphkit.GraphRunner(step, sizes=[1, 2, 4], pool="vmm", progress=False)
+    runner = graphkit.GraphRunner(step, sizes=[1, 2, 4], kind="vmm", progress=False)
     try:
         assert runner.backend.name == "fake"
         runner.capture(x=torch.zeros(4, 8))

@@ -147,7 +147,7 @@ def test_outputs_of_a_vmm_pool_are_valid_until_the_next_replay(graph_backend: ha
 
 def test_capture_out_of_memory_leaves_everything_usable(graph_backend: hal.Backend,
                                                         caplog: pytest.LogCaptureFixture) -> None:
-    bench = Bench(graph_backend, sizes=[1, 4096], capacity=4 << 20)
+    bench = Bench(graph_backend, sizes=[1, 4096], max_physical_bytes=4 << 20)
     try:
         small = bench.capture(1)
         assert bench.check(1) < 1e-4
@@ -155,7 +155,7 @@ def test_capture_out_of_memory_leaves_everything_usable(graph_backend: hal.Backe
         with caplog.at_level(logging.ERROR):
             with pytest.raises((torch.OutOfMemoryError, hal.DeviceOutOfMemoryError)) as info:
                 bench.capture(4096)
-        assert "capacity" in caplog.text, "the allocator's reason is logged"
+        assert "max_physical_bytes" in caplog.text, "the allocator's reason is logged"
         if graph_backend.name == "cuda":
             assert isinstance(info.value, torch.OutOfMemoryError)
             assert any("no segment" in note for note in getattr(info.value, "__notes__", []))

@@ -1,4 +1,4 @@
-"""ElasticBuffer and ElasticPool on fake: growth in place, shrink, views, many ranges, graphs, sleep."""
+"""ElasticBuffer and ElasticReservation on fake: growth in place, shrink, views, many ranges, graphs, sleep."""
 
 from __future__ import annotations
 
@@ -12,22 +12,13 @@ import torch
 
 import graphkit
 import hal
-
-G = 1 << 16
-
-
-@pytest.fixture
-def be():
-    backend = hal.get_backend("fake", granularity=G)
-    yield backend
-    gc.collect()
-    backend.close()
+from tests.conftest import G
 
 
 def test_data_survives_growth_in_place(be: hal.Backend) -> None:
     buf = graphkit.ElasticBuffer(be, max_bytes=64 * G)
     ptr = buf.ptr
-    assert buf.capacity == 64 * G and buf.mapped_bytes == 0
+    assert buf.max_bytes == 64 * G and buf.mapped_bytes == 0
     buf.resize(3 * G - 5)  # rounded up to whole granules
     assert buf.mapped_bytes == 3 * G and be.live.chunks == 3
     first = buf.view(torch.float32, (3 * G // 4,))
@@ -45,7 +36,7 @@ def test_data_survives_growth_in_place(be: hal.Backend) -> None:
 
 
 def test_shrink_gives_chunks_back_and_respects_live_views(be: hal.Backend) -> None:
-    with graphkit.ElasticPool(be, reserve_bytes=64 * G) as pool:
+    with graphkit.ElasticReservation(be, reserve_bytes=64 * G) as pool:
         buf = pool.buffer(32 * G)
         buf.resize(8 * G)
         view = buf.view(torch.uint8, (6 * G,))
@@ -89,7 +80,7 @@ def test_bad_sizes_and_views_are_rejected(be: hal.Backend) -> None:
 
 
 def test_many_ranges_grow_from_pre_created_chunks(be: hal.Backend) -> None:
-    pool = graphkit.ElasticPool(be, reserve_bytes=256 * G, precreate_bytes=16 * G)
+    pool = graphkit.ElasticReservation(be, reserve_bytes=256 * G, precreate_bytes=16 * G)
     assert pool.created == 16 and pool.free_bytes == 16 * G
     buffers = [pool.buffer(32 * G) for _ in range(8)]
     with pytest.raises(hal.DeviceOutOfMemoryError, match="range left"):
@@ -243,7 +234,7 @@ def test_a_buffer_refused_by_its_saver_keeps_no_range(be: hal.Backend) -> None:
     for bad_tag in ("kv_cache", "", 3):
         with pytest.raises(hal.InvalidArgumentError):
             graphkit.ElasticBuffer(be, max_bytes=1 << 30, saver=saver, tag=bad_tag)  # type: ignore[arg-type]
-    pool = graphkit.ElasticPool(be, reserve_bytes=4 * G)
+    pool = graphkit.ElasticReservation(be, reserve_bytes=4 * G)
     for _ in range(2):  # the carved range goes back: the second try is refused for its tag, not for room
         with pytest.raises(hal.InvalidArgumentError, match="region"):
             pool.buffer(4 * G, saver=saver, tag="kv_cache")
@@ -258,7 +249,7 @@ def test_a_buffer_refused_by_its_saver_keeps_no_range(be: hal.Backend) -> None:
 def test_pool_close_racing_resizes_in_other_threads_never_deadlocks(be: hal.Backend) -> None:
     """Resizes take the buffer's lock, then the pool's; close() must not take them the other way round."""
     for _ in range(20):  # seven resizing threads and the closer
-        pool = graphkit.ElasticPool(be, reserve_bytes=112 * G)
+        pool = graphkit.ElasticReservation(be, reserve_bytes=112 * G)
         bufs = [pool.buffer(16 * G) for _ in range(7)]
         start = threading.Barrier(len(bufs) + 1)
 
@@ -277,7 +268,7 @@ def test_pool_close_racing_resizes_in_other_threads_never_deadlocks(be: hal.Back
         closer = threading.Thread(target=pool.close, daemon=True)
         closer.start()
         closer.join(10)
-        assert not closer.is_alive(), "ElasticPool.close() deadlocked against resize()"
+        assert not closer.is_alive(), "ElasticReservation.close() deadlocked against resize()"
         for t in threads:
             t.join(10)
             assert not t.is_alive()
@@ -298,7 +289,7 @@ def test_a_shrink_that_shrank_does_not_raise_and_the_chunk_is_released_later(be:
 
 def test_a_dropped_buffer_gives_its_memory_back_with_a_warning(be: hal.Backend,
                                                                caplog: pytest.LogCaptureFixture) -> None:
-    pool = graphkit.ElasticPool(be, reserve_bytes=16 * G)
+    pool = graphkit.ElasticReservation(be, reserve_bytes=16 * G)
     buf = pool.buffer(8 * G)
     buf.resize(3 * G)
     with caplog.at_level(logging.WARNING, logger="graphkit.elastic"):
@@ -321,7 +312,7 @@ def test_two_faults_in_a_rollback_keep_the_chunk_for_a_later_release(be: hal.Bac
     be.faults.fail("create_phy_mem_handle", nth=2)
     be.faults.fail("release_phy_mem_handle", nth=1)
     with pytest.raises(hal.DriverError, match="injected"):
-        graphkit.ElasticPool(be, reserve_bytes=8 * G, precreate_bytes=3 * G)
+        graphkit.ElasticReservation(be, reserve_bytes=8 * G, precreate_bytes=3 * G)
     assert be.live.zero, be.live  # the failed constructor kept nothing
     saver = graphkit.MemorySaver(be)
     kv = graphkit.ElasticBuffer(be, max_bytes=4 * G, saver=saver, tag="kv")
@@ -340,7 +331,7 @@ def test_two_faults_in_a_rollback_keep_the_chunk_for_a_later_release(be: hal.Bac
 
 
 def test_pool_close_goes_on_past_faults_and_a_second_close_finishes(be: hal.Backend) -> None:
-    pool = graphkit.ElasticPool(be, reserve_bytes=16 * G, precreate_bytes=8 * G)
+    pool = graphkit.ElasticReservation(be, reserve_bytes=16 * G, precreate_bytes=8 * G)
     a = pool.buffer(4 * G)
     a.resize(2 * G)
     b = pool.buffer(4 * G)

@@ -12,7 +12,7 @@ disagrees with its functional op, an output overlapping an input.
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,13 +26,6 @@ import hal
 from graphkit.bench.fakereplay import SmallOpModel
 from graphkit.bench.model import Decoder, DecoderConfig
 from graphkit.capture import weak_alias
-
-
-@pytest.fixture
-def be() -> Iterator[hal.Backend]:
-    backend = hal.get_backend("fake", granularity=1 << 16)
-    yield backend
-    backend.close()
 
 
 def capture(be: hal.Backend, fn: Callable[..., Any], *args: Any, pool: Any = None,

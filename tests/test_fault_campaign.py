@@ -25,8 +25,8 @@ import torch
 import graphkit
 import hal
 from hal.api import ALL_HOOKS, VMM_HOOKS
+from tests.conftest import G
 
-G = 1 << 16
 W = torch.randn(64, 64) / 8
 
 
@@ -100,7 +100,7 @@ def saver_scenario(be: hal.Backend) -> None:
 
 
 def elastic_scenario(be: hal.Backend) -> None:
-    pool = graphkit.ElasticPool(be, reserve_bytes=32 * G)
+    pool = graphkit.ElasticReservation(be, reserve_bytes=32 * G)
     try:
         buf = pool.buffer(16 * G)
         done = 0

@@ -13,16 +13,10 @@ import graphkit
 import hal
 from hal.backends._native.routing import GraphClassRouting
 from hal.types import Route
+from tests.conftest import G
 
-G = 1 << 16
 SIZES = [16, 8, 4, 2, 1]
 
-
-@pytest.fixture
-def be():
-    backend = hal.get_backend("fake", granularity=G)
-    yield backend
-    backend.close()
 
 
 def make_step(width: int = 256):
@@ -295,6 +289,7 @@ def test_shared_fallback_where_custom_pools_are_absent(caplog: pytest.LogCapture
     with caplog.at_level(logging.WARNING, logger="graphkit.graph_pools"):
         pools = graphkit.GraphPools(be)
     assert pools.kind == "shared" and "custom_pool" in caplog.text
+    assert "GraphPools falls back to one shared pool" in caplog.text  # the warning the runner gives, too
     a, b = pools.pool(1), pools.pool(2)
     assert a is not b and tuple(a) == tuple(b) and a.__hal_pool__ is b.__hal_pool__
     pools.close()
@@ -448,3 +443,14 @@ def test_torch_npu_captures_are_routed_through_the_ascend_glue(monkeypatch: pyte
         pools.collect()
         assert pools.keys == []
         pools.close()
+
+
+def test_the_reports_live_in_graphkit_report_and_keep_their_old_import_path() -> None:
+    import graphkit.graph_pools
+    import graphkit.report
+
+    for name in ("KeyReport", "PoolsReport", "RunnerReport", "SizeReport"):
+        cls = getattr(graphkit.report, name)
+        assert cls.__module__ == "graphkit.report" and getattr(graphkit, name) is cls
+    assert graphkit.graph_pools.KeyReport is graphkit.report.KeyReport
+    assert graphkit.graph_pools.PoolsReport is graphkit.report.PoolsReport

@@ -162,7 +162,7 @@ def test_routing_through_hal_capture_and_runner(be: hal.Backend) -> None:
     """GraphRunner's own captures go through hal and are routed the same way."""
     step = make_step()
     with graphkit.graph_memory(be) as pools:
-        runner = graphkit.GraphRunner(step, sizes=[1, 8, 32], backend=be, pool="private", progress=False)
+        runner = graphkit.GraphRunner(step, sizes=[1, 8, 32], backend=be, kind="private", progress=False)
         runner.capture(x=torch.zeros(32, 1024, device="cuda"))
     assert len(pools.report().keys) == 3
     x = torch.randn(5, 1024, device="cuda")

@@ -10,16 +10,6 @@ import torch
 import graphkit
 import hal
 
-G = 1 << 16
-
-
-@pytest.fixture
-def be():
-    backend = hal.get_backend("fake", granularity=G)
-    yield backend
-    gc.collect()
-    backend.close()
-
 
 def test_graph_memorys_own_keys_never_equal_an_engines_key(be: hal.Backend) -> None:
     pools = graphkit.GraphPools(be)

@@ -13,15 +13,6 @@ import hal
 from graphkit.isolation import foreign_uses
 from hal.types import GraphAddresses
 
-G = 1 << 16
-
-
-@pytest.fixture
-def be():
-    backend = hal.get_backend("fake", granularity=G)
-    yield backend
-    backend.close()
-
 
 def pieces(width: int = 256):
     gen = torch.Generator().manual_seed(0)

@@ -37,7 +37,7 @@ def test_the_documented_example(graph_backend: hal.Backend) -> None:
     dev = graph_backend.torch_device()
     W = torch.randn(256, 256, device=dev)
     def step(x): return torch.relu(x @ W) @ W.t()
-    runner = graphkit.GraphRunner(step, sizes=[1, 2, 4, 8, 16, 32, 64], backend=graph_backend, pool="vmm")
+    runner = graphkit.GraphRunner(step, sizes=[1, 2, 4, 8, 16, 32, 64], backend=graph_backend, kind="vmm")
     runner.capture(x=torch.zeros(64, 256, device=dev))
     for n in [3, 64, 1, 17, 50, 8]:
         x = torch.randn(n, 256, device=dev)
@@ -45,7 +45,7 @@ def test_the_documented_example(graph_backend: hal.Backend) -> None:
         torch.testing.assert_close(runner(x=x), step(x), rtol=1e-4, atol=1e-3)
     assert runner(x=torch.randn(100, 256, device=dev)).shape == (100, 256)
     text = str(runner.report())
-    assert "7 size(s) captured" in text and "pool=vmm" in text
+    assert "7 size(s) captured" in text and "kind=vmm" in text
     runner.close()
 
 
@@ -53,7 +53,7 @@ def run_workload(be: hal.Backend, pool: str, order: str, sizes=SIZES) -> tuple[i
     """Capture in ``order`` (or on demand), check outputs; return (graph memory, chunk bytes, correct)."""
     dev = be.torch_device()
     step = mlp(dev)
-    runner = graphkit.GraphRunner(step, sizes=sizes, backend=be, pool=pool, on_demand=order == "on-demand",
+    runner = graphkit.GraphRunner(step, sizes=sizes, backend=be, kind=pool, on_demand=order == "on-demand",
                                   progress=False)
     runner.capture(order="descending" if order == "on-demand" else order, seed=3,
                    x=torch.zeros(max(sizes), WIDTH, device=dev))
@@ -64,7 +64,7 @@ def run_workload(be: hal.Backend, pool: str, order: str, sizes=SIZES) -> tuple[i
         x = torch.randn(n, WIDTH, device=dev)
         correct &= close_to(runner(x=x), step(x))
     assert runner.captured_sizes == sorted(sizes)
-    memory = runner.graph_memory()
+    memory = runner.graph_bytes()
     chunks = runner.strategy.figures().get("chunk_bytes", 0)
     runner.close()
     return memory, chunks, correct
@@ -254,8 +254,9 @@ class NoCustomPool(FakeBackend):
 def test_vmm_falls_back_to_a_shared_pool_with_a_warning(caplog) -> None:
     be = hal.Backend("nocustompool", NoCustomPool(granularity=1 << 16))
     with caplog.at_level(logging.WARNING, logger="graphkit.pools"):
-        runner = graphkit.GraphRunner(lambda x: x * 3, sizes=[2, 4], backend=be, pool="vmm", progress=False)
-    assert runner.pool == "shared" and "custom_pool" in caplog.text
+        runner = graphkit.GraphRunner(lambda x: x * 3, sizes=[2, 4], backend=be, kind="vmm", progress=False)
+    assert runner.kind == "shared" and "custom_pool" in caplog.text
+    assert "GraphRunner falls back to one shared pool" in caplog.text
     runner.capture(x=torch.zeros(4, 2))
     assert torch.equal(runner(x=torch.ones(1, 2)), torch.full((1, 2), 3.0))
     runner.close()

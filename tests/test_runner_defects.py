@@ -13,15 +13,7 @@ import torch
 
 import graphkit
 import hal
-
-G = 1 << 16
-
-
-@pytest.fixture
-def be():
-    backend = hal.get_backend("fake", granularity=G)
-    yield backend
-    backend.close()
+from tests.conftest import G
 
 
 def test_a_call_that_wants_gradients_runs_eagerly_and_the_runner_keeps_working(be: hal.Backend) -> None:
@@ -68,7 +60,7 @@ def test_strict_hygiene_releases_the_graph_it_rejects(be: hal.Backend, pool: str
         cache.setdefault("table", torch.ones(512, 4))  # born in the capture and kept
         return x + cache["table"][: x.shape[0]]
 
-    runner = graphkit.GraphRunner(step, sizes=[4], backend=be, pool=pool, progress=False, warmup=0,
+    runner = graphkit.GraphRunner(step, sizes=[4], backend=be, kind=pool, progress=False, warmup=0,
                                   strict_hygiene=True)
     with pytest.raises(graphkit.CaptureHygieneError):
         runner.capture(x=torch.zeros(4, 4))
@@ -130,7 +122,7 @@ def test_close_racing_calls_gives_hal_errors_only(be: hal.Backend) -> None:
 def test_eight_threads_call_capture_and_release_while_close_arrives(be: hal.Backend, pool: str) -> None:
     """Six callers capturing on demand, two releasing sizes; close() arrives mid-way."""
     w = torch.randn(32, 32)
-    runner = graphkit.GraphRunner(lambda x: torch.tanh(x @ w), sizes=[1, 2, 4, 8, 16], backend=be, pool=pool,
+    runner = graphkit.GraphRunner(lambda x: torch.tanh(x @ w), sizes=[1, 2, 4, 8, 16], backend=be, kind=pool,
                                   progress=False, on_demand=True)
     runner.capture(x=torch.zeros(16, 32))
     errors: list[BaseException] = []

@@ -12,13 +12,6 @@ import hal
 from graphkit import GraphRunner, RunnerOptions
 
 
-@pytest.fixture
-def be():
-    backend = hal.get_backend("fake", granularity=1 << 16)
-    yield backend
-    backend.close()
-
-
 def step(x: torch.Tensor) -> torch.Tensor:
     return torch.tanh(x) * 2
 

@@ -11,16 +11,7 @@ import torch
 import graphkit
 import hal
 from hal.backends.fake import FakeBackend
-
-G = 1 << 16
-
-
-@pytest.fixture
-def be():
-    backend = hal.get_backend("fake", granularity=G)
-    yield backend
-    gc.collect()
-    backend.close()
+from tests.conftest import G
 
 
 def rss_bytes() -> int:

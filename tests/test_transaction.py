@@ -6,8 +6,7 @@ import pytest
 
 import hal
 from graphkit.transaction import Transaction, map_run, release_or_keep, unmap_run
-
-G = 1 << 16
+from tests.conftest import G
 
 
 def test_commit_keeps_every_step_and_an_exception_undoes_them_last_first() -> None:

@@ -2,7 +2,7 @@
 
 * Grow latency per granule, each the median over many single-granule grows of
   a :class:`graphkit.ElasticBuffer`: (a) mapping chunks pre-created into an
-  :class:`graphkit.ElasticPool`'s free list, (b) with a fresh physical
+  :class:`graphkit.ElasticReservation`'s free list, (b) with a fresh physical
   allocation per granule, and (c) the baseline measured in the same run,
   interleaved with them: a bare ``be.map`` of one granule (on CUDA hal's map
   is ``cuMemMap`` + ``cuMemSetAccess``). These are host-side driver calls,
@@ -181,10 +181,10 @@ def grow_cases(be: hal.Backend, granules: int, rounds: int) -> dict[str, Any]:
     base_ptr = be.create_vir_ptr(granules * g)
     handles = [be.create_phy_mem_handle(g) for _ in range(granules)]
     # (a) the free list: every chunk pre-created
-    warm = graphkit.ElasticPool(be, reserve_bytes=granules * g, precreate_bytes=granules * g)
+    warm = graphkit.ElasticReservation(be, reserve_bytes=granules * g, precreate_bytes=granules * g)
     warm_buf = warm.buffer(granules * g)
     # (b) fresh: nothing pre-created, the free list emptied after every round
-    cold = graphkit.ElasticPool(be, reserve_bytes=granules * g)
+    cold = graphkit.ElasticReservation(be, reserve_bytes=granules * g)
     cold_buf = cold.buffer(granules * g)
     bare, free_list, fresh = [], [], []
     driver_allocs = {"free_list": 0, "fresh": 0}

@@ -124,7 +124,7 @@ def measure(be: hal.Backend, name: str, fn: Callable[..., Any], inputs: dict[str
             fn(**inputs)
 
     graph, out = graph_of(be, fn, inputs)
-    runner = graphkit.GraphRunner(fn, [batch], backend=be, pool="shared", outputs="view", progress=False)
+    runner = graphkit.GraphRunner(fn, [batch], backend=be, kind="shared", outputs="view", progress=False)
     runner.capture(inputs)
     try:
         for _ in range(2):  # all three agree before anything is timed

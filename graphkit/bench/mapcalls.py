@@ -16,7 +16,7 @@ cfg = DecoderConfig(hidden=256, layers=4, heads=8, kv_heads=4, head_dim=32, mlp=
 for order in ("descending", "ascending"):
     be = hal.get_backend("fake", requires=("graphs", "custom_pool"), granularity=64 << 10)
     model = Decoder(cfg, max(sizes), be.torch_device())
-    runner = graphkit.GraphRunner(model.step, sizes, backend=be, pool="vmm", progress=False)
+    runner = graphkit.GraphRunner(model.step, sizes, backend=be, kind="vmm", progress=False)
     runner.capture(model.example_inputs(max(sizes)), order=order)
     assert isinstance(runner.strategy, VmmPools)
     alloc = runner.strategy.allocator

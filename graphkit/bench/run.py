@@ -154,7 +154,7 @@ class Bench:
         result: dict[str, Any] = {
             "strategy": strategy,
             "order": order,
-            "graph_memory_bytes": runner.graph_memory(),
+            "graph_memory_bytes": runner.graph_bytes(),
             "capture_seconds": report.capture_seconds,
             "capture_wall_seconds": wall,
             "verified_graphs": runner.verify_stats.graphs, "inspected_nodes": runner.verify_stats.nodes,
@@ -192,9 +192,9 @@ class Bench:
     def run_largest_alone(self) -> int:
         release_cached_memory(self.be)
         runner = graphkit.GraphRunner(self.model.step, [max(self.cfg.sizes)], backend=self.be,
-                                      fill=self.model.padding(), progress=False, pool="vmm", measure_memory=True)
+                                      fill=self.model.padding(), progress=False, kind="vmm", measure_memory=True)
         runner.capture(self.inputs[max(self.cfg.sizes)])
-        memory = runner.graph_memory()
+        memory = runner.graph_bytes()
         runner.close()
         return memory
 

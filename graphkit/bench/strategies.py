@@ -7,13 +7,13 @@ from typing import Any
 #: name -> GraphRunner options
 STRATEGIES: dict[str, dict[str, Any]] = {
     # a pool per graph: torch's default for torch.cuda.graph without pool=
-    "private": {"pool": "private"},
+    "private": {"kind": "private"},
     # one pool, largest first, the runner keeps every graph's outputs (SGLang, nano-vllm)
-    "shared-kept": {"pool": "shared", "keep_outputs": "strong"},
+    "shared-kept": {"kind": "shared", "keep_outputs": "strong"},
     # one pool, largest first, outputs held by non-owning references (vLLM)
-    "shared-weakref": {"pool": "shared", "keep_outputs": "weak"},
+    "shared-weakref": {"kind": "shared", "keep_outputs": "weak"},
     # a fresh virtual space per capture over one set of physical chunks (graphkit)
-    "vmm": {"pool": "vmm"},
+    "vmm": {"kind": "vmm"},
 }
 
 ORDERS = ("descending", "ascending", "random", "on-demand")
