@@ -6,7 +6,7 @@ same decoder (Llama/Qwen3-shaped, random weights from a seed) runs the
 same requests with three ways of holding the cache:
 
 * ``elastic``: :class:`graphkit.ElasticBuffer` ranges (one per layer's K
-  and V, vAttention style, carved from one :class:`graphkit.ElasticPool`,
+  and V, vAttention style, carved from one :class:`graphkit.ElasticReservation`,
   so each layer's K and V stay contiguous) resized to the blocks in use.
   The attention reads the cache through a block table over
   ``view(..., whole_range=True)``: the address never moves and growth maps
@@ -277,7 +277,7 @@ class ElasticCache(KVCache):
         super().__init__(be, cfg, wl, meter)
         g, L = be.granularity, cfg.layers
         range_bytes = self.max_blocks * self.block_bytes
-        self.pool = graphkit.ElasticPool(be, reserve_bytes=2 * L * round_up(range_bytes, g))
+        self.pool = graphkit.ElasticReservation(be, reserve_bytes=2 * L * round_up(range_bytes, g))
         self.buffers = [self.pool.buffer(range_bytes) for _ in range(2 * L)]
         views = [b.view(cfg.torch_dtype, (self.max_blocks, *self.block_shape), whole_range=True)
                  for b in self.buffers]

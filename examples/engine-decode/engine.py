@@ -176,7 +176,7 @@ class Engine:
         # paged KV cache: every sequence can hold max_model_len tokens; the scratch block is the one that
         # padded rows read and write, so they never touch a live sequence
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
-        self.kv_pool: graphkit.ElasticPool | None = None
+        self.kv_pool: graphkit.ElasticReservation | None = None
         self.kv_buffers: list[graphkit.ElasticBuffer] = []
         if kv == "static":
             self.num_blocks = max_batch * self.max_blocks_per_seq + 1
@@ -226,7 +226,7 @@ class Engine:
                                            "and one more)", backend=be.name, call="Engine")
         self.kv_max_blocks = max_blocks
         range_bytes = max_blocks * self.kv_block_bytes
-        self.kv_pool = graphkit.ElasticPool(be, reserve_bytes=2 * cfg.layers * round_up(range_bytes, g))
+        self.kv_pool = graphkit.ElasticReservation(be, reserve_bytes=2 * cfg.layers * round_up(range_bytes, g))
         self.kv_buffers = [self.kv_pool.buffer(range_bytes) for _ in range(2 * cfg.layers)]
         # the views span the whole reservation; the block tables only ever name mapped blocks
         shape = (max_blocks, self.block_size, cfg.kv_heads, cfg.head_dim)
