@@ -285,9 +285,9 @@ def test_pausing_graphs_under_nccl_with_graph_register_on_warns_once(monkeypatch
 
     import torch.distributed as dist
 
-    from graphkit import saver as saver_module
+    from graphkit import _nccl
 
-    monkeypatch.setattr(saver_module, "_nccl_warned", False)
+    monkeypatch.setattr(_nccl, "_warned", False)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     be = hal.get_backend("fake", granularity=G)
