@@ -180,7 +180,6 @@ class Region:
         release_or_keep(self.backend, handle, self.zombies)
 
 
-
 class RegionMemory:
     """Every region of one saver: their pools, the segments the framework gets from them, and what failed to go.
 

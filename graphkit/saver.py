@@ -35,6 +35,7 @@ import hal
 from graphkit._nccl import warn_graph_register
 from graphkit._regions import Region, RegionMemory
 from graphkit.closing import Closable, raise_first_failure
+from graphkit.deprecation import renamed
 from hal.types import fmt_bytes
 
 log = logging.getLogger("graphkit.saver")
@@ -80,11 +81,17 @@ class TagReport:
     tag: str
     paused: bool
     backup: bool
-    bytes: int  # virtual bytes the tag covers (its physical memory while awake)
+    footprint_bytes: int  # physical bytes the tag holds while awake (what a pause releases), paused or not
     host_bytes: int  # host memory holding its backup
     last_pause_s: float | None = None
     last_resume_s: float | None = None
     pin_s: float = 0.0  # time spent making its backup buffers (pinned host memory), mostly off the pause path
+
+    @property
+    def bytes(self) -> int:
+        """Deprecated spelling of :attr:`footprint_bytes`."""
+        renamed("TagReport.bytes", "footprint_bytes")
+        return self.footprint_bytes
 
 
 
@@ -416,7 +423,7 @@ class MemorySaver(Closable):
     # -- figures and teardown -----------------------------------------------------------------
 
     def report(self) -> list[TagReport]:
-        """Each tag: paused or not, its bytes, its host backup, the last pause and resume seconds."""
+        """Each tag: paused or not, its footprint, its host backup, the last pause and resume seconds."""
         with self._lock:
             out = []
             for tag in self.tags:
