@@ -94,8 +94,6 @@ class TagReport:
         return self.footprint_bytes
 
 
-
-
 def _roll_back(done: list[Sleeper], undo: Callable[[Sleeper], object], failure: str) -> None:
     """Undo a tag's step on the sleepers it was done to, last first; an undo that fails is logged, the rest still run.
 
@@ -187,7 +185,7 @@ class MemorySaver(Closable):
         self._lock = threading.RLock()
         self._paused: set[str] = set()
         self._memory = RegionMemory(self.backend, self._lock, self._paused, pin_backups)  # what region() hands out
-        self._regions: dict[str, Region] = self._memory.regions
+        self._regions: dict[str, Region] = self._memory.regions  # tag -> its region (the same dict)
         self._sleepers: dict[str, list[Sleeper]] = {}  # tag -> graphkit objects that sleep (allocators, buffers)
         self._times: dict[str, tuple[float | None, float | None]] = {}
         self._guard = _AwakeGuard()
@@ -281,14 +279,16 @@ class MemorySaver(Closable):
             raise hal.InvalidStateError(f"tag {tag!r} is paused: resume it first", backend=self.backend.name,
                                         call=call)
 
-    def awake(self, tag: str, call: str = "MemorySaver.awake") -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def awake(self, tag: str, call: str = "MemorySaver.awake") -> Iterator[None]:
         """A block during which ``tag`` stays awake: a pause of it waits for the block to end.
 
         Keep it short (one replay). :raises hal.InvalidStateError: ``tag`` is
         paused (the pause was first).
         """
         tag = self._check_tag(tag, "awake")
-        return self._guard.hold(tag, lambda: self._refuse_paused(tag, call))
+        with self._guard.hold(tag, lambda: self._refuse_paused(tag, call)):
+            yield
 
     @property
     def tags(self) -> list[str]:
