@@ -64,8 +64,14 @@ class SpaceArenas:
         """Virtual address space reserved from the driver."""
         return sum(a.size for a in self.arenas)
 
-    def carve(self, size: int, tx: Transaction) -> tuple[Arena, int]:
-        """A range of ``size`` bytes from an arena, reserving a new arena when none has room."""
+    def carve(self, size: int) -> tuple[Arena, int]:
+        """A range of ``size`` bytes from an arena, reserving a new arena when none has room (all or nothing)."""
+        with Transaction() as tx:
+            arena, start = self._carve(size, tx)
+            tx.commit()
+        return arena, start
+
+    def _carve(self, size: int, tx: Transaction) -> tuple[Arena, int]:
         for arena in self.arenas:
             start = arena.take(size)
             if start is not None:

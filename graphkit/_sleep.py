@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import hal
 from graphkit._chunks import SharedChunks
 from graphkit.transaction import Transaction
 
@@ -23,6 +24,13 @@ class SpacesSleep:
         self.chunks = chunks
         self.spaces = spaces
         self.paused = False  # some memory is released or unmapped: nothing may use the spaces
+
+    def check_awake(self, call: str) -> None:
+        """Raise :class:`hal.InvalidStateError` for ``call`` while paused."""
+        if self.paused:
+            raise hal.InvalidStateError("the allocator's physical memory is released (paused): resume its "
+                                        "MemorySaver tag, or call restore_physical(), first",
+                                        backend=self.chunks.backend.name, call=call)
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Transaction]:

@@ -38,10 +38,10 @@ from graphkit._arenas import Arena, SpaceArenas
 from graphkit._chunks import SharedChunks
 from graphkit._deferred import DeferredRelease
 from graphkit._parking import Parking
+from graphkit._pool_callbacks import PoolCallbacks
 from graphkit._sleep import SpacesSleep
 from graphkit.closing import Closable, raise_first_failure
 from graphkit.deprecation import renamed
-from graphkit.transaction import Transaction
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.allocator")
@@ -91,13 +91,21 @@ class VirtualSpace:
         self.sealed = True
 
 
-def _check_sizes(backend: hal.Backend, **sizes: int | None) -> None:
-    """The allocator's byte sizes: each None or a positive int below 2**64."""
-    for name, value in sizes.items():
+def _address_sizes(backend: hal.Backend, reserve_bytes: int | None, arena_bytes: int | None,
+                   max_physical_bytes: int | None) -> tuple[int, int]:
+    """Check the allocator's byte sizes (each None or a positive int below 2**64); return its
+    ``(reserve_bytes, arena_bytes)``, defaults filled in and rounded up to the granularity."""
+    g = backend.granularity
+    if reserve_bytes is None:
+        reserve_bytes = backend.mem_info().total
+    for name, value in (("reserve_bytes", reserve_bytes), ("arena_bytes", arena_bytes),
+                        ("max_physical_bytes", max_physical_bytes)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                   or not 0 < value < 1 << 64):
             raise hal.InvalidArgumentError(f"{name}={value!r} must be a positive int of bytes below 2**64",
                                            backend=backend.name, call="SharedVMMAllocator")
+    reserve_bytes = round_up(reserve_bytes, g)
+    return reserve_bytes, max(round_up(arena_bytes or ARENA_SPACES * reserve_bytes, g), reserve_bytes)
 
 
 def _check_allocation(backend: hal.Backend, nbytes: int, alignment: int) -> None:
@@ -131,8 +139,7 @@ class SharedVMMAllocator(Closable):
     It keeps the spaces, their bump pointers and the lazy mapping of chunks
     into them, and composes the rest: arenas, chunks, sleep, deferred release, parking.
 
-    :param backend: a :class:`hal.Backend` (any vendor); the allocator only
-        uses its vmm methods.
+    :param backend: a :class:`hal.Backend` (any vendor); the allocator only uses its vmm methods.
     :param reserve_bytes: how far one space can grow while it is open;
         defaults to the device's total memory (a graph can never need more),
         rounded to the granularity.
@@ -151,13 +158,8 @@ class SharedVMMAllocator(Closable):
             if max_physical_bytes is None:
                 max_physical_bytes = capacity
         self.backend = backend
-        self.granularity = g = backend.granularity
-        if reserve_bytes is None:
-            reserve_bytes = backend.mem_info().total
-        _check_sizes(backend, reserve_bytes=reserve_bytes, arena_bytes=arena_bytes,
-                     max_physical_bytes=max_physical_bytes)
-        self.reserve_bytes = round_up(reserve_bytes, g)
-        self.arena_bytes = max(round_up(arena_bytes or ARENA_SPACES * self.reserve_bytes, g), self.reserve_bytes)
+        self.granularity = backend.granularity
+        self.reserve_bytes, self.arena_bytes = _address_sizes(backend, reserve_bytes, arena_bytes, max_physical_bytes)
         self.max_physical_bytes = max_physical_bytes
         self._lock = threading.RLock()
         self._spaces: dict[int, VirtualSpace] = {}
@@ -166,13 +168,11 @@ class SharedVMMAllocator(Closable):
         self._sleep = SpacesSleep(self._chunks, self._spaces)
         self._deferred = DeferredRelease(self._spaces, self.release_virtual_space)
         self._parking = Parking(backend)
+        self._pool_callbacks = PoolCallbacks(self.allocate, self.deallocate)
         self._ids = itertools.count(1)
         self.current: int | None = None
-        self.last_error: str | None = None
         self._closed = False
         self.backup = False  # graph memory needs no backup: every replay writes it afresh
-
-    # -- figures ------------------------------------------------------------------
 
     @property
     def physical_bytes(self) -> int:
@@ -245,27 +245,20 @@ class SharedVMMAllocator(Closable):
     def _check_open(self, call: str, awake: bool = False) -> None:
         if self._closed:
             raise hal.InvalidStateError("the allocator is closed", backend=self.backend.name, call=call)
-        if awake and self._sleep.paused:
-            raise hal.InvalidStateError("the allocator's physical memory is released (paused): resume its "
-                                        "MemorySaver tag, or call restore_physical(), first",
-                                        backend=self.backend.name, call=call)
-
-    # -- sleep and wake (a graphkit.Sleeper) ----------------------------------------------
+        if awake:
+            self._sleep.check_awake(call)
 
     @property
     def paused(self) -> bool:
-        """Whether any of its memory is released or unmapped: nothing of its spaces may run until it is restored.
-
-        Also true after a failed pause whose rollback could not map everything back.
-        """
+        """Whether any of its memory is released or unmapped (or a failed pause left a hole): nothing may run on it."""
         return self._sleep.paused
 
     def release_physical(self) -> int:
         """Unmap every chunk from every space and release them all; spaces keep their addresses.
 
-        Returns the bytes released. No graph of the spaces may replay until
-        :meth:`restore_physical`. Idempotent; a driver failure half-way maps
-        back what was unmapped. A chunk whose release fails is released later.
+        Returns the bytes released. No graph of the spaces may replay until :meth:`restore_physical`.
+        Idempotent; a driver failure half-way maps back what was unmapped (what will not map back stays
+        recorded, and the allocator paused). A chunk whose release fails is kept and released later.
         """
         with self._lock:
             self._check_open("release_physical")
@@ -274,29 +267,24 @@ class SharedVMMAllocator(Closable):
     def restore_physical(self, restore: bool = True) -> None:
         """Create the chunks again and map them where they were: every space at the same addresses.
 
-        Graph memory keeps no backup: ``restore`` changes nothing. All or
-        nothing: a failure releases what this call made and leaves it paused, to retry.
+        Graph memory keeps no backup: ``restore`` changes nothing. All or nothing: a failure (out of
+        memory, a driver fault) releases what this call made and leaves the allocator paused, to retry.
         """
         with self._lock:
             self._check_open("restore_physical")
             self._sleep.restore()
 
-    # -- spaces -------------------------------------------------------------------------
-
     def switch_to_new_virtual_space(self) -> int:
         """Seal the current space, open a new one and make it current; return its id.
 
-        No chunk is mapped yet: chunks are mapped as allocations reach them.
-        """
+        No chunk is mapped yet: chunks are mapped as allocations reach them."""
         with self._lock:
             self._check_open("switch_to_new_virtual_space", awake=True)
             self._deferred.reap()
             self._chunks.retry()
             if self.current is not None:
                 self.seal(self.current)
-            with Transaction() as tx:
-                arena, base = self._arenas.carve(self.reserve_bytes, tx)
-                tx.commit()
+            arena, base = self._arenas.carve(self.reserve_bytes)
             space = VirtualSpace(next(self._ids), base, self.reserve_bytes, arena)
             self._spaces[space.id] = space
             self.current = space.id
@@ -306,8 +294,7 @@ class SharedVMMAllocator(Closable):
     def seal(self, space_id: int) -> None:
         """Trim a space to what it used (at least one granule); it cannot grow afterwards.
 
-        Called for the current space when the next one opens. Allocations
-        that still fit in the sealed size keep working.
+        Called for the current space when the next one opens; allocations that still fit keep working.
         """
         with self._lock:
             space = self._live_space(space_id, "seal")
@@ -325,8 +312,7 @@ class SharedVMMAllocator(Closable):
     def release_virtual_space(self, space_id: int) -> None:
         """Unmap and free one space; chunks no remaining space needs are released too.
 
-        All or nothing: a failed unmap maps back what this call unmapped and
-        the space stays, to release again.
+        All or nothing: a failed unmap maps back what this call unmapped and the space stays, to release again.
         """
         with self._lock:
             self._check_open("release_virtual_space")
@@ -339,8 +325,6 @@ class SharedVMMAllocator(Closable):
             self._arenas.give_back(space.arena, space.base, space.size)
             self._chunks.trim(max((s.mapped for s in self._spaces.values()), default=0))
 
-    # -- physical memory ---------------------------------------------------------------
-
     @property
     def capacity(self) -> int | None:
         """Deprecated spelling of :attr:`max_physical_bytes`."""
@@ -350,8 +334,8 @@ class SharedVMMAllocator(Closable):
     def precreate(self, nbytes: int) -> None:
         """Create chunks for ``nbytes`` more physical memory (all or nothing), mapped nowhere yet.
 
-        Spaces map them as their allocations reach them; creating them ahead
-        takes the driver's allocation off the capture.
+        Spaces map them as their allocations reach them; creating them ahead takes the driver's
+        allocation off the capture.
         """
         with self._lock:
             self._check_open("precreate", awake=True)
@@ -372,19 +356,15 @@ class SharedVMMAllocator(Closable):
                 self._chunks.ensure(index, tx)
                 self._chunks.grow(space, index, tx)
 
-    # -- allocation -------------------------------------------------------------------------
-
     def allocate(self, nbytes: int, alignment: int = hal.ALLOCATION_ALIGNMENT, space_id: int | None = None) -> int:
         """Bump-allocate ``nbytes`` in a space (the current one by default); return the address."""
         with self._lock:
             self._check_open("allocate", awake=True)
             sid = self.current if space_id is None else space_id
-            space = self._spaces.get(sid) if sid is not None else None
-            if space is None:
-                raise hal.InvalidStateError(
-                    "no live virtual space to allocate in; call switch_to_new_virtual_space() first"
-                    if sid is None else f"space_id={sid} is not a live virtual space",
-                    backend=self.backend.name, call="allocate")
+            if sid is None:
+                raise hal.InvalidStateError("no live virtual space to allocate in; call switch_to_new_virtual_space() "
+                                            "first", backend=self.backend.name, call="allocate")
+            space = self._live_space(sid, "allocate")
             _check_allocation(self.backend, nbytes, alignment)
             start, end = space.next_block(nbytes, alignment, self.backend)
             self._map_up_to(space, -(-end // self.granularity))
@@ -393,11 +373,7 @@ class SharedVMMAllocator(Closable):
             return space.base + start
 
     def deallocate(self, ptr: int) -> None:
-        """Accept a free: a no-op, memory of a bump region is reclaimed with its space.
-
-        A space whose release was deferred is released at the allocator's next
-        operation after its last free (see :class:`~graphkit._deferred.DeferredRelease`).
-        """
+        """Accept a free: it only counts (a bump region's memory goes with its space), so it may come at any moment."""
         with self._lock:
             self._deferred.free(ptr)
 
@@ -410,39 +386,20 @@ class SharedVMMAllocator(Closable):
     def release_when_idle(self, space_id: int) -> bool:
         """Release a space now if nothing allocated in it is live, else when its last block is freed.
 
-        Returns whether it was released now. A space whose memory a tensor
-        still uses must not be unmapped: the next space would reuse the
-        addresses under that tensor.
+        Returns whether it was released now. A space whose memory a tensor still uses must not be
+        unmapped: the next space would reuse the addresses under that tensor.
         """
         with self._lock:
             return self._deferred.release_when_idle(self._live_space(space_id, "release_when_idle"))
 
     def pool_callbacks(self, space_id: int) -> tuple[Callable[[int], int], Callable[[int, int], None]]:
-        """``(alloc, free)`` for :meth:`hal.Backend.create_pool`, bound to one space.
+        """``(alloc, free)`` for :meth:`hal.Backend.create_pool`, bound to one space (see :attr:`last_error`)."""
+        return self._pool_callbacks.bound_to(space_id)
 
-        ``alloc`` raises the allocator's error (e.g. :class:`hal.DeviceOutOfMemoryError`)
-        after logging it and keeping it in :attr:`last_error`; the backend's
-        glue turns that into the framework's own out-of-memory error, with
-        this reason attached, and never lets it reach native code.
-        """
-
-        def alloc(nbytes: int) -> int:
-            try:
-                return self.allocate(nbytes, alignment=hal.ALLOCATION_ALIGNMENT, space_id=space_id)
-            except Exception as exc:
-                self.last_error = str(exc)
-                log.error("graph pool allocation of %s failed: %s", fmt_bytes(nbytes), str(exc))
-                raise
-
-        def free(ptr: int, nbytes: int) -> None:
-            try:
-                self.deallocate(ptr)
-            except Exception as exc:  # noqa: BLE001  # pragma: no cover - deallocate does not raise; a free must not raise into torch
-                log.error("graph pool free failed: %s", str(exc))
-
-        return alloc, free
-
-    # -- teardown ---------------------------------------------------------------------------
+    @property
+    def last_error(self) -> str | None:
+        """Why the last allocation a pool callback asked for failed (logged too); None until one fails."""
+        return self._pool_callbacks.last_error
 
     @property
     def closed(self) -> bool:
@@ -451,14 +408,13 @@ class SharedVMMAllocator(Closable):
     def close(self, park_live: bool = False) -> None:
         """Unmap every space, free the arenas, release every chunk. Idempotent.
 
-        Goes on past driver failures and raises the first; what failed stays
-        recorded, and calling ``close()`` again finishes the job.
+        Goes on past driver failures and raises the first; what failed stays recorded, and calling
+        ``close()`` again finishes the job.
 
-        :param park_live: a space that a framework tensor still uses (a view
-            output kept after its graph) is *parked* instead: its range stays
-            reserved and mapped to one scratch chunk, so reading the tensor
-            gives garbage instead of a fault. Parked memory (one granule, and
-            the ranges) is given back only by :meth:`hal.Backend.close`.
+        :param park_live: a space that a framework tensor still uses (a view output kept after its
+            graph) is *parked* instead: its range stays reserved and mapped to one scratch chunk, so
+            reading the tensor gives garbage instead of a fault. Parked memory (one granule, and the
+            ranges) is given back only by :meth:`hal.Backend.close`.
         """
         with self._lock:
             if self._closed:
