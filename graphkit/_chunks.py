@@ -45,11 +45,6 @@ class SharedChunks:
         return sum(h is not None for h in self.handles) * self.granularity
 
     @property
-    def footprint_bytes(self) -> int:
-        """Bytes of the chunks held while awake."""
-        return len(self.handles) * self.granularity
-
-    @property
     def held(self) -> list[Any]:
         """The handles held, in chunk order."""
         return [h for h in self.handles if h is not None]

@@ -22,6 +22,15 @@ nothing leaks. Where an undo step fails too, the record of what is mapped
 stays exact (a granule that would not map back is a *hole* of its space, and
 the allocator reads :attr:`~SharedVMMAllocator.paused` until
 :meth:`~SharedVMMAllocator.restore_physical` maps it).
+
+The allocator keeps the spaces, their bump pointers and the lazy mapping;
+each other concept is a small private collaborator it composes:
+``graphkit._arenas`` (the reservations spaces are carved from),
+``graphkit._chunks`` (the shared chunks, the driver steps that map them, and
+the chunks whose release failed), ``graphkit._sleep`` (pause and resume),
+``graphkit._deferred`` (a space released after its last free),
+``graphkit._parking`` (spaces a tensor still uses, kept at close) and
+``graphkit._pool_callbacks`` (what a backend's pool calls).
 """
 
 from __future__ import annotations
@@ -137,7 +146,7 @@ class SharedVMMAllocator(Closable):
     """Bump allocator over virtual spaces that all map the same physical chunks.
 
     It keeps the spaces, their bump pointers and the lazy mapping of chunks
-    into them, and composes the rest: arenas, chunks, sleep, deferred release, parking.
+    into them, and composes the rest: arenas, chunks, sleep, deferred release, parking, pool callbacks.
 
     :param backend: a :class:`hal.Backend` (any vendor); the allocator only uses its vmm methods.
     :param reserve_bytes: how far one space can grow while it is open;
@@ -182,7 +191,22 @@ class SharedVMMAllocator(Closable):
     @property
     def footprint_bytes(self) -> int:
         """Physical bytes it holds while awake (what a pause releases)."""
-        return self._chunks.footprint_bytes
+        return len(self._chunks.handles) * self.granularity
+
+    @property
+    def chunks(self) -> list[Any]:
+        """Physical handles held, chunk ``i`` at offset ``i * granularity`` of every space that reaches it."""
+        return self._chunks.held
+
+    @property
+    def pending_release(self) -> int:
+        """Chunks mapped nowhere whose release failed and will be retried."""
+        return len(self._chunks.pending)
+
+    @property
+    def parked_bytes(self) -> int:
+        """Address space left over a scratch chunk at close (tensors still used it)."""
+        return self._parking.bytes
 
     @property
     def reserved_bytes(self) -> int:
@@ -208,11 +232,6 @@ class SharedVMMAllocator(Closable):
         return dict(self._spaces)
 
     @property
-    def chunks(self) -> list[Any]:
-        """Physical handles held, chunk ``i`` at offset ``i * granularity`` of every space that reaches it."""
-        return self._chunks.held
-
-    @property
     def map_calls(self) -> int:
         """Map calls made so far (each maps one chunk into one space)."""
         return self._chunks.map_calls
@@ -221,16 +240,6 @@ class SharedVMMAllocator(Closable):
     def map_seconds(self) -> float:
         """Wall time those map calls took."""
         return self._chunks.map_seconds
-
-    @property
-    def pending_release(self) -> int:
-        """Chunks mapped nowhere whose release failed and will be retried."""
-        return len(self._chunks.pending)
-
-    @property
-    def parked_bytes(self) -> int:
-        """Address space left over a scratch chunk at close (tensors still used it)."""
-        return self._parking.bytes
 
     def stats(self) -> AllocatorStats:
         with self._lock:
