@@ -1,0 +1,117 @@
+"""The address reservations virtual spaces are carved from: a few large ones instead of one per space."""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import logging
+
+import hal
+from graphkit.transaction import Transaction
+from hal.types import fmt_bytes
+
+log = logging.getLogger("graphkit.allocator")
+
+
+class Arena:
+    """One reservation, handed out in ranges (first fit, neighbours coalesce)."""
+
+    def __init__(self, base: int, size: int) -> None:
+        self.base, self.size = base, size
+        self.holes: list[tuple[int, int]] = [(base, size)]  # (start, size), sorted by start
+
+    def take(self, size: int) -> int | None:
+        for i, (start, hole) in enumerate(self.holes):
+            if hole >= size:
+                self.holes[i:i + 1] = [(start + size, hole - size)] if hole > size else []
+                return start
+        return None
+
+    def give(self, start: int, size: int) -> None:
+        if size <= 0:
+            return
+        i = bisect.bisect_left(self.holes, (start, 0))
+        lo, hi = start, start + size
+        if i < len(self.holes) and self.holes[i][0] == hi:  # merge with the next hole
+            hi += self.holes.pop(i)[1]
+        if i and self.holes[i - 1][0] + self.holes[i - 1][1] == lo:  # and the previous one
+            lo = self.holes.pop(i - 1)[0]
+            i -= 1
+        self.holes.insert(i, (lo, hi - lo))
+
+    @property
+    def empty(self) -> bool:
+        return self.holes == [(self.base, self.size)]
+
+
+class SpaceArenas:
+    """The arenas of one allocator: ranges carved first fit, a new arena only when none has room.
+
+    An arena whose last range comes back is given back to the driver (or
+    kept for reuse when that fails).
+    """
+
+    def __init__(self, backend: hal.Backend, arena_bytes: int) -> None:
+        self.backend = backend
+        self.arena_bytes = arena_bytes
+        self.arenas: list[Arena] = []
+
+    def __len__(self) -> int:
+        return len(self.arenas)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Virtual address space reserved from the driver."""
+        return sum(a.size for a in self.arenas)
+
+    def carve(self, size: int) -> tuple[Arena, int]:
+        """A range of ``size`` bytes from an arena, reserving a new arena when none has room (all or nothing)."""
+        with Transaction() as tx:
+            arena, start = self._carve(size, tx)
+            tx.commit()
+        return arena, start
+
+    def _carve(self, size: int, tx: Transaction) -> tuple[Arena, int]:
+        for arena in self.arenas:
+            start = arena.take(size)
+            if start is not None:
+                tx.append(functools.partial(arena.give, start, size))
+                return arena, start
+        nbytes = max(self.arena_bytes, size)
+        base = self.backend.create_vir_ptr(nbytes)
+        arena = Arena(base, nbytes)
+        self.arenas.append(arena)
+
+        def drop() -> None:
+            self.backend.release_vir_ptr(base, nbytes)
+            self.arenas.remove(arena)
+
+        tx.append(drop)
+        start = arena.take(size)
+        assert start is not None
+        log.debug("arena of %s at %#x", fmt_bytes(nbytes), base)
+        return arena, start
+
+    def give_back(self, arena: Arena, start: int, size: int) -> None:
+        """Return a range to its arena; an arena left empty goes back to the driver."""
+        arena.give(start, size)
+        if not arena.empty:
+            return
+        try:
+            self.backend.release_vir_ptr(arena.base, arena.size)
+        except hal.HalError as exc:  # an empty arena is still usable: keep it
+            log.warning("could not release an empty arena (kept for reuse): %s", str(exc))
+            return
+        self.arenas.remove(arena)
+
+    def release_all(self, keep: set[int], errors: list[BaseException]) -> None:
+        """At close: give back every arena but those in ``keep`` (their ids); failures go to ``errors``."""
+        for arena in list(self.arenas):
+            if id(arena) in keep:
+                continue
+            try:
+                self.backend.release_vir_ptr(arena.base, arena.size)
+            except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after the rest
+                errors.append(exc)
+            else:
+                self.arenas.remove(arena)
