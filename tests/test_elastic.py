@@ -282,7 +282,7 @@ def test_a_shrink_that_shrank_does_not_raise_and_the_chunk_is_released_later(be:
     be.faults.fail("release_phy_mem_handle", nth=1)
     be.faults.fail("release_phy_mem_handle", nth=1)  # the immediate retry fails too
     kv.resize(2 * G)
-    assert kv.mapped_bytes == 2 * G and kv.pool.pending_release == 1
+    assert kv.mapped_bytes == 2 * G and kv.reservation.pending_release == 1
     kv.close()
     assert be.live.zero, be.live
 
@@ -323,7 +323,7 @@ def test_two_faults_in_a_rollback_keep_the_chunk_for_a_later_release(be: hal.Bac
     with pytest.raises(hal.DriverError, match="injected"):
         saver.resume()
     be.faults.clear()
-    assert kv.pool.pending_release == 1  # kept, not lost
+    assert kv.reservation.pending_release == 1  # kept, not lost
     saver.resume()
     kv.close()
     saver.close()
