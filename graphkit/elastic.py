@@ -74,6 +74,7 @@ class ElasticReservation(Closable):
         self._closed = False
         self._closing = False
         self.base = be.create_vir_ptr(self.reserve_bytes)
+        self._reserved = True  # the virtual range is still held
         self._arena = Arena(self.base, self.reserve_bytes)
         try:
             self.precreate(precreate_bytes)
@@ -194,17 +195,18 @@ class ElasticReservation(Closable):
                 self.backend.close()
 
     def _leftovers(self, errors: list[BaseException]) -> list[BaseException]:
-        """Release the reservation if no buffer holds memory in it; else what is left, as one error."""
+        """Release the reservation (once) if no buffer holds memory in it; else what is left, as one error."""
         left = [b for b in self._buffers if not b.closed]
-        if not left and not self._orphans:
+        if left or self._orphans:
+            return [] if errors else [hal.InvalidStateError(
+                f"{len(left) + len(self._orphans)} buffer(s) still hold mapped memory in the reservation",
+                backend=self.backend.name, call="ElasticReservation.close")]
+        if self._reserved:
             try:
                 self.backend.release_vir_ptr(self.base, self.reserve_bytes)
             except hal.HalError as exc:
                 return [exc]
-        elif not errors:
-            return [hal.InvalidStateError(
-                f"{len(left) + len(self._orphans)} buffer(s) still hold mapped memory in the reservation",
-                backend=self.backend.name, call="ElasticReservation.close")]
+            self._reserved = False  # a close() again after a chunk that would not release must not free it twice
         if not errors and self._chunks.zombies:
             return [hal.InvalidStateError(f"{len(self._chunks.zombies)} chunk(s) could not be released yet",
                                           backend=self.backend.name, call="ElasticReservation.close")]
