@@ -287,14 +287,20 @@ def test_a_shrink_that_shrank_does_not_raise_and_the_chunk_is_released_later(be:
     assert be.live.zero, be.live
 
 
+def _reservation_with_a_dropped_buffer(be: hal.Backend) -> graphkit.ElasticReservation:
+    """A reservation of 16 granules, and a buffer of 8 with 3 mapped that was dropped without ``close()``."""
+    res = graphkit.ElasticReservation(be, reserve_bytes=16 * G)
+    buf = res.buffer(8 * G)
+    buf.resize(3 * G)
+    del buf
+    gc.collect()
+    return res
+
+
 def test_a_dropped_buffer_gives_its_memory_back_with_a_warning(be: hal.Backend,
                                                                caplog: pytest.LogCaptureFixture) -> None:
-    pool = graphkit.ElasticReservation(be, reserve_bytes=16 * G)
-    buf = pool.buffer(8 * G)
-    buf.resize(3 * G)
     with caplog.at_level(logging.WARNING, logger="graphkit.elastic"):
-        del buf
-        gc.collect()
+        pool = _reservation_with_a_dropped_buffer(be)
     assert "garbage-collected without close()" in caplog.text
     again = pool.buffer(16 * G)  # the dropped range is back in the reservation
     again.resize(16 * G)
@@ -454,11 +460,7 @@ def test_a_granule_a_failed_shrink_could_not_map_back_is_mapped_by_the_next_resi
 
 def test_a_dropped_buffer_that_will_not_unmap_is_given_back_at_a_later_call(be: hal.Backend,
                                                                             caplog: pytest.LogCaptureFixture) -> None:
-    res = graphkit.ElasticReservation(be, reserve_bytes=16 * G)
-    buf = res.buffer(8 * G)
-    buf.resize(3 * G)
-    del buf
-    gc.collect()
+    res = _reservation_with_a_dropped_buffer(be)
     be.faults.fail("unmap", nth=1)
     with caplog.at_level(logging.ERROR, logger="graphkit.elastic"):
         res.precreate(0)  # a safe point: the dropped range is tried, and one unmap fails
