@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 import hal
+from graphkit.closing import close_step
 from graphkit.transaction import Transaction, map_run, release_or_keep, retry_releases, unmap_run
 
 log = logging.getLogger("graphkit.elastic")
@@ -224,21 +225,18 @@ class RangeChunks:
         handle, self.chunks[index] = self.chunks[index], None
         self.store.release(handle)
 
-    def unmap_all(self) -> list[hal.HalError]:
+    def unmap_all(self) -> list[BaseException]:
         """Unmap the whole prefix, last first, and put its chunks on the free list; the unmaps that failed.
 
         Goes on past failures; once nothing is left mapped (strays
         included) the record is empty. Calling it again finishes.
         """
-        errors: list[hal.HalError] = []
+        errors: list[BaseException] = []
         self.retry_strays()
         for index in reversed(range(len(self.chunks))):
             handle = self.chunks[index]
             if index not in self.holes:
-                try:
-                    self.backend.unmap(self.ptr + index * self.granularity, self.granularity)
-                except hal.HalError as exc:
-                    errors.append(exc)
+                if not close_step(errors, self.backend.unmap, self.ptr + index * self.granularity, self.granularity):
                     continue
                 self.holes.add(index)
             if handle is not None:

@@ -30,7 +30,7 @@ from graphkit._elastic_chunks import FreeChunks, RangeChunks
 from graphkit._elastic_orphans import Orphans
 from graphkit._elastic_views import LiveViews, ViewToken
 from graphkit.allocator import Arena
-from graphkit.closing import Closable, raise_first_failure
+from graphkit.closing import Closable, close_step, raise_first_failure
 from graphkit.deprecation import renamed
 from graphkit.saver import MemorySaver
 from graphkit.transaction import Transaction
@@ -179,10 +179,7 @@ class ElasticReservation(Closable):
             buffers = list(self._buffers)
         errors: list[BaseException] = []
         for buf in buffers:  # outside the reservation's lock: a buffer takes its own lock, then this one
-            try:
-                buf.close()
-            except hal.HalError as exc:
-                errors.append(exc)
+            close_step(errors, buf.close)
         with self._lock:
             if self._closed:
                 return
@@ -518,7 +515,7 @@ class ElasticBuffer(Closable):
             if live:
                 raise hal.InvalidStateError(f"{len(live)} view(s) of the buffer are still alive: drop them "
                                             "before closing", backend=be.name, call="ElasticBuffer.close")
-            errors: list[BaseException] = list(self._chunks.unmap_all())
+            errors = self._chunks.unmap_all()
             if self._chunks.stray and not errors:
                 errors.append(hal.InvalidStateError(f"{len(self._chunks.stray)} mapping(s) would not unmap",
                                                     backend=be.name, call="ElasticBuffer.close"))
