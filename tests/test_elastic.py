@@ -150,7 +150,7 @@ def test_an_elastic_buffer_sleeps_with_a_memory_saver(be: hal.Backend) -> None:
     assert kept.mapped_bytes == 5 * G and scratch.mapped_bytes == 3 * G
     assert torch.equal(kept.view(torch.float32, (5 * G // 4,)), data)  # bit-exact at the same address
     report = {r.tag: r for r in saver.report()}
-    assert report["weights"].bytes == 5 * G and report["weights"].backup and not report["kv_cache"].backup
+    assert report["weights"].footprint_bytes == 5 * G and report["weights"].backup and not report["kv_cache"].backup
     kept.close()
     scratch.close()
     saver.close()
@@ -282,19 +282,25 @@ def test_a_shrink_that_shrank_does_not_raise_and_the_chunk_is_released_later(be:
     be.faults.fail("release_phy_mem_handle", nth=1)
     be.faults.fail("release_phy_mem_handle", nth=1)  # the immediate retry fails too
     kv.resize(2 * G)
-    assert kv.mapped_bytes == 2 * G and kv.pool.pending_release == 1
+    assert kv.mapped_bytes == 2 * G and kv.reservation.pending_release == 1
     kv.close()
     assert be.live.zero, be.live
 
 
+def _reservation_with_a_dropped_buffer(be: hal.Backend) -> graphkit.ElasticReservation:
+    """A reservation of 16 granules, and a buffer of 8 with 3 mapped that was dropped without ``close()``."""
+    res = graphkit.ElasticReservation(be, reserve_bytes=16 * G)
+    buf = res.buffer(8 * G)
+    buf.resize(3 * G)
+    del buf
+    gc.collect()
+    return res
+
+
 def test_a_dropped_buffer_gives_its_memory_back_with_a_warning(be: hal.Backend,
                                                                caplog: pytest.LogCaptureFixture) -> None:
-    pool = graphkit.ElasticReservation(be, reserve_bytes=16 * G)
-    buf = pool.buffer(8 * G)
-    buf.resize(3 * G)
     with caplog.at_level(logging.WARNING, logger="graphkit.elastic"):
-        del buf
-        gc.collect()
+        pool = _reservation_with_a_dropped_buffer(be)
     assert "garbage-collected without close()" in caplog.text
     again = pool.buffer(16 * G)  # the dropped range is back in the reservation
     again.resize(16 * G)
@@ -323,7 +329,7 @@ def test_two_faults_in_a_rollback_keep_the_chunk_for_a_later_release(be: hal.Bac
     with pytest.raises(hal.DriverError, match="injected"):
         saver.resume()
     be.faults.clear()
-    assert kv.pool.pending_release == 1  # kept, not lost
+    assert kv.reservation.pending_release == 1  # kept, not lost
     saver.resume()
     kv.close()
     saver.close()
@@ -357,3 +363,120 @@ def test_views_made_in_a_loop_do_not_pile_up(be: hal.Backend) -> None:
         kv.resize(0)  # the live one is still known
     del keep
     kv.close()
+
+
+# -- deprecated spellings -------------------------------------------------------------------------------------
+
+
+def test_pool_is_the_deprecated_spelling_of_reservation(be: hal.Backend) -> None:
+    res = graphkit.ElasticReservation(be, reserve_bytes=8 * G)
+    with pytest.warns(DeprecationWarning, match=r"ElasticBuffer\(pool=\) is deprecated; use reservation=") as w:
+        buf = graphkit.ElasticBuffer(be, max_bytes=8 * G, pool=res)
+    assert w[0].filename == __file__  # the warning points at the caller
+    assert buf.reservation is res
+    with pytest.warns(DeprecationWarning, match=r"ElasticBuffer\.pool is deprecated; use reservation") as w:
+        assert buf.pool is res
+    assert w[0].filename == __file__
+    buf.resize(2 * G)
+    buf.close()
+    res.buffer(8 * G).close()  # the range went back to the reservation it was carved from
+    res.close()
+    assert be.live.zero, be.live
+
+
+def test_reservation_and_its_deprecated_spelling_together_are_refused(be: hal.Backend) -> None:
+    with graphkit.ElasticReservation(be, reserve_bytes=8 * G) as res:
+        before = be.live
+        with pytest.warns(DeprecationWarning), pytest.raises(hal.InvalidArgumentError, match="pass one of them"):
+            graphkit.ElasticBuffer(be, max_bytes=G, reservation=res, pool=res)
+        assert be.live == before
+    assert be.live.zero
+
+
+def test_a_bad_reservation_is_named_as_the_caller_spelled_it(be: hal.Backend) -> None:
+    with pytest.raises(hal.InvalidArgumentError, match=r"reservation=<object .* must be an ElasticReservation"):
+        graphkit.ElasticBuffer(be, max_bytes=G, reservation=object())  # type: ignore[arg-type]
+    with pytest.warns(DeprecationWarning), \
+            pytest.raises(hal.InvalidArgumentError, match=r"pool=<object .* must be an ElasticReservation"):
+        graphkit.ElasticBuffer(be, max_bytes=G, pool=object())  # type: ignore[arg-type]
+    other = hal.get_backend("fake", granularity=G)
+    with graphkit.ElasticReservation(other, reserve_bytes=4 * G) as res, \
+            pytest.raises(hal.InvalidArgumentError, match="reservation= belongs to another backend"):
+        graphkit.ElasticBuffer(be, max_bytes=G, reservation=res)
+    other.close()
+    assert be.live.zero
+
+
+def test_physical_bytes_is_the_deprecated_spelling_of_mapped_bytes(be: hal.Backend) -> None:
+    with graphkit.ElasticBuffer(be, max_bytes=4 * G) as buf:
+        buf.resize(2 * G)
+        with pytest.warns(DeprecationWarning, match=r"ElasticBuffer\.physical_bytes is deprecated; use mapped_bytes"):
+            assert buf.physical_bytes == buf.mapped_bytes == 2 * G
+
+
+# -- what a failed rollback leaves, finished later -------------------------------------------------------------
+
+
+def test_a_mapping_a_failed_grow_could_not_undo_is_unmapped_by_the_next_resize(be: hal.Backend) -> None:
+    buf = graphkit.ElasticBuffer(be, max_bytes=8 * G)
+    be.faults.fail("map", nth=3)  # the third granule will not map ...
+    be.faults.fail("unmap", nth=1)
+    be.faults.fail("unmap", nth=1)  # ... and undoing the second fails twice: it stays mapped
+    with pytest.raises(hal.DriverError, match="injected"):
+        buf.resize(3 * G)
+    assert buf.mapped_bytes == 0 and be.live.mappings == 1  # recorded, not lost
+    be.faults.fail("unmap", nth=1)
+    with pytest.raises(hal.InvalidStateError, match="still cannot be undone"):
+        buf.resize(G)
+    assert buf.mapped_bytes == 0
+    buf.resize(2 * G)  # the stray mapping goes first, then the buffer grows
+    assert buf.mapped_bytes == 2 * G and be.live.mappings == 2
+    buf.close()
+    assert be.live.zero, be.live
+
+
+def test_a_granule_a_failed_shrink_could_not_map_back_is_mapped_by_the_next_resize(be: hal.Backend) -> None:
+    buf = graphkit.ElasticBuffer(be, max_bytes=8 * G)
+    buf.resize(4 * G)
+    v = buf.view(torch.int32, (4 * G // 4,))
+    v.copy_(torch.arange(v.numel(), dtype=torch.int32))
+    del v
+    be.faults.fail("unmap", nth=2)  # the shrink fails at its second granule ...
+    be.faults.fail("map", nth=1)
+    be.faults.fail("map", nth=1)  # ... and the last granule will not map back
+    with pytest.raises(hal.DriverError, match="injected"):
+        buf.resize(G)
+    assert buf.paused and buf.mapped_bytes == 3 * G
+    with pytest.raises(hal.InvalidStateError, match="paused"):
+        buf.view(torch.int32, (4,))
+    buf.resize(4 * G)  # maps the granule back, with its chunk: nothing lost
+    assert not buf.paused
+    v = buf.view(torch.int32, (4 * G // 4,))
+    assert torch.equal(v, torch.arange(v.numel(), dtype=torch.int32))
+    del v
+    buf.close()
+    assert be.live.zero, be.live
+
+
+def test_a_dropped_buffer_that_will_not_unmap_is_given_back_at_a_later_call(be: hal.Backend,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    res = _reservation_with_a_dropped_buffer(be)
+    be.faults.fail("unmap", nth=1)
+    with caplog.at_level(logging.ERROR, logger="graphkit.elastic"):
+        res.precreate(0)  # a safe point: the dropped range is tried, and one unmap fails
+    assert "would not unmap" in caplog.text and be.live.mappings == 1  # kept for the next safe point
+    res.buffer(16 * G).close()  # that call gives the rest back first: the whole reservation is free again
+    assert res.free_bytes == 3 * G and be.live.mappings == 0
+    res.close()
+    assert be.live.zero, be.live
+
+
+def test_a_reservation_closed_again_after_a_chunk_would_not_release_frees_its_range_once(be: hal.Backend) -> None:
+    res = graphkit.ElasticReservation(be, reserve_bytes=8 * G, precreate_bytes=2 * G)
+    be.faults.fail("release_phy_mem_handle", nth=1)
+    be.faults.fail("release_phy_mem_handle", nth=1)  # the immediate retry fails too: the chunk is kept
+    with pytest.raises(hal.InvalidStateError, match="could not be released yet"):
+        res.close()
+    assert not res.closed and res.pending_release == 1
+    res.close()
+    assert res.closed and be.live.zero, be.live

@@ -268,7 +268,7 @@ class KVCache:
 
 
 class ElasticCache(KVCache):
-    """One elastic range per layer's K and per layer's V (``2 x layers``), carved from one pool and resized to
+    """One elastic range per layer's K and per layer's V (``2 x layers``), carved from one reservation and resized to
     the blocks in use: every layer's K and V stays contiguous, as in a preallocated cache."""
 
     name = "elastic"
@@ -277,8 +277,8 @@ class ElasticCache(KVCache):
         super().__init__(be, cfg, wl, meter)
         g, L = be.granularity, cfg.layers
         range_bytes = self.max_blocks * self.block_bytes
-        self.pool = graphkit.ElasticReservation(be, reserve_bytes=2 * L * round_up(range_bytes, g))
-        self.buffers = [self.pool.buffer(range_bytes) for _ in range(2 * L)]
+        self.reservation = graphkit.ElasticReservation(be, reserve_bytes=2 * L * round_up(range_bytes, g))
+        self.buffers = [self.reservation.buffer(range_bytes) for _ in range(2 * L)]
         views = [b.view(cfg.torch_dtype, (self.max_blocks, *self.block_shape), whole_range=True)
                  for b in self.buffers]
         self.k, self.v = views[:L], views[L:]
@@ -290,7 +290,7 @@ class ElasticCache(KVCache):
 
     @property
     def physical_bytes(self) -> int:
-        return sum(b.mapped_bytes for b in self.buffers) + self.pool.free_bytes
+        return sum(b.mapped_bytes for b in self.buffers) + self.reservation.free_bytes
 
     def _grow(self, blocks: int) -> None:
         for buf in self.buffers:
@@ -299,7 +299,7 @@ class ElasticCache(KVCache):
 
     def close(self) -> None:
         super().close()
-        self.pool.close()
+        self.reservation.close()
 
 
 class PreallocCache(KVCache):

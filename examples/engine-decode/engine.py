@@ -176,7 +176,7 @@ class Engine:
         # paged KV cache: every sequence can hold max_model_len tokens; the scratch block is the one that
         # padded rows read and write, so they never touch a live sequence
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
-        self.kv_pool: graphkit.ElasticReservation | None = None
+        self.kv_reservation: graphkit.ElasticReservation | None = None
         self.kv_buffers: list[graphkit.ElasticBuffer] = []
         if kv == "static":
             self.num_blocks = max_batch * self.max_blocks_per_seq + 1
@@ -226,8 +226,8 @@ class Engine:
                                            "and one more)", backend=be.name, call="Engine")
         self.kv_max_blocks = max_blocks
         range_bytes = max_blocks * self.kv_block_bytes
-        self.kv_pool = graphkit.ElasticReservation(be, reserve_bytes=2 * cfg.layers * round_up(range_bytes, g))
-        self.kv_buffers = [self.kv_pool.buffer(range_bytes) for _ in range(2 * cfg.layers)]
+        self.kv_reservation = graphkit.ElasticReservation(be, reserve_bytes=2 * cfg.layers * round_up(range_bytes, g))
+        self.kv_buffers = [self.kv_reservation.buffer(range_bytes) for _ in range(2 * cfg.layers)]
         # the views span the whole reservation; the block tables only ever name mapped blocks
         shape = (max_blocks, self.block_size, cfg.kv_heads, cfg.head_dim)
         views = [b.view(cfg.torch_dtype, shape, whole_range=True) for b in self.kv_buffers]
@@ -448,11 +448,11 @@ class Engine:
         """Release what the engine holds on the device through hal (graphs, its pool, an elastic KV cache);
         idempotent."""
         self.reset_graphs()
-        if self.kv_pool is not None:
+        if self.kv_reservation is not None:
             self.k_cache, self.v_cache = [], []
             gc.collect()  # views caught in reference cycles must go before their buffers close
-            self.kv_pool.close()
-            self.kv_pool, self.kv_buffers = None, []
+            self.kv_reservation.close()
+            self.kv_reservation, self.kv_buffers = None, []
 
     def _each_graph(self) -> list[Any]:
         return [g for value in self.graphs.values() for g in (value if isinstance(value, list) else [value])]

@@ -186,7 +186,9 @@ def grow_cases(be: hal.Backend, granules: int, rounds: int) -> dict[str, Any]:
     # (b) fresh: nothing pre-created, the free list emptied after every round
     cold = graphkit.ElasticReservation(be, reserve_bytes=granules * g)
     cold_buf = cold.buffer(granules * g)
-    bare, free_list, fresh = [], [], []
+    bare: list[float] = []
+    free_list: list[float] = []
+    fresh: list[float] = []
     driver_allocs = {"free_list": 0, "fresh": 0}
     copies = CopyCounter()
     try:
@@ -197,21 +199,20 @@ def grow_cases(be: hal.Backend, granules: int, rounds: int) -> dict[str, Any]:
                 for i in range(granules):
                     be.unmap(base_ptr + i * g, g)
 
-            def free_list_round() -> None:
+            def grow_round(buf: graphkit.ElasticBuffer, samples: list[float], kind: str) -> None:
+                """Grow ``buf`` a granule at a time to the full range, timing each grow, then shrink it to 0."""
                 made = calls["create_phy_mem_handle"]
                 with copies:
                     for i in range(1, granules + 1):
-                        free_list.append(_host_timed(lambda i=i: warm_buf.resize(i * g)))
-                driver_allocs["free_list"] += calls["create_phy_mem_handle"] - made
-                warm_buf.resize(0)  # the chunks go back to the free list
+                        samples.append(_host_timed(lambda i=i: buf.resize(i * g)))
+                driver_allocs[kind] += calls["create_phy_mem_handle"] - made
+                buf.resize(0)  # the chunks go back to the free list
+
+            def free_list_round() -> None:
+                grow_round(warm_buf, free_list, "free_list")
 
             def fresh_round() -> None:
-                made = calls["create_phy_mem_handle"]
-                with copies:
-                    for i in range(1, granules + 1):
-                        fresh.append(_host_timed(lambda i=i: cold_buf.resize(i * g)))
-                driver_allocs["fresh"] += calls["create_phy_mem_handle"] - made
-                cold_buf.resize(0)
+                grow_round(cold_buf, fresh, "fresh")
                 cold.trim()  # the next round allocates again
 
             for r in range(rounds):  # which kind goes first rotates from round to round
@@ -319,7 +320,7 @@ def growing_run(be: hal.Backend, total: int, steps: int = TRACE_STEPS, seed: int
             with copies:
                 buf.resize(used)
             be.synchronize()
-            trace.append({"step": i, "used": used, "physical": buf.mapped_bytes + buf.pool.free_bytes,
+            trace.append({"step": i, "used": used, "physical": buf.mapped_bytes + buf.reservation.free_bytes,
                           "device": be.mem_info().used - base})
             stamp = i % 251 + 1
             buf.view(torch.uint8, (used,))[prev] = stamp  # a byte in the part this step added
