@@ -23,19 +23,18 @@ import itertools
 import logging
 import threading
 import weakref
-from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Literal
 
 import hal
 from graphkit import isolation
 from graphkit.allocator import SharedVMMAllocator
-from graphkit.capture import CaptureHygieneError, leftover_blocks, report_leftovers
+from graphkit.capture import CaptureHygieneError, leftover_blocks, report_leftovers, warm_up_checked
 from graphkit.closing import Closable, raise_first_failure
 from graphkit.isolation import IsolationError
 from graphkit.pool_keys import CaptureKey, KeyPool, PoolHandle, pool_ident
 from graphkit.pools import POOL_KINDS, PoolStrategy, make_pool_strategy
-from graphkit.report import KeyReport, PoolsReport
+from graphkit.report import KeyReport, PoolsReport, pools_report
 from graphkit.routing import CaptureRouting
 from graphkit.saver import GRAPHS, MemorySaver
 from hal.types import Route
@@ -45,6 +44,11 @@ log = logging.getLogger("graphkit.graph_pools")
 Kind = Literal["vmm", "shared", "private"]
 _serial = itertools.count(1)
 _ALLOCATOR_OPTIONS = frozenset({"reserve_bytes", "max_physical_bytes", "capacity", "arena_bytes"})
+#: what an isolation error advises, for a capture graph_memory routed and for one into pools.pool(key)
+_FIX_ROUTED = ("Put the captures that pass tensors to each other (the pieces of one batch) in one space: "
+               "`with pools.group(key):` around them")
+_FIX_KEYED = ("Use one key for the captures that pass tensors to each other (the pieces of one batch): "
+              "the same pools.pool(key), or `with pools.group(key):` around them")
 
 
 def _check_arguments(backend: object, kind: object, saver: object, allocator_options: dict[str, Any],
@@ -63,6 +67,20 @@ def _check_arguments(backend: object, kind: object, saver: object, allocator_opt
                                        f"{', '.join(sorted(_ALLOCATOR_OPTIONS))}", backend=name, call=caller)
     if saver is not None and not isinstance(saver, MemorySaver):
         raise hal.InvalidArgumentError(f"saver={saver!r} must be a graphkit.MemorySaver", backend=name, call=caller)
+
+
+def _adopt(saver: MemorySaver, strategy: PoolStrategy, caller: str, be: hal.Backend) -> None:
+    """Hand a vmm strategy's allocator to ``saver`` (tag ``graphs``); closes the strategy when that fails."""
+    try:
+        allocator = getattr(strategy, "allocator", None)
+        if allocator is None:
+            raise hal.UnsupportedError(f"kind={strategy.kind!r} draws from the framework's allocator and cannot "
+                                       "sleep with a MemorySaver: use kind='vmm' on a backend with 'custom_pool'",
+                                       backend=be.name, call=caller)
+        saver.adopt(allocator, GRAPHS)
+    except BaseException:
+        strategy.close()
+        raise
 
 
 def _abandoned(backend_name: str, entries: dict) -> None:
@@ -124,30 +142,16 @@ class GraphPools(Closable):
         self.hygiene = hygiene
         self.saver = saver
         if saver is not None:
-            self._adopt(saver)
+            _adopt(saver, self.strategy, caller, be)
         self._entries: dict[Hashable, KeyPool] = {}
         self._lock = threading.RLock()
-        self._dead: deque[KeyPool] = deque()  # routed graphs collected: released at the next safe point
         self._closed = False
         self._close_done = False
-        self._undropped: list[KeyPool] = []  # keys of dead routed graphs whose release failed: retried
         self.verify_stats = isolation.VerifyStats()
         self._verifying = bool(verify) and self.allocator is not None and isolation.readable(be, [])
         self._routing = CaptureRouting(self)
         self._watches = not _runner  # a runner captures into its keys itself: nothing to watch
-        self._finalizer = weakref.finalize(self, _abandoned, be.name, self._entries)
-
-    def _adopt(self, saver: MemorySaver) -> None:
-        """Hand the vmm strategy's allocator to ``saver`` (tag ``graphs``); closes the strategy when that fails."""
-        try:
-            if self.allocator is None:
-                raise hal.UnsupportedError(f"kind={self.kind!r} draws from the framework's allocator and cannot "
-                                           "sleep with a MemorySaver: use kind='vmm' on a backend with "
-                                           "'custom_pool'", backend=self.backend.name, call=self._caller)
-            saver.adopt(self.allocator, GRAPHS)
-        except BaseException:
-            self.strategy.close()
-            raise
+        self._finalizer = weakref.finalize(self, _abandoned, be.name, self._entries if not _runner else {})
 
     # -- keys -----------------------------------------------------------------------
 
@@ -226,27 +230,9 @@ class GraphPools(Closable):
         self.strategy.give_back(entry.lease)
         del self._entries[entry.key]
 
-    def _try_drop(self, entry: KeyPool) -> None:
-        """Drop a key whose graphs are gone; one that fails is kept and dropped again at the next safe point."""
-        try:
-            self._drop(entry)
-        except hal.HalError as exc:
-            log.error("key %r: its pool could not be released yet (retried at the next call): %s", entry.key,
-                      str(exc))
-            if self._entries.get(entry.key) is entry:
-                self._undropped.append(entry)
-
     def _settle(self) -> None:
         """Release what routed graphs that died left behind (a safe point: no allocator call is running)."""
-        retry, self._undropped = self._undropped, []
-        for entry in retry:
-            if self._entries.get(entry.key) is entry:
-                self._try_drop(entry)
-        while self._dead:
-            entry = self._dead.popleft()
-            entry.graphs -= 1
-            if entry.auto and entry.graphs <= 0 and self._entries.get(entry.key) is entry:
-                self._try_drop(entry)
+        self._routing.release_dead()
         try:
             self.strategy.settle()
         except hal.HalError as exc:
@@ -302,11 +288,7 @@ class GraphPools(Closable):
         if alloc is None or entry.space_id is None:
             return
         keys = {e.space_id: e.key for e in self._entries.values() if e.space_id is not None}
-        if fix is None:
-            fix = ("Put the captures that pass tensors to each other (the pieces of one batch) in one space: "
-                   "`with pools.group(key):` around them" if entry.auto else
-                   "Use one key for the captures that pass tensors to each other (the pieces of one batch): "
-                   "the same pools.pool(key), or `with pools.group(key):` around them")
+        fix = fix or (_FIX_ROUTED if entry.auto else _FIX_KEYED)
         pools = {e.space_id: e.pool for e in self._entries.values() if e.space_id is not None}
 
         def live_blocks(space_id: int) -> list[tuple[int, int]] | None:
@@ -326,19 +308,7 @@ class GraphPools(Closable):
         when given none (``torch.cuda.graph``'s side stream), so lazily
         created state (cuBLAS workspaces, caches) is born outside the capture.
         """
-        be = self.backend
-        if not callable(fn):
-            raise hal.InvalidArgumentError(f"fn={fn!r} must be callable", backend=be.name, call="GraphPools.warm_up")
-        if not isinstance(runs, int) or isinstance(runs, bool) or runs < 0:
-            raise hal.InvalidArgumentError(f"runs={runs!r} must be an int >= 0", backend=be.name,
-                                           call="GraphPools.warm_up")
-        stream = stream if stream is not None else be.default_capture_stream()
-        result = None
-        with be.use_stream(stream):
-            for _ in range(runs):
-                result = fn(*args, **kwargs)
-        be.synchronize(stream)
-        return result
+        return warm_up_checked(self.backend, fn, args, kwargs, runs=runs, stream=stream, call="GraphPools.warm_up")
 
     def leftovers(self, key: Hashable, outputs: Any, strict: bool = False) -> list[tuple[int, int]]:
         """Blocks of ``key``'s pool still allocated that hold none of ``outputs``; logged (raised when ``strict``).
@@ -361,23 +331,10 @@ class GraphPools(Closable):
         with self._lock:
             self._check_open("report")
             self._settle()
-            alloc = self.allocator
-            spaces = alloc.spaces if alloc is not None else {}
-            g = alloc.granularity if alloc is not None else 0
-            keys = []
-            for entry in self._entries.values():
-                space = spaces.get(entry.space_id) if entry.space_id is not None else None
-                keys.append(KeyReport(entry.key, space.offset if space else 0, space.mapped * g if space else 0,
-                                      space.size if space else 0, entry.graphs))
+            keys = [(entry.key, entry.space_id, entry.graphs) for entry in self._entries.values()]
             self.backend.synchronize()
-            stats = self.verify_stats
-            report = PoolsReport(self.backend.name, self.kind, keys,
-                                 alloc.physical_bytes if alloc else 0, alloc.reserved_bytes if alloc else 0,
-                                 alloc.arena_reserved_bytes if alloc else 0,
-                                 self.backend.mem_info().used - self._used_at_start,
-                                 alloc.map_calls if alloc else 0, alloc.map_seconds if alloc else 0.0,
-                                 stats.graphs, stats.nodes, stats.missed, stats.seconds)
-        return report
+            return pools_report(self.backend.name, self.kind, keys, self.allocator,
+                                self.backend.mem_info().used - self._used_at_start, self.verify_stats)
 
     # -- teardown -------------------------------------------------------------------------
 
@@ -414,8 +371,7 @@ class GraphPools(Closable):
                     self._drop(entry)
                 except hal.HalError as exc:
                     errors.append(exc)
-            self._dead.clear()
-            self._undropped.clear()  # dropped above with every other key
+            self._routing.forget_dead()  # dropped above with every other key
             if self.saver is not None and self.allocator is not None:
                 self.saver.forget(self.allocator)  # a pause must not reach an allocator being closed
             if not self._entries:  # a key whose pool would not go keeps its space for the retry

@@ -14,9 +14,11 @@ import itertools
 import logging
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import hal
 from graphkit.capture import framework_capturer
 from graphkit.pool_keys import CaptureKey, KeyPool, PoolHandle
 from hal.types import Route, fmt_bytes
@@ -36,6 +38,38 @@ class CaptureRouting:
         self._auto = itertools.count(1)
         self._watching: contextlib.ExitStack | None = None
         self._trees_logged = False
+        self.dead: deque[KeyPool] = deque()  # routed graphs destroyed: accounted for at the next safe point
+        self._undropped: list[KeyPool] = []  # automatic keys whose release failed: retried
+
+    # -- routed graphs that died -----------------------------------------------------------
+
+    def release_dead(self) -> None:
+        """Count the routed graphs that died; release the automatic keys left without one (under the lock)."""
+        entries = self.pools._entries
+        retry, self._undropped = self._undropped, []
+        for entry in retry:
+            if entries.get(entry.key) is entry:
+                self._try_drop(entry)
+        while self.dead:
+            entry = self.dead.popleft()
+            entry.graphs -= 1
+            if entry.auto and entry.graphs <= 0 and entries.get(entry.key) is entry:
+                self._try_drop(entry)
+
+    def _try_drop(self, entry: KeyPool) -> None:
+        """Drop a key whose graphs are gone; one that fails is kept and dropped again at the next safe point."""
+        try:
+            self.pools._drop(entry)
+        except hal.HalError as exc:
+            log.error("key %r: its pool could not be released yet (retried at the next call): %s", entry.key,
+                      str(exc))
+            if self.pools._entries.get(entry.key) is entry:
+                self._undropped.append(entry)
+
+    def forget_dead(self) -> None:
+        """The pools close: every key is dropped with the others."""
+        self.dead.clear()
+        self._undropped.clear()
 
     # -- the watcher ---------------------------------------------------------------------
 
@@ -141,11 +175,11 @@ class CaptureRouting:
                     try:
                         pools._verify(graph, entry)
                     except BaseException:  # refused: the backend releases the graph, never to report it again
-                        pools._dead.append(entry)
+                        self.dead.append(entry)
                         pools._settle()
                         raise
                 if not ok:
-                    pools._dead.append(entry)
+                    self.dead.append(entry)
                     pools._settle()
                     return
                 if pools.hygiene:
@@ -159,7 +193,7 @@ class CaptureRouting:
         pools = self.pools
 
         def on_release(collected: bool) -> None:
-            pools._dead.append(entry)  # deque.append is atomic: safe from the garbage collector
+            self.dead.append(entry)  # deque.append is atomic: safe from the garbage collector
             if not collected and pools._lock.acquire(blocking=False):
                 try:
                     if not pools.closed:
