@@ -474,8 +474,11 @@ def test_private_kind_gives_every_key_a_pool_of_its_own(be: hal.Backend) -> None
     assert pools.keys == [8] and be.live.pools == 1  # the key's pool went with it
     pools.close()
     assert be.live.zero, be.live
+    saver = graphkit.MemorySaver(be)
     with pytest.raises(hal.UnsupportedError, match=r"kind='private'.*cannot sleep"):
-        graphkit.GraphPools(be, kind="private", saver=graphkit.MemorySaver(be))
+        graphkit.GraphPools(be, kind="private", saver=saver)
+    saver.close()
+    assert be.live.zero, be.live
 
 
 def test_a_vmm_strategy_collects_garbage_only_for_a_space_a_block_still_holds(
