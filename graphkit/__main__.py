@@ -188,12 +188,23 @@ def _add_run_options(bench: argparse.ArgumentParser) -> None:
                             "so that nothing one strategy cached or leaked counts against another")
 
 
-def _add_sleep_options(bench: argparse.ArgumentParser) -> None:
-    """``bench --sleep``: pause and resume against torch_memory_saver."""
-    sleep = bench.add_argument_group("sleep and wake (--sleep: MemorySaver against torch_memory_saver)")
-    sleep.add_argument("--sleep", action="store_true",
-                       help="measure pause and resume instead of graphs: 1, 4 and 16 GiB on a device (16 and 64 MiB "
-                            "on a CPU), without and with backup, next to torch_memory_saver where installed")
+#: the bench's other modes: flag -> (the title of its option group, what the flag measures)
+_MODES = {
+    "--sleep": ("sleep and wake (--sleep: MemorySaver against torch_memory_saver)",
+                ("measure pause and resume instead of graphs: 1, 4 and 16 GiB on a device (16 and 64 MiB on a CPU), "
+                 "without and with backup, next to torch_memory_saver where installed")),
+    "--elastic": ("elastic buffers (--elastic: growth in place against a bare map and allocate-and-copy)",
+                  ("measure elastic buffers instead of graphs: single-granule grow latency from the free list and "
+                   "with fresh chunks against a bare map, allocate-and-copy regrowth at 1, 4 and 16 GiB on a device "
+                   "(16 and 64 MiB on a CPU), physical against used bytes as it grows")),
+    "--kv-sizing": ("KV cache sizing (--kv-sizing: sized after capture against a pre-capture estimate)",
+                    ("the engine of examples/engine-decode with an elastic KV cache, sized from the memory left "
+                     "after capture and from the memory before capture less an estimate, alternating (--runs each, "
+                     "fresh processes on a device): KV bytes, OOM at capture, memory left")),
+}
+
+
+def _add_sleep_options(sleep: argparse._ArgumentGroup) -> None:
     sleep.add_argument("--sleep-sizes", type=parse_mib_sizes, default=None,
                        help="tag sizes in MiB for --sleep, e.g. '1024,4096'")
     sleep.add_argument("--cycles", type=int_in(1), default=5,
@@ -204,31 +215,26 @@ def _add_sleep_options(bench: argparse.ArgumentParser) -> None:
                             "(default 5)")
 
 
-def _add_elastic_options(bench: argparse.ArgumentParser) -> None:
-    """``bench --elastic``: elastic buffer growth."""
-    elastic = bench.add_argument_group("elastic buffers (--elastic: growth in place against a bare map and "
-                                       "allocate-and-copy)")
-    elastic.add_argument("--elastic", action="store_true",
-                         help="measure elastic buffers instead of graphs: single-granule grow latency from the free "
-                              "list and with fresh chunks against a bare map, allocate-and-copy regrowth at 1, 4 and "
-                              "16 GiB on a device (16 and 64 MiB on a CPU), physical against used bytes as it grows")
+def _add_elastic_options(elastic: argparse._ArgumentGroup) -> None:
     elastic.add_argument("--elastic-sizes", type=parse_mib_sizes, default=None,
                          help="regrowth sizes in MiB for --elastic, e.g. '1024,4096'")
 
 
-def _add_kv_sizing_options(bench: argparse.ArgumentParser) -> None:
-    """``bench --kv-sizing``: a KV cache sized after capture against an estimate."""
-    kv = bench.add_argument_group("KV cache sizing (--kv-sizing: sized after capture against a pre-capture "
-                                  "estimate)")
-    kv.add_argument("--kv-sizing", action="store_true",
-                    help="the engine of examples/engine-decode with an elastic KV cache, sized from the memory left "
-                         "after capture and from the memory before capture less an estimate, alternating "
-                         "(--runs each, fresh processes on a device): KV bytes, OOM at capture, memory left")
+def _add_kv_sizing_options(kv: argparse._ArgumentGroup) -> None:
     kv.add_argument("--kv-margin-mib", type=int_in(0), default=None,
                     help="--kv-sizing: device memory both approaches leave alone (default 1024 on a device, 1 on fake)")
     kv.add_argument("--kv-estimate-mib", type=int_in(0), default=None,
                     help="--kv-sizing: the graph memory estimate (default: the peak of an eager step at the largest "
                          "batch, the profile engines make)")
+
+
+def _add_mode_options(bench: argparse.ArgumentParser) -> None:
+    """``bench --sleep``, ``--elastic`` and ``--kv-sizing``: a group each, with the flag and the mode's options."""
+    more = {"--sleep": _add_sleep_options, "--elastic": _add_elastic_options, "--kv-sizing": _add_kv_sizing_options}
+    for flag, (title, help) in _MODES.items():
+        group = bench.add_argument_group(title)
+        group.add_argument(flag, action="store_true", help=help)
+        more[flag](group)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,8 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo_command(sub)
     bench = sub.add_parser("bench", help="the full benchmark: strategies x capture orders, JSON + PNG + table",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for add in (_add_workload_options, _add_run_options, _add_sleep_options, _add_elastic_options,
-                _add_kv_sizing_options):
+    for add in (_add_workload_options, _add_run_options, _add_mode_options):
         add(bench)
     bench.add_argument("--part", help=argparse.SUPPRESS)
     bench.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)

@@ -1,9 +1,12 @@
-"""What every closable graphkit object shares: ``with`` closes it, and a close that failed a step says so once."""
+"""What every closable graphkit object shares: ``with`` closes it; a close goes on past failed steps, says so once."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TypeVar
+
+import hal
 
 _T = TypeVar("_T", bound="Closable")
 
@@ -19,6 +22,16 @@ class Closable:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def close_step(errors: list[BaseException], step: Callable[..., object], *args: object) -> bool:
+    """Run one step of a close that goes on past failures: a hal error goes to ``errors``; whether it succeeded."""
+    try:
+        step(*args)
+    except hal.HalError as exc:
+        errors.append(exc)
+        return False
+    return True
 
 
 def raise_first_failure(log: logging.Logger, errors: list[BaseException], call: str) -> None:

@@ -27,18 +27,6 @@ def be():
 
 
 @SETTINGS
-@given(value=st.one_of(NOT_A_SIZE, st.just(0)))
-def test_facade_sizes(be: hal.Backend, value: object) -> None:
-    for call in (be.create_vir_ptr, be.create_phy_mem_handle):
-        with pytest.raises(hal.HalError):
-            call(value)  # type: ignore[arg-type]
-    if value != 0:  # an empty tensor is fine
-        with pytest.raises(hal.HalError):
-            be.tensor_at(0x1000, value)  # type: ignore[arg-type]
-    assert be.live.ranges == 0 and be.live.chunks == 0
-
-
-@SETTINGS
 @given(value=NOT_A_SIZE)
 def test_allocator(be: hal.Backend, value: object) -> None:
     if value is not None:  # None: the default, the device's memory
@@ -160,8 +148,3 @@ def test_bad_values_of_sleep_elastic_and_pools_give_hal_errors(name: str) -> Non
     objects["saver"].close()
     be.close()
     assert be.live.zero
-
-
-def test_a_backend_name_that_is_no_string_is_a_hal_error() -> None:
-    with pytest.raises(hal.InvalidArgumentError, match="name="):
-        hal.get_backend(["fake"])  # type: ignore[arg-type]

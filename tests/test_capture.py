@@ -41,7 +41,7 @@ def capture_sizes(be: hal.Backend, alloc: graphkit.SharedVMMAllocator, fn, order
         sid = alloc.switch_to_new_virtual_space()
         if pool_policy == "fresh":
             pool = be.create_pool(*alloc.pool_callbacks(sid))
-        else:  # the mistake of DESIGN §6.2: one pool reused across virtual spaces
+        else:  # the mistake: one pool reused across virtual spaces (its cached blocks cross spaces)
             reused = reused or be.create_pool(lambda nb: alloc.allocate(nb), lambda p, nb: alloc.deallocate(p))
             pool = reused
         graphs[n] = (x, capture(be, fn, {"x": x}, Lease(pool, sid), stream), pool)

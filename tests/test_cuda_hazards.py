@@ -1,4 +1,4 @@
-"""DESIGN §6.1: state born inside a capture lands in memory that other graphs overwrite.
+"""State born inside a capture lands in memory that other graphs overwrite (the hazard warm-up prevents).
 
 The decoder script runs in a subprocess with a timeout, so a GPU hang fails
 the test instead of hanging the suite.

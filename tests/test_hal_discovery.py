@@ -354,3 +354,8 @@ def test_a_declared_capability_without_its_hooks_is_explained() -> None:
     assert problems[0].endswith(": implement them or leave 'graphs' out of capabilities()")
     assert problems[1] == "declares unknown capability 'teleport' (hal ignores it); known: " + ", ".join(
         sorted(hal.CAPABILITIES))
+
+
+def test_a_backend_name_that_is_no_string_is_a_hal_error() -> None:
+    with pytest.raises(hal.InvalidArgumentError, match="name="):
+        hal.get_backend(["fake"])  # type: ignore[arg-type]

@@ -46,8 +46,20 @@ def test_regions_pause_and_resume_at_the_same_addresses(be: hal.Backend) -> None
     kv.fill_(3)  # no backup: the memory is back, its contents are not
     assert float(kv.sum()) == 3 * kv.numel()
     report = {r.tag: r for r in saver.report()}
-    assert report["weights"].host_bytes == report["weights"].bytes and report["kv_cache"].host_bytes == 0
+    assert report["weights"].host_bytes == report["weights"].footprint_bytes and report["kv_cache"].host_bytes == 0
     del w, kv
+    saver.close()
+
+
+def test_tag_report_bytes_is_a_deprecated_spelling_of_footprint_bytes(be: hal.Backend) -> None:
+    saver = graphkit.MemorySaver(be)
+    with saver.region("kv_cache"):
+        kv = torch.ones(2048, 512)  # 4 MiB
+    (report,) = saver.report()
+    assert report.footprint_bytes >= kv.numel() * kv.element_size()
+    with pytest.warns(DeprecationWarning, match=r"TagReport\.bytes is deprecated; use footprint_bytes"):
+        assert report.bytes == report.footprint_bytes
+    del kv
     saver.close()
 
 
@@ -285,9 +297,9 @@ def test_pausing_graphs_under_nccl_with_graph_register_on_warns_once(monkeypatch
 
     import torch.distributed as dist
 
-    from graphkit import saver as saver_module
+    from graphkit import _nccl
 
-    monkeypatch.setattr(saver_module, "_nccl_warned", False)
+    monkeypatch.setattr(_nccl, "_warned", False)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     be = hal.get_backend("fake", granularity=G)

@@ -4,7 +4,7 @@ Each size is captured into a fresh pool over a fresh virtual space of one
 SharedVMMAllocator (all spaces share the same physical chunks), then the
 graphs are replayed in random order and every output is compared with the
 eager result. With ``--no-warmup`` the step never runs on the capture stream
-before the first capture (DESIGN §6.1).
+before the first capture (state it creates then is born inside a capture).
 
 Prints progress lines and one final ``RESULT {json}`` line. Exit status: 0
 when every replay matched eager, 3 when one did not, 4 when

@@ -1,4 +1,4 @@
-"""Fault campaign over the newer public operations: every driver call site fails, once or twice.
+"""Every public operation of graphkit with each driver call it makes failing, once or twice in a row.
 
 For each scenario, hook and call number: the operation either raises a hal
 error or recovers cleanly; afterwards everything still gives right results
@@ -7,7 +7,7 @@ error or recovers cleanly; afterwards everything still gives right results
 Every hook a scenario calls is failed at every call position it reaches,
 once and twice in a row (so that the immediate retry of a rollback step
 fails too). The objects of earlier tests are frozen out of the garbage
-collector's way: the library collects at every close, and a campaign of a
+collector's way: the library collects at every close, and a run of a
 few thousand cases stays at seconds.
 """
 
@@ -254,7 +254,7 @@ def run(scenario: str, be: hal.Backend) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def frozen_heap() -> Iterator[None]:
-    """Objects made before the campaign are left out of every collection the library triggers.
+    """Objects made before these tests are left out of every collection the library triggers.
 
     One clean run of each scenario first: what it imports lazily is frozen too.
     """
@@ -317,7 +317,7 @@ def calls_of(scenario: str, make: Callable[[], hal.Backend]) -> collections.Coun
     return counts
 
 
-def campaign(scenario: str, make: Callable[[], hal.Backend], hooks: tuple[str, ...], repeats: tuple[int, ...],
+def fail_everywhere(scenario: str, make: Callable[[], hal.Backend], hooks: tuple[str, ...], repeats: tuple[int, ...],
              max_positions: int) -> tuple[int, list[str]]:
     """Fail each hook at each call position (``repeats`` times in a row); the cases run and what went wrong."""
     counts = calls_of(scenario, make)
@@ -343,18 +343,18 @@ def campaign(scenario: str, make: Callable[[], hal.Backend], hooks: tuple[str, .
     return cases, wrong
 
 
-CAMPAIGN_HOOKS = tuple(h for h in ALL_HOOKS if h != "shutdown")  # shutdown is the backend's own close
+FAILED_HOOKS = tuple(h for h in ALL_HOOKS if h != "shutdown")  # shutdown is the backend's own close
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_every_hook_at_every_position_once_and_twice(scenario: str) -> None:
-    cases, wrong = campaign(scenario, lambda: hal.get_backend("fake", granularity=G), CAMPAIGN_HOOKS, (1, 2),
+    cases, wrong = fail_everywhere(scenario, lambda: hal.get_backend("fake", granularity=G), FAILED_HOOKS, (1, 2),
                             max_positions=24)
     assert cases > 40 and not wrong, "\n".join(wrong[:20])
 
 
 def test_the_sleep_scenario_reaches_the_hooks_of_the_contract() -> None:
-    """The campaign is only as good as the hooks its scenarios call: at least the 22 a backend does work in."""
+    """These tests are only as good as the hooks its scenarios call: at least the 22 a backend does work in."""
     reached = calls_of("sleep", lambda: hal.get_backend("fake", granularity=G))
     assert len(reached) >= 22, sorted(reached)
     assert set(VMM_HOOKS) <= set(reached)
@@ -408,5 +408,5 @@ def test_every_vmm_hook_at_every_position_on_the_vendor_simulators(name: str, sc
         return stack.enter_context(simulated_backend(name, capacity=64 * G, granularity=G))
 
     with stack:
-        cases, wrong = campaign(scenario, make, VMM_HOOKS, (1, 2), max_positions=12)
+        cases, wrong = fail_everywhere(scenario, make, VMM_HOOKS, (1, 2), max_positions=12)
     assert cases > 20 and not wrong, "\n".join(wrong[:20])

@@ -1,0 +1,34 @@
+"""Values that public entry points must refuse with a hal error, for hypothesis-driven tests of each module."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+#: values that are never a valid byte count: not ints, bools, negatives, beyond 64 bits
+NOT_A_SIZE = st.one_of(
+    st.integers(max_value=-1), st.integers(min_value=2 ** 64, max_value=2 ** 80), st.floats(allow_nan=True),
+    st.booleans(), st.text(max_size=3), st.none(), st.lists(st.integers(), max_size=2), st.just(torch.ones(1)),
+)
+
+#: few examples, no deadline, and the function-scoped ``be`` fixture shared by the examples of one test
+BAD_VALUE_SETTINGS = settings(max_examples=40, deadline=None,
+                              suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+class BadHash:
+    """A key whose hash raises."""
+
+    def __hash__(self) -> int:
+        raise ValueError("no hash")
+
+
+class BadEq:
+    """A key that hashes but whose comparison raises."""
+
+    def __hash__(self) -> int:
+        return 1
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("no eq")
