@@ -30,7 +30,7 @@ import hal
 from graphkit import isolation
 from graphkit.allocator import SharedVMMAllocator
 from graphkit.capture import CaptureHygieneError, leftover_blocks, report_leftovers, warm_up_checked
-from graphkit.closing import Closable, raise_first_failure
+from graphkit.closing import Closable, close_step, raise_first_failure
 from graphkit.isolation import IsolationError
 from graphkit.pool_keys import CaptureKey, KeyPool, PoolHandle, pool_ident
 from graphkit.pools import POOL_KINDS, PoolStrategy, make_pool_strategy
@@ -361,24 +361,15 @@ class GraphPools(Closable):
             self._finalizer.detach()
             self._routing.stop()
             errors: list[BaseException] = []
-            try:
-                self.backend.synchronize()
-            except hal.HalError as exc:
-                errors.append(exc)
+            close_step(errors, self.backend.synchronize)
             gc.collect()  # framework tensors of these pools caught in reference cycles go while the pools exist
             for entry in list(self._entries.values()):
-                try:
-                    self._drop(entry)
-                except hal.HalError as exc:
-                    errors.append(exc)
+                close_step(errors, self._drop, entry)
             self._routing.forget_dead()  # dropped above with every other key
             if self.saver is not None and self.allocator is not None:
                 self.saver.forget(self.allocator)  # a pause must not reach an allocator being closed
             if not self._entries:  # a key whose pool would not go keeps its space for the retry
-                try:
-                    self.strategy.close()
-                except hal.HalError as exc:
-                    errors.append(exc)
+                close_step(errors, self.strategy.close)
             raise_first_failure(log, errors, f"{self._caller}.close")
             self._close_done = True
             if self._owns_backend:

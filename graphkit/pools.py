@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import hal
 from graphkit.allocator import SharedVMMAllocator
+from graphkit.closing import close_step
 
 log = logging.getLogger("graphkit.pools")
 
@@ -155,10 +156,7 @@ class VmmPools(PoolStrategy):
     def close(self) -> None:
         """Settle, then close an allocator of its own; goes on past a failed settle and raises the first."""
         errors: list[BaseException] = []
-        try:
-            self.settle()
-        except hal.HalError as exc:  # the allocator's close below takes the spaces down anyway
-            errors.append(exc)
+        close_step(errors, self.settle)  # the allocator's close below takes the spaces down anyway
         if self._own:  # outputs the caller still holds (views) keep readable memory under them when parked
             self.allocator.close(park_live=self._park_live)
             self._returned.clear()

@@ -35,7 +35,7 @@ from graphkit import capture as cap
 from graphkit import isolation
 from graphkit.buckets import Bucket, Pieces
 from graphkit.buffers import StaticInputs
-from graphkit.closing import Closable, raise_first_failure
+from graphkit.closing import Closable, close_step, raise_first_failure
 from graphkit.deprecation import renamed
 from graphkit.graph_pools import GraphPools, Kind
 from graphkit.outputs import Outputs
@@ -173,15 +173,12 @@ def _merged_examples(example: Mapping[str, torch.Tensor] | None, example_inputs:
 
 
 def _ordered(sizes: list[int], order: Order | Sequence[int], seed: int) -> list[int]:
-    """``sizes`` in the capture order ``order`` asks for."""
-    if order == "descending":
-        return sizes[::-1]
-    if order == "ascending":
-        return list(sizes)
-    if order == "random":
-        shuffled = list(sizes)
-        random.Random(seed).shuffle(shuffled)
-        return shuffled
+    """``sizes`` (ascending) in the capture order ``order`` asks for."""
+    if isinstance(order, str) and order in ("descending", "ascending", "random"):
+        ordered = sizes[::-1] if order == "descending" else list(sizes)
+        if order == "random":
+            random.Random(seed).shuffle(ordered)
+        return ordered
     if isinstance(order, str) or sorted(set(order)) != sizes:
         raise hal.InvalidArgumentError(f"order={order!r} must be descending, ascending, random or a "
                                        f"permutation of {sizes}", call="GraphRunner.capture")
@@ -489,25 +486,16 @@ class GraphRunner(Closable):
                 return
             self._closed = True  # from here on every call raises InvalidStateError
             errors: list[BaseException] = []
-            try:
-                self.backend.synchronize()
-            except hal.HalError as exc:  # keep going: what follows waits for the device itself where it must
-                errors.append(exc)
+            close_step(errors, self.backend.synchronize)  # what follows waits for the device itself where it must
             gc.collect()  # tensors of the pools caught in reference cycles go while the pools exist
             self._leftover.extend(self._forget(size) for size in list(self._captured))
             left = []
-            for bucket in self._leftover:
-                try:
-                    self._release_bucket(bucket)
-                except hal.HalError as exc:  # keep going: release what can be released
-                    errors.append(exc)
+            for bucket in self._leftover:  # past failures: release what can be released
+                if not close_step(errors, self._release_bucket, bucket):
                     left.append(bucket)
             self._leftover = left
             if self.pools is not None and not left:  # a graph that would not go keeps its pool for the retry
-                try:
-                    self.pools.close()
-                except hal.HalError as exc:
-                    errors.append(exc)
+                close_step(errors, self.pools.close)
             raise_first_failure(log, errors, "GraphRunner.close")
             self.inputs = None
             self._outputs.drop()
