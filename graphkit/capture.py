@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -135,14 +136,28 @@ def release_cached_memory(backend: hal.Backend) -> None:
 
 
 def warm_up(backend: hal.Backend, fn: Callable[..., Any], inputs: dict[str, Any], stream: Any,
-            runs: int = 1) -> None:
-    """Run ``fn`` on the capture stream, then wait for it."""
+            runs: int = 1) -> Any:
+    """Run ``fn(**inputs)`` ``runs`` times on the capture stream, wait for it, return the last result."""
+    result = None
     if runs <= 0:
-        return
+        return result
     with backend.use_stream(stream):
         for _ in range(runs):
-            fn(**inputs)
+            result = fn(**inputs)
     backend.synchronize(stream)
+    return result
+
+
+def warm_up_checked(backend: hal.Backend, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                    runs: int, stream: Any, call: str) -> Any:
+    """:func:`warm_up` of ``fn(*args, **kwargs)`` for a caller's arguments, checked first; ``stream`` defaults
+    to the stream the framework's capture API uses when given none."""
+    if not callable(fn):
+        raise hal.InvalidArgumentError(f"fn={fn!r} must be callable", backend=backend.name, call=call)
+    if not isinstance(runs, int) or isinstance(runs, bool) or runs < 0:
+        raise hal.InvalidArgumentError(f"runs={runs!r} must be an int >= 0", backend=backend.name, call=call)
+    stream = stream if stream is not None else backend.default_capture_stream()
+    return warm_up(backend, functools.partial(fn, *args, **kwargs), {}, stream, runs)
 
 
 def capture(backend: hal.Backend, fn: Callable[..., Any], inputs: dict[str, Any], lease: Lease,

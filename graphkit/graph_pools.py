@@ -23,104 +23,64 @@ import itertools
 import logging
 import threading
 import weakref
-from collections import deque
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import hal
 from graphkit import isolation
 from graphkit.allocator import SharedVMMAllocator
-from graphkit.capture import CaptureHygieneError, framework_capturer, leftover_blocks, report_leftovers
-from graphkit.closing import Closable, raise_first_failure
+from graphkit.capture import CaptureHygieneError, leftover_blocks, report_leftovers, warm_up_checked
+from graphkit.closing import Closable, close_step, raise_first_failure
 from graphkit.isolation import IsolationError
-from graphkit.pools import Lease, vmm_or_shared
-from graphkit.report import KeyReport, PoolsReport
+from graphkit.pool_keys import CaptureKey, KeyPool, PoolHandle, pool_ident
+from graphkit.pools import POOL_KINDS, PoolStrategy, make_pool_strategy
+from graphkit.report import KeyReport, PoolsReport, pools_report
+from graphkit.routing import CaptureRouting
 from graphkit.saver import GRAPHS, MemorySaver
-from hal.types import Route, fmt_bytes
+from hal.types import Route
 
 log = logging.getLogger("graphkit.graph_pools")
 
-Kind = Literal["vmm", "shared"]
+Kind = Literal["vmm", "shared", "private"]
 _serial = itertools.count(1)
 _ALLOCATOR_OPTIONS = frozenset({"reserve_bytes", "max_physical_bytes", "capacity", "arena_bytes"})
+#: what an isolation error advises, for a capture graph_memory routed and for one into pools.pool(key)
+_FIX_ROUTED = ("Put the captures that pass tensors to each other (the pieces of one batch) in one space: "
+               "`with pools.group(key):` around them")
+_FIX_KEYED = ("Use one key for the captures that pass tensors to each other (the pieces of one batch): "
+              "the same pools.pool(key), or `with pools.group(key):` around them")
 
 
-class CaptureKey(tuple):
-    """The key :func:`graph_memory` gives a capture outside any group: ``('capture', n)``.
-
-    It prints like the tuple but equals only another :class:`CaptureKey`:
-    an engine's own key ``('capture', 1)`` never meets it.
-    """
-
-    def __new__(cls, serial: int) -> CaptureKey:
-        return super().__new__(cls, ("capture", serial))
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is CaptureKey and tuple.__eq__(self, other)
-
-    def __ne__(self, other: object) -> bool:
-        return not self == other
-
-    def __hash__(self) -> int:
-        return hash((CaptureKey, tuple(self)))
+def _check_arguments(backend: object, kind: object, saver: object, allocator_options: dict[str, Any],
+                     caller: str) -> None:
+    """The arguments of a GraphPools, checked before anything is made."""
+    name = getattr(backend, "name", None)
+    if backend is not None and not isinstance(backend, hal.Backend):
+        raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend", call=caller)
+    if kind is not None and kind not in POOL_KINDS:
+        raise hal.InvalidArgumentError(f"kind={kind!r} must be one of {', '.join(POOL_KINDS)}", backend=name,
+                                       call=caller)
+    unknown = sorted(set(allocator_options) - _ALLOCATOR_OPTIONS)
+    if unknown:
+        takes = "allocator_options takes" if caller == "GraphRunner" else "GraphPools takes kind, hygiene, saver and"
+        raise hal.InvalidArgumentError(f"unknown option(s) {', '.join(unknown)}; {takes} "
+                                       f"{', '.join(sorted(_ALLOCATOR_OPTIONS))}", backend=name, call=caller)
+    if saver is not None and not isinstance(saver, MemorySaver):
+        raise hal.InvalidArgumentError(f"saver={saver!r} must be a graphkit.MemorySaver", backend=name, call=caller)
 
 
-class PoolHandle(tuple):
-    """The pool of one key of a :class:`GraphPools`, in the form capture APIs take.
-
-    A tuple equal to the framework's pool id (what ``torch.cuda.graph(pool=...)``
-    and ``graph.pool()`` deal in) that also keeps its :class:`GraphPools`
-    alive. Once the key is released or the pools closed, reading it --
-    which every capture API does -- raises :class:`hal.InvalidStateError`.
-    """
-
-    _owner: GraphPools
-    _key: Hashable
-
-    def __new__(cls, ident: tuple[int, int], owner: GraphPools, key: Hashable) -> PoolHandle:
-        handle = super().__new__(cls, ident)
-        handle._owner, handle._key = owner, key
-        return handle
-
-    @property
-    def key(self) -> Hashable:
-        return self._key
-
-    @property
-    def released(self) -> bool:
-        entry = self._owner._entries.get(self._key)
-        return entry is None or entry.handle is not self
-
-    @property
-    def __hal_pool__(self) -> Any:
-        """The backend pool (what :meth:`hal.Backend.capture` uses); raises once released."""
-        return self._owner._live(self._key, self, "capture").pool
-
-    def __getitem__(self, index: Any) -> Any:
-        self._owner._live(self._key, self, "capture")
-        return tuple.__getitem__(self, index)
-
-    def __iter__(self) -> Iterator[int]:
-        self._owner._live(self._key, self, "capture")
-        return tuple.__iter__(self)
-
-    def __repr__(self) -> str:
-        state = " released" if self.released else ""
-        return f"<graphkit pool {self._key!r} id={tuple.__repr__(self)}{state}>"
-
-    def __reduce__(self) -> Any:  # a handle is tied to a live process
-        raise TypeError("a graphkit pool handle cannot be pickled")
-
-
-@dataclass(eq=False)
-class _Entry:
-    key: Hashable
-    handle: PoolHandle
-    pool: Any  # the backend pool
-    space_id: int | None  # None for the shared pool
-    auto: bool = False  # made by graph_memory for one capture: released with its graph
-    graphs: int = 0  # routed captures alive in it
+def _adopt(saver: MemorySaver, strategy: PoolStrategy, caller: str, be: hal.Backend) -> None:
+    """Hand a vmm strategy's allocator to ``saver`` (tag ``graphs``); closes the strategy when that fails."""
+    try:
+        allocator = getattr(strategy, "allocator", None)
+        if allocator is None:
+            raise hal.UnsupportedError(f"kind={strategy.kind!r} draws from the framework's allocator and cannot "
+                                       "sleep with a MemorySaver: use kind='vmm' on a backend with 'custom_pool'",
+                                       backend=be.name, call=caller)
+        saver.adopt(allocator, GRAPHS)
+    except BaseException:
+        strategy.close()
+        raise
 
 
 def _abandoned(backend_name: str, entries: dict) -> None:
@@ -140,10 +100,12 @@ class GraphPools(Closable):
 
     :param backend: a :class:`hal.Backend`; default ``hal.get_backend()``
         (then owned and closed with the pools).
-    :param kind: ``"vmm"`` (default) or ``"shared"`` (one pool drawn from
-        the device's own allocator for every key: the engines' usual set-up).
-        ``"vmm"`` falls back to ``"shared"``, with a warning, on a backend
-        without pools over custom allocators.
+    :param kind: ``"vmm"`` (default), ``"shared"`` (one pool drawn from
+        the device's own allocator for every key: the engines' usual set-up)
+        or ``"private"`` (a pool of the device's own allocator per key: what
+        a capture gets without any pool, the costliest). ``"vmm"`` falls
+        back to ``"shared"``, with a warning, on a backend without pools over
+        custom allocators.
     :param hygiene: after each capture routed by :func:`graph_memory`, log
         the allocations it made that outlive it (a cache or workspace born
         inside a capture lands in memory other graphs overwrite).
@@ -163,55 +125,33 @@ class GraphPools(Closable):
     """
 
     def __init__(self, backend: hal.Backend | None = None, kind: Kind = "vmm", *, hygiene: bool = False,
-                 saver: MemorySaver | None = None, verify: bool = True, **allocator_options: Any) -> None:
-        if backend is not None and not isinstance(backend, hal.Backend):
-            raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend", call="GraphPools")
-        unknown = sorted(set(allocator_options) - _ALLOCATOR_OPTIONS)
-        if unknown:
-            raise hal.InvalidArgumentError(f"unknown option(s) {', '.join(unknown)}; GraphPools takes kind, hygiene, "
-                                           f"saver and {', '.join(sorted(_ALLOCATOR_OPTIONS))}",
-                                           backend=getattr(backend, "name", None), call="GraphPools")
-        if saver is not None and not isinstance(saver, MemorySaver):
-            raise hal.InvalidArgumentError(f"saver={saver!r} must be a graphkit.MemorySaver",
-                                           backend=getattr(backend, "name", None), call="GraphPools")
+                 saver: MemorySaver | None = None, verify: bool = True, _strategy: PoolStrategy | None = None,
+                 _runner: bool = False, **allocator_options: Any) -> None:
+        """``_strategy`` and ``_runner`` are :class:`graphkit.GraphRunner`'s: a ready strategy instead of
+        ``kind``, and pools that capture into their keys directly (no watcher; parked at close; errors name
+        the runner)."""
+        self._caller = caller = "GraphRunner" if _runner else "GraphPools"
+        _check_arguments(backend, kind if _strategy is None else None, saver, allocator_options, caller)
         self._owns_backend = backend is None
         self.backend = be = backend if backend is not None else hal.get_backend(requires=("graphs",))
-        if kind not in ("vmm", "shared"):
-            raise hal.InvalidArgumentError(f"kind={kind!r} must be 'vmm' or 'shared'", backend=be.name,
-                                           call="GraphPools")
-        if kind == "vmm":
-            kind = vmm_or_shared(be, "GraphPools")
-        self.kind: Kind = kind
-        self.hygiene = hygiene
-        self.allocator = SharedVMMAllocator(be, **allocator_options) if kind == "vmm" else None
-        self.saver = saver
-        if saver is not None:
-            if self.allocator is None:
-                raise hal.UnsupportedError("a shared pool is drawn from the framework's allocator and cannot sleep "
-                                           "with a MemorySaver (needs 'custom_pool')", backend=be.name,
-                                           call="GraphPools")
-            try:
-                saver.adopt(self.allocator, GRAPHS)
-            except BaseException:
-                self.allocator.close()
-                raise
-        self._shared_pool: Any = None
-        self._entries: dict[Hashable, _Entry] = {}
-        self._lock = threading.RLock()
-        self._dead: deque[_Entry] = deque()  # routed graphs collected: released at the next safe point
-        self._groups = threading.local()
-        self._auto = itertools.count(1)
-        self._closed = False
-        self._close_done = False
-        self._unreleased_spaces: list[int] = []  # spaces of released keys whose release failed: retried
-        self._undropped: list[_Entry] = []  # keys of dead routed graphs whose release failed: retried
         be.synchronize()
         self._used_at_start = be.mem_info().used
+        self.strategy = _strategy or make_pool_strategy(kind, be, caller, park_live=_runner, **allocator_options)
+        self.kind: str = self.strategy.kind
+        self.allocator: SharedVMMAllocator | None = getattr(self.strategy, "allocator", None)
+        self.hygiene = hygiene
+        self.saver = saver
+        if saver is not None:
+            _adopt(saver, self.strategy, caller, be)
+        self._entries: dict[Hashable, KeyPool] = {}
+        self._lock = threading.RLock()
+        self._closed = False
+        self._close_done = False
         self.verify_stats = isolation.VerifyStats()
         self._verifying = bool(verify) and self.allocator is not None and isolation.readable(be, [])
-        self._watching: contextlib.ExitStack | None = None  # sees captures into pools.pool(key) handles
-        self._trees_logged = False
-        self._finalizer = weakref.finalize(self, _abandoned, be.name, self._entries)
+        self._routing = CaptureRouting(self)
+        self._watches = not _runner  # a runner captures into its keys itself: nothing to watch
+        self._finalizer = weakref.finalize(self, _abandoned, be.name, self._entries if not _runner else {})
 
     # -- keys -----------------------------------------------------------------------
 
@@ -224,19 +164,21 @@ class GraphPools(Closable):
         """
         with self._lock:
             self._check_open("pool")
-            if self._watching is None and self._verifying and self.backend.supports("capture_routing"):
-                self._watching = contextlib.ExitStack()
-                self._watching.enter_context(self.backend.route_captures(_watcher(weakref.ref(self))))
+            if self._watches:
+                self._routing.watch_handles()
             return self._handle(key)
 
     def _handle(self, key: Hashable) -> PoolHandle:
+        return self._key_pool(key).handle
+
+    def _key_pool(self, key: Hashable) -> KeyPool:
+        """``key``'s pool, made on first use (a :class:`GraphRunner` captures into its lease directly)."""
         with self._lock:
             self._check_open("pool")
             self._settle()
-            entry = self._lookup(key, "pool") or self._new_entry(key, auto=False)
-            return entry.handle
+            return self._lookup(key, "pool") or self._new_entry(key, auto=False)
 
-    def _lookup(self, key: Hashable, call: str) -> _Entry | None:
+    def _lookup(self, key: Hashable, call: str) -> KeyPool | None:
         """The entry of ``key`` or None; a key that cannot be hashed or compared is a hal error."""
         try:
             return self._entries.get(key)
@@ -244,35 +186,15 @@ class GraphPools(Closable):
             raise hal.InvalidArgumentError(f"key={key!r} must be hashable and comparable ({type(exc).__name__}: "
                                            f"{exc})", backend=self.backend.name, call=f"GraphPools.{call}") from None
 
-    def _new_entry(self, key: Hashable, auto: bool) -> _Entry:
-        be = self.backend
-        if self.allocator is None:
-            if self._shared_pool is None:
-                self._shared_pool = be.create_pool()
-            pool, space = self._shared_pool, None
-        else:
-            allocator = self.allocator
-            space = allocator.switch_to_new_virtual_space()
-            try:
-                pool = be.create_pool(*allocator.pool_callbacks(space), paused=lambda: allocator.paused)
-            except BaseException:
-                self.allocator.release_virtual_space(space)
-                raise
-        entry = _Entry(key, PoolHandle(self._ident(pool), self, key), pool, space, auto=auto)
+    def _new_entry(self, key: Hashable, auto: bool) -> KeyPool:
+        """A lease from the strategy for ``key``."""
+        lease = self.strategy.lease()
+        ident = pool_ident(lease.pool, iter(list(self._entries.values())), _serial)
+        entry = KeyPool(key, PoolHandle(ident, self, key), lease, auto=auto)
         self._entries[key] = entry
         return entry
 
-    def _ident(self, pool: Any) -> tuple[int, int]:
-        """The framework's id of ``pool`` (what its capture API takes); a made-up one where it has none."""
-        ident = getattr(pool, "id", None)
-        if isinstance(ident, tuple) and len(ident) == 2:
-            return tuple(ident)
-        if pool is self._shared_pool:
-            self._shared_ident = getattr(self, "_shared_ident", None) or (0, next(_serial))
-            return self._shared_ident
-        return (0, next(_serial))
-
-    def _live(self, key: Hashable, handle: PoolHandle, call: str) -> _Entry:
+    def _live(self, key: Hashable, handle: PoolHandle, call: str) -> KeyPool:
         entry = self._entries.get(key)
         if entry is None or entry.handle is not handle:
             why = "the GraphPools was closed" if self._closed else f"key {key!r} was released"
@@ -300,52 +222,22 @@ class GraphPools(Closable):
                 raise hal.InvalidStateError(f"key={key!r} has no pool (released twice?)", backend=self.backend.name,
                                             call="GraphPools.release")
             self._drop(entry)
+            self.strategy.settle()  # a space that would not go is kept by the strategy, to release again
             self._settle()
 
-    def _drop(self, entry: _Entry) -> None:
-        """Release the key's pool, then its space; a failed pool release keeps the key, to release again."""
-        if entry.space_id is None:  # a key of the shared pool: the pool stays for the others
-            del self._entries[entry.key]
-            return
-        assert self.allocator is not None
-        self.backend.release_pool(entry.pool)
+    def _drop(self, entry: KeyPool) -> None:
+        """Give the key's lease back; a failed pool release keeps the key, to release again."""
+        self.strategy.give_back(entry.lease)
         del self._entries[entry.key]
-        try:
-            self.allocator.release_when_idle(entry.space_id)
-        except hal.HalError:
-            self._unreleased_spaces.append(entry.space_id)  # retried at the next safe point
-            raise
-
-    def _try_drop(self, entry: _Entry) -> None:
-        """Drop a key whose graphs are gone; one that fails is kept and dropped again at the next safe point."""
-        try:
-            self._drop(entry)
-        except hal.HalError as exc:
-            log.error("key %r: its pool could not be released yet (retried at the next call): %s", entry.key,
-                      str(exc))
-            if self._entries.get(entry.key) is entry:
-                self._undropped.append(entry)
 
     def _settle(self) -> None:
         """Release what routed graphs that died left behind (a safe point: no allocator call is running)."""
-        retry, self._undropped = self._undropped, []
-        for entry in retry:
-            if self._entries.get(entry.key) is entry:
-                self._try_drop(entry)
-        while self._dead:
-            entry = self._dead.popleft()
-            entry.graphs -= 1
-            if entry.auto and entry.graphs <= 0 and self._entries.get(entry.key) is entry:
-                self._try_drop(entry)
+        self._routing.release_dead()
+        try:
+            self.strategy.settle()
+        except hal.HalError as exc:
+            log.error("a released key's space could not be released yet (retried): %s", str(exc))
         if self.allocator is not None and not self.allocator.closed:
-            spaces, self._unreleased_spaces = self._unreleased_spaces, []
-            for space_id in spaces:
-                if space_id in self.allocator.spaces:
-                    try:
-                        self.allocator.release_when_idle(space_id)
-                    except hal.HalError as exc:
-                        log.error("a released key's space could not be released yet (retried): %s", str(exc))
-                        self._unreleased_spaces.append(space_id)
             self.allocator.reap()
 
     def collect(self) -> None:
@@ -354,34 +246,15 @@ class GraphPools(Closable):
             if not self._closed:
                 self._settle()
 
-    # -- graph_memory's router ------------------------------------------------------
+    # -- routing ----------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def group(self, key: Hashable) -> Iterator[PoolHandle]:
+    def group(self, key: Hashable) -> contextlib.AbstractContextManager[PoolHandle]:
         """Inside :func:`graph_memory`: the captures started in this block (this thread) share ``key``'s space.
 
         For piecewise graphs: piece k's output feeds piece k + 1, so the
         pieces of one batch must never share physical bytes with each other.
         """
-        handle = self._handle(key)
-        stack = self._group_stack()
-        stack.append(key)
-        try:
-            yield handle
-        finally:
-            stack.pop()
-            if key not in stack:  # an outer group of the same key keeps its space open
-                with self._lock:
-                    entry = self._entries.get(key)
-                    if entry is not None and entry.space_id is not None and self.allocator is not None \
-                            and not self.allocator.closed and entry.space_id in self.allocator.spaces:
-                        self.allocator.seal(entry.space_id)
-
-    def _group_stack(self) -> list[Hashable]:
-        stack = getattr(self._groups, "stack", None)
-        if stack is None:
-            stack = self._groups.stack = []
-        return stack
+        return self._routing.group(key)
 
     def route(self, graph: Any, requested_pool: Any) -> Route | None:
         """The router :func:`graph_memory` installs: a fresh space per capture, or the current group's.
@@ -392,89 +265,30 @@ class GraphPools(Closable):
         ``torch.cuda.make_graphed_callables`` call share one space, as they
         share one pool without graphkit (backward reads forward's memory).
         """
-        capturer = framework_capturer() if not isinstance(requested_pool, PoolHandle) else None
-        if capturer == "graph_trees":
-            if not self._trees_logged:
-                self._trees_logged = True
-                log.info("a capture of torch.compile's CUDA graph trees (mode='reduce-overhead'): left to torch, "
-                         "which keeps one pool of its own for them and checks it; graph_memory routes the others")
-            return None
-        with self._lock:
-            self._check_open("graph_memory")
-            self._settle()
-            stack = self._group_stack()
-            grouped = bool(stack) or capturer == "graphed_callables"
-            if stack:
-                entry = self._entries.get(stack[-1]) or self._new_entry(stack[-1], auto=False)
-            elif capturer == "graphed_callables":  # one key per call: the pool id it made for its graphs
-                key = ("make_graphed_callables", _pool_ident(requested_pool))
-                entry = self._entries.get(key) or self._new_entry(key, auto=True)
-            else:
-                entry = self._new_entry(CaptureKey(next(self._auto)), auto=True)
-            entry.graphs += 1
-            before = self._blocks(entry) if self.hygiene else set()
-
-        def on_end(ok: bool) -> None:
-            with self._lock:
-                if ok and self._verifying:
-                    try:
-                        self._verify(graph, entry)
-                    except BaseException:  # refused: the backend releases the graph, never to report it again
-                        self._dead.append(entry)
-                        self._settle()
-                        raise
-                if not ok:
-                    self._dead.append(entry)
-                    self._settle()
-                    return
-                if self.hygiene:
-                    self._report_new_blocks(entry, before)
-                if not grouped and entry.space_id is not None and self.allocator is not None:
-                    self.allocator.seal(entry.space_id)
-
-        def on_release(collected: bool) -> None:
-            self._dead.append(entry)  # deque.append is atomic: safe from the garbage collector
-            if not collected and self._lock.acquire(blocking=False):
-                try:
-                    if not self._closed:
-                        self._settle()
-                finally:
-                    self._lock.release()
-
-        return Route(entry.pool, on_end, on_release, inspect=self._verifying)
+        return self._routing.route(graph, requested_pool)
 
     def _watch(self, graph: Any, requested_pool: Any) -> Route | None:
         """The router of captures outside :func:`graph_memory`: verify those into one of these pools."""
-        entry = self._entry_of(requested_pool)
-        if entry is None or self._closed:
+        return self._routing.watch(graph, requested_pool)
+
+    # -- verification -------------------------------------------------------------------
+
+    def _verifier(self, entry: KeyPool, fix: str) -> Callable[[Any], None] | None:
+        """The isolation check of a capture into ``entry`` (None where there is nothing to check or no way to)."""
+        if not self._verifying or entry.space_id is None:
             return None
+        return lambda graph: self._verify(graph, entry, fix)
 
-        def on_end(ok: bool) -> None:
-            if ok:
-                with self._lock:
-                    self._verify(graph, entry)
+    def _verify(self, graph: Any, entry: KeyPool, fix: str | None = None) -> None:
+        """Refuse ``graph`` (of ``entry``) when it uses memory in another key's space.
 
-        return Route(entry.pool, on_end, inspect=True)
-
-    def _entry_of(self, pool: Any) -> _Entry | None:
-        """The live entry whose handle or backend pool ``pool`` is."""
-        if isinstance(pool, PoolHandle):
-            entry = self._entries.get(pool.key) if pool._owner is self else None
-            return entry if entry is not None and entry.handle is pool else None
-        if pool is None or isinstance(pool, tuple):
-            return None
-        return next((e for e in list(self._entries.values()) if e.pool is pool and e.space_id is not None), None)
-
-    def _verify(self, graph: Any, entry: _Entry) -> None:
-        """Refuse ``graph`` (of ``entry``) when it uses memory in another key's space."""
+        :param fix: what the caller should do, for the message (default: the advice for pools' keys).
+        """
         alloc = self.allocator
         if alloc is None or entry.space_id is None:
             return
         keys = {e.space_id: e.key for e in self._entries.values() if e.space_id is not None}
-        fix = ("Put the captures that pass tensors to each other (the pieces of one batch) in one space: "
-               "`with pools.group(key):` around them" if entry.auto else
-               "Use one key for the captures that pass tensors to each other (the pieces of one batch): "
-               "the same pools.pool(key), or `with pools.group(key):` around them")
+        fix = fix or (_FIX_ROUTED if entry.auto else _FIX_KEYED)
         pools = {e.space_id: e.pool for e in self._entries.values() if e.space_id is not None}
 
         def live_blocks(space_id: int) -> list[tuple[int, int]] | None:
@@ -483,22 +297,6 @@ class GraphPools(Closable):
 
         isolation.verify(self.backend, graph, self.verify_stats, alloc.spaces, entry.space_id, entry.key, keys.get,
                          fix, live_blocks)
-
-    def _blocks(self, entry: _Entry) -> set[tuple[int, int]]:
-        return set(self.backend.pool_active_blocks(entry.pool))
-
-    def _report_new_blocks(self, entry: _Entry, before: set[tuple[int, int]]) -> None:
-        new = sorted(self._blocks(entry) - before)
-        if not new:
-            return
-        space = self.allocator.spaces.get(entry.space_id) if self.allocator and entry.space_id else None
-        outside = [b for b in new if space is not None and not space.contains(b[0])]
-        if outside:
-            log.warning("key %r: %d block(s) of the capture did not come from graphkit's space: the capture "
-                        "allocated through the framework's own allocator", entry.key, len(outside))
-        log.info("key %r: %d block(s), %s, allocated during the capture are still live after it (its outputs, "
-                 "and anything it created and kept: a cache born in a capture lives in memory other graphs "
-                 "overwrite; warm up first)", entry.key, len(new), fmt_bytes(sum(s for _, s in new)))
 
     # -- hygiene helpers ----------------------------------------------------------------
 
@@ -510,19 +308,7 @@ class GraphPools(Closable):
         when given none (``torch.cuda.graph``'s side stream), so lazily
         created state (cuBLAS workspaces, caches) is born outside the capture.
         """
-        be = self.backend
-        if not callable(fn):
-            raise hal.InvalidArgumentError(f"fn={fn!r} must be callable", backend=be.name, call="GraphPools.warm_up")
-        if not isinstance(runs, int) or isinstance(runs, bool) or runs < 0:
-            raise hal.InvalidArgumentError(f"runs={runs!r} must be an int >= 0", backend=be.name,
-                                           call="GraphPools.warm_up")
-        stream = stream if stream is not None else be.default_capture_stream()
-        result = None
-        with be.use_stream(stream):
-            for _ in range(runs):
-                result = fn(*args, **kwargs)
-        be.synchronize(stream)
-        return result
+        return warm_up_checked(self.backend, fn, args, kwargs, runs=runs, stream=stream, call="GraphPools.warm_up")
 
     def leftovers(self, key: Hashable, outputs: Any, strict: bool = False) -> list[tuple[int, int]]:
         """Blocks of ``key``'s pool still allocated that hold none of ``outputs``; logged (raised when ``strict``).
@@ -534,7 +320,7 @@ class GraphPools(Closable):
             if entry is None:
                 raise hal.InvalidStateError(f"key={key!r} has no pool", backend=self.backend.name,
                                             call="GraphPools.leftovers")
-            found = leftover_blocks(self.backend, Lease(entry.pool, entry.space_id), outputs)
+            found = leftover_blocks(self.backend, entry.lease, outputs)
         report_leftovers(self.backend, found, f"key {key!r}", strict=strict)
         return found
 
@@ -545,23 +331,10 @@ class GraphPools(Closable):
         with self._lock:
             self._check_open("report")
             self._settle()
-            alloc = self.allocator
-            spaces = alloc.spaces if alloc is not None else {}
-            g = alloc.granularity if alloc is not None else 0
-            keys = []
-            for entry in self._entries.values():
-                space = spaces.get(entry.space_id) if entry.space_id is not None else None
-                keys.append(KeyReport(entry.key, space.offset if space else 0, space.mapped * g if space else 0,
-                                      space.size if space else 0, entry.graphs))
+            keys = [(entry.key, entry.space_id, entry.graphs) for entry in self._entries.values()]
             self.backend.synchronize()
-            stats = self.verify_stats
-            report = PoolsReport(self.backend.name, self.kind, keys,
-                                 alloc.physical_bytes if alloc else 0, alloc.reserved_bytes if alloc else 0,
-                                 alloc.arena_reserved_bytes if alloc else 0,
-                                 self.backend.mem_info().used - self._used_at_start,
-                                 alloc.map_calls if alloc else 0, alloc.map_seconds if alloc else 0.0,
-                                 stats.graphs, stats.nodes, stats.missed, stats.seconds)
-        return report
+            return pools_report(self.backend.name, self.kind, keys, self.allocator,
+                                self.backend.mem_info().used - self._used_at_start, self.verify_stats)
 
     # -- teardown -------------------------------------------------------------------------
 
@@ -586,39 +359,18 @@ class GraphPools(Closable):
                 return
             self._closed = True  # from here on every call raises InvalidStateError
             self._finalizer.detach()
-            if self._watching is not None:
-                watching, self._watching = self._watching, None
-                watching.close()
+            self._routing.stop()
             errors: list[BaseException] = []
-            try:
-                self.backend.synchronize()
-            except hal.HalError as exc:
-                errors.append(exc)
+            close_step(errors, self.backend.synchronize)
             gc.collect()  # framework tensors of these pools caught in reference cycles go while the pools exist
             for entry in list(self._entries.values()):
-                try:
-                    self._drop(entry)
-                except hal.HalError as exc:
-                    errors.append(exc)
-            self._dead.clear()
-            self._undropped.clear()  # dropped above with every other key
-            self._unreleased_spaces.clear()  # the allocator's close takes them down
-            if self._shared_pool is not None:
-                try:
-                    self.backend.release_pool(self._shared_pool)
-                except hal.HalError as exc:
-                    errors.append(exc)
-                else:
-                    self._shared_pool = None
-            if self.allocator is not None:
-                if self.saver is not None:
-                    self.saver.forget(self.allocator)
-                if not self._entries:  # a key whose pool would not go keeps its space for the retry
-                    try:
-                        self.allocator.close()
-                    except hal.HalError as exc:
-                        errors.append(exc)
-            raise_first_failure(log, errors, "GraphPools.close")
+                close_step(errors, self._drop, entry)
+            self._routing.forget_dead()  # dropped above with every other key
+            if self.saver is not None and self.allocator is not None:
+                self.saver.forget(self.allocator)  # a pause must not reach an allocator being closed
+            if not self._entries:  # a key whose pool would not go keeps its space for the retry
+                close_step(errors, self.strategy.close)
+            raise_first_failure(log, errors, f"{self._caller}.close")
             self._close_done = True
             if self._owns_backend:
                 self.backend.close()
@@ -626,21 +378,6 @@ class GraphPools(Closable):
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._entries)} key(s)"
         return f"<graphkit.GraphPools {self.backend.name} {self.kind} {state}>"
-
-
-def _pool_ident(pool: Any) -> Any:
-    """A hashable name of the pool a caller passed (a framework pool id, or the object's identity)."""
-    if isinstance(pool, tuple):
-        return tuple(pool)
-    return id(pool) if pool is not None else None
-
-
-def _watcher(ref: weakref.ref[GraphPools]) -> Callable[[Any, Any], Route | None]:
-    """``GraphPools._watch`` of a GraphPools held weakly (the routing must not keep it alive)."""
-    def watch(graph: Any, requested_pool: Any) -> Route | None:
-        pools = ref()
-        return None if pools is None else pools._watch(graph, requested_pool)
-    return watch
 
 
 @contextlib.contextmanager

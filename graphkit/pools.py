@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import hal
 from graphkit.allocator import SharedVMMAllocator
+from graphkit.closing import close_step
 
 log = logging.getLogger("graphkit.pools")
 
@@ -98,14 +99,17 @@ class VmmPools(PoolStrategy):
 
     kind = "vmm"
 
-    def __init__(self, backend: hal.Backend, allocator: SharedVMMAllocator | None = None,
-                 **allocator_options: Any) -> None:
+    def __init__(self, backend: hal.Backend, allocator: SharedVMMAllocator | None = None, *,
+                 park_live: bool = True, **allocator_options: Any) -> None:
+        """:param park_live: closing an allocator of its own parks the spaces tensors still use
+        (see :meth:`SharedVMMAllocator.close`) instead of unmapping them."""
         super().__init__(backend)
         if not backend.supports("custom_pool"):
             raise hal.UnsupportedError(
                 "the vmm pool needs pools over allocator callbacks (capability 'custom_pool')",
                 backend=backend.name, call="VmmPools")
         self._own = allocator is None
+        self._park_live = park_live
         self.allocator = allocator or SharedVMMAllocator(backend, **allocator_options)
         self._returned: list[int] = []
 
@@ -132,30 +136,31 @@ class VmmPools(PoolStrategy):
 
         Goes on past failures (kept, released at the next settle) and raises the first.
         """
-        gc.collect()  # framework pools caught in reference cycles give their segments back now
         returned, self._returned = self._returned, []
         errors: list[BaseException] = []
+        waiting = False
         for space_id in returned:
             if self.allocator.closed or space_id not in self.allocator.spaces:
                 continue
             try:
-                self.allocator.release_when_idle(space_id)
+                waiting |= not self.allocator.release_when_idle(space_id)
             except hal.HalError as exc:
                 self._returned.append(space_id)
                 errors.append(exc)
+        if waiting:
+            gc.collect()  # framework pools caught in reference cycles give their segments back now
+            self.allocator.reap()
         if errors:
             raise errors[0]
 
     def close(self) -> None:
+        """Settle, then close an allocator of its own; goes on past a failed settle and raises the first."""
         errors: list[BaseException] = []
-        try:
-            self.settle()
-        except hal.HalError as exc:  # the allocator's close below takes the spaces down anyway
-            errors.append(exc)
-        if self._own:  # outputs the caller still holds (views) keep readable memory under them
-            self.allocator.close(park_live=True)
+        close_step(errors, self.settle)  # the allocator's close below takes the spaces down anyway
+        if self._own:  # outputs the caller still holds (views) keep readable memory under them when parked
+            self.allocator.close(park_live=self._park_live)
             self._returned.clear()
-        if errors and not self._own:
+        if errors:
             raise errors[0]
 
     def figures(self) -> dict[str, int]:
@@ -178,10 +183,14 @@ def vmm_or_shared(backend: hal.Backend, who: str) -> Literal["vmm", "shared"]:
     return "shared"
 
 
-def make_pool_strategy(kind: str, backend: hal.Backend, **options: Any) -> PoolStrategy:
-    """Build the strategy named ``kind``; ``vmm`` falls back to ``shared`` where it cannot work."""
+def make_pool_strategy(kind: str, backend: hal.Backend, who: str = "GraphRunner", **options: Any) -> PoolStrategy:
+    """Build the strategy named ``kind``; ``vmm`` falls back to ``shared`` where it cannot work.
+
+    :param who: the object the strategy serves, named in the fallback warning and in errors.
+    :param options: :class:`VmmPools` options (``park_live`` and the allocator's), for ``vmm`` only.
+    """
     if kind == "vmm":
-        if vmm_or_shared(backend, "GraphRunner") == "shared":
+        if vmm_or_shared(backend, who) == "shared":
             return SharedPool(backend)
         return VmmPools(backend, **options)
     if kind == "shared":
@@ -189,4 +198,4 @@ def make_pool_strategy(kind: str, backend: hal.Backend, **options: Any) -> PoolS
     if kind == "private":
         return PrivatePools(backend)
     raise hal.InvalidArgumentError(f"kind={kind!r} must be one of {', '.join(POOL_KINDS)}",
-                                   backend=backend.name, call="GraphRunner")
+                                   backend=backend.name, call=who)

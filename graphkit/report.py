@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from graphkit.deprecation import renamed
 from hal.types import fmt_bytes
+
+if TYPE_CHECKING:
+    from graphkit.allocator import SharedVMMAllocator
+    from graphkit.isolation import VerifyStats
 
 
 @dataclass(frozen=True)
@@ -100,3 +105,20 @@ class PoolsReport:
             lines.append(f"  {k.key!r:>16}  used {fmt_bytes(k.used_bytes):>10}  mapped {fmt_bytes(k.mapped_bytes):>10}"
                          f"  graphs {k.graphs}")
         return "\n".join(lines)
+
+
+def pools_report(backend: str, kind: str, keys: Iterable[tuple[Hashable, int | None, int]],
+                 alloc: SharedVMMAllocator | None, device_bytes: int | None, stats: VerifyStats) -> PoolsReport:
+    """The report of pools whose ``keys`` are ``(key, space id or None, routed graphs)``, over ``alloc`` (vmm)."""
+    spaces = alloc.spaces if alloc is not None else {}
+    g = alloc.granularity if alloc is not None else 0
+    reports = []
+    for key, space_id, graphs in keys:
+        space = spaces.get(space_id) if space_id is not None else None
+        reports.append(KeyReport(key, space.offset if space else 0, space.mapped * g if space else 0,
+                                 space.size if space else 0, graphs))
+    return PoolsReport(backend, kind, reports,
+                       alloc.physical_bytes if alloc else 0, alloc.reserved_bytes if alloc else 0,
+                       alloc.arena_reserved_bytes if alloc else 0, device_bytes,
+                       alloc.map_calls if alloc else 0, alloc.map_seconds if alloc else 0.0,
+                       stats.graphs, stats.nodes, stats.missed, stats.seconds)

@@ -16,27 +16,30 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten
 from tqdm.auto import tqdm
 
 import hal
 from graphkit import capture as cap
 from graphkit import isolation
-from graphkit.allocator import SharedVMMAllocator
+from graphkit.buckets import Bucket, Pieces
 from graphkit.buffers import StaticInputs
-from graphkit.closing import Closable, raise_first_failure
+from graphkit.closing import Closable, close_step, raise_first_failure
 from graphkit.deprecation import renamed
-from graphkit.pools import Lease, PoolStrategy, make_pool_strategy
+from graphkit.graph_pools import GraphPools, Kind
+from graphkit.outputs import Outputs
+from graphkit.pools import PoolStrategy
 from graphkit.report import RunnerReport, SizeReport
 from graphkit.saver import GRAPHS, MemorySaver
 from hal.types import fmt_bytes
@@ -46,27 +49,9 @@ log = logging.getLogger("graphkit.runner")
 Mode = Literal["full", "piecewise", "none"]
 MAX_BATCH = 1 << 31
 Order = Literal["descending", "ascending", "random"]
-
-
-@dataclass
-class _Bucket:
-    """Everything captured for one batch size."""
-
-    size: int
-    lease: Lease
-    graphs: list[Any] = field(default_factory=list)
-    outputs: list[Any] = field(default_factory=list)  # per piece
-    piece_inputs: list[list[torch.Tensor]] = field(default_factory=list)  # static inputs of pieces 1..
-    report: SizeReport | None = None
-
-
-def _spread(piece: Callable[..., Any]) -> Callable[..., Any]:
-    """Call a later piece with the previous stage's output (a tensor or a tuple of them)."""
-
-    def call(piece_input: Any) -> Any:
-        return piece(*piece_input) if isinstance(piece_input, tuple) else piece(piece_input)
-
-    return call
+#: what an isolation error of a runner's capture advises
+_ISOLATION_FIX = ("Create what the step keeps between calls (caches, workspaces) before capturing, "
+                  "and pass nothing made by one size's graph to another")
 
 
 @dataclass(frozen=True)
@@ -172,6 +157,63 @@ def _checked_pieces(fn: Callable[..., Any] | Sequence[Callable[..., Any]], sizes
     return pieces
 
 
+def _merged_examples(example: Mapping[str, torch.Tensor] | None, example_inputs: dict[str, torch.Tensor],
+                     be: hal.Backend) -> dict[str, torch.Tensor]:
+    """``capture()``'s example inputs: the mapping and the keywords, which must not name one input twice."""
+    if example is None:
+        return example_inputs
+    if not isinstance(example, Mapping):
+        raise hal.InvalidArgumentError(f"example={type(example).__name__} must be a mapping of input "
+                                       "names to tensors", backend=be.name, call="GraphRunner.capture")
+    twice = sorted(set(example) & set(example_inputs))
+    if twice:
+        raise hal.InvalidArgumentError(f"input(s) {', '.join(twice)} given both in example and as "
+                                       "keywords", backend=be.name, call="GraphRunner.capture")
+    return {**example, **example_inputs}
+
+
+def _ordered(sizes: list[int], order: Order | Sequence[int], seed: int) -> list[int]:
+    """``sizes`` (ascending) in the capture order ``order`` asks for."""
+    if isinstance(order, str) and order in ("descending", "ascending", "random"):
+        ordered = sizes[::-1] if order == "descending" else list(sizes)
+        if order == "random":
+            random.Random(seed).shuffle(ordered)
+        return ordered
+    if isinstance(order, str) or sorted(set(order)) != sizes:
+        raise hal.InvalidArgumentError(f"order={order!r} must be descending, ascending, random or a "
+                                       f"permutation of {sizes}", call="GraphRunner.capture")
+    return list(order)
+
+
+def _wants_grad(inputs: dict[str, Any]) -> bool:
+    """Whether a call asks for gradients (autograd on, an input that requires them)."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(inputs)[0])
+
+
+def _check_unmoved(inputs: StaticInputs, be: hal.Backend) -> None:
+    """``debug``: a static input that moved since capture would be read stale by the graph."""
+    moved = inputs.moved()
+    if moved:
+        raise hal.InvalidStateError(
+            f"static input(s) {', '.join(moved)} moved since capture; the graph would read stale memory",
+            backend=be.name, call="GraphRunner")
+
+
+def _runner_pools(be: hal.Backend, opts: RunnerOptions, kind: str, saver: MemorySaver | None) -> GraphPools | None:
+    """A runner's pools, keyed by size (None for ``mode="none"``); ``saver`` adopts their allocator."""
+    if opts.mode != "none":
+        return GraphPools(be, cast("Kind", kind), saver=saver, verify=opts.verify, _strategy=opts.pool_strategy,
+                          _runner=True, **dict(opts.allocator_options or {}))
+    if saver is not None and not isinstance(saver, MemorySaver):
+        raise hal.InvalidArgumentError(f"saver={saver!r} must be a graphkit.MemorySaver", backend=be.name,
+                                       call="GraphRunner")
+    if saver is not None:
+        raise hal.UnsupportedError("kind='none' cannot sleep with a MemorySaver: use kind='vmm' on a backend "
+                                   "with 'custom_pool'", backend=be.name, call="GraphRunner")
+    return None
+
+
 class GraphRunner(Closable):
     """Capture ``fn`` for several batch sizes on any hal backend and replay the one that fits.
 
@@ -186,7 +228,7 @@ class GraphRunner(Closable):
     :param kind: the pool kind, as in :class:`graphkit.GraphPools`:
         ``"vmm"`` (a fresh virtual space per size over shared chunks: N sizes
         cost the largest), ``"shared"`` (one pool) or ``"private"`` (a pool
-        per graph). ``pool=`` is its deprecated spelling.
+        per size). ``pool=`` is its deprecated spelling.
     :param options: a :class:`RunnerOptions` (mode, outputs, on-demand
         capture, padding fill, hygiene, progress...); defaults work.
     :param saver: a :class:`graphkit.MemorySaver`: with ``kind="vmm"`` the
@@ -195,79 +237,54 @@ class GraphRunner(Closable):
     :param overrides: any :class:`RunnerOptions` field as a keyword
         (``outputs="view"``, ``on_demand=True``); an unknown name raises
         :class:`hal.InvalidArgumentError`.
+
+    The graphs of each size draw from the pool of that size's key in
+    :attr:`pools`, a :class:`graphkit.GraphPools` of the runner's own.
     """
 
-    def __init__(
-        self,
-        fn: Callable[..., Any] | Sequence[Callable[..., Any]],
-        sizes: Sequence[int],
-        backend: hal.Backend | None = None,
-        kind: str = "vmm",
-        *,
-        options: RunnerOptions | None = None,
-        saver: MemorySaver | None = None,
-        pool: str | None = None,
-        **overrides: Any,
-    ) -> None:
+    def __init__(self, fn: Callable[..., Any] | Sequence[Callable[..., Any]], sizes: Sequence[int],
+                 backend: hal.Backend | None = None, kind: str = "vmm", *, options: RunnerOptions | None = None,
+                 saver: MemorySaver | None = None, pool: str | None = None, **overrides: Any) -> None:
         if pool is not None:
             renamed("GraphRunner(pool=)", "kind=")
             kind = pool
         self.options = opts = _merged_options(options, overrides)
-        mode, between, outputs, oversize = opts.mode, opts.between, opts.outputs, opts.oversize
-        keep_outputs, fill, allocator_options = opts.keep_outputs, opts.fill, opts.allocator_options
         self._owns_backend = backend is None
-        self.backend = backend or hal.get_backend(requires=("graphs",))
-        be = self.backend
+        self.backend = be = backend or hal.get_backend(requires=("graphs",))
         pieces = _checked_pieces(fn, sizes, opts, be)
         self.sizes = sorted(set(sizes))
-        self.max_size = self.sizes[-1]
-        self.mode = mode
-        self.pieces = pieces
-        self.between = list(between)
-        self.output_mode = outputs
-        self.oversize = oversize
-        self.on_demand = opts.on_demand
-        self.fill = dict(fill) if fill is not None else None
-        self.warmup = opts.warmup
-        self.debug = opts.debug
-        self.strict_hygiene = opts.strict_hygiene
-        self.verify_stats = isolation.VerifyStats()
-        self._unreadable_logged: list[bool] = []
-        self.progress = opts.progress
-        self.capture_error_mode = opts.capture_error_mode
-        self.keep_outputs = keep_outputs
-        self.measure_memory = opts.measure_memory
-        self.strategy = opts.pool_strategy or (
-            make_pool_strategy(kind, be, **dict(allocator_options or {})) if mode != "none" else None)
-        self.kind = self.strategy.kind if self.strategy else "none"
+        self.step = Pieces(be, pieces, list(opts.between), self.sizes[-1], weak_outputs=opts.keep_outputs == "weak")
+        self.max_size, self.mode, self.on_demand = self.sizes[-1], opts.mode, opts.on_demand
+        self.output_mode, self.oversize, self.keep_outputs = opts.outputs, opts.oversize, opts.keep_outputs
+        self.fill = dict(opts.fill) if opts.fill is not None else None
         self.saver = saver
-        self._adopted: SharedVMMAllocator | None = None  # the allocator the saver sleeps and wakes
-        if saver is not None:
-            self._adopt_saver(saver)
         self.inputs: StaticInputs | None = None
-        self._buckets: dict[int, _Bucket] = {}
+        self._outputs = Outputs(opts.outputs, self.max_size)
+        self._buckets: dict[int, Bucket] = {}
         self._captured: list[int] = []  # sorted sizes with graphs
         self._capture_order: list[int] = []  # sizes in the order they were captured
-        self._stream = be.create_stream() if mode != "none" else None
+        self._stream = be.create_stream() if opts.mode != "none" else None
         self._lock = threading.RLock()  # graphs of one pool never run concurrently
-        self._static_out: list[torch.Tensor | None] | None = None  # None: a leaf that is no batched tensor
         self._mem_before: int | None = None
-        self._leftover: list[_Bucket] = []  # buckets whose release failed at close(): finished by close() again
+        self._leftover: list[Bucket] = []  # buckets whose release failed: finished by close()
         self._closed = False
         self._close_done = False
+        self.pools = _runner_pools(be, opts, kind, saver)
 
-    def _adopt_saver(self, saver: MemorySaver) -> None:
-        """Hand the strategy's allocator to ``saver`` (tag ``graphs``); only a vmm strategy has one."""
-        if not isinstance(saver, MemorySaver):
-            raise hal.InvalidArgumentError(f"saver={saver!r} must be a graphkit.MemorySaver",
-                                           backend=self.backend.name, call="GraphRunner")
-        allocator = getattr(self.strategy, "allocator", None)
-        if allocator is None:
-            raise hal.UnsupportedError(f"kind={self.kind!r} cannot sleep with a MemorySaver: use kind='vmm' "
-                                       "on a backend with 'custom_pool'", backend=self.backend.name,
-                                       call="GraphRunner")
-        saver.adopt(allocator, GRAPHS)
-        self._adopted = allocator
+    @property
+    def strategy(self) -> PoolStrategy | None:
+        """Where the graphs' pools come from (None for ``mode="none"``)."""
+        return self.pools.strategy if self.pools is not None else None
+
+    @property
+    def kind(self) -> str:
+        """The pool kind: ``vmm``, ``shared``, ``private`` (or a custom strategy's), ``none`` without graphs."""
+        return self.pools.kind if self.pools is not None else "none"
+
+    @property
+    def verify_stats(self) -> isolation.VerifyStats:
+        """What the isolation check of the runner's captures did so far."""
+        return self.pools.verify_stats if self.pools is not None else isolation.VerifyStats()
 
     # -- capture -------------------------------------------------------------------
 
@@ -283,16 +300,7 @@ class GraphRunner(Closable):
             ``"random"`` (shuffled with ``seed``) or an explicit list of sizes.
         :param example_inputs: the example inputs as keywords (merged with ``example``).
         """
-        if example is not None:
-            if not isinstance(example, Mapping):
-                raise hal.InvalidArgumentError(f"example={type(example).__name__} must be a mapping of input "
-                                               "names to tensors", backend=self.backend.name,
-                                               call="GraphRunner.capture")
-            twice = sorted(set(example) & set(example_inputs))
-            if twice:
-                raise hal.InvalidArgumentError(f"input(s) {', '.join(twice)} given both in example and as "
-                                               "keywords", backend=self.backend.name, call="GraphRunner.capture")
-            example_inputs = {**example, **example_inputs}
+        example_inputs = _merged_examples(example, example_inputs, self.backend)
         with self._lock:
             self._check_open()
             fresh = self.inputs is None
@@ -304,10 +312,10 @@ class GraphRunner(Closable):
                         {k: v.to(device) for k, v in example_inputs.items()}), self.max_size), self.max_size)
             if self.mode == "none" or self.on_demand:
                 return self
-            todo = [s for s in self._ordered(order, seed) if s not in self._buckets]
+            todo = [s for s in _ordered(self.sizes, order, seed) if s not in self._buckets]
             try:
                 with tqdm(total=len(todo), desc=f"capturing ({self.kind})", unit="size",
-                          disable=not self.progress, leave=False) as bar:
+                          disable=not self.options.progress, leave=False) as bar:
                     for size in todo:
                         bar.set_postfix(batch=size)
                         self._capture_size(size)
@@ -318,68 +326,34 @@ class GraphRunner(Closable):
                 raise
             return self
 
-    def _ordered(self, order: Order | Sequence[int], seed: int) -> list[int]:
-        if order == "descending":
-            return self.sizes[::-1]
-        if order == "ascending":
-            return list(self.sizes)
-        if order == "random":
-            shuffled = list(self.sizes)
-            random.Random(seed).shuffle(shuffled)
-            return shuffled
-        if isinstance(order, str) or sorted(set(order)) != self.sizes:
-            raise hal.InvalidArgumentError(f"order={order!r} must be descending, ascending, random or a "
-                                           f"permutation of {self.sizes}", call="GraphRunner.capture")
-        return list(order)
-
-    def _capture_size(self, size: int) -> _Bucket:
-        be, inputs = self.backend, self.inputs
-        assert inputs is not None
+    def _capture_size(self, size: int) -> Bucket:
+        be, inputs, opts, pools = self.backend, self.inputs, self.options, self.pools
+        assert inputs is not None and pools is not None  # sized by capture(); pools exist whenever mode != "none"
         if self._mem_before is None:
             be.synchronize()
             cap.release_cached_memory(be)
             self._mem_before = be.mem_info().used
         views = inputs.views(size)
-        if self.warmup:
-            cap.warm_up(be, self._eager_pipeline, views, self._stream, self.warmup)
-        if self.measure_memory:
+        if opts.warmup:
+            cap.warm_up(be, self.step.eager, views, self._stream, opts.warmup)
+        if opts.measure_memory:
             cap.release_cached_memory(be)
         used0 = be.mem_info().used
-        strategy = self.strategy
-        assert strategy is not None  # there is one whenever mode != "none"
-        lease = strategy.lease()
-        bucket = _Bucket(size, lease)
-        verify = self._verifier(size, lease) if self.options.verify else None
+        key = pools._key_pool(size)
+        bucket = Bucket(size, key.lease)
         t0 = time.perf_counter()
         try:
-            feed: Any = views
-            for k, piece in enumerate(self.pieces):
-                args = feed if k == 0 else {"piece_input": feed}
-                fn = piece if k == 0 else _spread(piece)
-                captured = cap.capture(be, fn, args, lease, self._stream,
-                                       capture_error_mode=self.capture_error_mode,
-                                       what=f"batch {size}" + (f" piece {k}" if len(self.pieces) > 1 else ""),
-                                       strict_hygiene=self.strict_hygiene, verify=verify)
-                bucket.graphs.append(captured.graph)
-                outputs = captured.outputs
-                del captured
-                if k + 1 < len(self.pieces):
-                    mid = self.between[k](outputs, **views)
-                    feed = self._piece_inputs(bucket, k, mid, size)
-                    del mid
-                bucket.outputs.append(tree_map(cap.weak_alias, outputs) if self.keep_outputs == "weak"
-                                      else outputs)
-                del outputs
+            self.step.capture(bucket, views, self._stream, capture_error_mode=opts.capture_error_mode,
+                              strict_hygiene=opts.strict_hygiene, verify=pools._verifier(key, _ISOLATION_FIX))
             be.synchronize()
             seconds = time.perf_counter() - t0
-            if self.measure_memory:
+            if opts.measure_memory:
                 cap.release_cached_memory(be)
             bucket.report = SizeReport(size, seconds, be.mem_info().used - used0,
-                                       strategy.figures().get("chunk_bytes"))
+                                       pools.strategy.figures().get("chunk_bytes"))
         except BaseException:
             try:
                 self._release_bucket(bucket)
-                strategy.settle()
             except hal.HalError as exc:  # kept for close() to finish; the capture's own error is the one raised
                 log.error("batch %d: cleaning up the failed capture failed (close() finishes it): %s", size,
                           str(exc))
@@ -391,45 +365,6 @@ class GraphRunner(Closable):
         log.debug("captured batch %d in %.3f s (%s more device memory)", size, seconds,
                   fmt_bytes(bucket.report.memory_delta))
         return bucket
-
-    def _verifier(self, size: int, lease: Lease) -> Callable[[Any], None] | None:
-        """The isolation check of a capture of ``size`` (None where there is nothing to check or no way to)."""
-        allocator = getattr(self.strategy, "allocator", None)
-        be = self.backend
-        if allocator is None or lease.space_id is None or not isolation.readable(be, self._unreadable_logged):
-            return None
-
-        def verify(graph: Any) -> None:
-            sizes = {b.lease.space_id: b.size for b in self._buckets.values()}
-            pools = {b.lease.space_id: b.lease.pool for b in self._buckets.values()}
-
-            def live_blocks(space_id: int) -> list[tuple[int, int]] | None:
-                pool = pools.get(space_id)
-                return None if pool is None else be.pool_active_blocks(pool)
-
-            isolation.verify(be, graph, self.verify_stats, allocator.spaces, lease.space_id, size, sizes.get,
-                             "Create what the step keeps between calls (caches, workspaces) before capturing, "
-                             "and pass nothing made by one size's graph to another", live_blocks)
-
-        return verify
-
-    def _piece_inputs(self, bucket: _Bucket, k: int, mid: Any, size: int) -> Any:
-        """Static buffers (outside the graph pool) that feed piece ``k + 1``."""
-        leaves = mid if isinstance(mid, tuple) else (mid,)
-        buffers = []
-        for leaf in leaves:
-            buf = torch.empty((self.max_size, *leaf.shape[1:]), dtype=leaf.dtype, device=leaf.device)
-            buf[:size].copy_(leaf)
-            buffers.append(buf[:size])
-        bucket.piece_inputs.append(buffers)
-        return tuple(buffers) if isinstance(mid, tuple) else buffers[0]
-
-    def _eager_pipeline(self, **inputs: torch.Tensor) -> Any:
-        out = self.pieces[0](**inputs)
-        for step, piece in zip(self.between, self.pieces[1:], strict=True):
-            mid = step(out, **inputs)
-            out = piece(*mid) if isinstance(mid, tuple) else piece(mid)
-        return out
 
     # -- calls ------------------------------------------------------------------------
 
@@ -451,67 +386,21 @@ class GraphRunner(Closable):
             if size is None and batch > self.max_size and self.oversize == "error":
                 raise hal.InvalidArgumentError(f"batch {batch} is above the largest captured size "
                                                f"{self.max_size}", backend=self.backend.name, call="GraphRunner")
-            # a graph gives no gradients: a call that wants them runs eagerly, with autograd
-            wants_grad = torch.is_grad_enabled() and any(
-                isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(inputs)[0])
+            wants_grad = _wants_grad(inputs)  # a graph gives no gradients: such a call runs eagerly, with autograd
             if size is not None and not wants_grad:
                 # a pause waits for this block to end, and a call waits for a pause under way
-                awake = (self.saver.awake(GRAPHS, "GraphRunner") if self.saver is not None
-                         else contextlib.nullcontext())
-                with awake:
+                with self.saver.awake(GRAPHS, "GraphRunner") if self.saver is not None else contextlib.nullcontext():
                     bucket = self._buckets.get(size) or self._capture_size(size)
                     with torch.no_grad():
                         self.inputs.update(inputs, batch, size)
-                    if self.debug:
-                        self._check_addresses()
-                    out = self._replay(bucket)
-                    return self._deliver(out, batch, size)
+                    if self.options.debug:
+                        _check_unmoved(self.inputs, self.backend)
+                    out = self.step.replay(bucket, functools.partial(self.inputs.views, size))
+                    return self._outputs.deliver(out, batch, size)
         if wants_grad:
-            return self._eager_pipeline(**inputs)
+            return self.step.eager(**inputs)
         with torch.no_grad():
-            return self._eager_pipeline(**inputs)
-
-    def _replay(self, bucket: _Bucket) -> Any:
-        be = self.backend
-        views = None
-        for k, graph in enumerate(bucket.graphs):
-            be.replay(graph)
-            if k + 1 < len(bucket.graphs):
-                if not views:
-                    assert self.inputs is not None  # buckets exist only once capture() sized the inputs
-                    views = self.inputs.views(bucket.size)
-                mid = self.between[k](bucket.outputs[k], **views)
-                for buf, leaf in zip(bucket.piece_inputs[k], mid if isinstance(mid, tuple) else (mid,), strict=False):
-                    buf.copy_(leaf)
-        return bucket.outputs[-1]
-
-    def _deliver(self, out: Any, batch: int, size: int) -> Any:
-        leaves, spec = tree_flatten(out)
-        rows = [t[:batch] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size else t
-                for t in leaves]
-        if self.output_mode == "view":
-            return tree_unflatten(rows, spec)
-        if self.output_mode == "copy":
-            return tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t for t in rows], spec)
-        if self._static_out is None:
-            self._static_out = [torch.empty((self.max_size, *t.shape[1:]), dtype=t.dtype, device=t.device)
-                                if isinstance(t, torch.Tensor) and t.dim() else None for t in leaves]
-        result = []
-        for buf, t in zip(self._static_out, rows, strict=False):
-            if buf is None:
-                result.append(t.clone() if isinstance(t, torch.Tensor) else t)
-            else:
-                buf[: t.shape[0]].copy_(t)
-                result.append(buf[: t.shape[0]])
-        return tree_unflatten(result, spec)
-
-    def _check_addresses(self) -> None:
-        assert self.inputs is not None
-        moved = self.inputs.moved()
-        if moved:
-            raise hal.InvalidStateError(
-                f"static input(s) {', '.join(moved)} moved since capture; the graph would read stale memory",
-                backend=self.backend.name, call="GraphRunner")
+            return self.step.eager(**inputs)
 
     # -- figures and teardown ---------------------------------------------------------
 
@@ -542,36 +431,26 @@ class GraphRunner(Closable):
         """Capture seconds and memory per size (in capture order), and totals."""
         sizes = [self._buckets[s].report for s in self._capture_order if s in self._buckets]
         return RunnerReport(self.backend.name, self.kind, self.mode, [r for r in sizes if r],
-                            self.graph_bytes(), self.strategy.figures() if self.strategy else {})
+                            self.graph_bytes(), self.pools.strategy.figures() if self.pools else {})
 
-    def _release_bucket(self, bucket: _Bucket) -> None:
-        """Release every graph and the lease of a bucket; a failure does not stop the rest (the first is raised).
+    def _release_bucket(self, bucket: Bucket) -> None:
+        """Release every graph of a bucket, then its size's key; goes on past failures and raises the first.
 
-        What failed stays in the bucket, so that releasing it again finishes the job.
+        What failed stays in the bucket (a graph) or the pools (a key): releasing it again finishes the job.
         """
-        errors: list[BaseException] = []
-        kept = []
-        for graph in bucket.graphs:
+        errors = self.step.release(bucket)
+        pools = self.pools
+        assert pools is not None  # buckets exist only when mode != "none"
+        if not bucket.graphs and bucket.size in pools:  # the pool goes only once no graph of it is left
             try:
-                self.backend.release_graph(graph)
-            except hal.HalError as exc:
-                log.error("batch %d: a graph could not be released: %s", bucket.size, str(exc))
-                errors.append(exc)
-                kept.append(graph)
-        bucket.graphs[:] = kept
-        bucket.outputs.clear()
-        bucket.piece_inputs.clear()
-        assert self.strategy is not None  # buckets exist only when mode != "none"
-        if not kept:  # the pool goes only once no graph of it is left
-            try:
-                self.strategy.give_back(bucket.lease)
+                pools.release(bucket.size)
             except hal.HalError as exc:
                 log.error("batch %d: its pool could not be given back: %s", bucket.size, str(exc))
                 errors.append(exc)
         if errors:
             raise errors[0]
 
-    def _forget(self, size: int) -> _Bucket:
+    def _forget(self, size: int) -> Bucket:
         self._captured.remove(size)
         self._capture_order.remove(size)
         return self._buckets.pop(size)
@@ -591,8 +470,6 @@ class GraphRunner(Closable):
             except hal.HalError:
                 self._leftover.append(bucket)  # what would not go is finished by close()
                 raise
-            assert self.strategy is not None
-            self.strategy.settle()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -609,30 +486,19 @@ class GraphRunner(Closable):
                 return
             self._closed = True  # from here on every call raises InvalidStateError
             errors: list[BaseException] = []
-            try:
-                self.backend.synchronize()
-            except hal.HalError as exc:  # keep going: what follows waits for the device itself where it must
-                errors.append(exc)
+            close_step(errors, self.backend.synchronize)  # what follows waits for the device itself where it must
             gc.collect()  # tensors of the pools caught in reference cycles go while the pools exist
             self._leftover.extend(self._forget(size) for size in list(self._captured))
             left = []
-            for bucket in self._leftover:
-                try:
-                    self._release_bucket(bucket)
-                except hal.HalError as exc:  # keep going: release what can be released
-                    errors.append(exc)
+            for bucket in self._leftover:  # past failures: release what can be released
+                if not close_step(errors, self._release_bucket, bucket):
                     left.append(bucket)
             self._leftover = left
-            if self._adopted is not None and self.saver is not None:
-                self.saver.forget(self._adopted)  # a pause must not reach an allocator being closed
-            if self.strategy is not None and not left:  # a graph that would not go keeps its pool for the retry
-                try:
-                    self.strategy.close()
-                except hal.HalError as exc:
-                    errors.append(exc)
+            if self.pools is not None and not left:  # a graph that would not go keeps its pool for the retry
+                close_step(errors, self.pools.close)
             raise_first_failure(log, errors, "GraphRunner.close")
             self.inputs = None
-            self._static_out = None
+            self._outputs.drop()
             self._close_done = True
             if self._owns_backend:
                 self.backend.close()

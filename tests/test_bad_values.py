@@ -74,7 +74,7 @@ def test_saver_tags(be: hal.Backend, value: object) -> None:
 @given(kind=st.one_of(st.text(max_size=5), st.integers(), st.none()), key=st.one_of(
     st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(), max_size=1)))
 def test_graph_pools(be: hal.Backend, kind: object, key: object) -> None:
-    if kind not in ("vmm", "shared"):
+    if kind not in ("vmm", "shared", "private"):
         with pytest.raises(hal.HalError):
             graphkit.GraphPools(be, kind=kind)  # type: ignore[arg-type]
     with graphkit.GraphPools(be) as pools:

@@ -454,3 +454,53 @@ def test_the_reports_live_in_graphkit_report_and_keep_their_old_import_path() ->
         assert cls.__module__ == "graphkit.report" and getattr(graphkit, name) is cls
     assert graphkit.graph_pools.KeyReport is graphkit.report.KeyReport
     assert graphkit.graph_pools.PoolsReport is graphkit.report.PoolsReport
+
+
+def test_private_kind_gives_every_key_a_pool_of_its_own(be: hal.Backend) -> None:
+    step = make_step()
+    pools = graphkit.GraphPools(be, kind="private")
+    assert pools.kind == "private" and pools.allocator is None
+    a, b = pools.pool(4), pools.pool(8)
+    assert a.__hal_pool__ is not b.__hal_pool__ and tuple(a) != tuple(b) and be.live.pools == 2
+    x = torch.zeros(4, 256)
+    graph, out = capture(be, step, x, pool=a)
+    x.copy_(torch.randn(4, 256))
+    be.replay(graph)
+    torch.testing.assert_close(out, step(x), rtol=1e-5, atol=1e-5)
+    assert [k.mapped_bytes for k in pools.report().keys] == [0, 0]  # no spaces: the device's own allocator
+    be.release_graph(graph)
+    del out
+    pools.release(4)
+    assert pools.keys == [8] and be.live.pools == 1  # the key's pool went with it
+    pools.close()
+    assert be.live.zero, be.live
+    saver = graphkit.MemorySaver(be)
+    with pytest.raises(hal.UnsupportedError, match=r"kind='private'.*cannot sleep"):
+        graphkit.GraphPools(be, kind="private", saver=saver)
+    saver.close()
+    assert be.live.zero, be.live
+
+
+def test_a_vmm_strategy_collects_garbage_only_for_a_space_a_block_still_holds(
+        be: hal.Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    import graphkit.pools
+
+    collections: list[int] = []
+    collect = gc.collect
+    monkeypatch.setattr(graphkit.pools.gc, "collect", lambda *a: collections.append(1) or collect(*a))
+    strategy = graphkit.pools.VmmPools(be, park_live=False)
+    idle, held = strategy.lease(), strategy.lease()
+    with be.use_pool(held.pool):
+        kept = torch.ones(G // 4)  # a block of the held space, alive after its pool is given back
+    held_space = held.space_id
+    strategy.give_back(idle)
+    strategy.settle()
+    assert collections == [] and strategy.allocator.num_virtual_spaces == 1  # released at once, nothing collected
+    strategy.give_back(held)
+    strategy.settle()
+    assert collections == [1] and held_space in strategy.allocator.spaces  # waits for its last block
+    del kept
+    strategy.allocator.reap()
+    assert strategy.allocator.num_virtual_spaces == 0
+    strategy.close()
+    assert be.live.zero, be.live

@@ -280,3 +280,17 @@ def test_a_view_output_outliving_its_graph_keeps_its_memory_mapped() -> None:
     runner.close()
     assert be.live.zero
     be.close()
+
+
+@pytest.mark.parametrize("kind", ["vmm", "shared", "private"])
+def test_the_runner_keeps_its_pools_in_graph_pools_keyed_by_size(be: hal.Backend, kind: str) -> None:
+    runner = graphkit.GraphRunner(lambda x: x * 3, sizes=[2, 4, 8], backend=be, kind=kind, progress=False)
+    assert isinstance(runner.pools, graphkit.GraphPools) and runner.pools.kind == runner.kind == kind
+    runner.capture(x=torch.zeros(8, 4))
+    assert sorted(runner.pools.keys) == [2, 4, 8]
+    assert runner.pools.allocator is getattr(runner.strategy, "allocator", None)
+    runner.release_size(4)
+    assert sorted(runner.pools.keys) == [2, 8]
+    assert torch.equal(runner(x=torch.ones(3, 4)), torch.full((3, 4), 3.0))  # served by size 8
+    runner.close()
+    assert runner.pools.closed and be.live.zero, be.live

@@ -232,7 +232,7 @@ def test_a_fault_late_in_capture_leaves_nothing_behind(hook: str, nth: int) -> N
     be.close()
 
 
-@pytest.mark.parametrize("hook", ["synchronize", "release_graph", "release_pool"])
+@pytest.mark.parametrize("hook", ["synchronize", "release_graph", "release_pool", "unmap"])
 def test_close_goes_on_past_a_fault_and_a_second_close_finishes(be: hal.Backend, hook: str) -> None:
     runner = graphkit.GraphRunner(lambda x: torch.tanh(x) * 2, sizes=[4, 8], backend=be, progress=False)
     runner.capture(x=torch.zeros(8, 8))
@@ -244,3 +244,15 @@ def test_close_goes_on_past_a_fault_and_a_second_close_finishes(be: hal.Backend,
     runner.close()
     gc.collect()
     assert be.live.zero, be.live
+
+
+def test_a_size_whose_pool_would_not_go_keeps_its_key_for_close(be: hal.Backend) -> None:
+    runner = graphkit.GraphRunner(lambda x: x + 1, sizes=[2, 4], backend=be, progress=False)
+    runner.capture(x=torch.zeros(4, 8))
+    be.faults.fail("release_pool", nth=1)
+    with pytest.raises(hal.DriverError, match="injected"):
+        runner.release_size(2)
+    assert runner.captured_sizes == [4] and 2 in runner.pools  # the key keeps the pool, to release again
+    assert torch.equal(runner(x=torch.ones(1, 8)), torch.full((1, 8), 2.0))
+    runner.close()
+    assert 2 not in runner.pools and be.live.zero, be.live

@@ -74,3 +74,38 @@ def test_the_common_call_stays_one_line(be: hal.Backend) -> None:
     runner.capture(x=torch.zeros(4, 8))
     torch.testing.assert_close(runner(x=torch.ones(3, 8)), step(torch.ones(3, 8)))
     runner.close()
+
+
+def test_a_pool_strategy_of_ones_own_serves_the_runner_through_its_pools(be: hal.Backend) -> None:
+    from graphkit.pools import Lease, PoolStrategy
+
+    calls: list[str] = []
+
+    class Counting(PoolStrategy):
+        kind = "counting"
+
+        def lease(self) -> Lease:
+            calls.append("lease")
+            return Lease(pool=self.backend.create_pool())
+
+        def give_back(self, lease: Lease) -> None:
+            calls.append("give_back")
+            self.backend.release_pool(lease.pool)
+
+        def settle(self) -> None:
+            calls.append("settle")
+
+        def close(self) -> None:
+            calls.append("close")
+
+    strategy = Counting(be)
+    runner = GraphRunner(step, [2, 4], be, pool_strategy=strategy, progress=False)
+    assert runner.strategy is strategy and runner.pools.strategy is strategy and runner.kind == "counting"
+    runner.capture(x=torch.zeros(4, 8))
+    assert calls.count("lease") == 2 and runner.pools.keys == [4, 2]
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(runner(x=x), step(x))
+    runner.release_size(2)
+    assert calls.count("give_back") == 1 and runner.pools.keys == [4]
+    runner.close()
+    assert calls.count("give_back") == 2 and calls[-1] == "close" and be.live.zero, be.live

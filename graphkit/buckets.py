@@ -1,0 +1,134 @@
+"""A :class:`graphkit.GraphRunner`'s step as pieces, and the :class:`Bucket` of graphs one batch size captured.
+
+A full graph is one piece. A piecewise step is several, with an eager step
+between piece ``k`` and ``k + 1`` (attention, typically): piece ``k + 1``
+reads static buffers that the eager step fills at every replay. All pieces
+of one bucket draw from one lease, so they never alias each other.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+import hal
+from graphkit import capture as cap
+from graphkit.pools import Lease
+from graphkit.report import SizeReport
+
+log = logging.getLogger("graphkit.runner")
+
+
+@dataclass
+class Bucket:
+    """Everything captured for one batch size."""
+
+    size: int
+    lease: Lease
+    graphs: list[Any] = field(default_factory=list)
+    outputs: list[Any] = field(default_factory=list)  # per piece
+    piece_inputs: list[list[torch.Tensor]] = field(default_factory=list)  # static inputs of pieces 1..
+    report: SizeReport | None = None
+
+
+def _spread(piece: Callable[..., Any]) -> Callable[..., Any]:
+    """Call a later piece with the previous stage's output (a tensor or a tuple of them)."""
+
+    def call(piece_input: Any) -> Any:
+        return piece(*piece_input) if isinstance(piece_input, tuple) else piece(piece_input)
+
+    return call
+
+
+@dataclass
+class Pieces:
+    """The step: ``pieces[0](**inputs)``, then ``between[k](out, **inputs)`` feeding ``pieces[k + 1]``."""
+
+    backend: hal.Backend
+    pieces: list[Callable[..., Any]]
+    between: list[Callable[..., Any]]
+    max_size: int
+    weak_outputs: bool = False  # keep non-owning aliases of the outputs (vLLM's way)
+
+    def eager(self, **inputs: torch.Tensor) -> Any:
+        """Run the step without graphs."""
+        out = self.pieces[0](**inputs)
+        for step, piece in zip(self.between, self.pieces[1:], strict=True):
+            mid = step(out, **inputs)
+            out = piece(*mid) if isinstance(mid, tuple) else piece(mid)
+        return out
+
+    def capture(self, bucket: Bucket, views: dict[str, torch.Tensor], stream: Any, *,
+                capture_error_mode: str | None, strict_hygiene: bool,
+                verify: Callable[[Any], None] | None) -> None:
+        """Capture every piece into ``bucket`` (its graphs, outputs and the static inputs of later pieces)."""
+        size = bucket.size
+        feed: Any = views
+        for k, piece in enumerate(self.pieces):
+            args = feed if k == 0 else {"piece_input": feed}
+            fn = piece if k == 0 else _spread(piece)
+            captured = cap.capture(self.backend, fn, args, bucket.lease, stream,
+                                   capture_error_mode=capture_error_mode,
+                                   what=f"batch {size}" + (f" piece {k}" if len(self.pieces) > 1 else ""),
+                                   strict_hygiene=strict_hygiene, verify=verify)
+            bucket.graphs.append(captured.graph)
+            outputs = captured.outputs
+            del captured
+            if k + 1 < len(self.pieces):
+                mid = self.between[k](outputs, **views)
+                feed = self._piece_inputs(bucket, mid)
+                del mid
+            bucket.outputs.append(tree_map(cap.weak_alias, outputs) if self.weak_outputs else outputs)
+            del outputs
+
+    def _piece_inputs(self, bucket: Bucket, mid: Any) -> Any:
+        """Static buffers (outside the graph pool) that feed the next piece."""
+        leaves = mid if isinstance(mid, tuple) else (mid,)
+        buffers = []
+        for leaf in leaves:
+            buf = torch.empty((self.max_size, *leaf.shape[1:]), dtype=leaf.dtype, device=leaf.device)
+            buf[:bucket.size].copy_(leaf)
+            buffers.append(buf[:bucket.size])
+        bucket.piece_inputs.append(buffers)
+        return tuple(buffers) if isinstance(mid, tuple) else buffers[0]
+
+    def replay(self, bucket: Bucket, views: Callable[[], Mapping[str, torch.Tensor]]) -> Any:
+        """Replay the bucket's graphs, running the eager steps between them; its last piece's outputs.
+
+        :param views: the static inputs at the bucket's size (asked only for a piecewise step).
+        """
+        be = self.backend
+        inputs = None
+        for k, graph in enumerate(bucket.graphs):
+            be.replay(graph)
+            if k + 1 < len(bucket.graphs):
+                if not inputs:
+                    inputs = views()
+                mid = self.between[k](bucket.outputs[k], **inputs)
+                for buf, leaf in zip(bucket.piece_inputs[k], mid if isinstance(mid, tuple) else (mid,), strict=False):
+                    buf.copy_(leaf)
+        return bucket.outputs[-1]
+
+    def release(self, bucket: Bucket) -> list[BaseException]:
+        """Release the bucket's graphs and forget its outputs; the errors of graphs that stay (kept in it)."""
+        errors: list[BaseException] = []
+        kept = []
+        for graph in bucket.graphs:
+            try:
+                self.backend.release_graph(graph)
+            except hal.HalError as exc:
+                log.error("batch %d: a graph could not be released: %s", bucket.size, str(exc))
+                errors.append(exc)
+                kept.append(graph)
+        bucket.graphs[:] = kept
+        bucket.outputs.clear()
+        bucket.piece_inputs.clear()
+        return errors
+
+
+__all__ = ["Bucket", "Pieces"]

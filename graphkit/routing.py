@@ -1,0 +1,245 @@
+"""Which key's pool a capture the framework starts draws from: :func:`graphkit.graph_memory`'s router and the watcher.
+
+The router gives every capture started inside ``graph_memory()`` a fresh key
+(or the key of the current ``pools.group(key)``) and releases an automatic
+key with its graph. The watcher sees captures into ``pools.pool(key)``
+handles, so that they are verified too. Both work on the keys of one
+:class:`graphkit.GraphPools`, under its lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import hal
+from graphkit.capture import framework_capturer
+from graphkit.pool_keys import CaptureKey, KeyPool, PoolHandle
+from hal.types import Route, fmt_bytes
+
+if TYPE_CHECKING:
+    from graphkit.graph_pools import GraphPools
+
+log = logging.getLogger("graphkit.graph_pools")
+
+
+class CaptureRouting:
+    """The routing of one :class:`GraphPools`: groups, graph_memory's router, the watcher of handles."""
+
+    def __init__(self, pools: GraphPools) -> None:
+        self.pools = pools
+        self._groups = threading.local()
+        self._auto = itertools.count(1)
+        self._watching: contextlib.ExitStack | None = None
+        self._trees_logged = False
+        self.dead: deque[KeyPool] = deque()  # routed graphs destroyed: accounted for at the next safe point
+        self._undropped: list[KeyPool] = []  # automatic keys whose release failed: retried
+
+    # -- routed graphs that died -----------------------------------------------------------
+
+    def release_dead(self) -> None:
+        """Count the routed graphs that died; release the automatic keys left without one (under the lock)."""
+        entries = self.pools._entries
+        retry, self._undropped = self._undropped, []
+        for entry in retry:
+            if entries.get(entry.key) is entry:
+                self._try_drop(entry)
+        while self.dead:
+            entry = self.dead.popleft()
+            entry.graphs -= 1
+            if entry.auto and entry.graphs <= 0 and entries.get(entry.key) is entry:
+                self._try_drop(entry)
+
+    def _try_drop(self, entry: KeyPool) -> None:
+        """Drop a key whose graphs are gone; one that fails is kept and dropped again at the next safe point."""
+        try:
+            self.pools._drop(entry)
+        except hal.HalError as exc:
+            log.error("key %r: its pool could not be released yet (retried at the next call): %s", entry.key,
+                      str(exc))
+            if self.pools._entries.get(entry.key) is entry:
+                self._undropped.append(entry)
+
+    def forget_dead(self) -> None:
+        """The pools close: every key is dropped with the others."""
+        self.dead.clear()
+        self._undropped.clear()
+
+    # -- the watcher ---------------------------------------------------------------------
+
+    def watch_handles(self) -> None:
+        """From now on until :meth:`stop`, verify captures into the pools' handles (where captures can be routed)."""
+        pools = self.pools
+        if self._watching is None and pools._verifying and pools.backend.supports("capture_routing"):
+            self._watching = contextlib.ExitStack()
+            self._watching.enter_context(pools.backend.route_captures(_watcher(weakref.ref(pools))))
+
+    def stop(self) -> None:
+        if self._watching is not None:
+            watching, self._watching = self._watching, None
+            watching.close()
+
+    def watch(self, graph: Any, requested_pool: Any) -> Route | None:
+        """The router of captures outside :func:`graph_memory`: verify those into one of these pools."""
+        pools = self.pools
+        entry = self._entry_of(requested_pool)
+        if entry is None or pools.closed:
+            return None
+
+        def on_end(ok: bool) -> None:
+            if ok:
+                with pools._lock:
+                    pools._verify(graph, entry)
+
+        return Route(entry.pool, on_end, inspect=True)
+
+    def _entry_of(self, pool: Any) -> KeyPool | None:
+        """The live key whose handle or backend pool ``pool`` is."""
+        entries = self.pools._entries
+        if isinstance(pool, PoolHandle):
+            entry = entries.get(pool.key) if pool._owner is self.pools else None
+            return entry if entry is not None and entry.handle is pool else None
+        if pool is None or isinstance(pool, tuple):
+            return None
+        return next((e for e in list(entries.values()) if e.pool is pool and e.space_id is not None), None)
+
+    # -- groups ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def group(self, key: Hashable) -> Iterator[PoolHandle]:
+        """See :meth:`GraphPools.group`."""
+        pools = self.pools
+        handle = pools._handle(key)
+        stack = self._group_stack()
+        stack.append(key)
+        try:
+            yield handle
+        finally:
+            stack.pop()
+            if key not in stack:  # an outer group of the same key keeps its space open
+                with pools._lock:
+                    entry = pools._entries.get(key)
+                    if entry is not None:
+                        _seal(pools, entry)
+
+    def _group_stack(self) -> list[Hashable]:
+        stack = getattr(self._groups, "stack", None)
+        if stack is None:
+            stack = self._groups.stack = []
+        return stack
+
+    # -- graph_memory's router -------------------------------------------------------------
+
+    def route(self, graph: Any, requested_pool: Any) -> Route | None:
+        """See :meth:`GraphPools.route`."""
+        capturer = framework_capturer() if not isinstance(requested_pool, PoolHandle) else None
+        if capturer == "graph_trees":
+            if not self._trees_logged:
+                self._trees_logged = True
+                log.info("a capture of torch.compile's CUDA graph trees (mode='reduce-overhead'): left to torch, "
+                         "which keeps one pool of its own for them and checks it; graph_memory routes the others")
+            return None
+        pools = self.pools
+        with pools._lock:
+            pools._check_open("graph_memory")
+            pools._settle()
+            entry, grouped = self._entry_for(capturer, requested_pool)
+            entry.graphs += 1
+            before = self._blocks(entry) if pools.hygiene else set()
+        return Route(entry.pool, self._on_end(graph, entry, grouped, before), self._on_release(entry),
+                     inspect=pools._verifying)
+
+    def _entry_for(self, capturer: str | None, requested_pool: Any) -> tuple[KeyPool, bool]:
+        """The key a starting capture goes to, and whether it is shared with other captures."""
+        pools, stack = self.pools, self._group_stack()
+        if stack:
+            return pools._entries.get(stack[-1]) or pools._new_entry(stack[-1], auto=False), True
+        if capturer == "graphed_callables":  # one key per call: the pool id it made for its graphs
+            key = ("make_graphed_callables", _pool_ident(requested_pool))
+            return pools._entries.get(key) or pools._new_entry(key, auto=True), True
+        return pools._new_entry(CaptureKey(next(self._auto)), auto=True), False
+
+    def _on_end(self, graph: Any, entry: KeyPool, grouped: bool,
+                before: set[tuple[int, int]]) -> Callable[[bool], None]:
+        pools = self.pools
+
+        def on_end(ok: bool) -> None:
+            with pools._lock:
+                if ok and pools._verifying:
+                    try:
+                        pools._verify(graph, entry)
+                    except BaseException:  # refused: the backend releases the graph, never to report it again
+                        self.dead.append(entry)
+                        pools._settle()
+                        raise
+                if not ok:
+                    self.dead.append(entry)
+                    pools._settle()
+                    return
+                if pools.hygiene:
+                    self._report_new_blocks(entry, before)
+                if not grouped:
+                    _seal(pools, entry)
+
+        return on_end
+
+    def _on_release(self, entry: KeyPool) -> Callable[[bool], None]:
+        pools = self.pools
+
+        def on_release(collected: bool) -> None:
+            self.dead.append(entry)  # deque.append is atomic: safe from the garbage collector
+            if not collected and pools._lock.acquire(blocking=False):
+                try:
+                    if not pools.closed:
+                        pools._settle()
+                finally:
+                    pools._lock.release()
+
+        return on_release
+
+    # -- hygiene ---------------------------------------------------------------------------
+
+    def _blocks(self, entry: KeyPool) -> set[tuple[int, int]]:
+        return set(self.pools.backend.pool_active_blocks(entry.pool))
+
+    def _report_new_blocks(self, entry: KeyPool, before: set[tuple[int, int]]) -> None:
+        new = sorted(self._blocks(entry) - before)
+        if not new:
+            return
+        alloc = self.pools.allocator
+        space = alloc.spaces.get(entry.space_id) if alloc and entry.space_id else None
+        outside = [b for b in new if space is not None and not space.contains(b[0])]
+        if outside:
+            log.warning("key %r: %d block(s) of the capture did not come from graphkit's space: the capture "
+                        "allocated through the framework's own allocator", entry.key, len(outside))
+        log.info("key %r: %d block(s), %s, allocated during the capture are still live after it (its outputs, "
+                 "and anything it created and kept: a cache born in a capture lives in memory other graphs "
+                 "overwrite; warm up first)", entry.key, len(new), fmt_bytes(sum(s for _, s in new)))
+
+
+def _seal(pools: GraphPools, entry: KeyPool) -> None:
+    """No more captures go to ``entry``'s space: it takes the address space it used, no more."""
+    alloc = pools.allocator
+    if entry.space_id is not None and alloc is not None and not alloc.closed and entry.space_id in alloc.spaces:
+        alloc.seal(entry.space_id)
+
+
+def _pool_ident(pool: Any) -> Any:
+    """A hashable name of the pool a caller passed (a framework pool id, or the object's identity)."""
+    if isinstance(pool, tuple):
+        return tuple(pool)
+    return id(pool) if pool is not None else None
+
+
+def _watcher(ref: weakref.ref[GraphPools]) -> Callable[[Any, Any], Route | None]:
+    """``GraphPools._watch`` of a GraphPools held weakly (the routing must not keep it alive)."""
+    def watch(graph: Any, requested_pool: Any) -> Route | None:
+        pools = ref()
+        return None if pools is None else pools._watch(graph, requested_pool)
+    return watch
