@@ -50,7 +50,7 @@ from graphkit._parking import Parking
 from graphkit._pool_callbacks import PoolCallbacks
 from graphkit._sleep import SpacesSleep
 from graphkit.closing import Closable, raise_first_failure
-from graphkit.deprecation import renamed
+from graphkit.deprecation import alias, renamed
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.allocator")
@@ -334,11 +334,7 @@ class SharedVMMAllocator(Closable):
             self._arenas.give_back(space.arena, space.base, space.size)
             self._chunks.trim(max((s.mapped for s in self._spaces.values()), default=0))
 
-    @property
-    def capacity(self) -> int | None:
-        """Deprecated spelling of :attr:`max_physical_bytes`."""
-        renamed("SharedVMMAllocator.capacity", "max_physical_bytes")
-        return self.max_physical_bytes
+    capacity = alias("max_physical_bytes")
 
     def precreate(self, nbytes: int) -> None:
         """Create chunks for ``nbytes`` more physical memory (all or nothing), mapped nowhere yet.

@@ -3,8 +3,27 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 
 def renamed(old: str, new: str, *, stacklevel: int = 3) -> None:
     """Warn that ``old`` is a deprecated spelling of ``new`` (the warning points at the caller's caller)."""
     warnings.warn(f"{old} is deprecated; use {new}", DeprecationWarning, stacklevel=stacklevel)
+
+
+class alias:  # lower case: used in a class body like ``property``
+    """A deprecated attribute name that reads another one and warns: ``pool = alias("kind")`` in a class body."""
+
+    def __init__(self, new: str) -> None:
+        self.new = new
+        self.old = new
+        self.__doc__ = f"Deprecated spelling of :attr:`{new}`."
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.old = f"{owner.__name__}.{name}"
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        renamed(self.old, self.new)
+        return getattr(obj, self.new)

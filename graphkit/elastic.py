@@ -31,7 +31,7 @@ from graphkit._elastic_orphans import Orphans
 from graphkit._elastic_views import LiveViews, ViewToken
 from graphkit.allocator import Arena
 from graphkit.closing import Closable, close_step, raise_first_failure
-from graphkit.deprecation import renamed
+from graphkit.deprecation import alias, renamed
 from graphkit.saver import MemorySaver
 from graphkit.transaction import Transaction
 from hal.types import fmt_bytes, round_up
@@ -336,23 +336,11 @@ class ElasticBuffer(Closable):
         """Whether part of its prefix is released or unmapped (nothing may read it until it is restored)."""
         return self._sleeping or bool(self._chunks.holes)
 
-    @property
-    def pool(self) -> ElasticReservation:
-        """Deprecated spelling of :attr:`reservation`."""
-        renamed("ElasticBuffer.pool", "reservation")
-        return self.reservation
+    pool = alias("reservation")
 
-    @property
-    def capacity(self) -> int:
-        """Deprecated spelling of :attr:`max_bytes` (the range's size, rounded to the granularity)."""
-        renamed("ElasticBuffer.capacity", "max_bytes")
-        return self.max_bytes
+    capacity = alias("max_bytes")
 
-    @property
-    def physical_bytes(self) -> int:
-        """Deprecated spelling of :attr:`mapped_bytes` (the chunks it holds are :attr:`footprint_bytes`)."""
-        renamed("ElasticBuffer.physical_bytes", "mapped_bytes")
-        return self.mapped_bytes
+    physical_bytes = alias("mapped_bytes")
 
     def __repr__(self) -> str:
         return (f"<graphkit.ElasticBuffer {self.backend.name} at {self.ptr:#x} mapped {fmt_bytes(self.mapped_bytes)} "

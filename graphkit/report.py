@@ -6,7 +6,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from graphkit.deprecation import renamed
+from graphkit.deprecation import alias
 from hal.types import fmt_bytes
 
 if TYPE_CHECKING:
@@ -35,17 +35,9 @@ class RunnerReport:
     """Device memory used beyond what was used before the first capture (bytes)."""
     pool_figures: dict[str, int] = field(default_factory=dict)
 
-    @property
-    def pool(self) -> str:
-        """Deprecated spelling of :attr:`kind`."""
-        renamed("RunnerReport.pool", "kind")
-        return self.kind
+    pool = alias("kind")
 
-    @property
-    def graph_memory(self) -> int:
-        """Deprecated spelling of :attr:`graph_bytes`."""
-        renamed("RunnerReport.graph_memory", "graph_bytes")
-        return self.graph_bytes
+    graph_memory = alias("graph_bytes")
 
     @property
     def capture_seconds(self) -> float:

@@ -36,7 +36,7 @@ from graphkit import isolation
 from graphkit.buckets import Bucket, Pieces
 from graphkit.buffers import StaticInputs
 from graphkit.closing import Closable, close_step, raise_first_failure
-from graphkit.deprecation import renamed
+from graphkit.deprecation import alias, renamed
 from graphkit.graph_pools import GraphPools, Kind
 from graphkit.outputs import Outputs
 from graphkit.pools import PoolStrategy
@@ -172,8 +172,8 @@ def _merged_examples(example: Mapping[str, torch.Tensor] | None, example_inputs:
     return {**example, **example_inputs}
 
 
-def _ordered(sizes: list[int], order: Order | Sequence[int], seed: int) -> list[int]:
-    """``sizes`` (ascending) in the capture order ``order`` asks for."""
+def ordered_sizes(sizes: list[int], order: Order | Sequence[int], seed: int = 0) -> list[int]:
+    """``sizes`` (ascending) in the capture order ``order`` asks for (``"random"``: shuffled with ``seed``)."""
     if isinstance(order, str) and order in ("descending", "ascending", "random"):
         ordered = sizes[::-1] if order == "descending" else list(sizes)
         if order == "random":
@@ -312,7 +312,7 @@ class GraphRunner(Closable):
                         {k: v.to(device) for k, v in example_inputs.items()}), self.max_size), self.max_size)
             if self.mode == "none" or self.on_demand:
                 return self
-            todo = [s for s in _ordered(self.sizes, order, seed) if s not in self._buckets]
+            todo = [s for s in ordered_sizes(self.sizes, order, seed) if s not in self._buckets]
             try:
                 with tqdm(total=len(todo), desc=f"capturing ({self.kind})", unit="size",
                           disable=not self.options.progress, leave=False) as bar:
@@ -408,11 +408,7 @@ class GraphRunner(Closable):
     def captured_sizes(self) -> list[int]:
         return list(self._captured)
 
-    @property
-    def pool(self) -> str:
-        """Deprecated spelling of :attr:`kind`."""
-        renamed("GraphRunner.pool", "kind")
-        return self.kind
+    pool = alias("kind")
 
     def graph_memory(self) -> int:
         """Deprecated spelling of :meth:`graph_bytes` (``graphkit.graph_memory`` is the context manager)."""

@@ -35,7 +35,7 @@ import hal
 from graphkit._nccl import warn_graph_register
 from graphkit._regions import Region, RegionMemory
 from graphkit.closing import Closable, raise_first_failure
-from graphkit.deprecation import renamed
+from graphkit.deprecation import alias
 from hal.types import fmt_bytes
 
 log = logging.getLogger("graphkit.saver")
@@ -87,11 +87,7 @@ class TagReport:
     last_resume_s: float | None = None
     pin_s: float = 0.0  # time spent making its backup buffers (pinned host memory), mostly off the pause path
 
-    @property
-    def bytes(self) -> int:
-        """Deprecated spelling of :attr:`footprint_bytes`."""
-        renamed("TagReport.bytes", "footprint_bytes")
-        return self.footprint_bytes
+    bytes = alias("footprint_bytes")
 
 
 def _roll_back(done: list[Sleeper], undo: Callable[[Sleeper], object], failure: str) -> None:

@@ -47,7 +47,7 @@ import inspect
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -56,6 +56,7 @@ import hal
 from graphkit.bench.engine_cases import verify_figures
 from graphkit.bench.timing import median_ms
 from graphkit.capture import release_cached_memory, weak_alias
+from graphkit.runner import Order, ordered_sizes
 from hal.gcguard import gc_disabled
 
 Size = Literal["tiny", "reference"]
@@ -292,17 +293,11 @@ def build_hf_decoder(size: Size = "tiny", device: Any = "cpu", dtype: torch.dtyp
 
 def capture_order(order: str, sizes: list[int], seed: int = 0) -> list[int]:
     """The sizes in the order they are captured (``on-demand``: the order of first arrival)."""
-    if order == "descending":
-        return sorted(sizes, reverse=True)
-    if order == "ascending":
-        return sorted(sizes)
-    if order == "random":
-        out = sorted(sizes)
-        random.Random(seed).shuffle(out)
-        return out
     if order == "on-demand":
         return list(dict.fromkeys(arrivals(sizes, seed)))
-    raise ValueError(f"order={order!r} must be one of {ORDERS}")
+    if order not in ORDERS:
+        raise ValueError(f"order={order!r} must be one of {ORDERS}")
+    return ordered_sizes(sorted(sizes), cast(Order, order), seed)
 
 
 def arrivals(sizes: list[int], seed: int = 0) -> list[int]:

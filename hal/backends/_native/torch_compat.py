@@ -35,6 +35,7 @@ from hal.errors import UnsupportedError
 MIN_TORCH_FOR_CUSTOM_POOL = (2, 8)
 
 _CPU, _GPU = "torch 2.13.0+cpu", "torch 2.11.0+cu130"
+_NO_CUSTOM_POOL = 'no "custom_pool" capability: create_pool with callbacks raises UnsupportedError'
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ CUSTOM_ALLOCATOR = PrivateApi(
     purpose="wrap two C function pointers (alloc, free) as an allocator object for a MemPool",
     paths=_bindings("customAllocator"),
     checked=f"{_GPU}; absent from CPU builds ({_CPU})",
-    missing='no "custom_pool" capability: create_pool with callbacks raises UnsupportedError',
+    missing=_NO_CUSTOM_POOL,
 )
 
 #: absent from the public torch_mlu branches; torch.mlu.memory.MemPool in torch-mlu >= 1.27
@@ -86,7 +87,7 @@ MEM_POOL = PrivateApi(
     purpose="a pool over a custom allocator: MemPool(allocator), its .id, use_count()",
     paths=_namespace("MemPool", memory_too=("npu", "mlu")),
     checked=f"{_GPU}; {_CPU} (unusable there: its base class is a dummy)",
-    missing='no "custom_pool" capability: create_pool with callbacks raises UnsupportedError',
+    missing=_NO_CUSTOM_POOL,
 )
 
 #: torch_npu renamed the first in 2.13 (the second is the older name)
@@ -101,7 +102,7 @@ RELEASE_POOL = PrivateApi(
     purpose="drop the reference on a pool that a failed capture took",
     paths=_bindings("releasePool"),
     checked=f"{_GPU}; a dummy in {_CPU}",
-    missing="as for END_ALLOCATE_TO_POOL",
+    missing=END_ALLOCATE_TO_POOL.missing,
 )
 
 MEMORY_SNAPSHOT = PrivateApi(
