@@ -7,12 +7,14 @@ import itertools
 import threading
 
 import pytest
+from hypothesis import given
 
 import graphkit
 import hal
 from hal.api import VMM_HOOKS
 from tests.allocator_machine import allocator_machine
 from tests.conftest import G
+from tests.values import BAD_VALUE_SETTINGS, NOT_A_SIZE
 
 
 def test_the_documented_example_works_as_written() -> None:
@@ -260,3 +262,18 @@ def test_close_goes_on_past_a_fault_and_a_second_close_finishes(be: hal.Backend,
     assert not a.closed and a.paused  # nothing of it may run any more
     a.close()
     assert a.closed and be.live.zero, be.live
+
+
+@BAD_VALUE_SETTINGS
+@given(value=NOT_A_SIZE)
+def test_bad_sizes_and_alignments_are_hal_errors(be: hal.Backend, value: object) -> None:
+    if value is not None:  # None: the default, the device's memory
+        with pytest.raises(hal.HalError):
+            graphkit.SharedVMMAllocator(be, reserve_bytes=value)  # type: ignore[arg-type]
+    alloc = graphkit.SharedVMMAllocator(be, reserve_bytes=8 * G)
+    alloc.switch_to_new_virtual_space()
+    with pytest.raises(hal.HalError):
+        alloc.allocate(value)  # type: ignore[arg-type]
+    with pytest.raises(hal.HalError):
+        alloc.allocate(16, alignment=value)  # type: ignore[arg-type]
+    alloc.close()

@@ -9,10 +9,13 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import graphkit
 import hal
 from tests.conftest import G
+from tests.values import BAD_VALUE_SETTINGS, NOT_A_SIZE, refused_cleanly
 
 
 def test_data_survives_growth_in_place(be: hal.Backend) -> None:
@@ -480,3 +483,33 @@ def test_a_reservation_closed_again_after_a_chunk_would_not_release_frees_its_ra
     assert not res.closed and res.pending_release == 1
     res.close()
     assert res.closed and be.live.zero, be.live
+
+
+@BAD_VALUE_SETTINGS
+@given(value=st.one_of(NOT_A_SIZE, st.just(0)))
+def test_bad_sizes_and_views_are_hal_errors(be: hal.Backend, value: object) -> None:
+    with pytest.raises(hal.HalError):
+        graphkit.ElasticBuffer(be, max_bytes=value)  # type: ignore[arg-type]
+    with graphkit.ElasticBuffer(be, max_bytes=4 * G) as buf:
+        with pytest.raises(hal.HalError):
+            buf.view(value, (4,))  # type: ignore[arg-type]
+        if value != 0:  # resizing to 0 and an empty view are fine
+            with pytest.raises(hal.HalError):
+                buf.resize(value)  # type: ignore[arg-type]
+            with pytest.raises(hal.HalError):
+                buf.view(torch.float32, (value,))  # type: ignore[arg-type]
+
+
+ELASTIC_BAD_CALLS = {
+    "precreate(1.5)": lambda be, reservation: reservation.precreate(1.5),
+    "precreate('x')": lambda be, reservation: reservation.precreate("x"),
+    "ElasticBuffer(reservation=object())": lambda be, _: graphkit.ElasticBuffer(be, max_bytes=G,
+                                                                                reservation=object()),
+    "ElasticBuffer(saver=object())": lambda be, _: graphkit.ElasticBuffer(be, max_bytes=G, saver=object()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ELASTIC_BAD_CALLS))
+def test_bad_arguments_are_refused_before_anything_is_made(name: str) -> None:
+    with refused_cleanly(lambda be: graphkit.ElasticReservation(be, reserve_bytes=8 * G)) as (be, reservation):
+        ELASTIC_BAD_CALLS[name](be, reservation)

@@ -8,15 +8,17 @@ import logging
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import graphkit
 import hal
 from hal.backends._native.routing import GraphClassRouting
 from hal.types import Route
 from tests.conftest import G
+from tests.values import BAD_VALUE_SETTINGS, BadEq, BadHash, refused_cleanly
 
 SIZES = [16, 8, 4, 2, 1]
-
 
 
 def make_step(width: int = 256):
@@ -272,16 +274,6 @@ def test_the_scope_restores_the_backend_also_on_errors(be: hal.Backend) -> None:
     pools.close()
 
 
-def test_a_failed_capture_in_the_scope_gives_its_space_back(be: hal.Backend) -> None:
-    with graphkit.graph_memory(be) as pools:
-        with pytest.raises(hal.CaptureError):
-            capture(be, lambda x: x * float((x * 2).sum().item()), torch.ones(2, 2))
-    gc.collect()  # the failed capture's temporaries, held by the exception until now
-    pools.collect()
-    assert pools.keys == [] and pools.allocator.num_virtual_spaces == 0
-    pools.close()
-
-
 def test_shared_fallback_where_custom_pools_are_absent(caplog: pytest.LogCaptureFixture) -> None:
     from tests.test_runner import NoCustomPool
 
@@ -504,3 +496,88 @@ def test_a_vmm_strategy_collects_garbage_only_for_a_space_a_block_still_holds(
     assert strategy.allocator.num_virtual_spaces == 0
     strategy.close()
     assert be.live.zero, be.live
+
+
+def test_graph_memorys_own_keys_never_equal_an_engines_key(be: hal.Backend) -> None:
+    pools = graphkit.GraphPools(be)
+    mine = pools.pool(("capture", 1))  # an engine keyed by (phase, batch) tuples
+    x = torch.ones(4, 8)
+    with graphkit.graph_memory(pools=pools):
+        g = be.create_graph()
+        with be.capture(g):  # routed to a key of graph_memory's own
+            y = x * 2
+    assert not mine.released and pools.pool(("capture", 1)) is mine
+    g2 = be.create_graph()
+    with be.capture(g2, pool=mine):
+        z = x + 1
+    assert float(z.sum()) == 64 and float(y.sum()) == 64
+    be.release_graph(g)
+    be.release_graph(g2)
+    del y, z
+    gc.collect()
+    assert pools.keys == [("capture", 1)]
+    pools.close()
+    assert be.live.zero, be.live
+
+
+def test_a_group_nested_in_a_group_of_the_same_key_keeps_its_space_open(be: hal.Backend) -> None:
+    graphs = []
+    with graphkit.graph_memory(be) as pools:
+        with pools.group(8):
+            with pools.group(8):  # a helper that groups what it captures, called inside
+                g = be.create_graph()
+                graphs.append(g)
+                with be.capture(g):
+                    a = torch.ones(16, 16) * 2
+            g = be.create_graph()
+            graphs.append(g)
+            with be.capture(g):  # the next piece of the same batch: 256 KiB, more than one granule
+                b = torch.ones(256, 256) + 1
+    assert float(a.sum()) == 512 and float(b.sum()) == 2 * 256 * 256
+    for g in graphs:
+        be.release_graph(g)
+    del a, b
+    pools.close()
+
+
+@BAD_VALUE_SETTINGS
+@given(kind=st.one_of(st.text(max_size=5), st.integers(), st.none()), key=st.one_of(
+    st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(), max_size=1)))
+def test_bad_kinds_and_keys_are_hal_errors(be: hal.Backend, kind: object, key: object) -> None:
+    if kind not in ("vmm", "shared", "private"):
+        with pytest.raises(hal.HalError):
+            graphkit.GraphPools(be, kind=kind)  # type: ignore[arg-type]
+    with graphkit.GraphPools(be) as pools:
+        with pytest.raises(hal.HalError):
+            pools.pool(key)  # type: ignore[arg-type]
+        with pytest.raises(hal.HalError):
+            pools.release(("never", 1))
+    with pytest.raises(hal.HalError):
+        pools.pool(1)
+
+
+POOLS_BAD_CALLS = {
+    "pool(a key that will not hash)": lambda be, pools: pools.pool(BadHash()),
+    "pool(a key that will not compare)": lambda be, pools: pools.pool(BadEq()),
+    "release([1])": lambda be, pools: pools.release([1]),
+    "leftovers([1])": lambda be, pools: pools.leftovers([1], None),
+    "warm_up(1)": lambda be, pools: pools.warm_up(1),
+    "warm_up(runs='x')": lambda be, pools: pools.warm_up(lambda: None, runs="x"),
+    "GraphPools(bogus=1)": lambda be, pools: graphkit.GraphPools(be, bogus=1),
+    "GraphPools(saver=object())": lambda be, pools: graphkit.GraphPools(be, saver=object()),
+    "GraphPools('fake')": lambda be, pools: graphkit.GraphPools("fake"),
+    "graph_memory(pools=object())": lambda be, pools: graphkit.graph_memory(be, pools=object()).__enter__(),
+    "graph_memory('fake')": lambda be, pools: graphkit.graph_memory("fake").__enter__(),
+}
+
+
+def _pools_with_a_key_that_will_not_compare(be: hal.Backend) -> graphkit.GraphPools:
+    pools = graphkit.GraphPools(be)
+    pools.pool(BadEq())  # the next key of that hash gets compared with it
+    return pools
+
+
+@pytest.mark.parametrize("name", sorted(POOLS_BAD_CALLS))
+def test_bad_arguments_are_refused_before_anything_is_made(name: str) -> None:
+    with refused_cleanly(_pools_with_a_key_that_will_not_compare) as (be, pools):
+        POOLS_BAD_CALLS[name](be, pools)

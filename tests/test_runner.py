@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import logging
-import threading
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import graphkit
 import hal
 from hal.backends.fake import FakeBackend
+from tests.values import BAD_VALUE_SETTINGS, NOT_A_SIZE, refused_cleanly
 
 SIZES = [1, 2, 4, *range(8, 8 * 18 + 1, 8)]  # 21 sizes
 WIDTH = 128
@@ -151,32 +153,6 @@ def test_padding_never_corrupts_state(graph_backend: hal.Backend) -> None:
     runner.close()
 
 
-def test_two_threads_get_correct_outputs(graph_backend: hal.Backend) -> None:
-    be = graph_backend
-    dev = be.torch_device()
-    step = mlp(dev, width=32)
-    runner = graphkit.GraphRunner(step, sizes=[1, 2, 4, 8, 16], backend=be, progress=False)
-    runner.capture(x=torch.zeros(16, 32, device=dev))
-    failures: list[str] = []
-
-    def work(seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        for i in range(200):
-            n = int(torch.randint(1, 17, (1,), generator=gen))
-            x = torch.randn(n, 32, generator=gen).to(dev)
-            out = runner(x=x)
-            if out.shape != (n, 32) or not close_to(out, step(x)):
-                failures.append(f"thread {seed} call {i} batch {n}")
-
-    threads = [threading.Thread(target=work, args=(s,)) for s in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not failures, failures[:5]
-    runner.close()
-
-
 def test_close_leaves_nothing_live_and_is_idempotent(graph_backend: hal.Backend) -> None:
     be = graph_backend
     dev = be.torch_device()
@@ -294,3 +270,64 @@ def test_the_runner_keeps_its_pools_in_graph_pools_keyed_by_size(be: hal.Backend
     assert torch.equal(runner(x=torch.ones(3, 4)), torch.full((3, 4), 3.0))  # served by size 8
     runner.close()
     assert runner.pools.closed and be.live.zero, be.live
+
+
+def test_a_call_that_wants_gradients_runs_eagerly_and_the_runner_keeps_working(be: hal.Backend) -> None:
+    w = torch.randn(16, 16)
+    runner = graphkit.GraphRunner(lambda x: torch.tanh(x @ w), sizes=[2, 4], backend=be, progress=False)
+    runner.capture(x=torch.zeros(4, 16))
+    x = torch.randn(3, 16, requires_grad=True)
+    y = runner(x=x)
+    y.sum().backward()  # gradients flow: the call ran eagerly with autograd
+    assert x.grad is not None and x.grad.shape == x.shape
+    for _ in range(3):  # and the graphs still serve plain calls
+        plain = torch.randn(3, 16)
+        torch.testing.assert_close(runner(x=plain), torch.tanh(plain @ w))
+    with torch.no_grad():  # no gradients wanted: the graph serves it
+        torch.testing.assert_close(runner(x=x), torch.tanh(x @ w))
+    runner.close()
+
+
+@pytest.mark.parametrize("sizes", [[True, 2], [1.5], [0], [], ["4"]])
+def test_sizes_must_be_positive_ints(be: hal.Backend, sizes: list) -> None:
+    with pytest.raises(hal.InvalidArgumentError, match="sizes="):
+        graphkit.GraphRunner(lambda x: x, sizes=sizes, backend=be, progress=False)
+
+
+VIEW_AFTER_CLOSE = """
+import torch, hal, graphkit
+be = hal.get_backend("fake", granularity=1 << 16)
+runner = graphkit.GraphRunner(lambda x: x * 2, sizes=[4, 8], backend=be, outputs="view", progress=False)
+runner.capture(x=torch.zeros(8, 16))
+held = runner(x=torch.ones(3, 16))
+runner.close()
+total = float(held.sum())  # after close: garbage, but no fault
+print("read", total)
+del held
+be.close()
+assert be.live.zero, be.live
+print("clean")
+"""
+
+
+def test_reading_a_view_output_after_close_does_not_fault() -> None:
+    """In a process of its own: before the fix, this read was a segmentation fault (D13)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", VIEW_AFTER_CLOSE], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "read" in proc.stdout and "clean" in proc.stdout
+
+
+@BAD_VALUE_SETTINGS
+@given(sizes=st.one_of(st.lists(NOT_A_SIZE, min_size=1, max_size=3), st.just([]), st.lists(st.just(0), min_size=1,
+                                                                                             max_size=2)))
+def test_sizes_that_are_no_positive_ints_are_hal_errors(be: hal.Backend, sizes: list) -> None:
+    with pytest.raises(hal.HalError):
+        graphkit.GraphRunner(lambda x: x, sizes=sizes, backend=be, progress=False)
+
+
+def test_a_saver_that_is_no_memory_saver_is_refused_before_anything_is_made() -> None:
+    with refused_cleanly() as (be, _):
+        graphkit.GraphRunner(lambda x: x, [1], be, saver=object())

@@ -7,11 +7,14 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import graphkit
 import hal
 from hal.backends.fake import FakeBackend
 from tests.conftest import G
+from tests.values import BAD_VALUE_SETTINGS, refused_cleanly
 
 
 def rss_bytes() -> int:
@@ -673,3 +676,33 @@ def test_a_staged_wake_brings_the_weights_back_first(be: hal.Backend) -> None:
     del out, w, kv
     pools.close()
     saver.close()
+
+
+@BAD_VALUE_SETTINGS
+@given(value=st.one_of(st.integers(), st.none(), st.just(""), st.lists(st.text(), max_size=2), st.floats()))
+def test_bad_tags_are_hal_errors(be: hal.Backend, value: object) -> None:
+    saver = graphkit.MemorySaver(be)
+    with pytest.raises(hal.HalError):
+        with saver.region(value):  # type: ignore[arg-type]
+            pass
+    with pytest.raises(hal.HalError):
+        saver.pause("unknown" if value is None else str(value) + "?")
+    saver.close()
+    with pytest.raises(hal.InvalidStateError):
+        saver.pause()
+
+
+SAVER_BAD_CALLS = {
+    "is_paused(['x'])": lambda saver: saver.is_paused(["x"]),
+    "check_awake(['x'])": lambda saver: saver.check_awake(["x"], "c"),
+    "awake(['x'])": lambda saver: saver.awake(["x"]).__enter__(),
+    "region(backup='yes')": lambda saver: saver.region("tb", backup="yes").__enter__(),
+    "adopt(object())": lambda saver: saver.adopt(object(), "zz"),
+    "MemorySaver('fake')": lambda saver: graphkit.MemorySaver("fake"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAVER_BAD_CALLS))
+def test_bad_arguments_are_refused_before_anything_is_made(name: str) -> None:
+    with refused_cleanly(graphkit.MemorySaver) as (_, saver):
+        SAVER_BAD_CALLS[name](saver)

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+
+import hal
+from tests.conftest import G
 
 #: values that are never a valid byte count: not ints, bools, negatives, beyond 64 bits
 NOT_A_SIZE = st.one_of(
@@ -32,3 +40,19 @@ class BadEq:
 
     def __eq__(self, other: object) -> bool:
         raise RuntimeError("no eq")
+
+
+@contextlib.contextmanager
+def refused_cleanly(make: Callable[[hal.Backend], Any] | None = None) -> Iterator[tuple[hal.Backend, Any]]:
+    """Yield a fresh fake backend and ``make(backend)``: the block must raise :class:`hal.InvalidArgumentError`
+    and make nothing on the way; afterwards the object and the backend close with nothing left live."""
+    be = hal.get_backend("fake", granularity=G)
+    made = make(be) if make is not None else None
+    before = be.live
+    with pytest.raises(hal.InvalidArgumentError):
+        yield be, made
+    assert be.live == before  # nothing made on the way to the error
+    if made is not None:
+        made.close()
+    be.close()
+    assert be.live.zero
