@@ -12,11 +12,11 @@ import pytest
 
 import hal
 from hal.backends.ascend import lib
+from tests.conftest import G
 from tests.sim import built, compiler_reason, simulated_backend, simulator
 
 pytestmark = pytest.mark.skipif(compiler_reason() is not None, reason=str(compiler_reason()))
 
-G = 1 << 16
 INVALID = 107000  # ACL_ERROR_RT_PARAM_INVALID
 
 

@@ -16,11 +16,11 @@ import hal
 from hal.backends._native import torch_compat as compat
 from hal.backends._native.callbacks import ALLOC_FN, FREE_FN, KEEP_ALIVE
 from hal.backends.ascend import locate, torch_glue
+from tests.conftest import G
 from tests.sim import compiler_reason, home, sim_env, simulated_backend
 from tests.sim.torch_stub import extension_stub, generation
 
 needs_gcc = pytest.mark.skipif(compiler_reason() is not None, reason=str(compiler_reason()))
-G = 1 << 16
 ROUTED = {"custom_pool", "use_pool", "capture_routing"}
 OLD, NEW = ["torch_npu 2.5.1", "torch_npu 2.12.0"], ["torch_npu 2.13.0", "torch_npu 2.14.0"]
 

@@ -11,8 +11,7 @@ import torch
 import hal
 from hal.backends.fake import FakeBackend
 from hal.host import CAPABILITIES, BlockPool, HostGraph, HostGraphs
-
-G = 1 << 16
+from tests.conftest import G
 
 
 class Renamed(FakeBackend):

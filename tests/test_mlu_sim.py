@@ -12,11 +12,11 @@ import pytest
 
 import hal
 from hal.backends.mlu import MluBackend, lib
+from tests.conftest import G
 from tests.sim import built, compiler_reason, private_copy, simulated_backend, simulator
 
 pytestmark = pytest.mark.skipif(compiler_reason() is not None, reason=str(compiler_reason()))
 
-G = 1 << 16
 INVALID = 100006  # CN_ERROR_INVALID_VALUE
 
 

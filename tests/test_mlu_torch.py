@@ -13,11 +13,11 @@ import pytest
 import hal
 from hal.backends._native.callbacks import ALLOC_FN, FREE_FN, KEEP_ALIVE
 from hal.backends.mlu import MluBackend, locate, torch_glue
+from tests.conftest import G
 from tests.sim import compiler_reason, home, private_copy, simulated_backend
 from tests.sim.torch_stub import extension_stub, generation
 
 needs_gcc = pytest.mark.skipif(compiler_reason() is not None, reason=str(compiler_reason()))
-G = 1 << 16
 ROUTED = {"custom_pool", "use_pool", "capture_routing"}
 
 
