@@ -136,7 +136,8 @@ class GraphPools(Closable):
         self.backend = be = backend if backend is not None else hal.get_backend(requires=("graphs",))
         be.synchronize()
         self._used_at_start = be.mem_info().used
-        self.strategy = _strategy or make_pool_strategy(kind, be, caller, park_live=_runner, **allocator_options)
+        self.strategy = _strategy or make_pool_strategy(kind, be, caller, park_live=_runner, collect=_runner,
+                                                         **allocator_options)
         self.kind: str = self.strategy.kind
         self.allocator: SharedVMMAllocator | None = getattr(self.strategy, "allocator", None)
         self.hygiene = hygiene

@@ -100,9 +100,12 @@ class VmmPools(PoolStrategy):
     kind = "vmm"
 
     def __init__(self, backend: hal.Backend, allocator: SharedVMMAllocator | None = None, *,
-                 park_live: bool = True, **allocator_options: Any) -> None:
+                 park_live: bool = True, collect: bool = True, **allocator_options: Any) -> None:
         """:param park_live: closing an allocator of its own parks the spaces tensors still use
-        (see :meth:`SharedVMMAllocator.close`) instead of unmapping them."""
+        (see :meth:`SharedVMMAllocator.close`) instead of unmapping them.
+        :param collect: :meth:`settle` runs the garbage collector when a space given back still has
+        live blocks (framework pools caught in reference cycles give their segments back); off where
+        settling is frequent (a safe point at every capture), where a later settle releases the space."""
         super().__init__(backend)
         if not backend.supports("custom_pool"):
             raise hal.UnsupportedError(
@@ -110,6 +113,7 @@ class VmmPools(PoolStrategy):
                 backend=backend.name, call="VmmPools")
         self._own = allocator is None
         self._park_live = park_live
+        self._collect = collect
         self.allocator = allocator or SharedVMMAllocator(backend, **allocator_options)
         self._returned: list[int] = []
 
@@ -147,7 +151,7 @@ class VmmPools(PoolStrategy):
             except hal.HalError as exc:
                 self._returned.append(space_id)
                 errors.append(exc)
-        if waiting:
+        if waiting and self._collect:
             gc.collect()  # framework pools caught in reference cycles give their segments back now
             self.allocator.reap()
         if errors:

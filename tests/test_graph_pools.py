@@ -581,3 +581,31 @@ def _pools_with_a_key_that_will_not_compare(be: hal.Backend) -> graphkit.GraphPo
 def test_bad_arguments_are_refused_before_anything_is_made(name: str) -> None:
     with refused_cleanly(_pools_with_a_key_that_will_not_compare) as (be, pools):
         POOLS_BAD_CALLS[name](be, pools)
+
+
+def test_routed_graphs_released_while_their_outputs_live_cost_no_collection_each(
+        be: hal.Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every capture and graph release is a safe point: a full collection at each made 2,000 captures take minutes."""
+    import graphkit.pools
+
+    collections: list[int] = []
+    collect = gc.collect
+    x = torch.ones(8, 8)
+    with graphkit.graph_memory(be) as pools:
+        graphs = []
+        for _ in range(20):
+            graph = be.create_graph()
+            with be.capture(graph):
+                out = x * 2
+            graphs.append((graph, out))
+    monkeypatch.setattr(graphkit.pools.gc, "collect", lambda *a: collections.append(1) or collect(*a))
+    for graph, _ in graphs:
+        be.release_graph(graph)  # its output still holds a block of its space
+    assert collections == [] and len(pools.allocator.spaces) == 20
+    outputs = [o for _, o in graphs]
+    del graphs, out, graph, _
+    outputs.clear()
+    pools.collect()
+    assert pools.allocator.num_virtual_spaces == 0  # released once their last block went
+    monkeypatch.undo()
+    pools.close()
