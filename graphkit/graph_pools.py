@@ -28,14 +28,14 @@ from typing import Any, Literal
 
 import hal
 from graphkit import isolation
+from graphkit._pool_keys import CaptureKey, KeyPool, PoolHandle, pool_ident
+from graphkit._routing import CaptureRouting
 from graphkit.allocator import SharedVMMAllocator
 from graphkit.capture import CaptureHygieneError, leftover_blocks, report_leftovers, warm_up_checked
 from graphkit.closing import Closable, close_step, raise_first_failure
 from graphkit.isolation import IsolationError
-from graphkit.pool_keys import CaptureKey, KeyPool, PoolHandle, pool_ident
 from graphkit.pools import POOL_KINDS, PoolStrategy, make_pool_strategy
 from graphkit.report import KeyReport, PoolsReport, pools_report
-from graphkit.routing import CaptureRouting
 from graphkit.saver import GRAPHS, MemorySaver
 from hal.types import Route
 

@@ -33,12 +33,12 @@ from tqdm.auto import tqdm
 import hal
 from graphkit import capture as cap
 from graphkit import isolation
-from graphkit.buckets import Bucket, Pieces
+from graphkit._buckets import Bucket, Pieces
+from graphkit._outputs import Outputs
 from graphkit.buffers import StaticInputs
 from graphkit.closing import Closable, close_step, raise_first_failure
 from graphkit.deprecation import alias, renamed
 from graphkit.graph_pools import GraphPools, Kind
-from graphkit.outputs import Outputs
 from graphkit.pools import PoolStrategy
 from graphkit.report import RunnerReport, SizeReport
 from graphkit.saver import GRAPHS, MemorySaver

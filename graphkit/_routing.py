@@ -19,8 +19,8 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import hal
+from graphkit._pool_keys import CaptureKey, KeyPool, PoolHandle
 from graphkit.capture import framework_capturer
-from graphkit.pool_keys import CaptureKey, KeyPool, PoolHandle
 from hal.types import Route, fmt_bytes
 
 if TYPE_CHECKING:
