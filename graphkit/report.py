@@ -1,4 +1,5 @@
-"""What graph memory cost: a :class:`GraphRunner` per size and in total, a :class:`GraphPools` per key."""
+"""Every report graphkit gives: a :class:`GraphRunner` per size and in total, a :class:`GraphPools` per key,
+a :class:`MemorySaver` per tag."""
 
 from __future__ import annotations
 
@@ -114,3 +115,19 @@ def pools_report(backend: str, kind: str, keys: Iterable[tuple[Hashable, int | N
                        alloc.arena_reserved_bytes if alloc else 0, device_bytes,
                        alloc.map_calls if alloc else 0, alloc.map_seconds if alloc else 0.0,
                        stats.graphs, stats.nodes, stats.missed, stats.seconds)
+
+
+@dataclass
+class TagReport:
+    """The state of one tag."""
+
+    tag: str
+    paused: bool
+    backup: bool
+    footprint_bytes: int  # physical bytes the tag holds while awake (what a pause releases), paused or not
+    host_bytes: int  # host memory holding its backup
+    last_pause_s: float | None = None
+    last_resume_s: float | None = None
+    pin_s: float = 0.0  # time spent making its backup buffers (pinned host memory), mostly off the pause path
+
+    bytes = alias("footprint_bytes")
