@@ -1,14 +1,15 @@
-"""The address reservations virtual spaces are carved from: a few large ones instead of one per space."""
+"""Virtual spaces and the address reservations they are carved from: a few large ones instead of one per space."""
 
 from __future__ import annotations
 
 import bisect
 import functools
 import logging
+from dataclasses import dataclass, field
 
 import hal
 from graphkit.transaction import Transaction
-from hal.types import fmt_bytes
+from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.allocator")
 
@@ -42,6 +43,47 @@ class Arena:
     @property
     def empty(self) -> bool:
         return self.holes == [(self.base, self.size)]
+
+
+@dataclass
+class VirtualSpace:
+    """One range of an arena, its bump pointer and how many chunks are mapped into it."""
+
+    id: int
+    base: int
+    size: int
+    arena: Arena = field(repr=False)
+    offset: int = 0  # bump pointer: bytes handed out so far
+    mapped: int = 0  # chunks 0 .. mapped-1 are mapped at base + i * granularity
+    live_allocations: int = 0
+    dying: bool = False  # release requested while allocations were still live
+    sealed: bool = False  # trimmed to its use: it cannot grow any more
+    holes: set[int] = field(default_factory=set, repr=False)  # granules < mapped that are not mapped now
+
+    def contains(self, ptr: int) -> bool:
+        return self.base <= ptr < self.base + self.size
+
+    def next_block(self, nbytes: int, alignment: int, backend: hal.Backend) -> tuple[int, int]:
+        """Offsets ``(start, end)`` of the next bump allocation; out of memory when it does not fit."""
+        start = round_up(self.offset, alignment)
+        end = start + max(nbytes, 1)
+        if end > self.size:
+            why = (f"space {self.id} was sealed at {fmt_bytes(self.size)} when a newer space opened "
+                   "(capture the graphs of one space one after the other)" if self.sealed
+                   else f"the space can grow to {fmt_bytes(self.size)}; make the allocator's "
+                        "reserve_bytes larger")
+            raise hal.DeviceOutOfMemoryError(f"{fmt_bytes(nbytes)} at offset {fmt_bytes(start)} does not fit: "
+                                             f"{why}", backend=backend.name, call="allocate")
+        return start, end
+
+    def seal(self, granularity: int) -> None:
+        """Trim to what it used (at least one granule), giving the rest back to its arena; idempotent."""
+        if self.sealed:
+            return
+        keep = max(round_up(self.offset, granularity), granularity, self.mapped * granularity)
+        self.arena.give(self.base + keep, self.size - keep)
+        self.size = keep
+        self.sealed = True
 
 
 class SpaceArenas:

@@ -12,7 +12,7 @@ from graphkit.transaction import Transaction, release_or_keep, retry_releases, u
 from hal.types import fmt_bytes
 
 if TYPE_CHECKING:
-    from graphkit.allocator import VirtualSpace
+    from graphkit._arenas import VirtualSpace
 
 log = logging.getLogger("graphkit.allocator")
 

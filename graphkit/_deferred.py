@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import hal
 
 if TYPE_CHECKING:
-    from graphkit.allocator import VirtualSpace
+    from graphkit._arenas import VirtualSpace
 
 log = logging.getLogger("graphkit.allocator")
 

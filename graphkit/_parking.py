@@ -10,7 +10,7 @@ import hal
 from hal.types import fmt_bytes
 
 if TYPE_CHECKING:
-    from graphkit.allocator import VirtualSpace
+    from graphkit._arenas import VirtualSpace
 
 log = logging.getLogger("graphkit.allocator")
 

@@ -11,7 +11,7 @@ from graphkit._chunks import SharedChunks
 from graphkit.transaction import Transaction
 
 if TYPE_CHECKING:
-    from graphkit.allocator import VirtualSpace
+    from graphkit._arenas import VirtualSpace
 
 
 class SpacesSleep:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import hal
-from graphkit._arenas import Arena, SpaceArenas
+from graphkit._arenas import SpaceArenas, VirtualSpace
 from graphkit._chunks import SharedChunks
 from graphkit._deferred import DeferredRelease
 from graphkit._parking import Parking
@@ -57,47 +57,6 @@ log = logging.getLogger("graphkit.allocator")
 
 #: how many ``reserve_bytes`` one arena reservation holds by default
 ARENA_SPACES = 8
-
-
-@dataclass
-class VirtualSpace:
-    """One range of an arena, its bump pointer and how many chunks are mapped into it."""
-
-    id: int
-    base: int
-    size: int
-    arena: Arena = field(repr=False)
-    offset: int = 0  # bump pointer: bytes handed out so far
-    mapped: int = 0  # chunks 0 .. mapped-1 are mapped at base + i * granularity
-    live_allocations: int = 0
-    dying: bool = False  # release requested while allocations were still live
-    sealed: bool = False  # trimmed to its use: it cannot grow any more
-    holes: set[int] = field(default_factory=set, repr=False)  # granules < mapped that are not mapped now
-
-    def contains(self, ptr: int) -> bool:
-        return self.base <= ptr < self.base + self.size
-
-    def next_block(self, nbytes: int, alignment: int, backend: hal.Backend) -> tuple[int, int]:
-        """Offsets ``(start, end)`` of the next bump allocation; out of memory when it does not fit."""
-        start = round_up(self.offset, alignment)
-        end = start + max(nbytes, 1)
-        if end > self.size:
-            why = (f"space {self.id} was sealed at {fmt_bytes(self.size)} when a newer space opened "
-                   "(capture the graphs of one space one after the other)" if self.sealed
-                   else f"the space can grow to {fmt_bytes(self.size)}; make the allocator's "
-                        "reserve_bytes larger")
-            raise hal.DeviceOutOfMemoryError(f"{fmt_bytes(nbytes)} at offset {fmt_bytes(start)} does not fit: "
-                                             f"{why}", backend=backend.name, call="allocate")
-        return start, end
-
-    def seal(self, granularity: int) -> None:
-        """Trim to what it used (at least one granule), giving the rest back to its arena; idempotent."""
-        if self.sealed:
-            return
-        keep = max(round_up(self.offset, granularity), granularity, self.mapped * granularity)
-        self.arena.give(self.base + keep, self.size - keep)
-        self.size = keep
-        self.sealed = True
 
 
 def _address_sizes(backend: hal.Backend, reserve_bytes: int | None, arena_bytes: int | None,

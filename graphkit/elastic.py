@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 import hal
+from graphkit._arenas import Arena
 from graphkit._elastic_backup import HostBackup
 from graphkit._elastic_chunks import FreeChunks, RangeChunks
 from graphkit._elastic_orphans import Orphans
 from graphkit._elastic_views import LiveViews, ViewToken
-from graphkit.allocator import Arena
 from graphkit.closing import Closable, close_step, raise_first_failure
 from graphkit.deprecation import alias, renamed
 from graphkit.saver import MemorySaver

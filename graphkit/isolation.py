@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import hal
-from graphkit.allocator import VirtualSpace
+from graphkit._arenas import VirtualSpace
 from hal.types import GraphAddresses, fmt_bytes
 
 log = logging.getLogger("graphkit.isolation")
