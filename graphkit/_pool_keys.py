@@ -1,21 +1,24 @@
 """The keys of a :class:`graphkit.GraphPools` and the handles capture APIs take for them.
 
-A key's pool is a :class:`KeyPool`: the key, the lease its pool strategy gave
-(the backend pool, and for ``vmm`` its virtual space) and the
-:class:`PoolHandle` engines pass as ``pool=``. :class:`CaptureKey` is the key
-:func:`graphkit.graph_memory` makes for a capture outside any group.
+:class:`PoolKeys` is the table: each key's :class:`KeyPool` (the key, the
+lease its pool strategy gave -- the backend pool, and for ``vmm`` its virtual
+space -- and the :class:`PoolHandle` engines pass as ``pool=``), under one
+lock. :class:`CaptureKey` is the key :func:`graphkit.graph_memory` makes for a
+capture outside any group.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from graphkit.pools import Lease
+import hal
+from graphkit.pools import Lease, PoolStrategy
 
-if TYPE_CHECKING:
-    from graphkit.graph_pools import GraphPools
+_serial = itertools.count(1)  # made-up pool ids, unique in the process
 
 
 class CaptureKey(tuple):
@@ -47,12 +50,13 @@ class PoolHandle(tuple):
     which every capture API does -- raises :class:`hal.InvalidStateError`.
     """
 
-    _owner: GraphPools
+    _owner: Any  # the GraphPools, kept alive by its handles
+    _keys: PoolKeys
     _key: Hashable
 
-    def __new__(cls, ident: tuple[int, int], owner: GraphPools, key: Hashable) -> PoolHandle:
+    def __new__(cls, ident: tuple[int, int], keys: PoolKeys, key: Hashable) -> PoolHandle:
         handle = super().__new__(cls, ident)
-        handle._owner, handle._key = owner, key
+        handle._owner, handle._keys, handle._key = keys.owner, keys, key
         return handle
 
     @property
@@ -61,20 +65,20 @@ class PoolHandle(tuple):
 
     @property
     def released(self) -> bool:
-        entry = self._owner._entries.get(self._key)
+        entry = self._keys.entries.get(self._key)
         return entry is None or entry.handle is not self
 
     @property
     def __hal_pool__(self) -> Any:
         """The backend pool (what :meth:`hal.Backend.capture` uses); raises once released."""
-        return self._owner._live(self._key, self, "capture").pool
+        return self._keys.live(self._key, self, "capture").pool
 
     def __getitem__(self, index: Any) -> Any:
-        self._owner._live(self._key, self, "capture")
+        self._keys.live(self._key, self, "capture")
         return tuple.__getitem__(self, index)
 
     def __iter__(self) -> Iterator[int]:
-        self._owner._live(self._key, self, "capture")
+        self._keys.live(self._key, self, "capture")
         return tuple.__iter__(self)
 
     def __repr__(self) -> str:
@@ -110,13 +114,70 @@ class KeyPool:
         return self.lease.space_id
 
 
-def pool_ident(pool: Any, live: Iterator[KeyPool], serial: Iterator[int]) -> tuple[int, int]:
-    """The framework's id of ``pool`` (what its capture API takes); else that of a live key over the same pool,
-    else a made-up one from ``serial``."""
-    ident = getattr(pool, "id", None)
-    if isinstance(ident, tuple) and len(ident) == 2:
-        return tuple(ident)
-    same = next((entry.handle for entry in live if entry.pool is pool), None)  # keys of one shared pool
-    if same is not None:
-        return tuple.__getitem__(same, 0), tuple.__getitem__(same, 1)
-    return 0, next(serial)
+class PoolKeys:
+    """The keys of one :class:`graphkit.GraphPools`: each key's pool, leased from the pools' strategy.
+
+    Every method runs under :attr:`lock` (held by the caller where it reads
+    several entries); the owner sets :attr:`closed` when it closes.
+    """
+
+    def __init__(self, backend: hal.Backend, strategy: PoolStrategy, owner: Any, name: str) -> None:
+        """:param owner: the GraphPools, which every handle keeps alive; ``name`` names it in errors."""
+        self.backend, self.strategy, self.owner, self.name = backend, strategy, owner, name
+        self.entries: dict[Hashable, KeyPool] = {}
+        self.lock = threading.RLock()
+        self.closed = False
+
+    def check_open(self, call: str) -> None:
+        if self.closed:
+            raise hal.InvalidStateError(f"the {self.name} is closed", backend=self.backend.name,
+                                        call=f"{self.name}.{call}")
+
+    def lookup(self, key: Hashable, call: str) -> KeyPool | None:
+        """The entry of ``key`` or None; a key that cannot be hashed or compared is a hal error."""
+        try:
+            return self.entries.get(key)
+        except Exception as exc:  # noqa: BLE001 - whatever the key's __hash__ or __eq__ raises
+            raise hal.InvalidArgumentError(f"key={key!r} must be hashable and comparable ({type(exc).__name__}: "
+                                           f"{exc})", backend=self.backend.name, call=f"{self.name}.{call}") from None
+
+    def new(self, key: Hashable, auto: bool) -> KeyPool:
+        """A lease from the strategy for ``key``; ``auto``: made by graph_memory, released with its graph."""
+        lease = self.strategy.lease()
+        entry = KeyPool(key, PoolHandle(self._ident(lease.pool), self, key), lease, auto=auto)
+        self.entries[key] = entry
+        return entry
+
+    def _ident(self, pool: Any) -> tuple[int, int]:
+        """The framework's id of ``pool`` (what its capture API takes); else that of a live key over the same
+        pool (the keys of one shared pool), else a made-up one."""
+        ident = getattr(pool, "id", None)
+        if isinstance(ident, tuple) and len(ident) == 2:
+            return tuple(ident)
+        same = next((entry.handle for entry in list(self.entries.values()) if entry.pool is pool), None)
+        if same is not None:
+            return tuple.__getitem__(same, 0), tuple.__getitem__(same, 1)
+        return 0, next(_serial)
+
+    def live(self, key: Hashable, handle: PoolHandle, call: str) -> KeyPool:
+        """The entry ``handle`` stands for; a released key (or closed pools) is a hal error."""
+        entry = self.entries.get(key)
+        if entry is None or entry.handle is not handle:
+            why = f"the {self.name} was closed" if self.closed else f"key {key!r} was released"
+            raise hal.InvalidStateError(f"pool handle of key {key!r} used after release ({why}): ask "
+                                        "pools.pool(key) for a live one", backend=self.backend.name, call=call)
+        return entry
+
+    def drop(self, entry: KeyPool) -> None:
+        """Give the key's lease back; a failed pool release keeps the key, to drop again."""
+        self.strategy.give_back(entry.lease)
+        del self.entries[entry.key]
+
+    def entry_of(self, pool: Any) -> KeyPool | None:
+        """The live key whose handle or backend pool ``pool`` is."""
+        if isinstance(pool, PoolHandle):
+            entry = self.entries.get(pool.key) if pool._keys is self else None
+            return entry if entry is not None and entry.handle is pool else None
+        if pool is None or isinstance(pool, tuple):
+            return None
+        return next((e for e in list(self.entries.values()) if e.pool is pool and e.space_id is not None), None)

@@ -3,8 +3,10 @@
 The router gives every capture started inside ``graph_memory()`` a fresh key
 (or the key of the current ``pools.group(key)``) and releases an automatic
 key with its graph. The watcher sees captures into ``pools.pool(key)``
-handles, so that they are verified too. Both work on the keys of one
-:class:`graphkit.GraphPools`, under its lock.
+handles, so that they are verified too. Both work on the key table of one
+:class:`graphkit.GraphPools` (:class:`PoolKeys`), under its lock, and call
+back into the pools only through what they are given: the safe point, the
+isolation check and the handle of a key.
 """
 
 from __future__ import annotations
@@ -16,24 +18,33 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import hal
-from graphkit._pool_keys import CaptureKey, KeyPool, PoolHandle
+from graphkit._pool_keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
+from graphkit.allocator import SharedVMMAllocator
 from graphkit.capture import framework_capturer
 from hal.types import Route, fmt_bytes
-
-if TYPE_CHECKING:
-    from graphkit.graph_pools import GraphPools
 
 log = logging.getLogger("graphkit.graph_pools")
 
 
 class CaptureRouting:
-    """The routing of one :class:`GraphPools`: groups, graph_memory's router, the watcher of handles."""
+    """The routing of one :class:`GraphPools`: groups, graph_memory's router, the watcher of handles.
 
-    def __init__(self, pools: GraphPools) -> None:
-        self.pools = pools
+    :param keys: the pools' key table.
+    :param settle: the pools' safe point (releases what dead graphs left), called under the lock.
+    :param handle: the handle of a key, made on first use.
+    :param verify: the isolation check of a graph captured into a key; None: no check.
+    :param hygiene: log what a routed capture left allocated.
+    """
+
+    def __init__(self, keys: PoolKeys, *, settle: Callable[[], None], handle: Callable[[Hashable], PoolHandle],
+                 verify: Callable[[Any, KeyPool], None] | None, hygiene: bool,
+                 allocator: SharedVMMAllocator | None) -> None:
+        self.keys = keys
+        self._settle, self._handle, self._verify = settle, handle, verify
+        self.hygiene, self.allocator = hygiene, allocator
         self._groups = threading.local()
         self._auto = itertools.count(1)
         self._watching: contextlib.ExitStack | None = None
@@ -45,7 +56,7 @@ class CaptureRouting:
 
     def release_dead(self) -> None:
         """Count the routed graphs that died; release the automatic keys left without one (under the lock)."""
-        entries = self.pools._entries
+        entries = self.keys.entries
         retry, self._undropped = self._undropped, []
         for entry in retry:
             if entries.get(entry.key) is entry:
@@ -59,11 +70,11 @@ class CaptureRouting:
     def _try_drop(self, entry: KeyPool) -> None:
         """Drop a key whose graphs are gone; one that fails is kept and dropped again at the next safe point."""
         try:
-            self.pools._drop(entry)
+            self.keys.drop(entry)
         except hal.HalError as exc:
             log.error("key %r: its pool could not be released yet (retried at the next call): %s", entry.key,
                       str(exc))
-            if self.pools._entries.get(entry.key) is entry:
+            if self.keys.entries.get(entry.key) is entry:
                 self._undropped.append(entry)
 
     def forget_dead(self) -> None:
@@ -75,10 +86,10 @@ class CaptureRouting:
 
     def watch_handles(self) -> None:
         """From now on until :meth:`stop`, verify captures into the pools' handles (where captures can be routed)."""
-        pools = self.pools
-        if self._watching is None and pools._verifying and pools.backend.supports("capture_routing"):
+        backend = self.keys.backend
+        if self._watching is None and self._verify is not None and backend.supports("capture_routing"):
             self._watching = contextlib.ExitStack()
-            self._watching.enter_context(pools.backend.route_captures(_watcher(weakref.ref(pools))))
+            self._watching.enter_context(backend.route_captures(_watcher(weakref.WeakMethod(self.watch))))
 
     def stop(self) -> None:
         if self._watching is not None:
@@ -87,35 +98,24 @@ class CaptureRouting:
 
     def watch(self, graph: Any, requested_pool: Any) -> Route | None:
         """The router of captures outside :func:`graph_memory`: verify those into one of these pools."""
-        pools = self.pools
-        entry = self._entry_of(requested_pool)
-        if entry is None or pools.closed:
+        keys, verify = self.keys, self._verify
+        entry = keys.entry_of(requested_pool)
+        if entry is None or keys.closed or verify is None:
             return None
 
         def on_end(ok: bool) -> None:
             if ok:
-                with pools._lock:
-                    pools._verify(graph, entry)
+                with keys.lock:
+                    verify(graph, entry)
 
         return Route(entry.pool, on_end, inspect=True)
-
-    def _entry_of(self, pool: Any) -> KeyPool | None:
-        """The live key whose handle or backend pool ``pool`` is."""
-        entries = self.pools._entries
-        if isinstance(pool, PoolHandle):
-            entry = entries.get(pool.key) if pool._owner is self.pools else None
-            return entry if entry is not None and entry.handle is pool else None
-        if pool is None or isinstance(pool, tuple):
-            return None
-        return next((e for e in list(entries.values()) if e.pool is pool and e.space_id is not None), None)
 
     # -- groups ---------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def group(self, key: Hashable) -> Iterator[PoolHandle]:
         """See :meth:`GraphPools.group`."""
-        pools = self.pools
-        handle = pools._handle(key)
+        handle = self._handle(key)
         stack = self._group_stack()
         stack.append(key)
         try:
@@ -123,10 +123,10 @@ class CaptureRouting:
         finally:
             stack.pop()
             if key not in stack:  # an outer group of the same key keeps its space open
-                with pools._lock:
-                    entry = pools._entries.get(key)
+                with self.keys.lock:
+                    entry = self.keys.entries.get(key)
                     if entry is not None:
-                        _seal(pools, entry)
+                        self._seal(entry)
 
     def _group_stack(self) -> list[Hashable]:
         stack = getattr(self._groups, "stack", None)
@@ -145,74 +145,79 @@ class CaptureRouting:
                 log.info("a capture of torch.compile's CUDA graph trees (mode='reduce-overhead'): left to torch, "
                          "which keeps one pool of its own for them and checks it; graph_memory routes the others")
             return None
-        pools = self.pools
-        with pools._lock:
-            pools._check_open("graph_memory")
-            pools._settle()
+        with self.keys.lock:
+            self.keys.check_open("graph_memory")
+            self._settle()
             entry, grouped = self._entry_for(capturer, requested_pool)
             entry.graphs += 1
-            before = self._blocks(entry) if pools.hygiene else set()
+            before = self._blocks(entry) if self.hygiene else set()
         return Route(entry.pool, self._on_end(graph, entry, grouped, before), self._on_release(entry),
-                     inspect=pools._verifying)
+                     inspect=self._verify is not None)
 
     def _entry_for(self, capturer: str | None, requested_pool: Any) -> tuple[KeyPool, bool]:
         """The key a starting capture goes to, and whether it is shared with other captures."""
-        pools, stack = self.pools, self._group_stack()
+        keys, stack = self.keys, self._group_stack()
         if stack:
-            return pools._entries.get(stack[-1]) or pools._new_entry(stack[-1], auto=False), True
+            return keys.entries.get(stack[-1]) or keys.new(stack[-1], auto=False), True
         if capturer == "graphed_callables":  # one key per call: the pool id it made for its graphs
             key = ("make_graphed_callables", _pool_ident(requested_pool))
-            return pools._entries.get(key) or pools._new_entry(key, auto=True), True
-        return pools._new_entry(CaptureKey(next(self._auto)), auto=True), False
+            return keys.entries.get(key) or keys.new(key, auto=True), True
+        return keys.new(CaptureKey(next(self._auto)), auto=True), False
 
     def _on_end(self, graph: Any, entry: KeyPool, grouped: bool,
                 before: set[tuple[int, int]]) -> Callable[[bool], None]:
-        pools = self.pools
+        verify = self._verify
 
         def on_end(ok: bool) -> None:
-            with pools._lock:
-                if ok and pools._verifying:
+            with self.keys.lock:
+                if ok and verify is not None:
                     try:
-                        pools._verify(graph, entry)
+                        verify(graph, entry)
                     except BaseException:  # refused: the backend releases the graph, never to report it again
                         self.dead.append(entry)
-                        pools._settle()
+                        self._settle()
                         raise
                 if not ok:
                     self.dead.append(entry)
-                    pools._settle()
+                    self._settle()
                     return
-                if pools.hygiene:
+                if self.hygiene:
                     self._report_new_blocks(entry, before)
                 if not grouped:
-                    _seal(pools, entry)
+                    self._seal(entry)
 
         return on_end
 
     def _on_release(self, entry: KeyPool) -> Callable[[bool], None]:
-        pools = self.pools
+        keys = self.keys
 
         def on_release(collected: bool) -> None:
             self.dead.append(entry)  # deque.append is atomic: safe from the garbage collector
-            if not collected and pools._lock.acquire(blocking=False):
+            if not collected and keys.lock.acquire(blocking=False):
                 try:
-                    if not pools.closed:
-                        pools._settle()
+                    if not keys.closed:
+                        self._settle()
                 finally:
-                    pools._lock.release()
+                    keys.lock.release()
 
         return on_release
+
+    def _seal(self, entry: KeyPool) -> None:
+        """No more captures go to ``entry``'s space: it takes the address space it used, no more."""
+        alloc = self.allocator
+        if entry.space_id is not None and alloc is not None and not alloc.closed and entry.space_id in alloc.spaces:
+            alloc.seal(entry.space_id)
 
     # -- hygiene ---------------------------------------------------------------------------
 
     def _blocks(self, entry: KeyPool) -> set[tuple[int, int]]:
-        return set(self.pools.backend.pool_active_blocks(entry.pool))
+        return set(self.keys.backend.pool_active_blocks(entry.pool))
 
     def _report_new_blocks(self, entry: KeyPool, before: set[tuple[int, int]]) -> None:
         new = sorted(self._blocks(entry) - before)
         if not new:
             return
-        alloc = self.pools.allocator
+        alloc = self.allocator
         space = alloc.spaces.get(entry.space_id) if alloc and entry.space_id else None
         outside = [b for b in new if space is not None and not space.contains(b[0])]
         if outside:
@@ -223,13 +228,6 @@ class CaptureRouting:
                  "overwrite; warm up first)", entry.key, len(new), fmt_bytes(sum(s for _, s in new)))
 
 
-def _seal(pools: GraphPools, entry: KeyPool) -> None:
-    """No more captures go to ``entry``'s space: it takes the address space it used, no more."""
-    alloc = pools.allocator
-    if entry.space_id is not None and alloc is not None and not alloc.closed and entry.space_id in alloc.spaces:
-        alloc.seal(entry.space_id)
-
-
 def _pool_ident(pool: Any) -> Any:
     """A hashable name of the pool a caller passed (a framework pool id, or the object's identity)."""
     if isinstance(pool, tuple):
@@ -237,9 +235,9 @@ def _pool_ident(pool: Any) -> Any:
     return id(pool) if pool is not None else None
 
 
-def _watcher(ref: weakref.ref[GraphPools]) -> Callable[[Any, Any], Route | None]:
-    """``GraphPools._watch`` of a GraphPools held weakly (the routing must not keep it alive)."""
+def _watcher(ref: weakref.WeakMethod) -> Callable[[Any, Any], Route | None]:
+    """The watcher of a routing held weakly (the backend's routing must not keep the pools alive)."""
     def watch(graph: Any, requested_pool: Any) -> Route | None:
-        pools = ref()
-        return None if pools is None else pools._watch(graph, requested_pool)
+        method = ref()
+        return None if method is None else method(graph, requested_pool)
     return watch

@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import logging
-import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Literal
 
 import hal
 from graphkit import isolation
-from graphkit._pool_keys import CaptureKey, KeyPool, PoolHandle, pool_ident
+from graphkit._pool_keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
 from graphkit._routing import CaptureRouting
 from graphkit.allocator import SharedVMMAllocator
 from graphkit.capture import CaptureHygieneError, leftover_blocks, report_leftovers, warm_up_checked
@@ -42,7 +40,6 @@ from hal.types import Route
 log = logging.getLogger("graphkit.graph_pools")
 
 Kind = Literal["vmm", "shared", "private"]
-_serial = itertools.count(1)
 _ALLOCATOR_OPTIONS = frozenset({"reserve_bytes", "max_physical_bytes", "capacity", "arena_bytes"})
 #: what an isolation error advises, for a capture graph_memory routed and for one into pools.pool(key)
 _FIX_ROUTED = ("Put the captures that pass tensors to each other (the pieces of one batch) in one space: "
@@ -144,13 +141,13 @@ class GraphPools(Closable):
         self.saver = saver
         if saver is not None:
             _adopt(saver, self.strategy, caller, be)
-        self._entries: dict[Hashable, KeyPool] = {}
-        self._lock = threading.RLock()
-        self._closed = False
+        self._keys = keys = PoolKeys(be, self.strategy, self, caller)
+        self._entries, self._lock = keys.entries, keys.lock
         self._close_done = False
         self.verify_stats = isolation.VerifyStats()
         self._verifying = bool(verify) and self.allocator is not None and isolation.readable(be, [])
-        self._routing = CaptureRouting(self)
+        self._routing = CaptureRouting(keys, settle=self._settle, handle=self._handle, hygiene=hygiene,
+                                       verify=self._verify if self._verifying else None, allocator=self.allocator)
         self._watches = not _runner  # a runner captures into its keys itself: nothing to watch
         self._finalizer = weakref.finalize(self, _abandoned, be.name, self._entries if not _runner else {})
 
@@ -177,31 +174,7 @@ class GraphPools(Closable):
         with self._lock:
             self._check_open("pool")
             self._settle()
-            return self._lookup(key, "pool") or self._new_entry(key, auto=False)
-
-    def _lookup(self, key: Hashable, call: str) -> KeyPool | None:
-        """The entry of ``key`` or None; a key that cannot be hashed or compared is a hal error."""
-        try:
-            return self._entries.get(key)
-        except Exception as exc:  # noqa: BLE001 - whatever the key's __hash__ or __eq__ raises
-            raise hal.InvalidArgumentError(f"key={key!r} must be hashable and comparable ({type(exc).__name__}: "
-                                           f"{exc})", backend=self.backend.name, call=f"GraphPools.{call}") from None
-
-    def _new_entry(self, key: Hashable, auto: bool) -> KeyPool:
-        """A lease from the strategy for ``key``."""
-        lease = self.strategy.lease()
-        ident = pool_ident(lease.pool, iter(list(self._entries.values())), _serial)
-        entry = KeyPool(key, PoolHandle(ident, self, key), lease, auto=auto)
-        self._entries[key] = entry
-        return entry
-
-    def _live(self, key: Hashable, handle: PoolHandle, call: str) -> KeyPool:
-        entry = self._entries.get(key)
-        if entry is None or entry.handle is not handle:
-            why = "the GraphPools was closed" if self._closed else f"key {key!r} was released"
-            raise hal.InvalidStateError(f"pool handle of key {key!r} used after release ({why}): ask "
-                                        "pools.pool(key) for a live one", backend=self.backend.name, call=call)
-        return entry
+            return self._keys.lookup(key, "pool") or self._keys.new(key, auto=False)
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
@@ -218,18 +191,13 @@ class GraphPools(Closable):
         """
         with self._lock:
             self._check_open("release")
-            entry = self._lookup(key, "release")
+            entry = self._keys.lookup(key, "release")
             if entry is None:
                 raise hal.InvalidStateError(f"key={key!r} has no pool (released twice?)", backend=self.backend.name,
                                             call="GraphPools.release")
-            self._drop(entry)
+            self._keys.drop(entry)
             self.strategy.settle()  # a space that would not go is kept by the strategy, to release again
             self._settle()
-
-    def _drop(self, entry: KeyPool) -> None:
-        """Give the key's lease back; a failed pool release keeps the key, to release again."""
-        self.strategy.give_back(entry.lease)
-        del self._entries[entry.key]
 
     def _settle(self) -> None:
         """Release what routed graphs that died left behind (a safe point: no allocator call is running)."""
@@ -244,7 +212,7 @@ class GraphPools(Closable):
     def collect(self) -> None:
         """Release now what graphs that were garbage-collected left behind (done at every call anyway)."""
         with self._lock:
-            if not self._closed:
+            if not self.closed:
                 self._settle()
 
     # -- routing ----------------------------------------------------------------------
@@ -267,10 +235,6 @@ class GraphPools(Closable):
         share one pool without graphkit (backward reads forward's memory).
         """
         return self._routing.route(graph, requested_pool)
-
-    def _watch(self, graph: Any, requested_pool: Any) -> Route | None:
-        """The router of captures outside :func:`graph_memory`: verify those into one of these pools."""
-        return self._routing.watch(graph, requested_pool)
 
     # -- verification -------------------------------------------------------------------
 
@@ -317,7 +281,7 @@ class GraphPools(Closable):
         :raises CaptureHygieneError: ``strict`` and something other than the outputs is left.
         """
         with self._lock:
-            entry = self._lookup(key, "leftovers")
+            entry = self._keys.lookup(key, "leftovers")
             if entry is None:
                 raise hal.InvalidStateError(f"key={key!r} has no pool", backend=self.backend.name,
                                             call="GraphPools.leftovers")
@@ -340,13 +304,11 @@ class GraphPools(Closable):
     # -- teardown -------------------------------------------------------------------------
 
     def _check_open(self, call: str) -> None:
-        if self._closed:
-            raise hal.InvalidStateError("the GraphPools is closed", backend=self.backend.name,
-                                        call=f"GraphPools.{call}")
+        self._keys.check_open(call)
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._keys.closed
 
     def close(self) -> None:
         """Release every pool, unmap every space, release the chunks. Idempotent.
@@ -358,14 +320,14 @@ class GraphPools(Closable):
         with self._lock:
             if self._close_done:
                 return
-            self._closed = True  # from here on every call raises InvalidStateError
+            self._keys.closed = True  # from here on every call raises InvalidStateError
             self._finalizer.detach()
             self._routing.stop()
             errors: list[BaseException] = []
             close_step(errors, self.backend.synchronize)
             gc.collect()  # framework tensors of these pools caught in reference cycles go while the pools exist
             for entry in list(self._entries.values()):
-                close_step(errors, self._drop, entry)
+                close_step(errors, self._keys.drop, entry)
             self._routing.forget_dead()  # dropped above with every other key
             if self.saver is not None and self.allocator is not None:
                 self.saver.forget(self.allocator)  # a pause must not reach an allocator being closed
@@ -377,7 +339,7 @@ class GraphPools(Closable):
                 self.backend.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._entries)} key(s)"
+        state = "closed" if self.closed else f"{len(self._entries)} key(s)"
         return f"<graphkit.GraphPools {self.backend.name} {self.kind} {state}>"
 
 
