@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import hal
+from graphkit._arenas import Arena as Arena  # re-exported: its home before the arenas had a module
 from graphkit._arenas import SpaceArenas, VirtualSpace
 from graphkit._chunks import SharedChunks
 from graphkit._deferred import DeferredRelease

@@ -277,3 +277,11 @@ def test_bad_sizes_and_alignments_are_hal_errors(be: hal.Backend, value: object)
     with pytest.raises(hal.HalError):
         alloc.allocate(16, alignment=value)  # type: ignore[arg-type]
     alloc.close()
+
+
+def test_the_space_and_arena_classes_still_import_from_the_allocator_module() -> None:
+    from graphkit._arenas import Arena, VirtualSpace
+    from graphkit.allocator import Arena as OldArena
+    from graphkit.allocator import VirtualSpace as OldVirtualSpace
+
+    assert OldArena is Arena and OldVirtualSpace is VirtualSpace
