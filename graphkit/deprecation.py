@@ -11,19 +11,17 @@ def renamed(old: str, new: str, *, stacklevel: int = 3) -> None:
     warnings.warn(f"{old} is deprecated; use {new}", DeprecationWarning, stacklevel=stacklevel)
 
 
-class alias:  # lower case: used in a class body like ``property``
+class alias(property):  # lower case: used in a class body like ``property``
     """A deprecated attribute name that reads another one and warns: ``pool = alias("kind")`` in a class body."""
 
     def __init__(self, new: str) -> None:
+        def read(obj: Any) -> Any:
+            renamed(self.old, new)
+            return getattr(obj, new)
+
+        super().__init__(read, doc=f"Deprecated spelling of :attr:`{new}`.")
         self.new = new
         self.old = new
-        self.__doc__ = f"Deprecated spelling of :attr:`{new}`."
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.old = f"{owner.__name__}.{name}"
-
-    def __get__(self, obj: object, owner: type | None = None) -> Any:
-        if obj is None:
-            return self
-        renamed(self.old, self.new)
-        return getattr(obj, self.new)
