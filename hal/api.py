@@ -43,10 +43,11 @@ facade drops it otherwise, with a warning). Where one hook serves with and
 without a capability, the facade refuses the capability's use before the
 backend sees it: :func:`create_pool` with callbacks without
 ``"custom_pool"``, :func:`use_pool` without ``"use_pool"``,
-:func:`route_captures` without ``"capture_routing"``. Three hooks sit
+:func:`route_captures` without ``"capture_routing"``. Five hooks sit
 outside every capability: :func:`tensor_at` (``UnsupportedError`` when
-absent), :func:`default_capture_stream` (the current stream when absent)
-and :func:`shutdown` (nothing to do when absent).
+absent), :func:`default_capture_stream` (the current stream when absent),
+:func:`prepare_capture_stream` and :func:`stream_state_sizes` (nothing to
+prepare when absent) and :func:`shutdown` (nothing to do when absent).
 
 Startup: the facade adds these specs, registers the backend instance and
 calls ``check_pending()``, so a plugin that implements a hook not listed
@@ -259,6 +260,30 @@ def default_capture_stream() -> Stream:
     """
 
 
+@hookspec(firstresult=True)
+def prepare_capture_stream(stream: Stream) -> None:
+    """Make, outside any capture, the state the framework's libraries create at their first use of ``stream``.
+
+    Some libraries allocate per-stream state lazily, through the framework's
+    allocator, the first time they run on a stream (cuBLAS and cuBLASLt keep a
+    workspace per library handle and stream). Made inside a capture, that state
+    lands in the capture's pool -- memory other graphs overwrite when pools share
+    physical memory. hal calls this before every capture it starts or routes, on
+    the capture's stream and thread, and never while that stream captures. It
+    must be cheap when nothing is left to make. Optional: a backend without it
+    has nothing to prepare.
+    """
+
+
+@hookspec(firstresult=True)
+def stream_state_sizes() -> dict[int, str]:
+    """Return ``{bytes: what}`` for the per-stream state :func:`prepare_capture_stream` makes (measured).
+
+    graphkit names such a block when a graph uses one that another capture
+    allocated ("the size of cuBLAS's workspace"). Optional: ``{}`` when absent.
+    """
+
+
 # ---------------------------------------------------------------------------
 # Memory pools ("graphs"; callbacks need "custom_pool", use_pool needs "use_pool")
 # ---------------------------------------------------------------------------
@@ -435,7 +460,7 @@ RESULT_HOOKS = frozenset({
     "device_count", "granularity", "mem_info", "create_vir_ptr", "create_phy_mem_handle", "capabilities",
     "torch_device", "tensor_at", "create_stream", "current_stream", "use_stream", "default_capture_stream",
     "create_pool", "use_pool", "pool_active_blocks", "create_graph", "capture", "route_captures",
-    "graph_addresses",
+    "graph_addresses", "stream_state_sizes",
 })
 
 #: The hooks of the ``"graphs"`` capability.

@@ -483,6 +483,28 @@ class Backend:
             return self.current_stream()
         return self._graph_call("default_capture_stream")
 
+    def prepare_capture_stream(self, stream: Any = None) -> None:
+        """Make, outside any capture, the per-stream state the framework's libraries create lazily on ``stream``.
+
+        cuBLAS and cuBLASLt allocate a workspace per stream (and library handle, one per thread) at their
+        first GEMM there; inside a capture it would land in the capture's pool. hal does this itself before
+        every capture it starts or routes; call it for a capture it never sees. ``stream`` defaults to the
+        stream the framework's capture API uses when given none. Idempotent and cheap once done.
+
+        :raises InvalidStateError: ``stream`` is capturing now.
+        """
+        self._check_open("prepare_capture_stream")
+        if "prepare_capture_stream" not in self._implemented:
+            return
+        stream = stream if stream is not None else self.default_capture_stream()
+        self._graph_call("prepare_capture_stream", stream=stream)
+
+    def stream_state_sizes(self) -> dict[int, str]:
+        """``{bytes: what}`` of the per-stream state :meth:`prepare_capture_stream` makes (``{}`` where none)."""
+        if "stream_state_sizes" not in self._implemented:
+            return {}
+        return dict(self._graph_call("stream_state_sizes"))
+
     def replay(self, graph: Any) -> None:
         """Launch a captured graph.
 

@@ -2,7 +2,9 @@
 
 The path every torch-based backend takes: the capture is routed where a
 router is active (:mod:`hal.backends._native.routing`), its pool checked,
-the garbage collector is off inside the block, the graph under construction
+the stream's lazily made library state made first
+(:mod:`hal.backends._native.stream_state`), the garbage collector is off
+inside the block, the graph under construction
 is read just before the capture ends where an inspector was asked for, and
 a capture that fails is undone -- the current stream given back, the
 allocator no longer routing the stream's allocations to the pool, the
@@ -75,6 +77,7 @@ class CaptureGlue(Protocol):
     def captured(self, graph: Any, stream: Any, pool: Any) -> None: ...
     def capture_error(self, exc: BaseException, phase: Phase) -> CaptureError | None: ...
     def explain_out_of_memory(self, exc: BaseException, pool: Any) -> None: ...
+    def prepare_capture_stream(self, stream: Any) -> None: ...
 
 
 @contextlib.contextmanager
@@ -96,6 +99,7 @@ def capture(glue: CaptureGlue, graph: Any, pool: CapturePool | None, stream: Any
     if pool is not None and pool.callbacks is not None:
         pool.callbacks.last_error = None
     with glue.on_device(), gc_disabled():  # see hal.gcguard: the allocator callbacks run inside
+        _prepare(glue, torch_graph, stream)
         attempt = _Attempt(glue, torch_graph, pool, stream, mode)
         attempt.begin()
         body: BaseException | None = None
@@ -107,6 +111,17 @@ def capture(glue: CaptureGlue, graph: Any, pool: CapturePool | None, stream: Any
             record_addresses(glue, torch_graph, stream, inspect)
         attempt.end(body)
     glue.captured(graph, stream, pool)
+
+
+def _prepare(glue: CaptureGlue, torch_graph: Any, stream: Any) -> None:
+    """The stream's lazily made library state, made before the capture (ending a route the router began
+    when that fails)."""
+    try:
+        glue.prepare_capture_stream(stream)
+    except BaseException:
+        if glue.routing is not None:
+            glue.routing.end(torch_graph, False)
+        raise
 
 
 def check_pool(glue: CaptureGlue, torch_graph: Any, pool: CapturePool | None) -> None:

@@ -129,6 +129,15 @@ class TorchHooks:
         return self._torch("default_capture_stream").default_capture_stream()
 
     @hookimpl
+    def prepare_capture_stream(self, stream: Any) -> None:
+        self._torch("prepare_capture_stream").prepare_capture_stream(stream)
+
+    @hookimpl
+    def stream_state_sizes(self) -> dict[int, str]:
+        glue = self._current_glue()
+        return glue.stream_state_sizes() if glue is not None else {}
+
+    @hookimpl
     def replay(self, graph: Any) -> None:
         self._torch("replay").replay(graph)
 

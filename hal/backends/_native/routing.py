@@ -100,14 +100,18 @@ class GraphClassRouting:
     :param inspector: reads the addresses of the graph being captured on the current stream, called
         just before the framework's ``capture_end`` for routes with ``inspect`` set; None where the
         backend cannot (see also :meth:`set_inspector`).
+    :param prepare: makes the lazily created library state of the current stream (cuBLAS workspaces),
+        called before a routed capture begins (see :mod:`hal.backends._native.stream_state`).
     """
 
     def __init__(self, graph_class: type, current_device: Callable[[], int],
-                 pool_id: Callable[[Any], Any], inspector: Inspector | None = None) -> None:
+                 pool_id: Callable[[Any], Any], inspector: Inspector | None = None,
+                 prepare: Callable[[], None] | None = None) -> None:
         self.graph_class = graph_class
         self.current_device = current_device
         self.pool_id = pool_id
         self.inspector = inspector
+        self.prepare = prepare
         self._lock = threading.Lock()
         self._routers: dict[int, list[CaptureRouter]] = {}
         self._originals: dict[str, Any] | None = None
@@ -149,6 +153,7 @@ class GraphClassRouting:
                 chosen = routing.begin(graph, pool, routing.current_device())
                 if chosen is not None:
                     pool = routing.pool_id(chosen)
+                    routing.prepare_stream(graph)
             try:
                 return begin(graph, pool, *args, **kwargs)
             except BaseException:
@@ -191,6 +196,17 @@ class GraphClassRouting:
             return None
         setattr(graph, _ROUTE, route)
         return route.pool
+
+    def prepare_stream(self, graph: Any) -> None:
+        """Before the routed capture of ``graph`` begins: make the current stream's library state, so
+        that it is not born inside the capture (ending the route when that fails)."""
+        if self.prepare is None:
+            return
+        try:
+            self.prepare()
+        except BaseException:
+            self.end(graph, False)
+            raise
 
     def set_inspector(self, inspector: Inspector | None) -> None:
         """Read graphs with ``inspector`` from now on (one per graph class: every device's captures use it)."""
@@ -315,13 +331,16 @@ _by_class: dict[type, GraphClassRouting] = {}
 _by_class_lock = threading.Lock()
 
 
-def routing_for(graph_class: type, current_device: Callable[[], int],
-                pool_id: Callable[[Any], Any]) -> GraphClassRouting:
+def routing_for(graph_class: type, current_device: Callable[[], int], pool_id: Callable[[Any], Any],
+                prepare: Callable[[], None] | None = None) -> GraphClassRouting:
     """The one :class:`GraphClassRouting` of ``graph_class`` in this process."""
     with _by_class_lock:
         routing = _by_class.get(graph_class)
         if routing is None:
-            routing = _by_class[graph_class] = GraphClassRouting(graph_class, current_device, pool_id)
+            routing = _by_class[graph_class] = GraphClassRouting(graph_class, current_device, pool_id,
+                                                                 prepare=prepare)
+        elif routing.prepare is None:
+            routing.prepare = prepare
         return routing
 
 

@@ -28,6 +28,7 @@ from hal.backends._native import torch_compat as compat
 from hal.backends._native.callbacks import CallbackPair, keep_forever, new_pair
 from hal.backends._native.capture import StreamInspector
 from hal.backends._native.routing import GraphClassRouting, routable, routing_for
+from hal.backends._native.stream_state import StreamState, stream_state
 from hal.errors import CaptureError, InvalidStateError, UnsupportedError
 from hal.types import GraphAddresses, fmt_bytes
 
@@ -112,9 +113,10 @@ class TorchGlue:
             self.ns.set_device(device)
         self.routing: GraphClassRouting | None = None
         self.inspector: StreamInspector | None = None
+        self.stream_state: StreamState = stream_state(torch, self.ns, names.device_type)
         if "capture_routing" in names.capabilities(self.ext, self.ns):
             self.routing = routing_for(getattr(self.ns, names.graph_class), self.ns.current_device,
-                                       lambda pool: pool.id)
+                                       lambda pool: pool.id, prepare=self.stream_state.prepare_current)
 
     # -- what this build offers ------------------------------------------------------------
 
@@ -175,6 +177,20 @@ class TorchGlue:
     def default_capture_stream(self) -> Any:
         """The side stream ``torch.<device>.graph`` captures on when given none (made as torch would)."""
         return compat.default_capture_stream(self.ns.graph, self.create_stream, self.current_stream)
+
+    def prepare_capture_stream(self, stream: Any) -> None:
+        """Make the per-stream state of torch's libraries on ``stream`` ahead of a capture (see
+        :mod:`hal.backends._native.stream_state`)."""
+        capturing = getattr(self.ns, "is_current_stream_capturing", None)
+        if stream is not None and capturing is not None and capturing() and stream == self.ns.current_stream():
+            raise InvalidStateError(f"stream={stream!r} is capturing: prepare it before the capture begins",
+                                    backend=self.backend, call="prepare_capture_stream")
+        with self.on_device():
+            self.stream_state.prepare(stream)
+
+    def stream_state_sizes(self) -> dict[int, str]:
+        """``{bytes: what}`` preparing a stream of this device made (measured at its first preparation)."""
+        return self.stream_state.sizes(self.device)
 
     # -- pools ------------------------------------------------------------------------------
 
