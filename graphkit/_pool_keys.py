@@ -98,6 +98,9 @@ class KeyPool:
     lease: Lease
     auto: bool = False  # made by graph_memory for one capture: released with its graph
     graphs: int = 0  # routed captures alive in it
+    #: blocks of its pool allocated at the end of its last capture (None: unknown): a bound of what it holds
+    #: later, since nothing allocates in a key's space outside its captures
+    live: tuple[tuple[int, int], ...] | None = ()
 
     @property
     def pool(self) -> Any:

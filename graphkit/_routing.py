@@ -24,6 +24,7 @@ import hal
 from graphkit._pool_keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
 from graphkit.allocator import SharedVMMAllocator
 from graphkit.capture import framework_capturer
+from graphkit.isolation import KeyCheck
 from hal.types import Route, fmt_bytes
 
 log = logging.getLogger("graphkit.graph_pools")
@@ -35,15 +36,15 @@ class CaptureRouting:
     :param keys: the pools' key table.
     :param settle: the pools' safe point (releases what dead graphs left), called under the lock.
     :param handle: the handle of a key, made on first use.
-    :param verify: the isolation check of a graph captured into a key; None: no check.
+    :param isolation: the isolation check of a capture into a key, made as it begins; None: no check.
     :param hygiene: log what a routed capture left allocated.
     """
 
     def __init__(self, keys: PoolKeys, *, settle: Callable[[], None], handle: Callable[[Hashable], PoolHandle],
-                 verify: Callable[[Any, KeyPool], None] | None, hygiene: bool,
+                 isolation: Callable[[KeyPool], KeyCheck | None] | None, hygiene: bool,
                  allocator: SharedVMMAllocator | None) -> None:
         self.keys = keys
-        self._settle, self._handle, self._verify = settle, handle, verify
+        self._settle, self._handle, self._isolation = settle, handle, isolation
         self.hygiene, self.allocator = hygiene, allocator
         self._groups = threading.local()
         self._auto = itertools.count(1)
@@ -85,9 +86,10 @@ class CaptureRouting:
     # -- the watcher ---------------------------------------------------------------------
 
     def watch_handles(self) -> None:
-        """From now on until :meth:`stop`, verify captures into the pools' handles (where captures can be routed)."""
+        """From now on until :meth:`stop`, see the captures into the pools' handles (where captures can be
+        routed): the backend prepares their streams, and they are verified."""
         backend = self.keys.backend
-        if self._watching is None and self._verify is not None and backend.supports("capture_routing"):
+        if self._watching is None and backend.supports("capture_routing"):
             self._watching = contextlib.ExitStack()
             self._watching.enter_context(backend.route_captures(_watcher(weakref.WeakMethod(self.watch))))
 
@@ -98,17 +100,19 @@ class CaptureRouting:
 
     def watch(self, graph: Any, requested_pool: Any) -> Route | None:
         """The router of captures outside :func:`graph_memory`: verify those into one of these pools."""
-        keys, verify = self.keys, self._verify
+        keys, isolation = self.keys, self._isolation
         entry = keys.entry_of(requested_pool)
-        if entry is None or keys.closed or verify is None:
+        if entry is None or keys.closed:
             return None
+        with keys.lock:
+            check = isolation(entry) if isolation is not None else None
 
         def on_end(ok: bool) -> None:
-            if ok:
+            if ok and check is not None:
                 with keys.lock:
-                    verify(graph, entry)
+                    check.accepted(graph)
 
-        return Route(entry.pool, on_end, inspect=True)
+        return Route(entry.pool, on_end, inspect=check is not None and check.read)
 
     # -- groups ---------------------------------------------------------------------------
 
@@ -151,8 +155,9 @@ class CaptureRouting:
             entry, grouped = self._entry_for(capturer, requested_pool)
             entry.graphs += 1
             before = self._blocks(entry) if self.hygiene else set()
-        return Route(entry.pool, self._on_end(graph, entry, grouped, before), self._on_release(entry),
-                     inspect=self._verify is not None)
+            check = self._isolation(entry) if self._isolation is not None else None
+        return Route(entry.pool, self._on_end(graph, entry, grouped, before, check), self._on_release(entry),
+                     inspect=check is not None and check.read)
 
     def _entry_for(self, capturer: str | None, requested_pool: Any) -> tuple[KeyPool, bool]:
         """The key a starting capture goes to, and whether it is shared with other captures."""
@@ -164,15 +169,13 @@ class CaptureRouting:
             return keys.entries.get(key) or keys.new(key, auto=True), True
         return keys.new(CaptureKey(next(self._auto)), auto=True), False
 
-    def _on_end(self, graph: Any, entry: KeyPool, grouped: bool,
-                before: set[tuple[int, int]]) -> Callable[[bool], None]:
-        verify = self._verify
-
+    def _on_end(self, graph: Any, entry: KeyPool, grouped: bool, before: set[tuple[int, int]],
+                check: KeyCheck | None) -> Callable[[bool], None]:
         def on_end(ok: bool) -> None:
             with self.keys.lock:
-                if ok and verify is not None:
+                if ok and check is not None:
                     try:
-                        verify(graph, entry)
+                        check.accepted(graph)
                     except BaseException:  # refused: the backend releases the graph, never to report it again
                         self.dead.append(entry)
                         self._settle()

@@ -34,8 +34,9 @@ from hal.types import fmt_bytes
 log = logging.getLogger("graphkit.capture")
 
 
-class CaptureHygieneError(hal.HalError):
-    """Memory other than the outputs outlived a capture (raised when hygiene is strict)."""
+class CaptureHygieneError(hal.CaptureError):
+    """Memory other than the outputs outlived a capture (raised when hygiene is strict); a
+    :class:`hal.CaptureError`, hence a ``RuntimeError``."""
 
 
 @dataclass

@@ -147,7 +147,8 @@ class GraphPools(Closable):
         self.verify_stats = isolation.VerifyStats()
         self._verifying = bool(verify) and self.allocator is not None and isolation.readable(be, [])
         self._routing = CaptureRouting(keys, settle=self._settle, handle=self._handle, hygiene=hygiene,
-                                       verify=self._verify if self._verifying else None, allocator=self.allocator)
+                                       isolation=self._isolation if self._verifying else None,
+                                       allocator=self.allocator)
         self._watches = not _runner  # a runner captures into its keys itself: nothing to watch
         self._finalizer = weakref.finalize(self, _abandoned, be.name, self._entries if not _runner else {})
 
@@ -238,30 +239,44 @@ class GraphPools(Closable):
 
     # -- verification -------------------------------------------------------------------
 
-    def _verifier(self, entry: KeyPool, fix: str) -> Callable[[Any], None] | None:
-        """The isolation check of a capture into ``entry`` (None where there is nothing to check or no way to)."""
-        if not self._verifying or entry.space_id is None:
-            return None
-        return lambda graph: self._verify(graph, entry, fix)
-
-    def _verify(self, graph: Any, entry: KeyPool, fix: str | None = None) -> None:
-        """Refuse ``graph`` (of ``entry``) when it uses memory in another key's space.
+    def _isolation(self, entry: KeyPool, fix: str | None = None) -> isolation.KeyCheck | None:
+        """The isolation check of a capture into ``entry`` starting now (None where there is nothing to check
+        or no way to); it reads the graph only where another key holds memory that may still be alive.
 
         :param fix: what the caller should do, for the message (default: the advice for pools' keys).
         """
+        if not self._verifying or entry.space_id is None:
+            return None
+        read = any(self._note_live(other) for other in reversed(list(self._entries.values()))
+                   if other is not entry and other.space_id is not None and other.live != ())
+        return isolation.KeyCheck(lambda: self._context(entry, fix), self.verify_stats, read,
+                                  lambda: self._note_live(entry))
+
+    def _context(self, entry: KeyPool, fix: str | None) -> isolation.Context:
+        """What checking a graph of ``entry`` against the other keys needs (read under the lock)."""
         alloc = self.allocator
-        if alloc is None or entry.space_id is None:
-            return
-        keys = {e.space_id: e.key for e in self._entries.values() if e.space_id is not None}
-        fix = fix or (_FIX_ROUTED if entry.auto else _FIX_KEYED)
-        pools = {e.space_id: e.pool for e in self._entries.values() if e.space_id is not None}
+        assert alloc is not None and entry.space_id is not None
+        with self._lock:
+            owners = {e.space_id: e for e in self._entries.values() if e.space_id is not None}
 
         def live_blocks(space_id: int) -> list[tuple[int, int]] | None:
-            pool = pools.get(space_id)
-            return None if pool is None else self.backend.pool_active_blocks(pool)
+            owner = owners.get(space_id)
+            return None if owner is None else self.backend.pool_active_blocks(owner.pool)
 
-        isolation.verify(self.backend, graph, self.verify_stats, alloc.spaces, entry.space_id, entry.key, keys.get,
-                         fix, live_blocks)
+        return isolation.Context(self.backend, alloc.spaces, entry.space_id, entry.key,
+                                 lambda space_id: owners[space_id].key if space_id in owners else None,
+                                 fix or (_FIX_ROUTED if entry.auto else _FIX_KEYED), live_blocks,
+                                 self.backend.stream_state_sizes())
+
+    def _note_live(self, entry: KeyPool) -> bool:
+        """Note what ``entry``'s pool holds now (after its capture, or again before another key's, since
+        outputs die after their capture ends); whether it may hold anything (unknown where it cannot be read)."""
+        try:
+            entry.live = tuple(self.backend.pool_active_blocks(entry.pool))
+        except hal.HalError as exc:
+            log.debug("key %r: its live blocks could not be read (%s): later captures are read", entry.key, exc)
+            entry.live = None
+        return entry.live != ()
 
     # -- hygiene helpers ----------------------------------------------------------------
 

@@ -81,10 +81,11 @@ class PoolsReport:
     device_bytes: int | None = None  # device memory used now beyond the start, driver-measured
     map_calls: int = 0  # map calls made so far (each maps one chunk into one space)
     map_seconds: float = 0.0  # wall time those map calls took
-    verified_graphs: int = 0  # captures whose addresses were checked against the other keys' spaces
+    verified_graphs: int = 0  # captures proven not to use the other keys' memory
     inspected_nodes: int = 0  # graph nodes (ops, kernels) read for that
     missed_nodes: int = 0  # nodes the backend could not read
     verify_seconds: float = 0.0  # time reading and checking
+    unread_graphs: int = 0  # of the verified graphs, those that needed no reading (no other key held memory)
 
     def __str__(self) -> str:
         lines = [f"graph pools on {self.backend} ({self.kind}): {len(self.keys)} key(s), "
@@ -93,6 +94,7 @@ class PoolsReport:
                  + (f", {self.map_calls} map calls in {self.map_seconds * 1e3:.1f} ms" if self.map_calls else "")
                  + (f"; {self.verified_graphs} graph(s) verified isolated ({self.inspected_nodes} nodes read"
                     + (f", {self.missed_nodes} unreadable" if self.missed_nodes else "")
+                    + (f", {self.unread_graphs} needed no reading" if self.unread_graphs else "")
                     + f", {self.verify_seconds * 1e3:.1f} ms)" if self.verified_graphs else "")]
         for k in self.keys:
             lines.append(f"  {k.key!r:>16}  used {fmt_bytes(k.used_bytes):>10}  mapped {fmt_bytes(k.mapped_bytes):>10}"
@@ -114,7 +116,7 @@ def pools_report(backend: str, kind: str, keys: Iterable[tuple[Hashable, int | N
                        alloc.physical_bytes if alloc else 0, alloc.reserved_bytes if alloc else 0,
                        alloc.arena_reserved_bytes if alloc else 0, device_bytes,
                        alloc.map_calls if alloc else 0, alloc.map_seconds if alloc else 0.0,
-                       stats.graphs, stats.nodes, stats.missed, stats.seconds)
+                       stats.graphs, stats.nodes, stats.missed, stats.seconds, stats.unread)
 
 
 @dataclass

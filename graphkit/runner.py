@@ -343,8 +343,12 @@ class GraphRunner(Closable):
         bucket = Bucket(size, key.lease)
         t0 = time.perf_counter()
         try:
+            check = pools._isolation(key, _ISOLATION_FIX)
             self.step.capture(bucket, views, self._stream, capture_error_mode=opts.capture_error_mode,
-                              strict_hygiene=opts.strict_hygiene, verify=pools._verifier(key, _ISOLATION_FIX))
+                              strict_hygiene=opts.strict_hygiene,
+                              verify=check if check is not None and check.read else None)
+            if check is not None:
+                check.done()
             be.synchronize()
             seconds = time.perf_counter() - t0
             if opts.measure_memory:

@@ -40,8 +40,12 @@ class PluginValidationError(HalError):
     """A backend plugin does not fit the contract (e.g. it implements an unknown hook)."""
 
 
-class CaptureError(HalError):
-    """A graph capture failed (host synchronisation inside a capture, exhausted streams...)."""
+class CaptureError(HalError, RuntimeError):
+    """A graph capture failed or was refused (host synchronisation inside a capture, exhausted streams...).
+
+    Also a :class:`RuntimeError`, as the frameworks' own capture errors are: a caller that falls back to
+    eager execution when a capture raises ``RuntimeError`` catches hal's and graphkit's refusals too.
+    """
 
 
 class UnsupportedError(HalError, NotImplementedError):
