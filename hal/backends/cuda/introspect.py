@@ -33,6 +33,7 @@ import ctypes
 import functools
 import logging
 import struct
+import sys
 import threading
 import time
 from collections import Counter
@@ -70,21 +71,26 @@ MIN_DRIVER = 12040  # cuFuncGetParamInfo came with CUDA 12.4
 def candidates(buf: bytes | bytearray | memoryview) -> list[int]:
     """The distinct aligned 8-byte little-endian words of ``buf`` that could be device addresses, sorted.
 
-    ``buf`` starts at offset 0 of a kernel's parameter space (8-byte aligned);
+    ``buf`` starts at offset 0 of a kernel's parameter space (8-byte aligned),
+    or is several such spaces joined, each cut to whole words (:func:`whole_words`);
     a trailing partial word is ignored. (Sorting and bisecting keep the
-    per-word work in C: argument blocks run to hundreds of words.)
+    per-word work in C: one walk joins thousands of argument blocks.)
     """
     count = len(buf) // 8
     if not count:
         return []
-    layout = _WORDS.get(count)
-    if layout is None:
-        layout = _WORDS.setdefault(count, struct.Struct(f"<{count}Q"))
-    words = sorted(set(layout.unpack_from(buf)))
+    words = sorted(set(memoryview(buf)[:count * 8].cast("B").cast("Q"))) if _LITTLE else sorted(
+        set(struct.unpack_from(f"<{count}Q", buf)))
     return words[bisect.bisect_left(words, LOW):bisect.bisect_left(words, HIGH)]
 
 
-_WORDS: dict[int, struct.Struct] = {}
+def whole_words(buf: bytes) -> bytes:
+    """``buf`` without a trailing partial word (so that argument blocks can be joined word-aligned)."""
+    extra = len(buf) & 7
+    return buf[:-extra] if extra else buf
+
+
+_LITTLE = sys.byteorder == "little"
 
 
 def read_extra(extra: int) -> bytes | None:
@@ -174,6 +180,7 @@ class Bindings:
         err, p = self._kernel_params(self.d.CUgraphNode(node))
         _check(err, "cuGraphKernelNodeGetParams")
         return (address(p.func), address(getattr(p, "kern", None)), address(p.kernelParams), address(p.extra))
+
 
 
 class Libcuda(Bindings):
@@ -329,17 +336,20 @@ class GraphWalker:
         return int(graph)
 
     def walk(self, graph: int, walk: Walk, depth: int = 0) -> None:
-        """Add what the nodes of ``graph`` (and its child graphs) use to ``walk``."""
+        """Add what the nodes of ``graph`` (and its child graphs) use to ``walk``.
+
+        The argument blocks of the kernel nodes are joined and their words read at once.
+        """
         calls, kernel_type = self.calls, self._kernel_type
         kinds: Counter[int] = Counter()
         nodes = calls.nodes(graph)
         walk.nodes += len(nodes)
+        blocks: list[bytes] = []
         for node in nodes:
             kind = calls.node_type(node)
-            kinds[kind] += 1
             try:
                 if kind == kernel_type:
-                    ok = self._kernel(node, walk)
+                    ok = self._kernel(calls.kernel(node), blocks)
                 else:
                     reader = self._readers.get(kind)
                     ok = reader is not None and reader(node, walk, depth)
@@ -347,32 +357,33 @@ class GraphWalker:
                 log.debug("cuda: %s node %#x not read: %s: %s", self._names.get(kind, kind), node,
                           type(exc).__name__, exc)
                 ok = False
-            else:
-                if not ok:
-                    log.debug("cuda: %s node %#x not read", self._names.get(kind, kind), node)
+            kinds[kind] += 1
             if not ok:
+                log.debug("cuda: %s node %#x not read", self._names.get(kind, kind), node)
                 walk.missed += 1
                 if kind == kernel_type:
                     walk.kernels_missed += 1
+        walk.words.update(candidates(b"".join(blocks)))
         walk.kernels += kinds[kernel_type]
         for kind, count in kinds.items():
             walk.by_type[self._names.get(kind, f"type {kind}")] += count
 
     # -- node readers: True when the node was read --------------------------------------------
 
-    def _kernel(self, node: int, walk: Walk) -> bool:
-        func, kern, kernel_params, extra = self.calls.kernel(node)
+    def _kernel(self, params: tuple[int, int, int, int], blocks: list[bytes]) -> bool:
+        """Add the argument block(s) of a kernel node, ``(func, kern, kernelParams, extra)``, to ``blocks``."""
+        func, kern, kernel_params, extra = params
         read = False
         if extra:
             buf = read_extra(extra)
             if buf is not None:
-                walk.words.update(candidates(buf))
+                blocks.append(whole_words(buf))
                 read = True
         if kernel_params:
             layout = self.layout(func, kern)
             if layout is None:
                 return read
-            walk.words.update(candidates(layout.read(kernel_params)))
+            blocks.append(whole_words(layout.read(kernel_params)))
             return True
         if read:
             return True
