@@ -71,7 +71,7 @@ def test_torch_cuda_graph_takes_a_pool_handle(be: hal.Backend, order: str) -> No
     step = make_step()
     sizes = SIZES if order == "descending" else SIZES[::-1]
     with graphkit.GraphPools(be) as pools:
-        graphs = engine_loop(step, sizes, lambda n, _: pools.pool(n), warm_up=pools.warm_up)
+        graphs = engine_loop(step, sizes, lambda n, _: pools.pool(n))
         check_replays(graphs, step)
         report = pools.report()
         assert len(report.keys) == len(sizes) and all(k.used_bytes for k in report.keys)
@@ -87,7 +87,7 @@ def test_the_scope_routes_an_engines_own_loop(be: hal.Backend) -> None:
     step = make_step()
     before = dict(vars(torch.cuda.CUDAGraph))
     with graphkit.graph_memory(be) as pools:
-        graphs = engine_loop(step, SIZES, lambda n, pool: pool, warm_up=pools.warm_up)
+        graphs = engine_loop(step, SIZES, lambda n, pool: pool)
     assert dict(vars(torch.cuda.CUDAGraph)) == before  # torch restored exactly
     report = pools.report()
     assert len(report.keys) == len(SIZES)  # one space per capture, although the engine passed graph.pool()
@@ -174,6 +174,73 @@ def test_routing_through_hal_capture_and_runner(be: hal.Backend) -> None:
     pools.close()
 
 
+FRESH_STREAM_SCRIPT = textwrap.dedent('''
+    import sys, torch, hal, graphkit
+    order, adoption = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    ws = [torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16) / 32 for _ in range(4)]
+    bias = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    def step(x):
+        for w in ws:
+            x = torch.nn.functional.linear(torch.relu(x @ w), w, bias)  # cuBLAS and cuBLASLt (bias epilogue)
+        return x
+    sizes = [64, 32, 8, 1] if order == "descending" else [1, 8, 32, 64]
+    be = hal.get_backend("cuda")
+    pools = graphkit.GraphPools(be)
+    graphs = {}
+    scope = graphkit.graph_memory(be, pools=pools) if adoption == "scope" else None
+    if scope is not None:
+        scope.__enter__()
+    for n in sizes:  # nano-vllm's loop: warm up on the engine's own stream, capture on torch's
+        x = torch.zeros(n, 1024, device="cuda", dtype=torch.bfloat16)
+        step(x)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pools.pool(n) if adoption == "port" else None):
+            out = step(x)
+        graphs[n] = (g, x, out)
+    if scope is not None:
+        scope.__exit__(None, None, None)
+    big = [size for entry in pools._entries.values() for _, size in be.pool_active_blocks(entry.pool)
+           if size >= 1 << 20]
+    assert not big, f"a block of a library's per-stream state was born in a capture: {big}"
+    for n, (g, x, out) in graphs.items():
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.testing.assert_close(out, step(x))
+    print("REPORT", pools.report())
+    print("started")
+''')
+
+
+@pytest.mark.parametrize("adoption", ["scope", "port"])
+@pytest.mark.parametrize("order", ["descending", "ascending"])
+def test_an_engine_that_warms_up_on_its_own_stream_starts(tmp_path, order: str, adoption: str) -> None:
+    """In a fresh process, as an engine starts: torch's capture stream never ran a GEMM before the first capture.
+
+    The cuBLAS and cuBLASLt workspaces of that stream are made by hal before the capture begins, so they are
+    not born in the first key's space (where the isolation check refuses every later graph that uses them).
+    """
+    script = tmp_path / "fresh_stream.py"
+    script.write_text(FRESH_STREAM_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script), order, adoption], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0 and "started" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_a_warm_up_on_the_capture_stream_still_works(be: hal.Backend) -> None:
+    """pools.warm_up runs the step on the stream torch.cuda.graph captures on (no longer needed for cuBLAS)."""
+    step = make_step()
+    with graphkit.graph_memory(be) as pools:
+        graphs = engine_loop(step, SIZES[:3], lambda n, pool: pool, warm_up=pools.warm_up)
+    check_replays(graphs, step)
+    for graph, _, _ in graphs.values():
+        graph.reset()
+    del graphs
+    gc.collect()
+    pools.close()
+
+
 @pytest.mark.slow
 def test_ten_thousand_spaces_with_flat_physical_memory(be: hal.Backend) -> None:
     """Sealed spaces take the address space they use: 10,000 fit where device-sized ones stopped near 1,650."""
@@ -194,7 +261,7 @@ ROUTED_SCRIPT = textwrap.dedent('''
     w = torch.randn(256, 256, device="cuda")
     x = torch.zeros(8, 256, device="cuda")
     with graphkit.graph_memory(be) as pools:
-        pools.warm_up(lambda: torch.tanh(x @ w))  # on the capture stream: cuBLAS's workspace is made here
+        torch.tanh(x @ w)  # an engine's warm-up, on its own stream
         graphs = []
         for _ in range(2_000):
             graph = torch.cuda.CUDAGraph()
@@ -245,7 +312,7 @@ TP_SCRIPT = textwrap.dedent('''
     graphs = {}
     with graphkit.graph_memory(be) as pools:      # one GraphPools per rank
         for n in sizes:
-            pools.warm_up(step, x[:n])
+            step(x[:n])  # the engine's own warm-up
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 out = step(x[:n])

@@ -32,7 +32,7 @@ def test_pause_gives_memory_back_and_resume_keeps_weights_and_graphs(be: hal.Bac
     expected = w.clone()
     pools = graphkit.GraphPools(be, saver=saver)
     x = torch.randn(64, 4096, device="cuda")
-    pools.warm_up(lambda: x @ w)  # noqa: F821 - ruff reads the `del w` below
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pools.pool(64)):
         out = x @ w

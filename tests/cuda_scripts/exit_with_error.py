@@ -34,7 +34,7 @@ def main() -> None:
         dist.all_reduce(out)
         return out
 
-    pools.warm_up(step, 8)  # cuBLAS and NCCL state born on the capture stream before any capture
+    step(8)  # the engine's warm-up on its stream: NCCL's communicator is made outside any capture
     graphs = []
     with graphkit.graph_memory(pools=pools):
         for n in (8, 4, 2, 1):

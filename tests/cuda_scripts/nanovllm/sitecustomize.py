@@ -1,0 +1,116 @@
+"""Observation hooks for nano-vllm test runs, active in every process that has NANOVLLM_HARNESS_OUT set.
+
+Imported at interpreter start (this folder is on PYTHONPATH), so they reach the tensor-parallel
+ranks nano-vllm spawns too. They change nothing the engine computes:
+
+* ``ModelRunner.capture_cudagraph`` is timed and the device memory it takes is measured
+  (the driver's free memory before and after), per rank, into ``rank<N>.json``;
+* ``NANOVLLM_ORDER=ascending`` makes the engine's capture loop run smallest first (the engine
+  iterates ``reversed(graph_bs)``; the module-level name is replaced);
+* ``NANOVLLM_PORT`` pins the port every rank's ``find_available_port()`` returns (each rank picks one
+  independently and they can disagree);
+* ``get_rope`` accepts transformers 5's ``rope_scaling`` dict of the default rope type (the engine
+  asserts None there): the theta is passed on;
+* ``ModelRunner.harness_check`` replays every captured graph and compares it with the eager model,
+  in every rank (called through the engine's own ``call`` so that the ranks run it together).
+"""
+
+import os
+
+if os.environ.get("NANOVLLM_HARNESS_OUT"):
+    import json
+    import time
+
+    import torch
+    from nanovllm.engine import model_runner as _mr
+    from nanovllm.models import qwen3 as _qwen3
+    from nanovllm.utils.context import reset_context, set_context
+
+    _OUT = os.environ["NANOVLLM_HARNESS_OUT"]
+
+    def _write(rank, **fields):
+        path = os.path.join(_OUT, f"rank{rank}.json")
+        data = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                data = json.load(f)
+        data.update(fields)
+        with open(path, "w") as f:
+            json.dump(data, f)
+
+    if os.environ.get("NANOVLLM_ORDER") == "ascending":
+        _mr.reversed = lambda sizes: list(sizes)  # the capture loop's only use of reversed()
+
+    if os.environ.get("NANOVLLM_PORT"):
+        _mr.find_available_port = lambda *a, **k: int(os.environ["NANOVLLM_PORT"])
+
+    _get_rope = _qwen3.get_rope
+
+    def _rope(head_size, rotary_dim, max_position, base, rope_scaling=None):
+        if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", "default") == "default":
+            base = rope_scaling.get("rope_theta", base)
+            rope_scaling = None
+        return _get_rope(head_size, rotary_dim, max_position, base, rope_scaling)
+
+    _qwen3.get_rope = _rope
+
+    _capture = _mr.ModelRunner.capture_cudagraph
+
+    def _measured_capture(self):
+        torch.cuda.synchronize()
+        free0, _ = torch.cuda.mem_get_info()
+        start = time.perf_counter()
+        profile = os.environ.get("NANOVLLM_PROFILE")
+        if profile:
+            import cProfile
+            import pstats
+
+            profiler = cProfile.Profile()
+            result = profiler.runcall(_capture, self)
+            with open(f"{profile}.rank{self.rank}.txt", "w") as f:
+                pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(60)
+        else:
+            result = _capture(self)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        free1, _ = torch.cuda.mem_get_info()
+        pools = getattr(self, "graphkit_pools", None)
+        _write(self.rank, device=torch.cuda.current_device(), graph_bytes=free0 - free1, capture_s=seconds,
+               sizes=list(self.graph_bs), order=os.environ.get("NANOVLLM_ORDER", "descending"),
+               pools_report=str(pools.report()) if pools is not None else None)
+        return result
+
+    _mr.ModelRunner.capture_cudagraph = _measured_capture
+
+    @torch.inference_mode()
+    def harness_check(self, seed):
+        """Each graph replayed (in a shuffled order, after all were captured) against the eager model."""
+        gen = torch.Generator().manual_seed(seed)
+        vocab = self.config.hf_config.vocab_size
+        v = self.graph_vars
+        worst = {}
+        order = torch.randperm(len(self.graph_bs), generator=gen).tolist()
+        for i in order:
+            bs = self.graph_bs[i]
+            ids = torch.randint(0, vocab, (bs,), generator=gen).cuda()
+            pos = torch.randint(0, 8, (bs,), generator=gen).cuda()
+            slots = torch.full((bs,), -1, dtype=torch.int32, device="cuda")
+            lens = torch.ones(bs, dtype=torch.int32, device="cuda")
+            tables = torch.zeros(bs, v["block_tables"].size(1), dtype=torch.int32, device="cuda")
+            set_context(False, slot_mapping=slots, context_lens=lens, block_tables=tables)
+            eager = self.model(ids, pos).float()
+            reset_context()
+            v["input_ids"][:bs] = ids
+            v["positions"][:bs] = pos
+            v["slot_mapping"].fill_(-1)
+            v["context_lens"].zero_()
+            v["context_lens"][:bs] = lens
+            v["block_tables"].zero_()
+            self.graphs[bs].replay()
+            torch.cuda.synchronize()
+            diff = (v["outputs"][:bs].float() - eager).abs().max().item()
+            worst[str(bs)] = diff / max(eager.abs().max().item(), 1e-6)
+        _write(self.rank, check_relative_error=worst)
+        return max(worst.values())
+
+    _mr.ModelRunner.harness_check = harness_check
