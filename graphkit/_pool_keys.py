@@ -69,16 +69,21 @@ class PoolHandle(tuple):
         return entry is None or entry.handle is not self
 
     @property
+    def __hal_backend__(self) -> hal.Backend:
+        """The backend of the pools (a capture through another backend is refused by hal)."""
+        return self._keys.backend
+
+    @property
     def __hal_pool__(self) -> Any:
         """The backend pool (what :meth:`hal.Backend.capture` uses); raises once released."""
         return self._keys.live(self._key, self, "capture").pool
 
     def __getitem__(self, index: Any) -> Any:
-        self._keys.live(self._key, self, "capture")
+        self._keys.live(self._key, self, "capture", framework=True)
         return tuple.__getitem__(self, index)
 
     def __iter__(self) -> Iterator[int]:
-        self._keys.live(self._key, self, "capture")
+        self._keys.live(self._key, self, "capture", framework=True)
         return tuple.__iter__(self)
 
     def __repr__(self) -> str:
@@ -162,13 +167,26 @@ class PoolKeys:
             return tuple.__getitem__(same, 0), tuple.__getitem__(same, 1)
         return 0, next(_serial)
 
-    def live(self, key: Hashable, handle: PoolHandle, call: str) -> KeyPool:
-        """The entry ``handle`` stands for; a released key (or closed pools) is a hal error."""
+    def live(self, key: Hashable, handle: PoolHandle, call: str, framework: bool = False) -> KeyPool:
+        """The entry ``handle`` stands for; a released key (or closed pools) is a hal error.
+
+        :param framework: the framework's capture API reads the handle: a capture starting on another device
+            than the pools' is refused (it would silently take a private pool of that device).
+        """
         entry = self.entries.get(key)
         if entry is None or entry.handle is not handle:
             why = f"the {self.name} was closed" if self.closed else f"key {key!r} was released"
             raise hal.InvalidStateError(f"pool handle of key {key!r} used after release ({why}): ask "
                                         "pools.pool(key) for a live one", backend=self.backend.name, call=call)
+        if framework and entry.lease.space_id is not None:
+            device = self.backend.current_device()
+            if device != self.backend.device:
+                raise hal.CaptureError(
+                    f"the pool handle of key {key!r} belongs to graph pools on {self.backend.name}:"
+                    f"{self.backend.device}, but the capture starts on device {device}: its memory would not come "
+                    f"from graphkit. Make the pools on the device that captures ({self.name}() takes the current "
+                    f"device: create it after the device is set), or pass backend=hal.get_backend(device={device})",
+                    backend=self.backend.name, call=call)
         return entry
 
     def drop(self, entry: KeyPool) -> None:

@@ -306,15 +306,22 @@ class GraphPools(Closable):
 
     # -- figures --------------------------------------------------------------------------
 
-    def report(self) -> PoolsReport:
-        """Per-key and total bytes: chunks, spaces, and device memory as the driver measures it."""
+    def report(self, measure: bool = True) -> PoolsReport:
+        """Per-key and total bytes: chunks, spaces, and device memory as the driver measures it.
+
+        :param measure: ``False``: no device call (no synchronisation, no driver query; ``device_bytes`` is
+            None), so that it can be asked from any thread while another captures.
+        """
         with self._lock:
             self._check_open("report")
             self._settle()
             keys = [(entry.key, entry.space_id, entry.graphs) for entry in self._entries.values()]
-            self.backend.synchronize()
-            return pools_report(self.backend.name, self.kind, keys, self.allocator,
-                                self.backend.mem_info().used - self._used_at_start, self.verify_stats)
+            device_bytes = None
+            if measure:
+                self.backend.synchronize()
+                device_bytes = self.backend.mem_info().used - self._used_at_start
+            return pools_report(self.backend.name, self.kind, keys, self.allocator, device_bytes,
+                                self.verify_stats)
 
     # -- teardown -------------------------------------------------------------------------
 
@@ -387,8 +394,23 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
         chosen = backend if backend is not None else hal.get_backend(requires=("graphs", "capture_routing"))
         pools = GraphPools(chosen, kind, hygiene=hygiene, verify=verify, **allocator_options)
         pools._owns_backend = backend is None
-    with pools.backend.route_captures(pools.route):
+    with pools.backend.route_captures(pools.route), hal.route_every_capture(_elsewhere(pools.backend)):
         yield pools
+
+
+def _elsewhere(be: hal.Backend) -> Callable[[str, int, Any, Any], Route | None]:
+    """The process router of a :func:`graph_memory` block: a capture of its backend on another device, that no
+    block of that device takes, is refused (it would silently draw from the framework's own memory)."""
+    def refuse(backend: str, device: int, graph: Any, requested_pool: Any) -> Route | None:
+        if backend != be.name or device == be.device:
+            return None
+        raise hal.CaptureError(
+            f"graph_memory() serves the captures on {be.name}:{be.device}, and this one starts on device {device}: "
+            f"its memory would not come from graphkit. Enter graph_memory() with device {device} current (it "
+            "takes the current device), or pass backend=hal.get_backend(device=...) for the device that "
+            "captures; GRAPHKIT_GRAPH_MEMORY=1 serves every device of every process",
+            backend=backend, call="graph_memory")
+    return refuse
 
 
 __all__ = ["CaptureHygieneError", "CaptureKey", "GraphPools", "IsolationError", "KeyReport", "PoolHandle",

@@ -19,6 +19,7 @@ from hal.errors import (
     UnsupportedError,
 )
 from hal.facade import Backend
+from hal.process_routing import route_every_capture
 from hal.registry import get_backend, list_backends
 from hal.types import ALLOCATION_ALIGNMENT, BackendInfo, GraphAddresses, MemInfo
 from hal.wrappers import LiveCounts
@@ -45,4 +46,5 @@ __all__ = [
     "get_backend",
     "hookimpl",
     "list_backends",
+    "route_every_capture",
 ]

@@ -24,6 +24,7 @@ import pluggy
 
 from hal import api
 from hal.errors import (
+    CaptureError,
     HalError,
     InvalidArgumentError,
     InvalidStateError,
@@ -420,6 +421,10 @@ class Backend:
         if inspect:
             self._refuse_without("graph_addresses", "capture",
                                  "inspect=True: this backend cannot tell which addresses a graph uses")
+        owner = getattr(pool, "__hal_backend__", None)  # a graphkit pool handle: the backend of its pools
+        if owner is not None and (owner.name, owner.device) != (self.name, self.device):
+            raise self._err(CaptureError, "capture", f"pool={pool!r} belongs to {owner.name}:{owner.device}, not "
+                            f"to this backend ({self.name}:{self.device}): capture through the backend of the pools")
         pool = backend_pool(pool)
         inner = self._graph_call("capture", graph=graph, pool=pool, stream=stream,
                                  capture_error_mode=capture_error_mode, inspect=bool(inspect))
@@ -482,6 +487,16 @@ class Backend:
         if "default_capture_stream" not in self._implemented:
             return self.current_stream()
         return self._graph_call("default_capture_stream")
+
+    def current_device(self) -> int:
+        """The device the backend's framework calls current in this thread now (captures start there), as
+        :func:`hal.get_backend` means it by default; this backend's own device where the plugin cannot tell."""
+        ask = getattr(type(self.plugin), "current_device", None)
+        if ask is None:
+            return self.device
+        from hal.registry import current_device
+
+        return current_device(type(self.plugin))
 
     def prepare_capture_stream(self, stream: Any = None) -> None:
         """Make, outside any capture, the per-stream state the framework's libraries create lazily on ``stream``.

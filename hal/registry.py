@@ -413,7 +413,7 @@ def required_capabilities(requires: Iterable[str]) -> frozenset[str]:
     return needed
 
 
-def select_backend_name(name: str | None = None, *, requires: Iterable[str] = (), device: int = 0) -> str:
+def select_backend_name(name: str | None = None, *, requires: Iterable[str] = (), device: int | None = None) -> str:
     """Resolve a backend name: explicit, else ``HAL_BACKEND``, else the first available.
 
     With ``requires``, the name is checked to have those capabilities (an
@@ -437,14 +437,16 @@ def select_backend_name(name: str | None = None, *, requires: Iterable[str] = ()
     return be.name
 
 
-def get_backend(name: str | None = None, device: int = 0, *, requires: Iterable[str] = (),
+def get_backend(name: str | None = None, device: int | None = None, *, requires: Iterable[str] = (),
                 **options: Any) -> Backend:
     """Return a :class:`hal.Backend` for ``device`` of the chosen backend.
 
     :param name: backend name; when ``None``, ``$HAL_BACKEND``, else the first
         available backend by priority (cuda, ascend, mlu, third-party, fake)
         that has every capability in ``requires``.
-    :param device: device index.
+    :param device: device index; ``None`` (the default): the backend's current
+        device, as torch means it (``torch.cuda.current_device()`` once CUDA is
+        initialised in this process, else 0; hal initialises nothing to find it).
     :param requires: capability names the backend must have (``"graphs"``,
         ``"custom_pool"``, ``"capture_routing"``, ``"use_pool"``: see
         :data:`hal.api.CAPABILITIES`). Without a name, backends lacking one
@@ -553,8 +555,21 @@ def _check_capabilities(be: Backend, needed: frozenset[str], *, by_env: bool) ->
         f"(it has: {has}); {advice} to let hal choose one that has them", backend=be.name, call="get_backend")
 
 
-def _open(chosen: str, device: int, options: dict[str, Any]) -> Backend:
-    """Construct backend ``chosen`` for ``device`` with ``options``, behind a facade."""
+def current_device(cls: Any) -> int:
+    """The device a backend class calls current (its ``current_device()`` classmethod; 0 without one)."""
+    ask = getattr(cls, "current_device", None)
+    if ask is None:
+        return 0
+    try:
+        device = ask()
+    except Exception as exc:  # noqa: BLE001 - a plugin's query must not break selection: its first device then
+        log.warning("%s.current_device() raised %s: using device 0", getattr(cls, "__name__", cls), _raised(exc))
+        return 0
+    return device if isinstance(device, int) and not isinstance(device, bool) and device >= 0 else 0
+
+
+def _open(chosen: str, device: int | None, options: dict[str, Any]) -> Backend:
+    """Construct backend ``chosen`` for ``device`` (None: its current device) with ``options``, behind a facade."""
     from hal.facade import Backend
 
     entries = _all()
@@ -566,9 +581,11 @@ def _open(chosen: str, device: int, options: dict[str, Any]) -> Backend:
     reason = _probe(entry)
     if reason is not None:
         raise BackendUnavailableError(f"backend is not available: {reason}", backend=chosen)
-    if not isinstance(device, int) or device < 0:
-        raise InvalidArgumentError(f"device={device!r} must be a non-negative int", backend=chosen,
-                                   call="get_backend")
+    if device is None:
+        device = current_device(cls)
+    if not isinstance(device, int) or isinstance(device, bool) or device < 0:
+        raise InvalidArgumentError(f"device={device!r} must be a non-negative int (or None: the current device)",
+                                   backend=chosen, call="get_backend")
     try:
         inspect.signature(cls).bind(device=device, **options)
     except TypeError as exc:

@@ -173,10 +173,13 @@ class HostGraphs:
 
     @contextlib.contextmanager
     def _capture(self, graph: tape.HostGraph, pool: BlockPool | None) -> Iterator[tape.HostGraph]:
-        from hal.backends._native.routing import choose_route, watch_release
+        from hal.backends._native.routing import choose_route, process_route, watch_release
         from hal.host import tape
 
-        route = choose_route(list(reversed(self._host_routers)), graph, pool) if not graph.captured else None
+        route = None
+        if not graph.captured:  # this device's routers, innermost first, then the process's
+            route = (choose_route(list(reversed(self._host_routers)), graph, pool)
+                     or process_route(self._host_name, getattr(self, "device", 0), graph, pool))
         if route is not None:
             pool = route.pool
         private = pool is None

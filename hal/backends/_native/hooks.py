@@ -8,6 +8,7 @@ A backend may run without its torch extension (VMM hooks only): then
 from __future__ import annotations
 
 import ctypes
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar, cast
@@ -38,7 +39,20 @@ class TorchHooks:
     backend_name: ClassVar[str]
     #: the torch extension's module name, for the error when it is absent
     torch_extension: ClassVar[str]
+    #: the device type of its torch namespace (``torch.<type>``): ``cuda``, ``npu``, ``mlu``
+    torch_device_type: ClassVar[str]
     glue: TorchGlue | None
+
+    @classmethod
+    def current_device(cls) -> int:
+        """The device the framework calls current in this thread (``torch.<type>.current_device()``) once it is
+        initialised in this process, else 0; nothing is imported or initialised to find out."""
+        torch = sys.modules.get("torch")
+        ns = getattr(torch, cls.torch_device_type, None) if torch is not None else None
+        initialised = getattr(ns, "is_initialized", None)
+        if ns is None or initialised is None or not initialised():
+            return 0
+        return int(ns.current_device())
 
     def _open_glue(self, use_torch: bool | None, installed: Callable[[], bool],
                    create: Callable[[], TorchGlue]) -> TorchGlue | None:

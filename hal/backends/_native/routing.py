@@ -106,12 +106,13 @@ class GraphClassRouting:
 
     def __init__(self, graph_class: type, current_device: Callable[[], int],
                  pool_id: Callable[[Any], Any], inspector: Inspector | None = None,
-                 prepare: Callable[[], None] | None = None) -> None:
+                 prepare: Callable[[], None] | None = None, backend: str | None = None) -> None:
         self.graph_class = graph_class
         self.current_device = current_device
         self.pool_id = pool_id
         self.inspector = inspector
         self.prepare = prepare
+        self.backend = backend  # the backend whose captures these are, for the process's routers
         self._lock = threading.Lock()
         self._routers: dict[int, list[CaptureRouter]] = {}
         self._originals: dict[str, Any] | None = None
@@ -123,8 +124,7 @@ class GraphClassRouting:
         """Route the captures started on ``device`` to ``router`` inside the block."""
         with self._lock:
             self._routers.setdefault(device, []).append(router)
-            if self._originals is None:
-                self._patch()
+            self._sync_patch()
         try:
             yield
         finally:
@@ -133,8 +133,15 @@ class GraphClassRouting:
                 stack.remove(router)
                 if not stack:
                     del self._routers[device]
-                if not self._routers:
-                    self._unpatch()
+                self._sync_patch()
+
+    def _sync_patch(self) -> None:
+        """The class is patched exactly while a router of some device, or of the process, is active."""
+        wanted = bool(self._routers) or (bool(_process_routers) and self.backend is not None)
+        if wanted and self._originals is None:
+            self._patch()
+        elif not wanted and self._originals is not None:
+            self._unpatch()
 
     def routers_for(self, device: int) -> list[CaptureRouter]:
         """The active routers of ``device``, innermost first."""
@@ -192,6 +199,8 @@ class GraphClassRouting:
         The route is kept on the graph until :meth:`end`.
         """
         route = choose_route(self.routers_for(device), graph, requested_pool)
+        if route is None and self.backend is not None:
+            route = process_route(self.backend, device, graph, requested_pool)
         if route is None:
             return None
         setattr(graph, _ROUTE, route)
@@ -332,16 +341,60 @@ _by_class_lock = threading.Lock()
 
 
 def routing_for(graph_class: type, current_device: Callable[[], int], pool_id: Callable[[Any], Any],
-                prepare: Callable[[], None] | None = None) -> GraphClassRouting:
-    """The one :class:`GraphClassRouting` of ``graph_class`` in this process."""
+                prepare: Callable[[], None] | None = None, backend: str | None = None) -> GraphClassRouting:
+    """The one :class:`GraphClassRouting` of ``graph_class`` in this process (patched at once while the
+    process has routers, see :func:`add_process_router`)."""
     with _by_class_lock:
         routing = _by_class.get(graph_class)
         if routing is None:
             routing = _by_class[graph_class] = GraphClassRouting(graph_class, current_device, pool_id,
-                                                                 prepare=prepare)
-        elif routing.prepare is None:
-            routing.prepare = prepare
+                                                                 prepare=prepare, backend=backend)
+        else:
+            routing.prepare = routing.prepare or prepare
+            routing.backend = routing.backend or backend
+        with routing._lock:
+            routing._sync_patch()
         return routing
+
+
+# -- the process's routers: every capture of every backend and device ------------------------------
+
+#: ``router(backend, device, graph, requested_pool) -> Route | None``: asked for every capture no router of
+#: its device takes, whatever the backend (by name) and device
+ProcessRouter = Callable[[str, int, Any, Any], "Route | None"]
+_process_routers: list[ProcessRouter] = []
+
+
+def process_route(backend: str, device: int, graph: Any, requested_pool: Any) -> Route | None:
+    """The route of the innermost process router that takes a capture of ``backend`` on ``device``."""
+    for router in reversed(list(_process_routers)):
+        route = router(backend, device, graph, requested_pool)
+        if route is None:
+            continue
+        if not isinstance(route, Route):
+            raise TypeError(f"a capture router must return a hal.types.Route or None, not {type(route).__name__}")
+        return route
+    return None
+
+
+def add_process_router(router: ProcessRouter) -> None:
+    """Ask ``router`` for every capture no router of its device takes (framework graph classes already known
+    to hal are patched now, later ones when hal first sees them)."""
+    with _by_class_lock:
+        _process_routers.append(router)
+        routings = list(_by_class.values())
+    for routing in routings:
+        with routing._lock:
+            routing._sync_patch()
+
+
+def remove_process_router(router: ProcessRouter) -> None:
+    with _by_class_lock:
+        _process_routers.remove(router)
+        routings = list(_by_class.values())
+    for routing in routings:
+        with routing._lock:
+            routing._sync_patch()
 
 
 def routable(graph_class: Any) -> bool:

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import importlib
 import logging
+import sys
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -116,7 +117,8 @@ class TorchGlue:
         self.stream_state: StreamState = stream_state(torch, self.ns, names.device_type)
         if "capture_routing" in names.capabilities(self.ext, self.ns):
             self.routing = routing_for(getattr(self.ns, names.graph_class), self.ns.current_device,
-                                       lambda pool: pool.id, prepare=self.stream_state.prepare_current)
+                                       lambda pool: pool.id, prepare=self.stream_state.prepare_current,
+                                       backend=self.backend)
 
     # -- what this build offers ------------------------------------------------------------
 
@@ -330,6 +332,21 @@ class TorchGlue:
         graph.reset()
 
 
+def class_routing(extension: TorchExtension, backend: str) -> GraphClassRouting | None:
+    """The routing of ``extension``'s graph class for the process's routers, where the extension's module is
+    imported already (None otherwise, or where its graph class cannot be routed). Opens no device."""
+    ext = sys.modules.get(extension.module)
+    torch = sys.modules.get("torch")
+    if ext is None or torch is None:
+        return None
+    ns = getattr(ext, extension.device_type, None) or getattr(torch, extension.device_type, None)
+    graph_class = getattr(ns, extension.graph_class, None)
+    if ns is None or graph_class is None or not routable(graph_class):
+        return None
+    return routing_for(graph_class, ns.current_device, lambda pool: pool.id,
+                       prepare=stream_state(torch, ns, extension.device_type).prepare_current, backend=backend)
+
+
 #: the capabilities that depend on the extension giving a pool's segments to the pool's allocator
 ROUTED_CAPABILITIES = ("custom_pool", "use_pool", "capture_routing")
 
@@ -351,7 +368,8 @@ class ExtensionGlue(TorchGlue):
 
     def __init__(self, device: int, ext: Any = None) -> None:
         super().__init__(device, ext)
-        if "capture_routing" not in self.capabilities:
+        if "capture_routing" not in self.capabilities and self.routing is not None:
+            self.routing.backend = None  # not by the process's routers either
             self.routing = None  # captures are never routed where the pools would not take hal's memory
 
     @property

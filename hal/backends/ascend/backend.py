@@ -54,6 +54,7 @@ class AscendBackend(ExtensionHooks):
     hal_requirements: ClassVar[dict[str, Any]] = {"host_accessible": False}
     backend_name = NAME
     torch_extension = locate.EXTENSION
+    torch_device_type = "npu"
     count_devices = ("aclrtGetDeviceCount", ctypes.c_uint32)
     read_mem_info = ("aclrtGetMemInfo", (lib.ACL_HBM_MEM,), ctypes.c_size_t)
 

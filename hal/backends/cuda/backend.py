@@ -40,6 +40,7 @@ class CudaBackend(TorchHooks):
     hal_requirements: ClassVar[dict[str, Any]] = {"host_accessible": False}
     backend_name = NAME
     torch_extension = "torch"
+    torch_device_type = "cuda"
 
     def __init__(self, device: int = 0) -> None:
         from hal.backends.cuda.driver import CudaDevice

@@ -1,5 +1,5 @@
 """``fake``: a host-memory device with real aliasing, so the whole suite runs on a CPU."""
 
-from hal.backends.fake.backend import FakeBackend
+from hal.backends.fake.backend import FakeBackend, set_device
 
-__all__ = ["FakeBackend"]
+__all__ = ["FakeBackend", "set_device"]

@@ -20,6 +20,16 @@ NAME = "fake"
 #: The fake device's stream is the host recorder's.
 FakeStream = HostStream
 
+_current = threading.local()
+
+
+def set_device(device: int) -> None:
+    """Make ``device`` the current fake device of this thread, as ``torch.cuda.set_device`` does for a GPU:
+    ``hal.get_backend("fake")`` and graphkit's objects made without a backend take it."""
+    if not isinstance(device, int) or isinstance(device, bool) or device < 0:
+        raise InvalidArgumentError(f"device={device!r} must be a non-negative int", backend=NAME, call="set_device")
+    _current.device = device
+
 
 class FakeBackend(HostGraphs):
     """Host memory made to behave like a device with virtual memory management.
@@ -35,6 +45,11 @@ class FakeBackend(HostGraphs):
       16 GiB); creating past it raises :class:`hal.DeviceOutOfMemoryError`;
     * ``device_count`` -- how many simulated devices there are (default 1).
     """
+
+    @classmethod
+    def current_device(cls) -> int:
+        """The current fake device of this thread (:func:`set_device`; 0 until it is set)."""
+        return int(getattr(_current, "device", 0))
 
     def __init__(self, device: int = 0, *, granularity: int = 2 << 20,
                  capacity: int = 16 << 30, device_count: int = 1) -> None:

@@ -52,6 +52,7 @@ class MluBackend(ExtensionHooks):
     hal_requirements: ClassVar[dict[str, Any]] = {"host_accessible": False}
     backend_name = NAME
     torch_extension = locate.EXTENSION
+    torch_device_type = "mlu"
     count_devices = ("cnDeviceGetCount", ctypes.c_int)
     read_mem_info = ("cnMemGetInfo", (), ctypes.c_uint64)
 

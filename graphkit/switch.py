@@ -1,0 +1,262 @@
+"""``GRAPHKIT_GRAPH_MEMORY=1``: graph memory for every capture of every process, on the device each runs on.
+
+Engines run their captures in processes the user never writes a line in
+(vLLM's EngineCore, its tensor-parallel workers, SGLang's schedulers,
+nano-vllm's spawned ranks). With the variable set, each Python process that
+starts with it serves its captures as :func:`graphkit.graph_memory` does --
+every capture gets a fresh vmm space over chunks shared by all captures of
+its device -- for every device it captures on, with no engine line changed:
+
+* the start-up hook installed with the package (a ``.pth`` file) only looks
+  at the variable; when it is set, it waits for ``torch`` to be imported and
+  then calls :func:`start_from_environment`. Nothing heavy is imported and no
+  device is touched at start-up;
+* the pools of a device are made at its first capture (``torch.cuda.set_device``
+  has been called by then), through :func:`hal.get_backend` for that device;
+* every process logs one line per device with its graph memory once its
+  captures end (no capture for ``report`` seconds) and again at exit.
+
+The value is ``1`` (``true``, ``on``, ``yes``) or a comma-separated list of
+options, which also turns it on: ``kind=vmm|shared|private``, ``verify=0|1``,
+``hygiene=0|1``, ``report=SECONDS`` (0: at exit only). ``0``, ``false``,
+``off``, ``no`` or empty: off. A bad value raises
+:class:`hal.InvalidArgumentError` naming the variable.
+
+:func:`start` does the same from code, and the engines' own plugin entry
+points call :func:`start_from_environment` (vLLM's ``vllm.general_plugins``
+in every worker, SGLang's ``sglang.srt.plugins`` in every scheduler).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import hal
+from graphkit.graph_pools import GraphPools
+from graphkit.pools import POOL_KINDS
+from hal.process_routing import patch_imported
+from hal.types import Route
+
+log = logging.getLogger("graphkit.switch")
+
+#: the environment variable that turns the switch on
+ENV = "GRAPHKIT_GRAPH_MEMORY"
+_OFF = ("", "0", "false", "off", "no")
+_ON = ("1", "true", "on", "yes")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the switch does: the pools' ``kind``, ``verify`` and ``hygiene``, and after how many quiet seconds
+    a device's report line is logged (0: at exit only)."""
+
+    kind: str = "vmm"
+    verify: bool = True
+    hygiene: bool = False
+    report: float = 2.0
+
+
+def parse(value: str | None) -> Options | None:
+    """The options ``value`` (the variable's value) asks for; None when it says off."""
+    text = (value or "").strip().lower()
+    if text in _OFF:
+        return None
+    if text in _ON:
+        return Options()
+    fields: dict[str, Any] = {}
+    for item in text.split(","):
+        key, _, raw = item.partition("=")
+        key, raw = key.strip(), raw.strip()
+        try:
+            fields[key] = _option(key, raw)
+        except (KeyError, ValueError):
+            raise hal.InvalidArgumentError(
+                f"{ENV}={value!r}: {item.strip()!r} is not an option; give 1, or a comma-separated list of "
+                f"kind={'|'.join(POOL_KINDS)}, verify=0|1, hygiene=0|1, report=SECONDS", call=ENV) from None
+    return Options(**fields)
+
+
+def _option(key: str, raw: str) -> Any:
+    if key == "kind":
+        if raw not in POOL_KINDS:
+            raise ValueError(raw)
+        return raw
+    if key in ("verify", "hygiene"):
+        if raw not in _ON + _OFF[1:]:
+            raise ValueError(raw)
+        return raw in _ON
+    if key == "report":
+        seconds = float(raw)
+        if not seconds >= 0:
+            raise ValueError(raw)
+        return seconds
+    raise KeyError(key)
+
+
+class ProcessGraphMemory:
+    """The graph memory of every capture of this process: one :class:`GraphPools` per (backend, device), made
+    at the device's first capture, routing as :func:`graphkit.graph_memory` does.
+
+    :param options: see :class:`Options`.
+    """
+
+    def __init__(self, options: Options | None = None) -> None:
+        self.options = options or Options()
+        self.pools: dict[tuple[str, int], GraphPools] = {}
+        self._refused: dict[tuple[str, int], str] = {}  # why a device is not served (logged once)
+        self._lock = threading.RLock()
+        self._timer: threading.Timer | None = None
+        self._unreported: set[tuple[str, int]] = set()
+
+    def route(self, backend: str, device: int, graph: Any, requested_pool: Any) -> Route | None:
+        """hal's process router: the route of a capture of ``backend`` on ``device`` (None where unserved)."""
+        pools = self._pools(backend, device)
+        if pools is None:
+            return None
+        route = pools.route(graph, requested_pool)
+        if route is None:
+            return None
+        on_end = route.on_end
+
+        def ended(ok: bool) -> None:
+            on_end(ok)
+            if ok:
+                self._captured((backend, device))
+
+        return Route(route.pool, ended, route.on_release, inspect=route.inspect)
+
+    def _pools(self, backend: str, device: int) -> GraphPools | None:
+        where = (backend, device)
+        with self._lock:
+            pools = self.pools.get(where)
+            if pools is not None or where in self._refused:
+                return pools
+            opts = self.options
+            try:
+                be = hal.get_backend(backend, device=device, requires=("graphs", "capture_routing"))
+                pools = GraphPools(be, opts.kind, hygiene=opts.hygiene, verify=opts.verify)  # type: ignore[arg-type]
+            except hal.HalError as exc:
+                self._refused[where] = str(exc)
+                log.warning("%s=%s: the captures on %s:%d are not served (they take the framework's own memory): "
+                            "%s", ENV, os.environ.get(ENV, "1"), backend, device, exc)
+                return None
+            pools._owns_backend = True
+            pools._finalizer.atexit = False  # the process's pools live as long as the process
+            self.pools[where] = pools
+            log.debug("%s: graph pools on %s:%d", ENV, backend, device)
+            return pools
+
+    def _captured(self, where: tuple[str, int]) -> None:
+        """A capture ended well: its device's report line is logged once the captures pause."""
+        with self._lock:
+            self._unreported.add(where)
+            if self.options.report <= 0:
+                return
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = threading.Timer(self.options.report, self.log_reports)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def report_lines(self, only: set[tuple[str, int]] | None = None) -> list[str]:
+        """One line per served device: its keys, chunks, spaces and what verification did (no device call)."""
+        with self._lock:
+            items = [(where, pools) for where, pools in self.pools.items() if only is None or where in only]
+        lines = []
+        for (backend, device), pools in items:
+            if pools.closed:
+                continue
+            first = str(pools.report(measure=False)).splitlines()[0]
+            lines.append(f"graphkit: process {os.getpid()}, {backend}:{device}: {first}")
+        return lines
+
+    def log_reports(self) -> None:
+        """Log the report line of every device that captured since its last one."""
+        with self._lock:
+            pending, self._unreported = self._unreported, set()
+        for line in self.report_lines(pending):
+            log.info("%s", line)
+
+    def stop(self) -> None:
+        """Stop the timer; the pools stay (their graphs may still replay)."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+    def __repr__(self) -> str:
+        served = ", ".join(f"{b}:{d}" for b, d in self.pools) or "no device yet"
+        return f"<graphkit.ProcessGraphMemory {self.options.kind} ({served})>"
+
+
+_active: ProcessGraphMemory | None = None
+_routing: contextlib.ExitStack | None = None
+_start_lock = threading.Lock()
+
+
+def start(options: Options | None = None) -> ProcessGraphMemory:
+    """Serve every capture of this process from now on (idempotent: the running one is returned)."""
+    global _active, _routing
+    with _start_lock:
+        if _active is not None:
+            return _active
+        scope = ProcessGraphMemory(options)
+        stack = contextlib.ExitStack()
+        stack.enter_context(hal.route_every_capture(scope.route))
+        _active, _routing = scope, stack
+    _visible()
+    atexit.register(_at_exit, scope)
+    log.debug("%s: every capture of process %d is served by graphkit", ENV, os.getpid())
+    return scope
+
+
+def active() -> ProcessGraphMemory | None:
+    """The running :class:`ProcessGraphMemory`, or None."""
+    return _active
+
+
+def stop() -> None:
+    """Stop serving new captures (graphs captured so far keep their memory)."""
+    global _active, _routing
+    with _start_lock:
+        scope, stack, _active, _routing = _active, _routing, None, None
+    if scope is not None:
+        scope.stop()
+    if stack is not None:
+        stack.close()
+
+
+def start_from_environment() -> ProcessGraphMemory | None:
+    """:func:`start` when ``GRAPHKIT_GRAPH_MEMORY`` asks for it (the start-up hook and the engines' plugins call
+    this); None when it is off."""
+    options = parse(os.environ.get(ENV))
+    if options is None:
+        return None
+    patch_imported()  # extensions imported since (torch_npu after torch)
+    return start(options)
+
+
+def _at_exit(scope: ProcessGraphMemory) -> None:
+    scope.stop()
+    for line in scope.report_lines():
+        log.info("%s (at exit)", line)
+
+
+def _visible() -> None:
+    """The report lines reach stderr even where the process configured no logging."""
+    if not log.hasHandlers():
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
+
+__all__ = ["ENV", "Options", "ProcessGraphMemory", "active", "parse", "start", "start_from_environment", "stop"]
