@@ -98,8 +98,10 @@ def start(args: argparse.Namespace) -> dict:
         report = str(pools.report())
     else:
         llm = LLM(args.model, **kwargs)
-    worst = llm.model_runner.call("harness_check", 1234)
-    result = {"mode": args.mode, "order": args.order, "tp": args.tp, "check_worst": worst, "scope_report": report}
+    result = {"mode": args.mode, "order": args.order, "tp": args.tp, "scope_report": report}
+    if args.largest_alone or args.measure_only:
+        return result
+    result["check_worst"] = llm.model_runner.call("harness_check", 1234)
     if args.tp == 1:
         prompts = [[int(t) for t in torch.randint(0, 151936, (n,))] for n in (5, 17, 33, 64)]
         outputs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True),
@@ -116,6 +118,8 @@ def main() -> int:
     parser.add_argument("--model", default=os.path.expanduser("~/.cache/graphkit-tests/qwen3-0.6b-random"))
     parser.add_argument("--out", required=True)
     parser.add_argument("--port", type=int, default=29517)
+    parser.add_argument("--largest-alone", action="store_true", help="capture the largest size only (a measurement)")
+    parser.add_argument("--measure-only", action="store_true", help="start the engine; no check, no generation")
     args = parser.parse_args()
     if os.environ.get("NANOVLLM_HARNESS_OUT") is None:  # the launcher: prepare, then run itself with the hooks on
         os.makedirs(args.out, exist_ok=True)
@@ -128,6 +132,8 @@ def main() -> int:
             path.insert(0, ported_copy(tmp))
         if args.mode == "switch":
             env["GRAPHKIT_GRAPH_MEMORY"] = "1"
+        if args.largest_alone:
+            env["NANOVLLM_LARGEST_ALONE"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(path + [p for p in [os.environ.get("PYTHONPATH")] if p])
         try:
             done = subprocess.run([sys.executable, __file__, *sys.argv[1:]], env=env, timeout=args_timeout())

@@ -6,7 +6,8 @@ ranks nano-vllm spawns too. They change nothing the engine computes:
 * ``ModelRunner.capture_cudagraph`` is timed and the device memory it takes is measured
   (the driver's free memory before and after), per rank, into ``rank<N>.json``;
 * ``NANOVLLM_ORDER=ascending`` makes the engine's capture loop run smallest first (the engine
-  iterates ``reversed(graph_bs)``; the module-level name is replaced);
+  iterates ``reversed(graph_bs)``; the module-level name is replaced); ``NANOVLLM_LARGEST_ALONE=1``
+  captures the largest size only (a measurement of one graph: nothing is replayed or generated);
 * ``NANOVLLM_PORT`` pins the port every rank's ``find_available_port()`` returns (each rank picks one
   independently and they can disagree);
 * ``get_rope`` accepts transformers 5's ``rope_scaling`` dict of the default rope type (the engine
@@ -38,7 +39,9 @@ if os.environ.get("NANOVLLM_HARNESS_OUT"):
         with open(path, "w") as f:
             json.dump(data, f)
 
-    if os.environ.get("NANOVLLM_ORDER") == "ascending":
+    if os.environ.get("NANOVLLM_LARGEST_ALONE"):
+        _mr.reversed = lambda sizes: [max(sizes)]  # the largest size only: what one graph costs
+    elif os.environ.get("NANOVLLM_ORDER") == "ascending":
         _mr.reversed = lambda sizes: list(sizes)  # the capture loop's only use of reversed()
 
     if os.environ.get("NANOVLLM_PORT"):
@@ -76,7 +79,7 @@ if os.environ.get("NANOVLLM_HARNESS_OUT"):
         free1, _ = torch.cuda.mem_get_info()
         pools = getattr(self, "graphkit_pools", None)
         _write(self.rank, device=torch.cuda.current_device(), graph_bytes=free0 - free1, capture_s=seconds,
-               sizes=list(self.graph_bs), order=os.environ.get("NANOVLLM_ORDER", "descending"),
+               sizes=sorted(self.graphs), order=os.environ.get("NANOVLLM_ORDER", "descending"),
                pools_report=str(pools.report()) if pools is not None else None)
         return result
 
