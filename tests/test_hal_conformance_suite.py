@@ -71,7 +71,8 @@ def test_bad_requirement_value_is_a_usage_error() -> None:
 
 BROKEN = textwrap.dedent('''
     import hal
-    from hal.backends.fake import FakeBackend, hostvm
+    from hal.backends.fake import FakeBackend
+    from hal.host import _os as hostvm
 
 
     class NoAliasBackend(FakeBackend):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import gc
 from typing import Any
 
@@ -10,7 +12,7 @@ import torch
 
 import hal
 from hal.backends.fake import FakeBackend
-from hal.host import CAPABILITIES, BlockPool, HostGraph, HostGraphs
+from hal.host import CAPABILITIES, BlockPool, HostGraph, HostGraphs, vm
 from tests.conftest import G
 
 
@@ -133,3 +135,41 @@ def test_the_former_fake_names_still_import() -> None:
 
     assert FakeGraph is HostGraph and FakePool is BlockPool and BLOCK_ROUND == hal.ALLOCATION_ALIGNMENT
     assert all(callable(f) for f in (Placer, capture, place, tensor_at))
+
+
+# -- hal.host.vm: the OS's virtual memory, for a host-like device ---------------------------------------------
+
+
+def test_vm_maps_one_chunk_at_two_addresses_and_unmaps_back_to_a_reservation() -> None:
+    g = 4 * vm.PAGE_SIZE
+    fd = vm.create_chunk(g, backend="mine")
+    va = vm.reserve(3 * g, 2 * g, backend="mine")
+    assert va % (2 * g) == 0
+    vm.map_chunk(va, g, fd, backend="mine")
+    vm.map_chunk(va + 2 * g, g, fd, backend="mine")
+    ctypes.memmove(va + 5, b"host vm", 7)
+    assert ctypes.string_at(va + 2 * g + 5, 7) == b"host vm"  # one chunk, two addresses
+    vm.unmap_chunk(va + 2 * g, g, backend="mine")
+    vm.map_chunk(va + 2 * g, g, fd, backend="mine")  # still reserved: the same address maps again
+    assert ctypes.string_at(va + 2 * g + 5, 7) == b"host vm"
+    for ptr in (va, va + 2 * g):
+        vm.unmap_chunk(ptr, g, backend="mine")
+    vm.release(va, 3 * g, backend="mine")
+    vm.release_chunk(fd, backend="mine")
+    ptr = vm.alloc(100, backend="mine")
+    ctypes.memset(ptr, 1, 100)
+    vm.free(ptr, 100, backend="mine")
+
+
+def test_vm_errors_are_hal_errors_naming_the_backend_and_the_hook() -> None:
+    with pytest.raises(hal.InvalidArgumentError, match=f"size=100 must be a positive multiple of the page size "
+                                                       f"{vm.PAGE_SIZE}") as bad:
+        vm.reserve(100, backend="mine")
+    assert (bad.value.backend, bad.value.call) == ("mine", "create_vir_ptr")
+    with pytest.raises(hal.DeviceOutOfMemoryError, match="mmap") as full:  # more address space than there is
+        vm.reserve(1 << 62, backend="mine")
+    assert isinstance(full.value, MemoryError) and full.value.call == "create_vir_ptr"
+    with pytest.raises(hal.DriverError) as driver:
+        vm.release_chunk(-1, backend="mine")
+    assert (driver.value.code, driver.value.code_name, driver.value.native_call) == (errno.EBADF, "EBADF", "close")
+    assert driver.value.backend == "mine" and driver.value.call == "release_phy_mem_handle"
