@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import gc
+import signal
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -135,6 +138,109 @@ def test_the_former_fake_names_still_import() -> None:
 
     assert FakeGraph is HostGraph and FakePool is BlockPool and BLOCK_ROUND == hal.ALLOCATION_ALIGNMENT
     assert all(callable(f) for f in (Placer, capture, place, tensor_at))
+
+
+# -- graphs that cannot be captured or replayed now ----------------------------------------------------
+
+
+@contextlib.contextmanager
+def fails_after(seconds: float) -> Iterator[None]:
+    """A block that has not ended after ``seconds`` raises ``TimeoutError`` (main thread only): a hang fails."""
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_capture_of_a_graph_inside_its_own_capture_is_refused(be: hal.Backend) -> None:
+    x = torch.ones(4, 4)
+    graph = be.create_graph()
+    with fails_after(30), pytest.raises(hal.InvalidStateError, match="being captured already") as info:
+        with be.capture(graph):
+            with be.capture(graph):
+                (x * 2).t()
+    assert info.value.backend == "renamed" and info.value.call == "capture"
+    assert graph.own_pool is None and not graph.entries
+    with be.capture(graph):  # refused as a whole: the graph can be captured again
+        y = (x * 2).t()
+    x.fill_(3.0)
+    be.replay(graph)
+    assert torch.equal(y, torch.full((4, 4), 6.0))
+    be.release_graph(graph)
+
+
+def test_a_released_graph_refuses_to_replay_even_through_the_plugin(be: hal.Backend) -> None:
+    x = torch.ones(4)
+    graph = be.create_graph()
+    with be.capture(graph):
+        y = x * 2
+    be.release_graph(graph)
+    x.fill_(5.0)
+    for replay in (be.replay, be.plugin.replay):
+        with pytest.raises(hal.InvalidStateError, match=r"released \(release_graph\); capture a new graph") as info:
+            replay(graph)
+        assert info.value.backend == "renamed" and info.value.call == "replay"
+    assert torch.equal(y, torch.full((4,), 2.0)), "the refused replay wrote its output"
+
+
+def test_a_graph_whose_pool_was_released_refuses_to_replay_even_through_the_plugin(be: hal.Backend) -> None:
+    x = torch.ones(1024)
+    pool = be.create_pool()
+    graph = be.create_graph()
+    with be.capture(graph, pool=pool):
+        y = x * 2  # alive, so its segment stays mapped whatever the replay does
+    be.release_pool(pool)
+    x.fill_(3.0)
+    for replay in (be.replay, be.plugin.replay):
+        with pytest.raises(hal.InvalidStateError, match="was released") as info:
+            replay(graph)
+        assert "capture the graph again" in str(info.value) and info.value.call == "replay"
+    assert torch.equal(y, torch.full((1024,), 2.0)), "the refused replay ran"
+    be.release_graph(graph)
+    del y
+    gc.collect()
+    assert be.plugin._anon == {}, "the released pool's memory did not go back after its last tensor"
+
+
+# -- the addresses a graph touches -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape_of", [
+    torch.zeros_like, torch.empty_like, torch.ones_like, torch.rand_like, lambda o: torch.full_like(o, 2.0),
+    lambda o: o.new_zeros(o.shape), lambda o: o.new_empty(o.size()), lambda o: o.new_full((o.size(0),), 1.0),
+    lambda o: torch.zeros(o.size()), lambda o: torch.ones(o.shape[0], o.dim())],
+    ids=["zeros_like", "empty_like", "ones_like", "rand_like", "full_like", "new_zeros", "new_empty", "new_full",
+         "size", "shape"])
+def test_a_tensor_used_only_for_its_shape_is_not_an_address_of_the_graph(be: hal.Backend,
+                                                                          shape_of: Any) -> None:
+    other = torch.randn(8, 64)  # another graph's output, say
+    x = torch.randn(8)
+    graph = be.create_graph()
+    with be.capture(graph, inspect=True):
+        y = shape_of(other).sum() + x
+    spans = be.graph_addresses(graph).spans
+    mine = other.untyped_storage().data_ptr()
+    assert not any(a <= mine < a + n for a, n in spans), "a shape-only use counts as a read of the bytes"
+    assert any(a <= x.data_ptr() < a + n for a, n in spans) and any(a <= y.data_ptr() < a + n for a, n in spans)
+    be.release_graph(graph)
+
+
+def test_a_tensor_whose_bytes_an_op_reads_is_an_address_of_the_graph(be: hal.Backend) -> None:
+    other = torch.randn(8, 64)
+    for use in (lambda o: o + 0, lambda o: torch.zeros_like(o).copy_(o), lambda o: o.new_zeros(o.shape).add_(o),
+                lambda o: o.t().contiguous(), lambda o: o.new_empty(0).resize_(3).copy_(o[0, :3])):
+        graph = be.create_graph()
+        with be.capture(graph, inspect=True):
+            use(other)
+        mine = other.untyped_storage().data_ptr()
+        assert any(a <= mine < a + n for a, n in be.graph_addresses(graph).spans)
+        be.release_graph(graph)
 
 
 # -- hal.host.vm: the OS's virtual memory, for a host-like device ---------------------------------------------

@@ -176,7 +176,8 @@ class HostGraphs:
         from hal.backends._native.routing import choose_route, watch_release
         from hal.host import tape
 
-        route = choose_route(list(reversed(self._host_routers)), graph, pool) if not graph.captured else None
+        tape.refuse_capture(graph)  # before a router or a private pool is asked for anything
+        route = choose_route(list(reversed(self._host_routers)), graph, pool)
         if route is not None:
             pool = route.pool
         private = pool is None
