@@ -304,6 +304,8 @@ def release_pool(pool: Pool) -> None:
 
     Segments still holding live tensors go back when those tensors die;
     with callbacks, every segment ``alloc`` gave is handed to ``free`` once.
+    A graph captured into the pool can no longer be replayed: the facade
+    refuses it with :class:`hal.InvalidStateError`.
     """
 
 
@@ -342,12 +344,16 @@ def capture(graph: Graph, pool: Pool | None, stream: Stream,
 
 @hookspec(firstresult=True)
 def replay(graph: Graph) -> None:
-    """Launch a captured graph on the stream it was captured on, without running Python again."""
+    """Launch a captured graph on the stream it was captured on, without running Python again.
+
+    Never called (the facade raises :class:`hal.InvalidStateError` first) for
+    a graph that was released, or whose pool was released or is paused.
+    """
 
 
 @hookspec(firstresult=True)
 def release_graph(graph: Graph) -> None:
-    """Destroy a graph; the memory of its pool is not freed by this."""
+    """Destroy a graph; the memory of its pool is not freed by this. Its replays are refused from then on."""
 
 
 @hookspec(firstresult=True)
