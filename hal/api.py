@@ -196,6 +196,10 @@ def capabilities() -> frozenset[str]:
     ``"graph_addresses"`` (:func:`graph_addresses` answers).
     A backend that lacks ``"custom_pool"`` still supports pools drawn from
     its own allocator. Optional: a backend without it has no capabilities.
+    An override in a subclass is a hook only when it is marked
+    ``@hal.hookimpl`` again (an unmarked one is refused at load). Anything
+    but a hal error raised here is reported as
+    :class:`hal.PluginValidationError`, and selection passes the backend over.
     """
 
 
@@ -403,7 +407,9 @@ def shutdown() -> None:
     """Release whatever the backend itself holds (contexts, libraries).
 
     Called once by ``Backend.close()`` after every graph, pool, mapping,
-    range and handle has been released. Optional.
+    range and handle has been released. Optional. Anything but a hal error
+    raised here leaves ``close()`` as :class:`hal.PluginValidationError`
+    (the backend is closed all the same).
     """
 
 

@@ -126,6 +126,18 @@ class Backend:
                             "hal.UnsupportedError (see hal.api)")
         return value
 
+    @contextlib.contextmanager
+    def _plugin_faults(self, hook: str) -> Iterator[None]:
+        """What else than a hal error the plugin's ``hook`` raises leaves as :class:`PluginValidationError`
+        (a hook raises hal errors only): callers that pass a broken plugin over catch hal errors."""
+        try:
+            yield
+        except HalError:
+            raise
+        except Exception as exc:
+            raise self._err(PluginValidationError, hook, f"the plugin's {hook}() raised {type(exc).__name__}: "
+                                                         f"{exc} (a hook raises hal errors only)") from exc
+
     def _refuse_without(self, capability: str, call: str, what: str) -> None:
         if capability not in self.capabilities:
             raise self._err(UnsupportedError, call, f"{what} (capability {capability!r} is absent)")
@@ -301,7 +313,8 @@ class Backend:
         if self._capabilities is None:
             declared: frozenset[str] = frozenset()
             if "capabilities" in self._implemented:
-                declared = frozenset(self._result("capabilities", self._hook.capabilities()))
+                with self._plugin_faults("capabilities"):
+                    declared = frozenset(self._result("capabilities", self._hook.capabilities()))
             kept = set()
             for capability in declared:
                 missing = [h for h in api.CAPABILITY_HOOKS.get(capability, ()) if h not in self._implemented]
@@ -549,7 +562,7 @@ class Backend:
             for handle in list(self._handles):
                 with _collect(errors):
                     self.release_phy_mem_handle(handle)
-            with _collect(errors):
+            with _collect(errors), self._plugin_faults("shutdown"):
                 if "shutdown" in self._implemented:
                     self._hook.shutdown()
             self._closed = True
