@@ -243,6 +243,22 @@ def test_a_tensor_whose_bytes_an_op_reads_is_an_address_of_the_graph(be: hal.Bac
         be.release_graph(graph)
 
 
+# -- a plugin's mistakes, named ----------------------------------------------------------------------------
+
+
+def test_a_plugin_that_forgot_init_host_graphs_is_told_what_to_call() -> None:
+    class NoInit(HostGraphs):
+        def __init__(self, device: int = 0) -> None:
+            self.device = device  # and no init_host_graphs
+
+    with hal.Backend("noinit", NoInit()) as backend:
+        for call in (backend.create_graph, backend.create_pool, lambda: backend.capture(HostGraph()).__enter__()):
+            with pytest.raises(hal.PluginValidationError, match=r"did not call self\.init_host_graphs\(name, "
+                                                                r"alloc=\.\.\., free=\.\.\., segment_size=\.\.\.\)"):
+                call()
+    assert not hasattr(NoInit(), "no_such_attribute")  # other attributes still say AttributeError
+
+
 # -- hal.host.vm: the OS's virtual memory, for a host-like device ---------------------------------------------
 
 
