@@ -299,6 +299,18 @@ def _hook_names(pm: pluggy.PluginManager, cls: Any) -> list[str]:
     return [hook for _, hook in _hookimpls(pm, cls)]
 
 
+def plugin_class(name: str) -> Any:
+    """The plugin class of backend ``name``, loaded (neither probed nor constructed).
+
+    :raises BackendUnavailableError: no backend has that name.
+    :raises PluginValidationError: its class cannot be loaded or does not fit the contract.
+    """
+    entry = _all().get(name)
+    if entry is None:
+        raise BackendUnavailableError(f"unknown backend {name!r}; known backends: {', '.join(sorted(_all()))}")
+    return entry.load()
+
+
 def probe_timeout() -> float:
     """Seconds a third-party probe may take: ``$HAL_PROBE_TIMEOUT``, else :data:`PROBE_TIMEOUT`."""
     text = os.environ.get(PROBE_TIMEOUT_ENV)
