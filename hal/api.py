@@ -109,7 +109,12 @@ def granularity(recommended: bool) -> int:
 def mem_info() -> MemInfo:
     """Return the device's free and total memory in bytes, as the driver sees it.
 
-    ``0 <= free <= total`` and ``total > 0``.
+    ``0 <= free <= total`` and ``total > 0``. ``total - free`` is what
+    graphkit measures graph memory by, so every byte the backend hands out
+    counts in it: chunks, and the segments of pools drawn from the device's
+    own allocator (for :class:`hal.host.HostGraphs`, what its ``alloc``
+    returned). A device that is really host memory reports the capacity it
+    enforces as ``total`` (the host's RAM where it enforces none).
     """
 
 
