@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from typing import NoReturn
@@ -80,9 +81,13 @@ def main(argv: list[str] | None = None) -> int:
         for line in [f"reason: {reason}"] if reason else lines:
             print(f"  {'':<{width}}  {line}")
     try:
-        print(f"selected by default: {hal.registry.select_backend_name()}")
+        be = hal.get_backend()  # what selection really gives: a backend that fails to start gives way
     except hal.HalError as exc:
         print(f"no backend can be selected: {exc}")
+    else:
+        print(f"selected by default: {be.name}")
+        with contextlib.suppress(hal.HalError):  # a failing close() is in its listing above already
+            be.close()
     return 0
 
 

@@ -110,7 +110,12 @@ def granularity(recommended: bool) -> int:
 def mem_info() -> MemInfo:
     """Return the device's free and total memory in bytes, as the driver sees it.
 
-    ``0 <= free <= total`` and ``total > 0``.
+    ``0 <= free <= total`` and ``total > 0``. ``total - free`` is what
+    graphkit measures graph memory by, so every byte the backend hands out
+    counts in it: chunks, and the segments of pools drawn from the device's
+    own allocator (for :class:`hal.host.HostGraphs`, what its ``alloc``
+    returned). A device that is really host memory reports the capacity it
+    enforces as ``total`` (the host's RAM where it enforces none).
     """
 
 
@@ -197,6 +202,10 @@ def capabilities() -> frozenset[str]:
     ``"graph_addresses"`` (:func:`graph_addresses` answers).
     A backend that lacks ``"custom_pool"`` still supports pools drawn from
     its own allocator. Optional: a backend without it has no capabilities.
+    An override in a subclass is a hook only when it is marked
+    ``@hal.hookimpl`` again (an unmarked one is refused at load). Anything
+    but a hal error raised here is reported as
+    :class:`hal.PluginValidationError`, and selection passes the backend over.
     """
 
 
@@ -329,6 +338,8 @@ def release_pool(pool: Pool) -> None:
 
     Segments still holding live tensors go back when those tensors die;
     with callbacks, every segment ``alloc`` gave is handed to ``free`` once.
+    A graph captured into the pool can no longer be replayed: the facade
+    refuses it with :class:`hal.InvalidStateError`.
     """
 
 
@@ -367,12 +378,16 @@ def capture(graph: Graph, pool: Pool | None, stream: Stream,
 
 @hookspec(firstresult=True)
 def replay(graph: Graph) -> None:
-    """Launch a captured graph on the stream it was captured on, without running Python again."""
+    """Launch a captured graph on the stream it was captured on, without running Python again.
+
+    Never called (the facade raises :class:`hal.InvalidStateError` first) for
+    a graph that was released, or whose pool was released or is paused.
+    """
 
 
 @hookspec(firstresult=True)
 def release_graph(graph: Graph) -> None:
-    """Destroy a graph; the memory of its pool is not freed by this."""
+    """Destroy a graph; the memory of its pool is not freed by this. Its replays are refused from then on."""
 
 
 @hookspec(firstresult=True)
@@ -422,7 +437,9 @@ def shutdown() -> None:
     """Release whatever the backend itself holds (contexts, libraries).
 
     Called once by ``Backend.close()`` after every graph, pool, mapping,
-    range and handle has been released. Optional.
+    range and handle has been released. Optional. Anything but a hal error
+    raised here leaves ``close()`` as :class:`hal.PluginValidationError`
+    (the backend is closed all the same).
     """
 
 

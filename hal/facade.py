@@ -18,6 +18,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import pluggy
@@ -82,8 +83,8 @@ class Backend:
         self._granularity: int | None = None
         self._capabilities: frozenset[str] | None = None
         self._local = threading.local()
-        self._pool_paused = _ByIdentity()  # pool -> is its memory paused
-        self._graph_pool = _ByIdentity()  # graph -> the pool it was captured into
+        self._pools = _ByIdentity()  # pool -> its _PoolState (paused, released)
+        self._graph_pool = _ByIdentity()  # graph -> the _PoolState of the pool it was captured into, or _RELEASED
 
     # -- helpers ----------------------------------------------------------
 
@@ -125,6 +126,18 @@ class Backend:
                             "the backend returned None; a hook it cannot serve must be left out or raise "
                             "hal.UnsupportedError (see hal.api)")
         return value
+
+    @contextlib.contextmanager
+    def _plugin_faults(self, hook: str) -> Iterator[None]:
+        """What else than a hal error the plugin's ``hook`` raises leaves as :class:`PluginValidationError`
+        (a hook raises hal errors only): callers that pass a broken plugin over catch hal errors."""
+        try:
+            yield
+        except HalError:
+            raise
+        except Exception as exc:
+            raise self._err(PluginValidationError, hook, f"the plugin's {hook}() raised {type(exc).__name__}: "
+                                                         f"{exc} (a hook raises hal errors only)") from exc
 
     def _refuse_without(self, capability: str, call: str, what: str) -> None:
         if capability not in self.capabilities:
@@ -301,7 +314,8 @@ class Backend:
         if self._capabilities is None:
             declared: frozenset[str] = frozenset()
             if "capabilities" in self._implemented:
-                declared = frozenset(self._result("capabilities", self._hook.capabilities()))
+                with self._plugin_faults("capabilities"):
+                    declared = frozenset(self._result("capabilities", self._hook.capabilities()))
             kept = set()
             for capability in declared:
                 missing = [h for h in api.CAPABILITY_HOOKS.get(capability, ()) if h not in self._implemented]
@@ -366,8 +380,7 @@ class Backend:
             self._refuse_without("custom_pool", "create_pool",
                                  "no pools over custom allocator callbacks on this backend")
         pool = self._graph_call("create_pool", alloc=alloc, free=free)
-        if paused is not None:
-            self._pool_paused.put(pool, paused)
+        self._pools.put(pool, _PoolState(paused))
         return pool
 
     def use_pool(self, pool: Any) -> AbstractContextManager[None]:
@@ -391,17 +404,23 @@ class Backend:
 
     def pool_paused(self, pool: Any) -> bool:
         """Whether the memory behind ``pool`` is released for now (see ``create_pool(paused=...)``)."""
-        check = self._pool_paused.get(backend_pool(pool))
-        return bool(check is not None and check())
+        state = self._pools.get(backend_pool(pool))
+        return bool(state is not None and state.paused is not None and state.paused())
 
     def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:
         """``(address, nbytes)`` of every block of ``pool`` still in use."""
         return list(self._graph_call("pool_active_blocks", pool=pool))
 
     def release_pool(self, pool: Any) -> None:
-        """Drop a pool; its segments go back where they came from (once their tensors die)."""
+        """Drop a pool; its segments go back where they came from (once their tensors die).
+
+        A graph captured into it can no longer replay (:meth:`replay` raises).
+        """
         self._graph_call("release_pool", pool=pool)
-        self._pool_paused.pop(pool)
+        state = self._pools.get(pool)
+        if state is not None:
+            state.released = True  # the graphs captured into it hold the state
+            self._pools.pop(pool)
 
     def create_graph(self) -> Any:
         """A new, empty graph."""
@@ -440,8 +459,11 @@ class Backend:
                 yield captured
         finally:
             chosen = stack.pop()[-1]
-        if chosen is not None:
-            self._graph_pool.put(graph, chosen)
+        state = None if chosen is None else self._pools.get(chosen)
+        if state is not None:
+            self._graph_pool.put(graph, state)
+        else:
+            self._graph_pool.pop(graph)
 
     def _capturing(self) -> list[list[Any]]:
         stack = getattr(self._local, "capturing", None)
@@ -523,19 +545,19 @@ class Backend:
     def replay(self, graph: Any) -> None:
         """Launch a captured graph.
 
-        :raises InvalidStateError: the memory of the pool it was captured
-            into is paused (see ``create_pool(paused=...)``).
+        :raises InvalidStateError: the graph was released, the pool it was
+            captured into was released, or that pool's memory is paused (see
+            ``create_pool(paused=...)``).
         """
-        pool = self._graph_pool.get(graph)
-        if pool is not None and self.pool_paused(pool):
-            raise self._err(InvalidStateError, "replay",
-                            "the graph's memory is paused (released while asleep): resume it before replaying")
+        state = self._graph_pool.get(graph)
+        if state is not None and (state.released or (state.paused is not None and state.paused())):
+            raise self._err(InvalidStateError, "replay", state.why_not())
         self._graph_call("replay", graph=graph)
 
     def release_graph(self, graph: Any) -> None:
-        """Destroy a graph (its pool's memory stays with the pool)."""
+        """Destroy a graph (its pool's memory stays with the pool); a later :meth:`replay` of it raises."""
         self._graph_call("release_graph", graph=graph)
-        self._graph_pool.pop(graph)
+        self._graph_pool.put(graph, _RELEASED, weak_only=True)
 
     # -- lifecycle --------------------------------------------------------
 
@@ -577,7 +599,7 @@ class Backend:
             for handle in list(self._handles):
                 with _collect(errors):
                     self.release_phy_mem_handle(handle)
-            with _collect(errors):
+            with _collect(errors), self._plugin_faults("shutdown"):
                 if "shutdown" in self._implemented:
                     self._hook.shutdown()
             self._closed = True
@@ -587,6 +609,27 @@ class Backend:
                 raise errors[0]
 
 
+@dataclass(eq=False)
+class _PoolState:
+    """What :meth:`Backend.replay` checks of the pool a graph was captured into (shared with the graph)."""
+
+    paused: Callable[[], bool] | None = None
+    released: bool = False
+
+    def why_not(self) -> str:
+        if self is _RELEASED:
+            return "the graph was released (release_graph); capture a new graph to replay this work"
+        if self.released:
+            return ("the pool the graph was captured into was released (release_pool, or graphkit's "
+                    "pools.release(key) / close()), so the memory its replay reads and writes is gone; capture "
+                    "the graph again into a live pool (release graphs before their pools)")
+        return "the graph's memory is paused (released while asleep): resume it before replaying"
+
+
+#: the state of a released graph's pool: nothing replays it
+_RELEASED = _PoolState(released=True)
+
+
 class _ByIdentity:
     """A map keyed by object identity that forgets an object when it dies (objects need not be hashable)."""
 
@@ -594,7 +637,9 @@ class _ByIdentity:
         self._items: dict[int, tuple[Callable[[], Any], Any]] = {}
         self._lock = threading.Lock()
 
-    def put(self, obj: Any, value: Any) -> None:
+    def put(self, obj: Any, value: Any, *, weak_only: bool = False) -> None:
+        """Map ``obj`` to ``value``; ``weak_only``: forget ``obj`` instead where it cannot be weakly referred
+        to (a mark that must not keep it alive)."""
         key = id(obj)
         items = self._items
 
@@ -604,6 +649,9 @@ class _ByIdentity:
         try:
             ref: Callable[[], Any] = weakref.ref(obj, forget)
         except TypeError:  # not weakly referable: held until popped
+            if weak_only:
+                self.pop(obj)
+                return
             ref = functools.partial(_same, obj)
         with self._lock:
             self._items[key] = (ref, value)

@@ -19,7 +19,9 @@ reason, and a third-party probe that does not answer within
 Selection without a name walks the backends in priority order and stops at
 the first that can serve: a backend is probed only when it is reached, one
 whose class lacks the hooks of a required capability is passed over without
-being probed, and one whose constructor fails gives way to the next.
+being probed, and one whose constructor fails (with any error but
+:class:`hal.InvalidArgumentError`, which is the caller's) or whose
+``capabilities()`` fails gives way to the next.
 What a backend can do (:data:`hal.api.CAPABILITIES`) is known only once it
 is constructed, so ``get_backend(requires=...)`` constructs the candidates,
 keeps the first that has every required capability and closes the others.
@@ -188,9 +190,25 @@ def _hookimpls(pm: pluggy.PluginManager, cls: Any) -> Iterator[tuple[str, str]]:
             yield attr, opts.get("specname") or attr
 
 
+def _unmarked(pm: pluggy.PluginManager, cls: Any) -> list[str]:
+    """What to say of each method of ``cls`` named after a hook but not marked ``@hal.hookimpl``: an override
+    of an inherited hook (``capabilities``, say) written without the marker hides the hook from hal."""
+    problems = []
+    for hook in api.ALL_HOOKS:
+        method = getattr(cls, hook, None)
+        if not callable(method) or isinstance(method, type) or pm.parse_hookimpl_opts(cls, hook) is not None:
+            continue
+        lost = ("the backend has no capabilities at all" if hook == "capabilities"
+                else f"the backend does not implement {hook}")
+        problems.append(f"method {hook} is named after a hook but not marked @hal.hookimpl, so hal does not see it "
+                        f"and {lost}: put @hal.hookimpl above 'def {hook}' (an override of an inherited hook "
+                        "needs the marker again)")
+    return problems
+
+
 def _misfits(pm: pluggy.PluginManager, cls: Any) -> list[str]:
     """What is wrong with the hooks ``cls`` implements, each with what to write instead."""
-    problems = []
+    problems = _unmarked(pm, cls)
     for attr, hook in _hookimpls(pm, cls):
         if hook not in api.ALL_HOOKS:
             close = difflib.get_close_matches(hook, api.ALL_HOOKS, n=1)
@@ -279,6 +297,18 @@ def _check_constructor(name: str, plugin_name: str, cls: type) -> None:
 def _hook_names(pm: pluggy.PluginManager, cls: Any) -> list[str]:
     """The hook names ``cls`` implements (``specname`` applied)."""
     return [hook for _, hook in _hookimpls(pm, cls)]
+
+
+def plugin_class(name: str) -> Any:
+    """The plugin class of backend ``name``, loaded (neither probed nor constructed).
+
+    :raises BackendUnavailableError: no backend has that name.
+    :raises PluginValidationError: its class cannot be loaded or does not fit the contract.
+    """
+    entry = _all().get(name)
+    if entry is None:
+        raise BackendUnavailableError(f"unknown backend {name!r}; known backends: {', '.join(sorted(_all()))}")
+    return entry.load()
 
 
 def probe_timeout() -> float:
@@ -442,8 +472,9 @@ def get_backend(name: str | None = None, device: int | None = None, *, requires:
     """Return a :class:`hal.Backend` for ``device`` of the chosen backend.
 
     :param name: backend name; when ``None``, ``$HAL_BACKEND``, else the first
-        available backend by priority (cuda, ascend, mlu, third-party, fake)
-        that has every capability in ``requires``.
+        available backend by priority (lowest first: cuda 10, ascend 20,
+        mlu 30, a plugin 100 or its ``hal_priority``, fake 1000) that has
+        every capability in ``requires``.
     :param device: device index; ``None`` (the default): the backend's current
         device, as torch means it (``torch.cuda.current_device()`` once CUDA is
         initialised in this process, else 0; hal initialises nothing to find it).
@@ -452,7 +483,8 @@ def get_backend(name: str | None = None, device: int | None = None, *, requires:
         :data:`hal.api.CAPABILITIES`). Without a name, backends lacking one
         are passed over: a class without the capability's hooks unprobed,
         the others constructed to ask, then closed. A backend whose
-        constructor fails gives way to the next one.
+        constructor fails (any error but :class:`InvalidArgumentError`) or
+        whose ``capabilities()`` fails gives way to the next one.
     :param options: backend options (``fake``: ``granularity``, ``capacity``,
         ``device_count``), given to whichever backend is tried.
     :raises BackendUnavailableError: unknown or unavailable backend, with the reason.
@@ -473,20 +505,36 @@ def get_backend(name: str | None = None, device: int | None = None, *, requires:
     for entry in _candidates(needed, lacking):
         try:
             be = _open(entry.name, device, options)
-        except BackendUnavailableError as exc:  # probed fine, but cannot start here
+        except InvalidArgumentError:
+            raise  # the caller's options or device index: no other backend makes them right
+        except HalError as exc:  # probed fine, but cannot start here (unavailable, a driver error, no memory)
             lacking.append(f"{entry.name} cannot start ({exc.message})")
             continue
-        missing = needed - be.capabilities
-        if not missing:
+        why = _lacks(be, needed)
+        if why is None:
             _report_passed_over(lacking, be.name)
             return be
-        be.close()
-        lacking.append(f"{entry.name} lacks {', '.join(sorted(missing))}")
+        lacking.append(f"{entry.name} {why}")
     if not needed:
         raise BackendUnavailableError(f"no backend can be used here: {'; '.join(lacking) or 'none is available'}",
                                       call="get_backend")
     raise UnsupportedError(f"no available backend has the capabilities {', '.join(sorted(needed))}: "
                            f"{'; '.join(lacking) or 'none is available'}", call="get_backend")
+
+
+def _lacks(be: Backend, needed: frozenset[str]) -> str | None:
+    """None when ``be`` has every capability in ``needed``; else why not, and ``be`` is closed."""
+    try:
+        missing = needed - be.capabilities
+        why = f"lacks {', '.join(sorted(missing))}" if missing else None
+    except HalError as exc:  # a broken capabilities(): passed over, as a backend lacking them is
+        why = f"cannot say what it can do ({exc.message})"
+    if why is not None:
+        try:
+            be.close()
+        except HalError as exc:  # the plugin is passed over anyway; its shutdown's fault is only told
+            log.warning("%s: close() of a backend passed over failed: %s", be.name, exc)
+    return why
 
 
 def _candidates(needed: frozenset[str], lacking: list[str]) -> Iterator[_Entry]:
@@ -540,6 +588,8 @@ def _report_passed_over(lacking: list[str], chosen: str) -> None:
 
 def _check_capabilities(be: Backend, needed: frozenset[str], *, by_env: bool) -> None:
     """Close ``be`` and raise :class:`UnsupportedError` when it lacks one of ``needed``."""
+    if not needed:  # nothing to ask: a plugin whose capabilities() fails is still usable by name
+        return
     missing = needed - be.capabilities
     if not missing:
         return

@@ -27,7 +27,7 @@ VMM_ONLY = textwrap.dedent('''
     """A backend with the vmm half of the contract only, over host memory."""
 
     import hal
-    from hal.backends.fake import hostvm
+    from hal.host import vm
     from hal.types import MemInfo
 
     OPENED = []  # every instance made
@@ -42,7 +42,7 @@ VMM_ONLY = textwrap.dedent('''
 
         @classmethod
         def probe(cls):
-            return hostvm.unavailable_reason()
+            return vm.unavailable_reason()
 
         @hal.hookimpl
         def device_count(self):
@@ -58,30 +58,30 @@ VMM_ONLY = textwrap.dedent('''
 
         @hal.hookimpl
         def create_vir_ptr(self, size):
-            return hostvm.reserve(size, self.g)
+            return vm.reserve(size, self.g)
 
         @hal.hookimpl
         def release_vir_ptr(self, ptr, size):
-            hostvm.free(ptr, size)
+            vm.release(ptr, size)
 
         @hal.hookimpl
         def create_phy_mem_handle(self, size):
-            fd = hostvm.create_chunk(size)
+            fd = vm.create_chunk(size)
             self.chunks[fd] = size
             return fd
 
         @hal.hookimpl
         def release_phy_mem_handle(self, handle):
-            hostvm.release_chunk(handle)
+            vm.release_chunk(handle)
             del self.chunks[handle]
 
         @hal.hookimpl
         def map(self, ptr, size, handle):
-            hostvm.map_chunk(ptr, size, handle)
+            vm.map_chunk(ptr, size, handle)
 
         @hal.hookimpl
         def unmap(self, ptr, size):
-            hostvm.unmap_chunk(ptr, size)
+            vm.unmap_chunk(ptr, size)
 
         @hal.hookimpl
         def shutdown(self):

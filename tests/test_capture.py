@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import graphkit
 import hal
 from graphkit.capture import CaptureHygieneError, capture, warm_up
 from graphkit.pools import Lease
+from hal.backends.fake import FakeBackend
 
 SIZES = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256]
 
@@ -234,3 +236,62 @@ def test_tensors_made_by_a_failed_capture_die_with_it() -> None:
     be.release_pool(pool)
     alloc.close()
     be.close()
+
+
+def test_a_released_graph_refuses_to_replay(graph_backend: hal.Backend) -> None:
+    be = graph_backend
+    x = torch.ones(64, device=be.torch_device())
+    graph = be.create_graph()
+    with be.capture(graph):
+        y = x * 2
+    be.release_graph(graph)
+    with pytest.raises(hal.InvalidStateError, match=r"released \(release_graph\); capture a new graph") as info:
+        be.replay(graph)
+    assert info.value.backend == be.name and info.value.call == "replay"
+    del y
+
+
+def test_a_graph_whose_pool_was_released_refuses_to_replay(graph_backend: hal.Backend) -> None:
+    be = graph_backend
+    x = torch.ones(64, device=be.torch_device())
+    pool = be.create_pool()
+    graph = be.create_graph()
+    with be.capture(graph, pool=pool):
+        y = x * 2  # alive: the pool's memory stays until the test is done
+    be.release_pool(pool)
+    x.fill_(3.0)
+    with pytest.raises(hal.InvalidStateError, match="the pool the graph was captured into was released") as info:
+        be.replay(graph)
+    assert "capture the graph again" in str(info.value) and info.value.call == "replay"
+    be.synchronize()
+    assert torch.equal(y.cpu(), torch.full((64,), 2.0)), "the refused replay ran"
+    be.release_graph(graph)
+    del y
+
+
+class ReplaysAnyway(FakeBackend):
+    """A backend whose replay runs whatever it is given: the facade alone must refuse."""
+
+    @hal.hookimpl
+    def replay(self, graph: Any) -> None:
+        graph._replay()
+
+
+def test_the_facade_refuses_what_a_backend_would_replay() -> None:
+    with hal.Backend("anyway", ReplaysAnyway(granularity=1 << 16)) as be:
+        x = torch.ones(64)
+        pool = be.create_pool()
+        kept, released = be.create_graph(), be.create_graph()
+        with be.capture(kept, pool=pool):
+            y = x * 2
+        with be.capture(released):
+            z = x * 3
+        be.release_graph(released)
+        be.release_pool(pool)
+        x.fill_(5.0)
+        for graph, why in ((released, "the graph was released"), (kept, "the pool the graph was captured into")):
+            with pytest.raises(hal.InvalidStateError, match=why):
+                be.replay(graph)
+        assert torch.equal(y, torch.full((64,), 2.0)) and torch.equal(z, torch.full((64,), 3.0))
+        be.release_graph(kept)
+        del y, z

@@ -26,6 +26,7 @@ import hal
 from graphkit.bench.fakereplay import SmallOpModel
 from graphkit.bench.model import Decoder, DecoderConfig
 from graphkit.capture import weak_alias
+from tests import op_families
 
 
 def capture(be: hal.Backend, fn: Callable[..., Any], *args: Any, pool: Any = None,
@@ -347,3 +348,126 @@ def test_errors_are_unchanged(be: hal.Backend) -> None:
         with be.capture(graph):
             (torch.ones(3) * 2).sum().item()
     be.release_graph(graph)
+
+
+# -- what a tensor shows changes in place ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change", [
+    lambda x: x.t_(), lambda x: x.transpose_(0, 1), lambda x: x.swapdims_(0, 1), lambda x: x.swapaxes_(1, 0),
+    lambda x: x.unsqueeze_(1), lambda x: x.unsqueeze_(0).squeeze_(0), lambda x: x.as_strided_((4, 8), (1, 4)),
+    lambda x: x.resize_(16, 2), lambda x: x.resize_(4, 4)],
+    ids=["t_", "transpose_", "swapdims_", "swapaxes_", "unsqueeze_", "squeeze_", "as_strided_", "resize_",
+         "resize_smaller"])
+def test_an_in_place_view_op_on_an_input_replays_through_the_new_view(be: hal.Backend,
+                                                                      change: Callable[..., Any]) -> None:
+    x = torch.randn(8, 4)
+    as_written = x.view(8, 4)  # how the caller writes new inputs: the layout x had before the capture
+    graph = be.create_graph()
+    with torch.no_grad(), be.capture(graph):
+        change(x)
+        out = x * 2 + x.sum(0)
+    shown = (x.shape, x.stride())
+    for seed in range(3):
+        new = torch.randn(8, 4, generator=torch.Generator().manual_seed(seed))
+        as_written.copy_(new)
+        be.replay(graph)
+        want = new.clone()
+        change(want)
+        assert_same(out, want * 2 + want.sum(0))
+        assert (x.shape, x.stride()) == shown, "the replay changed the input's view again"
+    be.release_graph(graph)
+
+
+def test_resize_inside_a_capture_replays_the_live_memory(be: hal.Backend) -> None:
+    x = torch.randn(8, 16)
+    graph = be.create_graph()
+    with torch.no_grad(), be.capture(graph):
+        y = x.clone()
+        y.resize_(16, 8)
+        out = y * 1
+        z = x[0].clone()
+        z.resize_(2, 4)
+        out2 = z + 1
+    for seed in range(3):
+        x.copy_(torch.randn(8, 16, generator=torch.Generator().manual_seed(seed)))
+        be.replay(graph)
+        assert_same((out, out2), (x.reshape(16, 8), x[0, :8].reshape(2, 4) + 1))
+    be.release_graph(graph)
+
+
+@pytest.mark.parametrize("made", ["inside", "before"])
+def test_out_into_an_empty_tensor_lands_in_the_pool_and_replays(be: hal.Backend, made: str) -> None:
+    x = torch.randn(8, 16)
+    outside = torch.empty(0)
+    pool = be.create_pool()
+    graph = be.create_graph()
+    with torch.no_grad(), be.capture(graph, pool=pool):
+        o = torch.empty(0) if made == "inside" else outside
+        torch.mul(x, 2, out=o)
+        c = torch.empty(0)
+        torch.cat([x, o], out=c)
+    assert any(p <= o.data_ptr() < p + n for p, n in be.pool_active_blocks(pool)), "o's memory is not the pool's"
+    for seed in range(3):
+        x.copy_(torch.randn(8, 16, generator=torch.Generator().manual_seed(seed)))
+        be.replay(graph)
+        assert_same((o, c), (x * 2, torch.cat([x, x * 2])))
+    be.release_graph(graph)
+    del o, c, outside
+    gc.collect()
+    be.release_pool(pool)
+
+
+def test_growing_a_tensor_the_replay_cannot_follow_is_refused_by_name(be: hal.Backend) -> None:
+    x = torch.randn(4)
+    before = torch.randn(2)
+    for grow in (lambda: (x * 1).resize_(8), lambda: torch.mul(x, 2, out=before), lambda: before.resize_(16)):
+        graph = be.create_graph()
+        with pytest.raises(hal.CaptureError, match=r"aten\.\w+") as info:
+            with torch.no_grad(), be.capture(graph):
+                grow()
+        assert info.value.backend == "fake" and info.value.call == "capture"
+        be.release_graph(graph)
+
+
+# -- op families, enumerated from aten's op lists ------------------------------------------------
+
+
+FAMILY_USES = {
+    "inplace_view": (op_families.in_place_on_a_new_tensor, op_families.in_place_on_an_input),
+    "inplace": (op_families.in_place_on_a_new_tensor, op_families.in_place_on_an_input),
+    "view": (op_families.read_views, op_families.write_through_a_view),
+}
+
+
+@pytest.mark.parametrize("family, at_least", [("inplace_view", 16), ("inplace", 300), ("view", 60)])
+def test_every_op_of_a_family_replays_like_eager_or_is_refused_by_name(be: hal.Backend, family: str,
+                                                                      at_least: int) -> None:
+    ran, failed = 0, []
+    for op in op_families.families()[family]:
+        for use in FAMILY_USES[family]:
+            dtype = op_families.eager_runs(op, use)
+            if dtype is None:  # made-up inputs that do not suit the op
+                continue
+            try:
+                ran += op_families.replays_like_eager(be, op, use, dtype)
+            except Exception as exc:  # noqa: BLE001 - every op's failure is listed
+                failed.append(f"{op} {use.__name__}: {type(exc).__name__}: {exc}")
+    assert not failed, "\n".join(failed)
+    assert ran >= at_least, f"only {ran} {family} uses replayed: the inputs suit fewer ops than they did"
+
+
+def test_every_out_op_replays_like_eager_or_is_refused_by_name(be: hal.Backend) -> None:
+    ran, failed = 0, []
+    for op in op_families.families()["out"]:
+        dtype = op_families.eager_runs(op, op_families.out_into_an_empty_tensor)
+        if dtype is None:
+            continue
+        outs = op_families.out_shapes(op, dtype)
+        for use, given in ((op_families.out_into_an_empty_tensor, None), (op_families.out_into_inputs, outs)):
+            try:
+                ran += op_families.replays_like_eager(be, op, use, dtype, given)
+            except Exception as exc:  # noqa: BLE001 - every op's failure is listed
+                failed.append(f"{op} {use.__name__}: {type(exc).__name__}: {exc}")
+    assert not failed, "\n".join(failed)
+    assert ran >= 450, f"only {ran} out= uses replayed: the inputs suit fewer ops than they did"

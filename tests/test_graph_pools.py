@@ -609,3 +609,17 @@ def test_routed_graphs_released_while_their_outputs_live_cost_no_collection_each
     assert pools.allocator.num_virtual_spaces == 0  # released once their last block went
     monkeypatch.undo()
     pools.close()
+
+
+@pytest.mark.parametrize("drop", ["release", "close"])
+def test_a_graph_of_a_released_key_refuses_to_replay(be: hal.Backend, drop: str) -> None:
+    pools = graphkit.GraphPools(be)
+    x = torch.randn(8, 64)
+    graph, y = capture(be, make_step(64), x, pool=pools.pool(1))
+    pools.release(1) if drop == "release" else pools.close()  # the graph forgotten by its user
+    with pytest.raises(hal.InvalidStateError, match="the pool the graph was captured into was released") as info:
+        be.replay(graph)
+    assert "capture the graph again" in str(info.value)
+    be.release_graph(graph)
+    del y
+    pools.close()

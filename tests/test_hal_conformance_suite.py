@@ -16,6 +16,7 @@ import hal
 from hal.backends.fake import FakeBackend
 from hal.host.tape import _compile, tensor_at
 from hal.testing import Requirements, graph_suite
+from hal.testing import plugin as hal_suite_plugin
 from hal.testing.distributions import importable, write_distribution
 from hal.testing.machine import SETTINGS, run_vmm_machine
 from hal.testing.memory import HostAccess, TorchAccess, memory_access
@@ -71,7 +72,8 @@ def test_bad_requirement_value_is_a_usage_error() -> None:
 
 BROKEN = textwrap.dedent('''
     import hal
-    from hal.backends.fake import FakeBackend, hostvm
+    from hal.backends.fake import FakeBackend
+    from hal.host import _os as hostvm
 
 
     class NoAliasBackend(FakeBackend):
@@ -113,6 +115,34 @@ def test_the_state_machine_catches_it_too(tmp_path: Path) -> None:
 
 
 # -- the pieces -------------------------------------------------------------------------------
+
+
+class SuiteOptions:
+    """The command-line options the suite's pytest plugin reads, as a ``pytest.Config`` gives them."""
+
+    def __init__(self, **given: Any) -> None:
+        self.given = given
+
+    def getoption(self, name: str) -> Any:
+        return self.given.get(name, [] if name == "hal_option" else None)
+
+
+def test_the_header_shows_the_requirements_the_plugin_declares(tmp_path: Path) -> None:
+    source = textwrap.dedent("""
+        from hal.backends.fake import FakeBackend
+
+        class Device(FakeBackend):
+            hal_requirements = {'host_accessible': False}
+    """)
+    site = write_distribution(tmp_path / "site", "hal-devicelike", "0.1", {"hal_devicelike": source},
+                              {"hal.backends": {"devicelike": "hal_devicelike:Device"}})
+    with importable(site):
+        for given, shown in (([], False), (["host_accessible=true", "granularity=65536"], True)):
+            header = hal_suite_plugin.pytest_report_header(SuiteOptions(hal_backend="devicelike", hal_option=given))
+            options = {"granularity": 65536} if given else {}
+            want = (f"hal conformance: backend=devicelike options={options} "
+                    f"requirements={{'host_accessible': {shown}}} half=both")
+            assert header == [want]
 
 
 @pytest.mark.parametrize("text, value", [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -36,6 +37,33 @@ MODULES = {
         class B(FakeBackend):
             def __init__(self, device=0, **options):
                 len(5)
+    """),
+    "odd_ctor_hal": SUB + textwrap.dedent("""
+        class Driver(FakeBackend):
+            def __init__(self, device=0, **options):
+                raise hal.DriverError('device init failed', backend='ctor_driver', call='init', code=100)
+
+        class Full(FakeBackend):
+            def __init__(self, device=0, **options):
+                raise hal.DeviceOutOfMemoryError('no room for a context', backend='ctor_oom', call='init')
+
+        class BadDevice(FakeBackend):
+            def __init__(self, device=0, **options):
+                raise hal.InvalidArgumentError(f'device={device} is out of range: 1 device', backend='ctor_dev',
+                                               call='get_backend')
+    """),
+    # hooks outside the constructor that raise what a hook must not
+    "odd_hooks": SUB + textwrap.dedent("""
+        class Caps(FakeBackend):
+            @hal.hookimpl
+            def capabilities(self):
+                raise RuntimeError('capability query failed')
+
+        class Shutdown(FakeBackend):
+            @hal.hookimpl
+            def shutdown(self):
+                super().shutdown()
+                raise RuntimeError('shutdown failed')
     """),
     "odd_import_exit": "import sys\nsys.exit(3)\n",
     "odd_probe_empty": SUB + "class B(FakeBackend):\n    @classmethod\n    def probe(cls):\n        return ''\n",
@@ -157,6 +185,58 @@ def test_a_constructor_without_a_name_is_tried_before_the_listing_knows(tmp_path
         assert reasons["ctor_type"].startswith("its constructor raised TypeError: "), reasons["ctor_type"]
 
 
+def test_selection_passes_over_a_plugin_whose_constructor_raises_a_hal_error(tmp_path: Path,
+                                                                              only: Callable[..., None]) -> None:
+    with importable(site_with(tmp_path, {"ctor_driver": "odd_ctor_hal:Driver", "ctor_oom": "odd_ctor_hal:Full"})):
+        only("ctor_driver", "ctor_oom", "fake")
+        for requires in ((), ("graphs",)):
+            with hal.get_backend(requires=requires) as be:
+                assert be.name == "fake"
+        with pytest.raises(hal.DriverError, match=r"device init failed \[native code 100\]"):
+            hal.get_backend("ctor_driver")  # by name: the plugin's own error
+        with pytest.raises(hal.DeviceOutOfMemoryError):
+            hal.get_backend("ctor_oom")
+        assert {i.name: i.available for i in hal.list_backends()}["ctor_driver"], "a hal error is not a broken plugin"
+
+
+def test_a_device_index_a_plugin_refuses_is_the_callers_error_in_selection(tmp_path: Path,
+                                                                             only: Callable[..., None]) -> None:
+    with importable(site_with(tmp_path, {"ctor_dev": "odd_ctor_hal:BadDevice"})):
+        only("ctor_dev", "fake")
+        with pytest.raises(hal.InvalidArgumentError, match="device=0 is out of range"):
+            hal.get_backend()
+
+
+def test_selection_passes_over_a_plugin_whose_capabilities_raise(tmp_path: Path,
+                                                                  only: Callable[..., None]) -> None:
+    with importable(site_with(tmp_path, {"caps": "odd_hooks:Caps", "shutdown": "odd_hooks:Shutdown"})):
+        only("caps", "shutdown", "fake")  # tried in this order
+        for requires in ((), ("graphs",)):
+            be = hal.get_backend(requires=requires)
+            assert be.name == "shutdown"
+            with pytest.raises(hal.PluginValidationError, match=r"shutdown\(\) raised RuntimeError: shutdown "
+                                                                "failed") as info:
+                be.close()
+            assert info.value.backend == "shutdown" and be.closed and be.live.zero
+        with hal.get_backend("caps") as be:  # by name it opens; what it can do is the plugin's error
+            with pytest.raises(hal.PluginValidationError, match=r"capabilities\(\) raised RuntimeError: "
+                                                                "capability query failed") as info:
+                be.supports("graphs")
+            assert info.value.backend == "caps" and info.value.call == "capabilities"
+
+
+def test_python_m_hal_lists_plugins_whose_hooks_raise_and_exits_0(tmp_path: Path) -> None:
+    site = site_with(tmp_path, {"caps": "odd_hooks:Caps", "shutdown": "odd_hooks:Shutdown",
+                                "ctor_driver": "odd_ctor_hal:Driver"})
+    proc = python_m_hal(site)
+    assert proc.returncode == 0 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    found = listing(proc.stdout)
+    assert "capabilities() raised RuntimeError: capability query failed" in found["caps"][1], proc.stdout
+    assert "device init failed" in found["ctor_driver"][1], proc.stdout
+    assert "shutdown() raised RuntimeError: shutdown failed" in proc.stdout, proc.stdout
+    assert re.search(r"^selected by default: (caps|ctor_driver)$", proc.stdout, re.M) is None, proc.stdout
+
+
 def test_unknown_options_are_still_the_callers_error(tmp_path: Path) -> None:
     with importable(site_with(tmp_path, {"ctor_type": "odd_ctor_typeerror:B"})):
         with pytest.raises(hal.InvalidArgumentError, match="bad options"):
@@ -269,6 +349,24 @@ def test_a_misspelt_hook_suggests_the_right_name() -> None:
     with pytest.raises(hal.PluginValidationError) as info:
         validate_plugin_class("misspelt", Misspelt)
     assert "unknown hook create_vir_pointer; did you mean create_vir_ptr?" in str(info.value)
+
+
+def test_a_hook_override_without_the_marker_is_refused_at_load() -> None:
+    class Caps(FakeBackend):
+        def capabilities(self) -> frozenset[str]:  # the docs say "override capabilities to declare less"
+            return frozenset({"graphs"})
+
+    with pytest.raises(hal.PluginValidationError) as info:
+        validate_plugin_class("caps", Caps)
+    assert ("method capabilities is named after a hook but not marked @hal.hookimpl, so hal does not see it and "
+            "the backend has no capabilities at all: put @hal.hookimpl above 'def capabilities'") in str(info.value)
+
+    class Marked(FakeBackend):
+        @hal.hookimpl
+        def capabilities(self) -> frozenset[str]:
+            return frozenset({"graphs"})
+
+    validate_plugin_class("marked", Marked)
 
 
 def test_a_hook_far_from_every_name_lists_the_hooks() -> None:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import gc
+import signal
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -10,7 +15,7 @@ import torch
 
 import hal
 from hal.backends.fake import FakeBackend
-from hal.host import CAPABILITIES, BlockPool, HostGraph, HostGraphs
+from hal.host import CAPABILITIES, BlockPool, HostGraph, HostGraphs, vm
 from tests.conftest import G
 
 
@@ -133,3 +138,160 @@ def test_the_former_fake_names_still_import() -> None:
 
     assert FakeGraph is HostGraph and FakePool is BlockPool and BLOCK_ROUND == hal.ALLOCATION_ALIGNMENT
     assert all(callable(f) for f in (Placer, capture, place, tensor_at))
+
+
+# -- graphs that cannot be captured or replayed now ----------------------------------------------------
+
+
+@contextlib.contextmanager
+def fails_after(seconds: float) -> Iterator[None]:
+    """A block that has not ended after ``seconds`` raises ``TimeoutError`` (main thread only): a hang fails."""
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_capture_of_a_graph_inside_its_own_capture_is_refused(be: hal.Backend) -> None:
+    x = torch.ones(4, 4)
+    graph = be.create_graph()
+    with fails_after(30), pytest.raises(hal.InvalidStateError, match="being captured already") as info:
+        with be.capture(graph):
+            with be.capture(graph):
+                (x * 2).t()
+    assert info.value.backend == "renamed" and info.value.call == "capture"
+    assert graph.own_pool is None and not graph.entries
+    with be.capture(graph):  # refused as a whole: the graph can be captured again
+        y = (x * 2).t()
+    x.fill_(3.0)
+    be.replay(graph)
+    assert torch.equal(y, torch.full((4, 4), 6.0))
+    be.release_graph(graph)
+
+
+def test_a_released_graph_refuses_to_replay_even_through_the_plugin(be: hal.Backend) -> None:
+    x = torch.ones(4)
+    graph = be.create_graph()
+    with be.capture(graph):
+        y = x * 2
+    be.release_graph(graph)
+    x.fill_(5.0)
+    for replay in (be.replay, be.plugin.replay):
+        with pytest.raises(hal.InvalidStateError, match=r"released \(release_graph\); capture a new graph") as info:
+            replay(graph)
+        assert info.value.backend == "renamed" and info.value.call == "replay"
+    assert torch.equal(y, torch.full((4,), 2.0)), "the refused replay wrote its output"
+
+
+def test_a_graph_whose_pool_was_released_refuses_to_replay_even_through_the_plugin(be: hal.Backend) -> None:
+    x = torch.ones(1024)
+    pool = be.create_pool()
+    graph = be.create_graph()
+    with be.capture(graph, pool=pool):
+        y = x * 2  # alive, so its segment stays mapped whatever the replay does
+    be.release_pool(pool)
+    x.fill_(3.0)
+    for replay in (be.replay, be.plugin.replay):
+        with pytest.raises(hal.InvalidStateError, match="was released") as info:
+            replay(graph)
+        assert "capture the graph again" in str(info.value) and info.value.call == "replay"
+    assert torch.equal(y, torch.full((1024,), 2.0)), "the refused replay ran"
+    be.release_graph(graph)
+    del y
+    gc.collect()
+    assert be.plugin._anon == {}, "the released pool's memory did not go back after its last tensor"
+
+
+# -- the addresses a graph touches -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape_of", [
+    torch.zeros_like, torch.empty_like, torch.ones_like, torch.rand_like, lambda o: torch.full_like(o, 2.0),
+    lambda o: o.new_zeros(o.shape), lambda o: o.new_empty(o.size()), lambda o: o.new_full((o.size(0),), 1.0),
+    lambda o: torch.zeros(o.size()), lambda o: torch.ones(o.shape[0], o.dim())],
+    ids=["zeros_like", "empty_like", "ones_like", "rand_like", "full_like", "new_zeros", "new_empty", "new_full",
+         "size", "shape"])
+def test_a_tensor_used_only_for_its_shape_is_not_an_address_of_the_graph(be: hal.Backend,
+                                                                          shape_of: Any) -> None:
+    other = torch.randn(8, 64)  # another graph's output, say
+    x = torch.randn(8)
+    graph = be.create_graph()
+    with be.capture(graph, inspect=True):
+        y = shape_of(other).sum() + x
+    spans = be.graph_addresses(graph).spans
+    mine = other.untyped_storage().data_ptr()
+    assert not any(a <= mine < a + n for a, n in spans), "a shape-only use counts as a read of the bytes"
+    assert any(a <= x.data_ptr() < a + n for a, n in spans) and any(a <= y.data_ptr() < a + n for a, n in spans)
+    be.release_graph(graph)
+
+
+def test_a_tensor_whose_bytes_an_op_reads_is_an_address_of_the_graph(be: hal.Backend) -> None:
+    other = torch.randn(8, 64)
+    for use in (lambda o: o + 0, lambda o: torch.zeros_like(o).copy_(o), lambda o: o.new_zeros(o.shape).add_(o),
+                lambda o: o.t().contiguous(), lambda o: o.new_empty(0).resize_(3).copy_(o[0, :3])):
+        graph = be.create_graph()
+        with be.capture(graph, inspect=True):
+            use(other)
+        mine = other.untyped_storage().data_ptr()
+        assert any(a <= mine < a + n for a, n in be.graph_addresses(graph).spans)
+        be.release_graph(graph)
+
+
+# -- a plugin's mistakes, named ----------------------------------------------------------------------------
+
+
+def test_a_plugin_that_forgot_init_host_graphs_is_told_what_to_call() -> None:
+    class NoInit(HostGraphs):
+        def __init__(self, device: int = 0) -> None:
+            self.device = device  # and no init_host_graphs
+
+    with hal.Backend("noinit", NoInit()) as backend:
+        for call in (backend.create_graph, backend.create_pool, lambda: backend.capture(HostGraph()).__enter__()):
+            with pytest.raises(hal.PluginValidationError, match=r"did not call self\.init_host_graphs\(name, "
+                                                                r"alloc=\.\.\., free=\.\.\., segment_size=\.\.\.\)"):
+                call()
+    assert not hasattr(NoInit(), "no_such_attribute")  # other attributes still say AttributeError
+
+
+# -- hal.host.vm: the OS's virtual memory, for a host-like device ---------------------------------------------
+
+
+def test_vm_maps_one_chunk_at_two_addresses_and_unmaps_back_to_a_reservation() -> None:
+    g = 4 * vm.PAGE_SIZE
+    fd = vm.create_chunk(g, backend="mine")
+    va = vm.reserve(3 * g, 2 * g, backend="mine")
+    assert va % (2 * g) == 0
+    vm.map_chunk(va, g, fd, backend="mine")
+    vm.map_chunk(va + 2 * g, g, fd, backend="mine")
+    ctypes.memmove(va + 5, b"host vm", 7)
+    assert ctypes.string_at(va + 2 * g + 5, 7) == b"host vm"  # one chunk, two addresses
+    vm.unmap_chunk(va + 2 * g, g, backend="mine")
+    vm.map_chunk(va + 2 * g, g, fd, backend="mine")  # still reserved: the same address maps again
+    assert ctypes.string_at(va + 2 * g + 5, 7) == b"host vm"
+    for ptr in (va, va + 2 * g):
+        vm.unmap_chunk(ptr, g, backend="mine")
+    vm.release(va, 3 * g, backend="mine")
+    vm.release_chunk(fd, backend="mine")
+    ptr = vm.alloc(100, backend="mine")
+    ctypes.memset(ptr, 1, 100)
+    vm.free(ptr, 100, backend="mine")
+
+
+def test_vm_errors_are_hal_errors_naming_the_backend_and_the_hook() -> None:
+    with pytest.raises(hal.InvalidArgumentError, match=f"size=100 must be a positive multiple of the page size "
+                                                       f"{vm.PAGE_SIZE}") as bad:
+        vm.reserve(100, backend="mine")
+    assert (bad.value.backend, bad.value.call) == ("mine", "create_vir_ptr")
+    with pytest.raises(hal.DeviceOutOfMemoryError, match="mmap") as full:  # more address space than there is
+        vm.reserve(1 << 62, backend="mine")
+    assert isinstance(full.value, MemoryError) and full.value.call == "create_vir_ptr"
+    with pytest.raises(hal.DriverError) as driver:
+        vm.release_chunk(-1, backend="mine")
+    assert (driver.value.code, driver.value.code_name, driver.value.native_call) == (errno.EBADF, "EBADF", "close")
+    assert driver.value.backend == "mine" and driver.value.call == "release_phy_mem_handle"

@@ -10,7 +10,7 @@ import pytest
 
 import hal
 from hal.api import VMM_HOOKS
-from hal.backends.fake import hostvm
+from hal.host import _os as hostvm
 from hal.testing.state import snapshot
 
 QUERY_HOOKS = ("granularity", "mem_info", "device_count")

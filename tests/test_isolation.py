@@ -354,4 +354,20 @@ def test_a_capture_is_read_only_when_another_key_holds_live_memory(be: hal.Backe
     for g in (g1, g2, g3):
         be.release_graph(g)
     del h, out
+
+
+def test_a_graph_that_takes_only_the_shape_of_another_keys_output_is_accepted(be: hal.Backend) -> None:
+    pools = graphkit.GraphPools(be)
+    x = torch.randn(8, 64)
+    g1, o1 = capture(be, lambda x: x * 2, x, pool=pools.pool(1))
+    g2, o2 = capture(be, lambda x, o=o1: torch.zeros_like(o) + o.new_ones(o.shape) + x + o.size(0), x,
+                     pool=pools.pool(2))
+    x.copy_(torch.randn(8, 64))
+    be.replay(g2)
+    assert torch.equal(o2, 1 + x + 8)
+    with pytest.raises(graphkit.IsolationError):  # reading the bytes is still refused
+        capture(be, lambda x, o=o1: torch.zeros_like(o).copy_(o) + x, x, pool=pools.pool(3))
+    for graph in (g2, g1):
+        be.release_graph(graph)
+    del o1, o2
     pools.close()

@@ -13,12 +13,24 @@ allocator; it then has the ``"graphs"``, ``"custom_pool"``,
 capabilities::
 
     import hal
-    from hal.host import HostGraphs
+    from hal.host import HostGraphs, vm
 
     class MyBackend(HostGraphs):
-        def __init__(self, device: int = 0) -> None:
+        def __init__(self, device: int = 0, *, granularity: int = 64 << 10) -> None:
+            self.granularity_bytes = granularity  # the device's granularity: pools take memory in it
             self.init_host_graphs("mine", alloc=self.device_malloc, free=self.device_free,
-                                  segment_size=self.granularity_bytes)
+                                  segment_size=granularity)
+
+        def device_malloc(self, nbytes: int) -> int:  # the device's own allocator
+            return vm.alloc(nbytes, backend="mine")
+
+        def device_free(self, ptr: int, nbytes: int) -> None:
+            vm.free(ptr, nbytes, backend="mine")
+
+(plus the vmm hooks; ``examples/hal-hostmem`` is a complete plugin). To
+declare fewer capabilities, override :meth:`HostGraphs.capabilities` and
+mark the override ``@hal.hookimpl`` again: an unmarked override is refused
+when the plugin is loaded.
 
 What the pieces are (see ``docs/plugins.md``, "Graphs", for the semantics):
 
@@ -26,13 +38,17 @@ What the pieces are (see ``docs/plugins.md``, "Graphs", for the semantics):
 * :class:`BlockPool` -- a pool: blocks of :data:`hal.types.ALLOCATION_ALIGNMENT`
   bytes carved from segments of ``segment_size`` bytes;
 * :class:`HostGraph` -- a graph: the recorded tape, its compiled replay
-  program, and :meth:`HostGraph.addresses` (the memory its replay touches).
+  program, and :meth:`HostGraph.addresses` (the memory its replay touches);
+* :mod:`hal.host.vm` -- the vmm half for host memory, from the OS: ``PROT_NONE``
+  reservations, ``memfd`` chunks mapped with ``MAP_FIXED``, plain memory for
+  ``alloc``, with hal errors.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hal.host import vm
 from hal.host.graphs import CAPABILITIES, DEFAULT_STREAM, HostGraphs, HostStream
 from hal.host.pool import BlockPool
 
@@ -49,4 +65,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'hal.host' has no attribute {name!r}")
 
 
-__all__ = ["CAPABILITIES", "DEFAULT_STREAM", "BlockPool", "HostGraph", "HostGraphs", "HostStream", "tensor_at"]
+__all__ = ["CAPABILITIES", "DEFAULT_STREAM", "BlockPool", "HostGraph", "HostGraphs", "HostStream", "tensor_at", "vm"]

@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from hal.api import AllocFn, FreeFn, hookimpl
-from hal.errors import InvalidArgumentError
+from hal.errors import InvalidArgumentError, PluginValidationError
 from hal.host.pool import BlockPool
 from hal.types import CaptureRouter, GraphAddresses
 
@@ -58,7 +58,9 @@ class HostGraphs:
     Torch tensors live at the device's addresses through ``torch.frombuffer``,
     so the memory must be readable and writable by the host (the device is
     the CPU as torch sees it: ``torch_device()`` is ``cpu``). Override
-    :meth:`capabilities` to declare less.
+    :meth:`capabilities` to declare less, marked ``@hal.hookimpl`` again.
+    A hook called before :meth:`init_host_graphs` ran raises
+    :class:`hal.PluginValidationError` saying to call it.
     """
 
     _host_name: str
@@ -74,10 +76,18 @@ class HostGraphs:
         :param alloc: ``alloc(nbytes) -> address``: the device's own allocator,
             for pools created without callbacks and the private pool of a
             capture given none; returns 0 (or raises
-            :class:`hal.DeviceOutOfMemoryError`) when memory runs out.
+            :class:`hal.DeviceOutOfMemoryError`) when memory runs out. What it
+            hands out must count as used in the ``mem_info`` hook (graphkit
+            measures graph memory by it).
         :param free: ``free(address, nbytes)``, once per address ``alloc`` gave.
         :param segment_size: pools take memory from ``alloc`` (and from a custom
             pool's callbacks) in multiples of it: the device's granularity.
+
+        ``alloc`` and ``free`` run on whichever thread allocates or drops a
+        tensor (the capturing thread, any thread inside ``use_pool``, the
+        garbage collector, after the pool was released), and on several
+        threads at once: make them thread-safe, and keep them short (a pool
+        holds its lock around ``alloc``).
         """
         if not isinstance(segment_size, int) or segment_size <= 0:
             raise InvalidArgumentError(f"segment_size={segment_size!r} must be a positive int", backend=name,
@@ -87,6 +97,17 @@ class HostGraphs:
         self._host_free = free
         self._host_segment = segment_size
         self._host_routers = []
+
+    if not TYPE_CHECKING:  # at run time only: type checkers keep seeing the declared attributes
+
+        def __getattr__(self, name: str) -> Any:
+            """Reached only when an attribute is missing: the mixin's before :meth:`init_host_graphs` ran."""
+            if name.startswith("_host_"):
+                raise PluginValidationError(
+                    f"{type(self).__name__} inherits hal.host.HostGraphs, but its constructor did not call "
+                    "self.init_host_graphs(name, alloc=..., free=..., segment_size=...): call it in __init__ with "
+                    "the device's own allocator", backend=type(self).__name__, call="init_host_graphs")
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _pool(self, alloc: AllocFn, free: FreeFn, what: str) -> BlockPool:
         return BlockPool(alloc, free, self._host_segment, f"{self._host_name} {what}", backend=self._host_name)
@@ -176,10 +197,10 @@ class HostGraphs:
         from hal.backends._native.routing import choose_route, process_route, watch_release
         from hal.host import tape
 
-        route = None
-        if not graph.captured:  # this device's routers, innermost first, then the process's
-            route = (choose_route(list(reversed(self._host_routers)), graph, pool)
-                     or process_route(self._host_name, getattr(self, "device", 0), graph, pool))
+        tape.refuse_capture(graph)  # before a router or a private pool is asked for anything
+        # this device's routers, innermost first, then the process's
+        route = (choose_route(list(reversed(self._host_routers)), graph, pool)
+                 or process_route(self._host_name, getattr(self, "device", 0), graph, pool))
         if route is not None:
             pool = route.pool
         private = pool is None

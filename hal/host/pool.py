@@ -113,6 +113,11 @@ class BlockPool:
             return sorted((p, s) for p, (s, _) in self._used.items())
 
     @property
+    def released(self) -> bool:
+        """Whether :meth:`release` was called: graphs captured into the pool can no longer replay."""
+        return self._released
+
+    @property
     def reserved_bytes(self) -> int:
         """Bytes of the segments the pool holds."""
         return sum(self.segments.values())

@@ -7,7 +7,14 @@ Capture runs the user's function once under a ``TorchDispatchMode``:
   the pool's memory, e.g. a virtual space of graphkit's allocator), and the
   op is recorded;
 * ops that write into their arguments (in-place, ``out=``) are recorded too;
-* views are recorded once, to be rebuilt over the placed memory.
+* views are recorded once, to be rebuilt over the placed memory;
+* a tensor made before the capture is recorded as it is when the capture
+  first sees it; an op that changes in place which elements a tensor shows
+  (``t_``, ``squeeze_``, ``resize_``, an ``out=`` argument torch resizes)
+  records it anew over the same memory, and an empty tensor that such an op
+  gives memory gets that memory in the pool. What the replay could not
+  follow (a tensor of the pool grown, one made before the capture grown,
+  ``set_`` onto a bare storage) raises :class:`hal.CaptureError` naming the op.
 
 Replay re-runs the recorded ops on the same addresses, never the
 Python function, so its cost is proportional to the ops recorded. Ops that
@@ -70,6 +77,7 @@ class _Slot:
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    stride: tuple[int, ...] | None = None  # None: contiguous
 
 
 @dataclass
@@ -100,50 +108,68 @@ class HostGraph:
     backend: str = "host"
     ops: list[_Op] = field(default_factory=list)
     # each recorded tensor: ("slot", _Slot) | ("view", func, args, kwargs, position) | ("const", tensor)
+    # | ("strided", base tensor index, shape, strides, storage offset)
     entries: list[tuple] = field(default_factory=list)
     tensors: list[torch.Tensor | None] = field(default_factory=list)
     # what a replay runs: ``fn(*args, **kwargs)`` per step, built from ``ops`` at the end of the capture
     program: list[_Step] = field(default_factory=list)
     own_pool: BlockPool | None = None
+    pool: BlockPool | None = None  # the pool the capture placed its results in
+    # the tensors whose bytes a replay reads or writes (indices into ``tensors``), found at the end of the capture
+    touched: list[int] = field(default_factory=list)
+    capturing: bool = False
     captured: bool = False
     released: bool = False
     on_release: Any = None  # set by a routed capture: told once when the graph is released
 
     def replay(self) -> None:
-        if not self.captured:
-            raise InvalidStateError("replay of a graph that was never captured", backend=self.backend,
-                                    call="replay")
+        if not self.captured or self.released or (self.pool is not None and self.pool.released):
+            raise self._not_replayable()
         with torch.no_grad():  # a device graph's replay records no autograd either
             self._replay()
+
+    def _not_replayable(self) -> InvalidStateError:
+        if self.released:
+            why = "the graph was released (release_graph); capture a new graph to replay this work"
+        elif not self.captured:
+            why = "replay of a graph that was never captured"
+        else:
+            why = (f"the pool the graph was captured into was released ({self.pool.name if self.pool else '?'}), "
+                   "so the memory its replay reads and writes is gone; capture the graph again into a live pool")
+        return InvalidStateError(why, backend=self.backend, call="replay")
 
     def _replay(self) -> None:
         for fn, args, kwargs in self.program:
             fn(*args, **kwargs)
 
     def addresses(self) -> GraphAddresses:
-        """Every byte span a replay reads or writes: the storage of each tensor on the tape."""
+        """Every byte span a replay reads or writes: the storage of each tensor whose bytes a recorded op reads
+        or writes (a tensor an op takes only for its shape and dtype, as ``zeros_like`` does, is not counted)."""
         if not self.captured or self.released:
             raise InvalidStateError("graph_addresses of a graph that is not captured", backend=self.backend,
                                     call="graph_addresses")
         start = time.perf_counter()
+        used = (self.tensors[i] for i in self.touched)
         spans = {(s.data_ptr(), s.nbytes()) for s in
-                 (t.untyped_storage() for t in self.tensors if t is not None and t.numel())}
+                 (t.untyped_storage() for t in used if t is not None and t.numel())}
         return GraphAddresses(tuple(sorted(spans)), nodes=len(self.ops), seconds=time.perf_counter() - start)
 
     def discard(self) -> None:
         """Forget a capture that was refused after it ended: the graph is empty again, as after a failed one."""
+        self._forget()
+        self.captured = False
+
+    def _forget(self) -> None:
         self.program.clear()
         self.ops.clear()
         self.entries.clear()
         self.tensors.clear()
-        self.captured = False
+        self.touched.clear()
+        self.pool = None
 
     def release(self) -> None:
         """Drop the tape and the private pool; tell a routed capture's router once. Idempotent."""
-        self.program.clear()
-        self.ops.clear()
-        self.entries.clear()
-        self.tensors.clear()
+        self._forget()
         if self.own_pool is not None:
             self.own_pool.release()
             self.own_pool = None
@@ -153,20 +179,35 @@ class HostGraph:
             on_release(False)
 
 
-def tensor_at(ptr: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[torch.Tensor, Any]:
-    """A contiguous tensor over ``nbytes`` of host memory at ``ptr``; also return the buffer."""
+def tensor_at(ptr: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...],
+              stride: tuple[int, ...] | None = None) -> tuple[torch.Tensor, Any]:
+    """A tensor over ``nbytes`` of host memory at ``ptr``, contiguous or with ``stride``; also return the buffer."""
     if nbytes == 0:
-        return torch.empty(shape, dtype=dtype), None
+        empty = torch.empty(shape, dtype=dtype) if stride is None else torch.empty_strided(shape, stride, dtype=dtype)
+        return empty, None
     buf = (ctypes.c_char * nbytes).from_address(ptr)
-    flat = torch.frombuffer(buf, dtype=torch.uint8)
-    return flat.view(dtype).view(shape), buf
+    flat = torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
+    return (flat.view(shape) if stride is None else flat.as_strided(shape, stride)), buf
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill a block without gaps or overlaps, in any dimension order (as an op's
+    result laid out like a permuted input is)."""
+    expected = 1
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride(), strict=True) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def place(pool: BlockPool, out: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A contiguous copy of ``out`` in a block of ``pool`` (freed when the copy dies); also its address."""
+    """A copy of ``out`` in a block of ``pool``, laid out as ``out`` is where it is dense (else contiguous),
+    freed when the copy dies; also its address."""
     nbytes = out.numel() * out.element_size()
     ptr = pool.malloc(nbytes) if nbytes else 0
-    placed, buf = tensor_at(ptr, nbytes, out.dtype, tuple(out.shape))
+    stride = tuple(out.stride()) if _dense(out) and not out.is_contiguous() else None
+    placed, buf = tensor_at(ptr, nbytes, out.dtype, tuple(out.shape), stride)
     if buf is not None:
         weakref.finalize(buf, pool.free, ptr)
     placed.copy_(out)
@@ -190,6 +231,42 @@ class Placer(TorchDispatchMode):
             if isinstance(out, torch.Tensor) and out.numel() and out.untyped_storage().data_ptr() not in storages:
                 flat[i] = place(self.pool, out)[0]
         return tree_unflatten(flat, spec)
+
+
+#: where a tensor's elements are: (memory address, memory bytes, shape, strides, offset)
+_Layout = tuple[int, int, tuple[int, ...], tuple[int, ...], int]
+
+
+def _layout(t: torch.Tensor) -> _Layout:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes(), tuple(t.shape), t.stride(), int(t.storage_offset())
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[tuple[int | str, Any]]:
+    """``(position or name, value)`` of every argument ``func`` writes: an in-place target, an ``out=``."""
+    found: list[tuple[int | str, Any]] = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            if a.kwarg_only or i >= len(args):
+                found.append((a.name, kwargs.get(a.name)))
+            else:
+                found.append((i, args[i]))
+    return found
+
+
+@functools.cache
+def _shape_only(func: Any) -> frozenset[str]:
+    """The arguments ``func`` takes for their shape, dtype and device only, never reading their bytes.
+
+    ``zeros_like(self)``, ``empty_like``, ``full_like``, ``rand_like``...
+    and ``self.new_zeros(...)``, ``new_empty``...: aten names them so.
+    """
+    name = func._schema.name.split("::")[-1]
+    return frozenset({"self"}) if name.endswith("_like") or name.startswith("new_") else frozenset()
 
 
 class _Recorder(TorchDispatchMode):
@@ -218,51 +295,73 @@ class _Recorder(TorchDispatchMode):
             return a
         index = self._lookup(a)
         if index is None:  # made before the capture: weights, inputs, constants
-            index = self._register(a, ("const", a))
+            # an alias keeps the shape and strides the tensor has now, whatever t_() or squeeze_() do to it later
+            index = self._register(a, ("const", aten.alias.default(a)))
         return _Ref(index)
 
     def _place(self, out: torch.Tensor) -> tuple[torch.Tensor, _Slot]:
         placed, ptr = place(self.pool, out)
         nbytes = out.numel() * out.element_size()
-        return placed, _Slot(ptr, nbytes, out.dtype, tuple(out.shape))
+        stride = None if placed.is_contiguous() else tuple(placed.stride())
+        return placed, _Slot(ptr, nbytes, out.dtype, tuple(out.shape), stride)
+
+    def _refuse(self, func: Any, why: str) -> CaptureError:
+        return CaptureError(f"{func} {why}", backend=self.graph.backend, call="capture")
 
     # -- dispatch --------------------------------------------------------------
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func.overloadpacket in _HOST_SYNC_PACKETS:
-            raise CaptureError(
-                f"{func} needs a value on the host during a graph capture "
-                "(.item(), bool(tensor), printing a tensor or a data-dependent shape); "
-                "move it out of the captured function",
-                backend=self.graph.backend, call="capture")
+            raise self._refuse(func, "needs a value on the host during a graph capture "
+                                     "(.item(), bool(tensor), printing a tensor or a data-dependent shape); "
+                                     "move it out of the captured function")
         arg_refs = tree_map(self._ref, args)
         kwarg_refs = tree_map(self._ref, kwargs)
-        if torch.Tag.inplace_view in func.tags:  # squeeze_, t_, ...: new metadata, same memory
-            result = func(*args, **kwargs)
-            # from now on the tensor is a view of what it was; replaying the op itself would
-            # change the replay tensor's shape again on every replay
-            self._register(args[0], ("view", _functional_view(func), arg_refs, kwarg_refs, 0))
-            return result
         in_storages = {
             a.untyped_storage().data_ptr()
             for a in tree_flatten((args, kwargs))[0]
             if isinstance(a, torch.Tensor) and a.numel()
         }
-        written = [
-            kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
-            for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
-        ]
-        result = func(*args, **kwargs)
+        written = _written(func, args, kwargs)
+        before = {id(t): _layout(t) for _, value in written for t in _tensors(value)}
+        result = self._run(func, args, kwargs)
+        for key, value in written:  # t_(), resize_(), an out= resized: the tensor shows other elements now
+            moved = [t for t in _tensors(value) if _layout(t) != before[id(t)]]
+            for t in moved:
+                self._rebind(func, t, before[id(t)], args, kwargs)
+            if moved and isinstance(key, int):
+                arg_refs = (*arg_refs[:key], tree_map(self._ref, value), *arg_refs[key + 1:])
+            elif moved:
+                kwarg_refs = {**kwarg_refs, key: tree_map(self._ref, value)}
         flat, spec = tree_flatten(result)
+        fresh = self._results(flat, in_storages, [w for _, value in written for w in _tensors(value)],
+                              func, arg_refs, kwarg_refs)
+        if (fresh or written) and torch.Tag.inplace_view not in func.tags:  # an in-place view op moves no bytes
+            self.graph.ops.append(_Op(func, arg_refs, kwarg_refs, fresh))
+        return tree_unflatten(flat, spec)
+
+    def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as exc:
+            # torch's words for a resize of memory it does not own: here, a block of the graph's pool
+            if "not resizable" not in str(exc):
+                raise
+            raise self._refuse(func, "grows a tensor that lives in the graph's pool, and a block of the pool "
+                                     "cannot move; make the tensor at its final size (or empty, torch.empty(0), "
+                                     "for an out= argument)") from exc
+
+    def _results(self, flat: list[Any], in_storages: set[int], written: list[torch.Tensor], func: Any,
+                 arg_refs: Any, kwarg_refs: Any) -> list[tuple[int, int]]:
+        """Register the op's results: new ones are placed in the pool (returned: (position, tensor index))."""
         fresh: list[tuple[int, int]] = []
         for pos, out in enumerate(flat):
             if not isinstance(out, torch.Tensor) or self._lookup(out) is not None:
                 continue
             aliases = out.numel() and out.untyped_storage().data_ptr() in in_storages
-            target = next((w for w in written if isinstance(w, torch.Tensor)
-                           and w.numel() and w.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+            target = next((w for w in written
+                           if w.numel() and w.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
                            and w.shape == out.shape and w.stride() == out.stride()), None)
             if aliases and target is not None:  # an in-place op returned a new handle on its target
                 self._index[id(out)] = (weakref.ref(out), self._ref(target).index)
@@ -272,15 +371,46 @@ class _Recorder(TorchDispatchMode):
                 placed, slot = self._place(out)
                 flat[pos] = placed
                 fresh.append((pos, self._register(placed, ("slot", slot))))
-        if fresh or written:
-            self.graph.ops.append(_Op(func, arg_refs, kwarg_refs, fresh))
-        return tree_unflatten(flat, spec)
+        return fresh
+
+    def _rebind(self, func: Any, t: torch.Tensor, before: _Layout, args: tuple, kwargs: dict) -> None:
+        """``func`` changed in place which elements ``t`` shows: record ``t`` anew, over the memory it shows now."""
+        storage = t.untyped_storage()
+        shown = (tuple(t.shape), t.stride(), t.storage_offset())
+        if (storage.data_ptr(), storage.nbytes()) == before[:2]:  # same memory: t_(), squeeze_(), a smaller resize_()
+            self._register(t, ("strided", self._ref(t).index, *shown))
+            return
+        sources = [a for a in _tensors((args, kwargs))
+                   if a is not t and storage.nbytes() and a.untyped_storage().data_ptr() == storage.data_ptr()]
+        if sources:  # set_(source): now over another tensor's memory
+            self._register(t, ("strided", self._ref(sources[0]).index, *shown))
+        elif not storage.nbytes():  # set_(): no memory at all
+            self._register(t, ("slot", _Slot(0, 0, t.dtype, tuple(t.shape), tuple(t.stride()))))
+        elif func.overloadpacket is aten.set_:  # onto a storage: the graph holds it, as it holds an input
+            self._register(t, ("const", aten.alias.default(t)))
+        elif not before[1]:  # an empty tensor given memory (out= resized it, or resize_): it belongs in the pool
+            placed, slot = self._place(t)
+            t.set_(placed)  # type: ignore[call-overload]
+            self._register(t, ("slot", slot))
+        else:
+            raise self._refuse(func, "grew a tensor made before the capture, so its memory moved where the replay "
+                                     "cannot follow; give the tensor its final size before the capture, or make "
+                                     "it inside the capture")
 
 
-def _functional_view(func: Any) -> Any:
-    """The view op an in-place view op stands for: ``aten.squeeze_.dim`` -> ``aten.squeeze.dim``."""
-    name = func._schema.name.split("::")[-1].rstrip("_")
-    return getattr(getattr(aten, name), func._overloadname)
+def _touched(graph: HostGraph) -> list[int]:
+    """The tensors whose bytes the recorded ops read or write: every argument and result, less the arguments
+    an op takes for their shape only (:func:`_shape_only`)."""
+    found: set[int] = set()
+    for op in graph.ops:
+        skip = _shape_only(op.func)
+        names = (a.name for a in op.func._schema.arguments)  # the positional ones come first
+        named = [*zip(names, op.args, strict=False), *op.kwargs.items()]
+        for name, value in named:
+            if name not in skip:
+                found.update(leaf.index for leaf in tree_flatten(value)[0] if isinstance(leaf, _Ref))
+        found.update(index for _, index in op.fresh)
+    return sorted(found)
 
 
 def _materialise(graph: HostGraph) -> None:
@@ -290,9 +420,12 @@ def _materialise(graph: HostGraph) -> None:
         kind = entry[0]
         if kind == "const":
             tensors.append(entry[1])
+        elif kind == "strided":  # what a tensor shows after an in-place view op or a resize
+            _, base, shape, stride, offset = entry
+            tensors.append(tensors[base].as_strided(shape, stride, offset))
         elif kind == "slot":
             slot: _Slot = entry[1]
-            tensors.append(tensor_at(slot.ptr, slot.nbytes, slot.dtype, slot.shape)[0])
+            tensors.append(tensor_at(slot.ptr, slot.nbytes, slot.dtype, slot.shape, slot.stride)[0])
         else:
             _, func, args, kwargs, pos = entry
             args = tree_map(lambda a: tensors[a.index] if isinstance(a, _Ref) else a, args)
@@ -476,12 +609,22 @@ def _host_reads_refused(backend: str) -> Iterator[None]:
 _ORIGINAL_DICT = {name for name in HOST_READ_METHODS if name in vars(torch.Tensor)}
 
 
+def refuse_capture(graph: HostGraph) -> None:
+    """Raise :class:`hal.InvalidStateError` when ``graph`` cannot be captured now (before anything is set up)."""
+    if graph.capturing:
+        raise InvalidStateError("the graph is being captured already: a capture of it inside its own capture "
+                                "would record itself; capture into another graph", backend=graph.backend,
+                                call="capture")
+    if graph.captured or graph.released:
+        raise InvalidStateError("a graph can be captured once", backend=graph.backend, call="capture")
+
+
 @contextlib.contextmanager
 def capture(graph: HostGraph, pool: BlockPool) -> Iterator[HostGraph]:
     """Record the torch work done inside the block into ``graph``, placing results in ``pool``."""
-    if graph.captured or graph.released:
-        raise InvalidStateError("a graph can be captured once", backend=graph.backend, call="capture")
+    refuse_capture(graph)
     recorder = _Recorder(graph, pool)
+    graph.capturing = True
     try:
         with recorder, _host_reads_refused(graph.backend):
             yield graph
@@ -489,6 +632,10 @@ def capture(graph: HostGraph, pool: BlockPool) -> Iterator[HostGraph]:
         graph.ops.clear()
         graph.entries.clear()
         raise
+    finally:
+        graph.capturing = False
     _materialise(graph)
+    graph.touched = _touched(graph)
     graph.program = _compile(graph)
+    graph.pool = pool
     graph.captured = True

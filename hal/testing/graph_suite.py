@@ -331,6 +331,30 @@ class TestCaptureReplay(_NeedsCapabilities):
                 pass
         be.release_graph(graph)
 
+    def test_a_released_graph_refuses_to_replay(self, hal_backend: hal.Backend) -> None:
+        be = hal_backend
+        x = full(be, 1.0)
+        graph, y = captured(be, x)
+        be.release_graph(graph)
+        x.fill_(5.0)
+        with pytest.raises(hal.InvalidStateError) as info:
+            be.replay(graph)
+        assert info.value.call == "replay" and "released" in str(info.value)
+        be.synchronize(None)
+        assert equals(y, 3.0), "a replay of a released graph wrote its output"
+
+    def test_a_graph_whose_pool_was_released_refuses_to_replay(self, hal_backend: hal.Backend) -> None:
+        be = hal_backend
+        pool = be.create_pool()
+        graph, y = captured(be, full(be, 1.0), pool)
+        del y
+        settle(be)
+        be.release_pool(pool)
+        with pytest.raises(hal.InvalidStateError) as info:
+            be.replay(graph)
+        assert info.value.call == "replay" and "pool" in str(info.value) and "capture" in str(info.value)
+        be.release_graph(graph)
+
 
 M_PERTURB = -6  # glibc's mallopt parameter: fill memory given back by free() with a byte
 

@@ -8,6 +8,7 @@ pin ``hal_backend_name``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -78,7 +79,20 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         return []
     options, overrides = _parsed(config)
     half = config.getoption("hal_half") or "both"
-    return [f"hal conformance: backend={name} options={options} requirements={overrides} half={half}"]
+    requirements = _requirements(name, overrides)
+    return [f"hal conformance: backend={name} options={options} requirements={requirements} half={half}"]
+
+
+def _requirements(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """What the suite assumes of backend ``name``: its class's ``hal_requirements``, then ``overrides``."""
+    try:
+        cls = hal.registry.plugin_class(name)
+    except hal.HalError:  # the fixtures say why, once the tests run
+        cls = None
+    try:
+        return dataclasses.asdict(Requirements.for_plugin(cls, overrides))
+    except ValueError:  # a bad hal_requirements: hal_requirements fails with the reason
+        return overrides
 
 
 @pytest.fixture(scope="session")

@@ -50,11 +50,13 @@ class Requirements:
 
     @classmethod
     def for_plugin(cls, plugin: Any, overrides: Mapping[str, Any] | None = None) -> Requirements:
-        """The requirements a backend plugin declares (``hal_requirements``), then ``overrides``."""
+        """The requirements a backend plugin (its class or an instance) declares (``hal_requirements``), then
+        ``overrides``."""
         req = cls()
         declared = getattr(plugin, "hal_requirements", None)
         if declared:
-            req = req.with_overrides(declared, f"{type(plugin).__name__}.hal_requirements")
+            owner = plugin if isinstance(plugin, type) else type(plugin)  # the class or an instance of it
+            req = req.with_overrides(declared, f"{owner.__name__}.hal_requirements")
         if overrides:
             req = req.with_overrides(overrides, "--hal-option")
         return req

@@ -3,7 +3,9 @@
 The vmm half: a reservation is inaccessible host address space, a physical
 chunk is a ``memfd``, and ``map`` puts the chunk's pages at the address, so
 two mappings of one chunk really share their bytes. The OS calls come from
-``hal.backends.fake.hostvm``; a device backend would call its driver there.
+hal's public helper :mod:`hal.host.vm`, which also turns the OS's failures
+into hal errors; a device backend calls its driver there instead, and turns
+the driver's codes into hal errors in one place (docs/plugins.md, "Errors").
 
 The graph half comes from hal's host recorder (:class:`hal.host.HostGraphs`):
 wired to the device's own allocator (:meth:`HostMemBackend.device_malloc`),
@@ -20,8 +22,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import hal
-from hal.backends.fake import hostvm
-from hal.host import HostGraphs
+from hal.host import HostGraphs, vm
 from hal.types import MemInfo
 
 NAME = "hostmem"
@@ -33,16 +34,6 @@ class Chunk:
 
     fd: int
     size: int
-
-
-@contextlib.contextmanager
-def checked(call: str) -> Iterator[None]:
-    """The one place where native failures become hal errors."""
-    try:
-        yield
-    except OSError as exc:
-        raise hal.DriverError(exc.strerror or str(exc), backend=NAME, call=call,
-                              code=exc.errno, code_name=f"errno {exc.errno}") from exc
 
 
 class HostMemBackend(HostGraphs):
@@ -64,12 +55,10 @@ class HostMemBackend(HostGraphs):
         if device != 0:
             raise hal.InvalidArgumentError(f"device={device}: there is only device 0", backend=NAME,
                                            call="get_backend")
-        if granularity <= 0 or granularity % hostvm.PAGE_SIZE:
-            raise hal.InvalidArgumentError(f"granularity={granularity} must be a positive multiple of "
-                                           f"the page size {hostvm.PAGE_SIZE}", backend=NAME, call="get_backend")
-        if capacity <= 0:
-            raise hal.InvalidArgumentError(f"capacity={capacity} must be positive", backend=NAME,
-                                           call="get_backend")
+        for name, value, unit in (("granularity", granularity, vm.PAGE_SIZE), ("capacity", capacity, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % unit:
+                raise hal.InvalidArgumentError(f"{name}={value!r} must be an int of bytes, a positive multiple of "
+                                               f"{unit}", backend=NAME, call="get_backend")
         self.granularity_bytes = granularity
         self.capacity = capacity
         self.used = 0
@@ -79,21 +68,23 @@ class HostMemBackend(HostGraphs):
     @classmethod
     def probe(cls) -> str | None:
         """Cheap check, run by discovery: ``None`` when usable here, else the reason."""
-        return hostvm.unavailable_reason()
+        return vm.unavailable_reason()
 
     # -- the device's own allocator, for the pools of the host recorder ---------------
 
     @contextlib.contextmanager
     def charged(self, size: int, call: str) -> Iterator[None]:
-        """Count ``size`` bytes as used while the block allocates them; give them back if it fails."""
+        """Count ``size`` bytes as used while the block allocates them; give them back if it fails.
+
+        Pools call ``device_malloc`` and ``device_free`` from any thread: the count is under a lock.
+        """
         with self._lock:
             if self.used + size > self.capacity:
                 raise hal.DeviceOutOfMemoryError(f"{size} bytes requested, {self.capacity - self.used} free",
                                                  backend=NAME, call=call)
             self.used += size
         try:
-            with checked(call):
-                yield
+            yield
         except BaseException:
             self.refund(size)
             raise
@@ -105,11 +96,10 @@ class HostMemBackend(HostGraphs):
     def device_malloc(self, nbytes: int) -> int:
         """A segment of ``nbytes`` for a pool; raises ``DeviceOutOfMemoryError`` when the device is full."""
         with self.charged(nbytes, "device_malloc"):
-            return hostvm.alloc_anonymous(nbytes)
+            return vm.alloc(nbytes, backend=NAME)
 
     def device_free(self, ptr: int, nbytes: int) -> None:
-        with checked("device_free"):
-            hostvm.free(ptr, nbytes)
+        vm.free(ptr, nbytes, backend=NAME)
         self.refund(nbytes)
 
     # -- queries ------------------------------------------------------------------
@@ -124,37 +114,33 @@ class HostMemBackend(HostGraphs):
 
     @hal.hookimpl
     def mem_info(self) -> MemInfo:
+        """The configured capacity, less the chunks and pool segments allocated (graphkit measures by it)."""
         return MemInfo(free=self.capacity - self.used, total=self.capacity)
 
     # -- vmm: the facade has checked sizes, alignment, ranges and handles already ---
 
     @hal.hookimpl
     def create_vir_ptr(self, size: int) -> int:
-        with checked("create_vir_ptr"):
-            return hostvm.reserve(size, self.granularity_bytes)
+        return vm.reserve(size, self.granularity_bytes, backend=NAME)
 
     @hal.hookimpl
     def release_vir_ptr(self, ptr: int, size: int) -> None:
-        with checked("release_vir_ptr"):
-            hostvm.free(ptr, size)
+        vm.release(ptr, size, backend=NAME)
 
     @hal.hookimpl
     def create_phy_mem_handle(self, size: int) -> Chunk:
         with self.charged(size, "create_phy_mem_handle"):
-            return Chunk(hostvm.create_chunk(size), size)
+            return Chunk(vm.create_chunk(size, backend=NAME), size)
 
     @hal.hookimpl
     def release_phy_mem_handle(self, handle: Chunk) -> None:
-        with checked("release_phy_mem_handle"):
-            hostvm.release_chunk(handle.fd)
+        vm.release_chunk(handle.fd, backend=NAME)
         self.refund(handle.size)
 
     @hal.hookimpl
     def map(self, ptr: int, size: int, handle: Chunk) -> None:
-        with checked("map"):
-            hostvm.map_chunk(ptr, size, handle.fd)
+        vm.map_chunk(ptr, size, handle.fd, backend=NAME)
 
     @hal.hookimpl
     def unmap(self, ptr: int, size: int) -> None:
-        with checked("unmap"):
-            hostvm.unmap_chunk(ptr, size)
+        vm.unmap_chunk(ptr, size, backend=NAME)

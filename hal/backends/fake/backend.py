@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 from hal.api import hookimpl
-from hal.backends.fake import hostvm
-from hal.errors import DeviceOutOfMemoryError, DriverError, InvalidArgumentError
-from hal.host import HostGraphs, HostStream
+from hal.errors import DeviceOutOfMemoryError, InvalidArgumentError
+from hal.host import HostGraphs, HostStream, vm
 from hal.types import MemInfo, fmt_bytes
 
 NAME = "fake"
@@ -56,8 +53,8 @@ class FakeBackend(HostGraphs):
         def bad(arg: str, value: Any, why: str) -> InvalidArgumentError:
             return InvalidArgumentError(f"{arg}={value!r} {why}", backend=NAME, call="get_backend")
 
-        if not isinstance(granularity, int) or granularity <= 0 or granularity % hostvm.PAGE_SIZE:
-            raise bad("granularity", granularity, f"must be a positive multiple of the page size {hostvm.PAGE_SIZE}")
+        if not isinstance(granularity, int) or granularity <= 0 or granularity % vm.PAGE_SIZE:
+            raise bad("granularity", granularity, f"must be a positive multiple of the page size {vm.PAGE_SIZE}")
         if not isinstance(capacity, int) or capacity <= 0:
             raise bad("capacity", capacity, "must be a positive int of bytes")
         if not isinstance(device_count, int) or device_count < 1:
@@ -77,7 +74,7 @@ class FakeBackend(HostGraphs):
 
     @classmethod
     def probe(cls) -> str | None:
-        return hostvm.unavailable_reason()
+        return vm.unavailable_reason()
 
     @property
     def _routers(self) -> list[Any]:
@@ -104,7 +101,11 @@ class FakeBackend(HostGraphs):
             self._charge("device_malloc", size)
         except DeviceOutOfMemoryError:
             return 0
-        ptr = hostvm.alloc_anonymous(size)
+        try:
+            ptr = vm.alloc(size, backend=NAME)
+        except BaseException:
+            self._refund(size)
+            raise
         self._anon[ptr] = size
         return ptr
 
@@ -112,19 +113,8 @@ class FakeBackend(HostGraphs):
         owned = self._anon.pop(ptr, None)
         if owned is None:  # freed by shutdown already (a tensor outlived its backend)
             return
-        hostvm.free(ptr, owned)
+        vm.free(ptr, owned, backend=NAME)
         self._refund(size)
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _os_errors(call: str) -> Iterator[None]:
-        """An ``OSError`` of the host calls inside the block leaves as a :class:`hal.DriverError` of ``call``
-        carrying its errno."""
-        try:
-            yield
-        except OSError as exc:
-            raise DriverError(exc.strerror or str(exc), backend=NAME, call=call, code=exc.errno,
-                              code_name=f"errno {exc.errno}") from exc
 
     # -- queries ---------------------------------------------------------------------
 
@@ -145,23 +135,17 @@ class FakeBackend(HostGraphs):
 
     @hookimpl
     def create_vir_ptr(self, size: int) -> int:
-        try:
-            return hostvm.reserve(size, self._granularity)
-        except OSError as exc:
-            raise DeviceOutOfMemoryError(f"cannot reserve {fmt_bytes(size)}: {exc.strerror}",
-                                         backend=NAME, call="create_vir_ptr") from exc
+        return vm.reserve(size, self._granularity, backend=NAME)
 
     @hookimpl
     def release_vir_ptr(self, ptr: int, size: int) -> None:
-        with self._os_errors("release_vir_ptr"):
-            hostvm.free(ptr, size)
+        vm.release(ptr, size, backend=NAME)
 
     @hookimpl
     def create_phy_mem_handle(self, size: int) -> int:
         self._charge("create_phy_mem_handle", size)
         try:
-            with self._os_errors("create_phy_mem_handle"):
-                fd = hostvm.create_chunk(size)
+            fd = vm.create_chunk(size, backend=NAME)
         except BaseException:  # OSError, OverflowError and the like: nothing may stay charged
             self._refund(size)
             raise
@@ -172,8 +156,7 @@ class FakeBackend(HostGraphs):
     @hookimpl
     def release_phy_mem_handle(self, handle: int) -> None:
         fd, size = self._chunks[handle]
-        with self._os_errors("release_phy_mem_handle"):
-            hostvm.release_chunk(fd)
+        vm.release_chunk(fd, backend=NAME)
         del self._chunks[handle]
         self._refund(size)
 
@@ -182,13 +165,11 @@ class FakeBackend(HostGraphs):
         fd, chunk_size = self._chunks[handle]
         if size != chunk_size:  # the facade checks this too; real drivers refuse it
             raise InvalidArgumentError(f"size={size} differs from the chunk's {chunk_size}", backend=NAME, call="map")
-        with self._os_errors("map"):
-            hostvm.map_chunk(ptr, size, fd)
+        vm.map_chunk(ptr, size, fd, backend=NAME)
 
     @hookimpl
     def unmap(self, ptr: int, size: int) -> None:
-        with self._os_errors("unmap"):
-            hostvm.unmap_chunk(ptr, size)
+        vm.unmap_chunk(ptr, size, backend=NAME)
 
     @hookimpl
     def shutdown(self) -> None:
