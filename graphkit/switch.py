@@ -43,17 +43,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import hal
+from _graphkit_startup import ENV, OFF, ON
 from graphkit.graph_pools import GraphPools
 from graphkit.pools import POOL_KINDS
 from hal.process_routing import patch_imported
 from hal.types import Route
 
 log = logging.getLogger("graphkit.switch")
-
-#: the environment variable that turns the switch on
-ENV = "GRAPHKIT_GRAPH_MEMORY"
-OFF = ("", "0", "false", "off", "no")
-ON = ("1", "true", "on", "yes")
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,41 @@
-"""GRAPHKIT_GRAPH_MEMORY: its value and the engines' plugin entry points."""
+"""GRAPHKIT_GRAPH_MEMORY: its value, the start-up hook installed with the package, the engines' plugin entry
+points, and the switch in processes that never call graphkit (spawned and forked ranks, a fresh environment)."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
+import json
 import logging
+import os
 import re
+import shutil
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+import _graphkit_startup
 import hal
+from _graphkit_startup import StartupHook
 from graphkit import switch
 from graphkit.switch import ENV, Options
+
+ROOT = Path(__file__).resolve().parents[1]
+HOOK_FILE = ROOT / "graphkit-startup.pth"
+ENGINE = ROOT / "tests" / "switch_engine.py"
+
+
+def _env(value: str | None, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    if value is not None:
+        env[ENV] = value
+    return {**env, **extra}
+
 
 # -- the value ------------------------------------------------------------------------------------------------
 
@@ -19,6 +43,7 @@ from graphkit.switch import ENV, Options
 @pytest.mark.parametrize("value", [None, "", "  ", "0", "off", "No", " false "])
 def test_values_that_leave_the_switch_off(value: str | None) -> None:
     assert switch.parse(value) is None
+    assert not _graphkit_startup.requested({} if value is None else {ENV: value})
 
 
 @pytest.mark.parametrize(("value", "options"), [
@@ -30,6 +55,7 @@ def test_values_that_leave_the_switch_off(value: str | None) -> None:
 ])
 def test_values_that_turn_it_on(value: str, options: Options) -> None:
     assert switch.parse(value) == options
+    assert _graphkit_startup.requested({ENV: value})
 
 
 @pytest.mark.parametrize(("value", "named"), [
@@ -43,6 +69,7 @@ def test_bad_values_are_refused_naming_the_variable_and_the_option(value: str, n
         switch.parse(value)
     assert caught.value.call == ENV
     assert str(caught.value).startswith(f"{ENV}: ") and str(caught.value).count(ENV) == 1
+    assert _graphkit_startup.requested({ENV: value})  # the hook still waits for torch: the switch reports it
 
 
 # -- the engines' plugin entry points -------------------------------------------------------------------------
@@ -89,3 +116,177 @@ def test_the_plugin_reports_a_bad_value_once_and_never_raises(monkeypatch, caplo
     assert len(warnings) == 1, warnings
     assert "'kind=bogus' is not an option" in warnings[0] and "stays off" in warnings[0]
     assert warnings[0].count(ENV) == 1
+
+
+# -- the start-up hook's import hook (in this process, on modules made for the test) ---------------------------
+
+
+@pytest.fixture
+def modules(tmp_path: Path, monkeypatch) -> Iterator[Path]:
+    """A folder on sys.path for the test's modules; they and any hook the test adds are gone afterwards."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before, meta = set(sys.modules), list(sys.meta_path)
+    yield tmp_path
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+    sys.meta_path[:] = meta
+
+
+def _write(folder: Path, name: str, body: str) -> None:
+    (folder / f"{name}.py").write_text(textwrap.dedent(body))
+
+
+def _hook(on_ready: Any, triggers: tuple[str, ...], importers: tuple[str, ...] = ()) -> StartupHook:
+    hook = StartupHook(on_ready, triggers, importers)
+    sys.meta_path.insert(0, hook)
+    return hook
+
+
+def test_the_hook_runs_once_the_trigger_module_has_finished_importing(modules: Path) -> None:
+    _write(modules, "gk_trigger_a", "import time\nDONE = True\n")
+    seen = []
+    _hook(lambda: seen.append(getattr(sys.modules["gk_trigger_a"], "DONE", False)), ("gk_trigger_a",))
+    probed = importlib.util.find_spec("gk_trigger_a")  # probing finds it, and its loader answers as usual
+    assert probed is not None and probed.loader is not None and not probed.loader.is_package("gk_trigger_a")
+    assert seen == []
+    import gk_trigger_a  # type: ignore[import-not-found]
+
+    assert seen == [True]
+    assert type(gk_trigger_a.__loader__).__name__ == "SourceFileLoader"  # the module keeps its own loader
+    assert gk_trigger_a.__spec__.loader is gk_trigger_a.__loader__
+
+
+def test_the_hook_waits_while_an_importer_module_is_half_imported(modules: Path) -> None:
+    _write(modules, "gk_trigger_b", "")
+    _write(modules, "gk_importer_b", "import gk_trigger_b\nDONE = True\n")
+    seen = []
+    _hook(lambda: seen.append(getattr(sys.modules["gk_importer_b"], "DONE", False)), ("gk_trigger_b",),
+          ("gk_importer_b",))
+    import gk_importer_b  # type: ignore[import-not-found]  # noqa: F401
+
+    assert seen == [True]
+
+
+def test_the_hook_is_not_reentered_by_the_imports_of_its_own_callback(modules: Path) -> None:
+    _write(modules, "gk_trigger_c", "")
+    _write(modules, "gk_importer_c", "import gk_trigger_c\n")
+    calls = []
+
+    def on_ready() -> None:
+        calls.append(1)
+        import gk_importer_c  # type: ignore[import-not-found]  # noqa: F401
+
+    _hook(on_ready, ("gk_trigger_c",), ("gk_importer_c",))
+    import gk_trigger_c  # type: ignore[import-not-found]  # noqa: F401
+
+    assert calls == [1]
+
+
+def test_a_failed_import_does_not_trigger_and_a_failing_callback_is_logged_not_raised(modules: Path, caplog,
+                                                                                     monkeypatch) -> None:
+    _write(modules, "gk_trigger_d", "raise ImportError('not here')\n")
+    _write(modules, "gk_trigger_e", "")
+    calls = []
+
+    def on_ready() -> None:
+        calls.append(1)
+        raise RuntimeError("broken")
+
+    _hook(on_ready, ("gk_trigger_d", "gk_trigger_e"))
+    with pytest.raises(ImportError, match="not here"):
+        import gk_trigger_d  # type: ignore[import-not-found]  # noqa: F401
+    assert calls == []
+    monkeypatch.setattr(_graphkit_startup, "_warned", False)
+    with caplog.at_level(logging.WARNING, logger="graphkit.switch"):
+        import gk_trigger_e  # type: ignore[import-not-found]  # noqa: F401
+    assert calls == [1]
+    assert "did not start" in caplog.text and "RuntimeError: broken" in caplog.text
+
+
+def test_install_is_inert_without_the_variable_and_registers_one_hook_with_it(modules: Path, monkeypatch) -> None:
+    calls = []
+    monkeypatch.delenv(ENV, raising=False)
+    assert _graphkit_startup.install(lambda: calls.append(1)) is None
+    monkeypatch.setenv(ENV, "0")
+    assert _graphkit_startup.install(lambda: calls.append(1)) is None
+    assert not any(isinstance(f, StartupHook) for f in sys.meta_path)
+    monkeypatch.setenv(ENV, "1")
+    hook = _graphkit_startup.install(lambda: calls.append(1))
+    assert hook is not None and calls == [1]  # torch is imported already in this process: it runs at once
+    assert _graphkit_startup.install(lambda: calls.append(2)) is hook
+    assert [f for f in sys.meta_path if isinstance(f, StartupHook)] == [hook] and calls == [1]
+
+
+# -- the .pth file in fresh interpreters -----------------------------------------------------------------------
+
+
+_PROBE = """
+import json, site, sys
+before = set(sys.modules)
+for folder in sys.argv[1:]:
+    site.addsitedir(folder)          # the hook processed twice: two site folders that both carry it
+hooks = [type(f).__name__ for f in sys.meta_path if getattr(f, "graphkit_startup_hook", False)]
+new = sorted(set(sys.modules) - before)
+foreign = sorted({name.split(".")[0] for name in new} - set(sys.stdlib_module_names))
+print(json.dumps({"hooks": hooks, "new": new, "foreign": foreign}))
+"""
+
+
+@pytest.mark.parametrize("value", [None, "0", "1", "kind=bogus"])
+def test_the_pth_file_imports_neither_torch_nor_graphkit(tmp_path: Path, value: str | None) -> None:
+    folders = []
+    for name in ("base", "venv"):
+        folder = tmp_path / name
+        folder.mkdir()
+        shutil.copy(HOOK_FILE, folder)
+        folders.append(str(folder))
+    # -S: no site-packages (nothing installed is read); the project's root gives the hook's module only
+    out = subprocess.run([sys.executable, "-S", "-c", _PROBE, *folders], capture_output=True, text=True,
+                         timeout=60, env=_env(value, PYTHONPATH=str(ROOT)), check=True)
+    assert out.stderr == ""
+    seen = json.loads(out.stdout)
+    on = value not in (None, "0")
+    assert seen["hooks"] == (["StartupHook"] if on else [])
+    assert not {"torch", "hal", "graphkit"} & set(seen["new"])
+    assert seen["foreign"] == (["_graphkit_startup"] if value is not None else [])  # and the standard library
+
+
+# -- the switch in processes that never call graphkit ----------------------------------------------------------
+
+
+def _report_lines(stderr: str, pid: int) -> list[str]:
+    return [line for line in stderr.splitlines() if f"graphkit: process {pid}, " in line]
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_the_hook_and_a_fresh_environment_is_served(tmp_path: Path) -> None:
+    pytest.importorskip("setuptools", minversion="68", reason="builds the wheel with this environment's setuptools")
+    source = tmp_path / "source"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "dist")
+    for name in ("hal", "graphkit"):
+        shutil.copytree(ROOT / name, source / name, ignore=ignore)
+    for name in ("pyproject.toml", "setup.py", "README.md", HOOK_FILE.name, "_graphkit_startup.py"):
+        shutil.copy(ROOT / name, source / name)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
+    subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"),
+                    str(source)], check=True, capture_output=True, timeout=300)
+    wheel = next((tmp_path / "dist").glob("hal_graphkit-*.whl"))
+    env_dir = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=120)
+    python = env_dir / "bin" / "python"
+    purelib = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                  capture_output=True, text=True, check=True).stdout.strip())
+    # torch and the other dependencies from this environment, as plain folders (their .pth files stay unread)
+    (purelib / "dependencies.pth").write_text("\n".join(p for p in sys.path if p.endswith("-packages")) + "\n")
+    subprocess.run([*pip, "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    assert (purelib / HOOK_FILE.name).read_text() == HOOK_FILE.read_text()
+    assert (purelib / "_graphkit_startup.py").exists()
+    out = subprocess.run([python, str(ENGINE), "none"], capture_output=True, text=True, timeout=400,
+                         env=_env("1", PYTHONPATH=""), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rank = json.loads(out.stdout.splitlines()[-1])["ranks"][0]
+    assert rank["served"] == ["fake:0"] and rank["worst"] == 0.0, rank
+    assert all(Path(f).is_relative_to(purelib) for f in rank["files"].values()), rank["files"]
+    line = _report_lines(out.stderr, rank["pid"])
+    assert len(line) == 1 and "3 key(s)" in line[0] and line[0].endswith("(at exit)"), out.stderr[-3000:]
