@@ -36,6 +36,7 @@ import atexit
 import contextlib
 import logging
 import math
+import multiprocessing.util
 import os
 import sys
 import threading
@@ -117,6 +118,7 @@ class ProcessGraphMemory:
         self._lock = threading.RLock()
         self._timer: threading.Timer | None = None
         self._unreported: set[tuple[str, int]] = set()
+        self._exit_logged: int | None = None  # the process that logged this scope's lines at exit
 
     def route(self, backend: str, device: int, graph: Any, requested_pool: Any) -> Route | None:
         """hal's process router: the route of a capture of ``backend`` on ``device`` (None where unserved)."""
@@ -184,6 +186,7 @@ class ProcessGraphMemory:
         """Log the report line of every device that captured since its last one."""
         with self._lock:
             pending, self._unreported = self._unreported, set()
+        _visible()
         for line in self.report_lines(pending):
             log.info("%s", line)
 
@@ -216,6 +219,7 @@ def start(options: Options | None = None) -> ProcessGraphMemory:
         _active, _routing = scope, stack
     _visible()
     atexit.register(_at_exit, scope)
+    multiprocessing.util.register_after_fork(scope, _after_fork)
     log.debug("%s: every capture of process %d is served by graphkit", ENV, os.getpid())
     return scope
 
@@ -268,18 +272,47 @@ def plugin() -> None:
 
 
 def _at_exit(scope: ProcessGraphMemory) -> None:
+    if scope._exit_logged == os.getpid():
+        return
+    scope._exit_logged = os.getpid()
     scope.stop()
+    _visible()
     for line in scope.report_lines():
         log.info("%s (at exit)", line)
 
 
+def _after_fork(scope: ProcessGraphMemory) -> None:
+    """In a child forked by multiprocessing, which leaves through ``os._exit`` past the atexit handlers, the
+    lines at exit are logged by multiprocessing's own exit finalizers."""
+    multiprocessing.util.Finalize(None, _at_exit, args=(scope,), exitpriority=0)
+
+
+_stderr: logging.Handler | None = None  # the handler _visible() added, while it is needed
+_own_level = False  # whether _visible() set the logger's level (it puts it back with the handler)
+
+
 def _visible() -> None:
-    """The report lines reach stderr even where the process configured no logging."""
-    if not log.hasHandlers():
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
+    """The report lines reach stderr where the process configured no logging, and only there: checked again
+    before each report, since a process started by the start-up hook sets up its logging later, if at all."""
+    global _stderr, _own_level
+    configured, logger = False, log
+    while not configured:
+        configured = any(h is not _stderr for h in logger.handlers)
+        if not logger.propagate or logger.parent is None:
+            break
+        logger = logger.parent
+    if configured and _stderr is not None:
+        log.removeHandler(_stderr)
+        if _own_level:
+            log.setLevel(logging.NOTSET)
+        _stderr, _own_level = None, False
+    elif not configured and _stderr is None:
+        _stderr = logging.StreamHandler(sys.stderr)
+        _stderr.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(_stderr)
+        _own_level = log.level == logging.NOTSET
+        if _own_level:
+            log.setLevel(logging.INFO)
 
 
 __all__ = ["ENV", "Options", "ProcessGraphMemory", "active", "parse", "plugin", "start", "start_from_environment",

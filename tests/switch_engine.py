@@ -7,12 +7,15 @@ package has to reach every rank by itself. Each rank (``none``: this process)
 captures ``relu(x @ W)`` for three batch sizes, replays each against eager and
 reports what it saw of the switch, read from ``sys.modules`` (the rank never
 imports graphkit). The launcher prints one JSON line: its own view and the
-ranks'. Each process's report line lands on stderr at exit.
+ranks'. Each process's report line lands on stderr at exit; the forked rank
+sets up its logging after the switch started (as engines' workers do), and its
+line goes through that logging instead.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import sys
@@ -53,7 +56,9 @@ def rank() -> dict[str, Any]:
     return {**switch_seen(), "worst": worst}
 
 
-def _rank_main(queue: Any) -> None:
+def _rank_main(queue: Any, configure_logging: bool) -> None:
+    if configure_logging:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     queue.put(rank())
 
 
@@ -65,7 +70,7 @@ def main(methods: list[str]) -> None:
             continue
         ctx = multiprocessing.get_context(method)
         queue = ctx.Queue()
-        proc = ctx.Process(target=_rank_main, args=(queue,))
+        proc = ctx.Process(target=_rank_main, args=(queue, method == "fork"))
         proc.start()
         ranks.append({"method": method, **queue.get(timeout=300)})
         proc.join(timeout=60)

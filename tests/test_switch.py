@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import shutil
+import site
 import subprocess
 import sys
 import textwrap
@@ -254,8 +255,37 @@ def test_the_pth_file_imports_neither_torch_nor_graphkit(tmp_path: Path, value: 
 # -- the switch in processes that never call graphkit ----------------------------------------------------------
 
 
+def _installed_hook() -> Path:
+    """The hook file of this environment's install, checked against the project's."""
+    folders = [*site.getsitepackages(), site.getusersitepackages()]
+    for folder in folders:
+        path = Path(folder) / HOOK_FILE.name
+        if path.exists():
+            assert path.read_text() == HOOK_FILE.read_text(), f"{path} is stale: reinstall (pip install -e .)"
+            return path
+    raise AssertionError(f"{HOOK_FILE.name} is in none of {folders}: install the package (pip install -e .)")
+
+
 def _report_lines(stderr: str, pid: int) -> list[str]:
     return [line for line in stderr.splitlines() if f"graphkit: process {pid}, " in line]
+
+
+def test_spawned_and_forked_ranks_are_served_with_the_variable_alone() -> None:
+    _installed_hook()
+    out = subprocess.run([sys.executable, str(ENGINE), "spawn", "fork"], capture_output=True, text=True,
+                         timeout=400, env=_env("report=0"), cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.splitlines()[-1])
+    assert seen["launcher"]["graphkit_imported"] and seen["launcher"]["served"] == []
+    assert not _report_lines(out.stderr, seen["launcher"]["pid"])  # it captured nothing: nothing to report
+    for rank in seen["ranks"]:
+        assert rank["served"] == ["fake:0"], rank
+        assert rank["worst"] == 0.0 and rank["exitcode"] == 0, rank
+        lines = _report_lines(out.stderr, rank["pid"])
+        assert len(lines) == 1, (rank, out.stderr[-3000:])
+        assert "fake:0: graph pools on fake (vmm): 3 key(s)" in lines[0] and lines[0].endswith("(at exit)")
+        configured = rank["method"] == "fork"  # that rank set up logging of its own: the line went through it
+        assert lines[0].startswith("INFO graphkit.switch: ") == configured, lines[0]
 
 
 @pytest.mark.slow
