@@ -20,11 +20,14 @@ The value is ``1`` (``true``, ``on``, ``yes``) or a comma-separated list of
 options, which also turns it on: ``kind=vmm|shared|private``, ``verify=0|1``,
 ``hygiene=0|1``, ``report=SECONDS`` (0: at exit only). ``0``, ``false``,
 ``off``, ``no`` or empty: off. A bad value raises
-:class:`hal.InvalidArgumentError` naming the variable.
+:class:`hal.InvalidArgumentError` naming the variable from :func:`parse` and
+:func:`start_from_environment`; the start-up hook and :func:`plugin` log it
+once per process instead and leave the switch off.
 
 :func:`start` does the same from code, and the engines' own plugin entry
-points call :func:`start_from_environment` (vLLM's ``vllm.general_plugins``
-in every worker, SGLang's ``sglang.srt.plugins`` in every scheduler).
+points call :func:`plugin` (vLLM's ``vllm.general_plugins`` in every worker,
+SGLang's ``sglang.srt.plugins`` in every scheduler), which works without the
+start-up hook (a process started with ``python -S``, say).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import math
+import multiprocessing.util
 import os
 import sys
 import threading
@@ -39,17 +44,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import hal
+from _graphkit_startup import ENV, OFF, ON
 from graphkit.graph_pools import GraphPools
 from graphkit.pools import POOL_KINDS
 from hal.process_routing import patch_imported
 from hal.types import Route
 
 log = logging.getLogger("graphkit.switch")
-
-#: the environment variable that turns the switch on
-ENV = "GRAPHKIT_GRAPH_MEMORY"
-_OFF = ("", "0", "false", "off", "no")
-_ON = ("1", "true", "on", "yes")
 
 
 @dataclass(frozen=True)
@@ -66,19 +67,22 @@ class Options:
 def parse(value: str | None) -> Options | None:
     """The options ``value`` (the variable's value) asks for; None when it says off."""
     text = (value or "").strip().lower()
-    if text in _OFF:
+    if text in OFF:
         return None
-    if text in _ON:
+    if text in ON:
         return Options()
     fields: dict[str, Any] = {}
-    for item in text.split(","):
+    for item in filter(None, (part.strip() for part in text.split(","))):
         key, _, raw = item.partition("=")
         key, raw = key.strip(), raw.strip()
         try:
+            if key in fields:
+                raise ValueError(key)
             fields[key] = _option(key, raw)
         except (KeyError, ValueError):
+            what = "is given twice" if key in fields else "is not an option"
             raise hal.InvalidArgumentError(
-                f"{ENV}={value!r}: {item.strip()!r} is not an option; give 1, or a comma-separated list of "
+                f"{item!r} {what} (the value is {value!r}); give 1, or a comma-separated list of "
                 f"kind={'|'.join(POOL_KINDS)}, verify=0|1, hygiene=0|1, report=SECONDS", call=ENV) from None
     return Options(**fields)
 
@@ -89,12 +93,12 @@ def _option(key: str, raw: str) -> Any:
             raise ValueError(raw)
         return raw
     if key in ("verify", "hygiene"):
-        if raw not in _ON + _OFF[1:]:
+        if raw not in ON + OFF[1:]:
             raise ValueError(raw)
-        return raw in _ON
+        return raw in ON
     if key == "report":
         seconds = float(raw)
-        if not seconds >= 0:
+        if not (math.isfinite(seconds) and seconds >= 0):
             raise ValueError(raw)
         return seconds
     raise KeyError(key)
@@ -114,6 +118,7 @@ class ProcessGraphMemory:
         self._lock = threading.RLock()
         self._timer: threading.Timer | None = None
         self._unreported: set[tuple[str, int]] = set()
+        self._exit_logged: int | None = None  # the process that logged this scope's lines at exit
 
     def route(self, backend: str, device: int, graph: Any, requested_pool: Any) -> Route | None:
         """hal's process router: the route of a capture of ``backend`` on ``device`` (None where unserved)."""
@@ -181,6 +186,7 @@ class ProcessGraphMemory:
         """Log the report line of every device that captured since its last one."""
         with self._lock:
             pending, self._unreported = self._unreported, set()
+        _visible()
         for line in self.report_lines(pending):
             log.info("%s", line)
 
@@ -213,6 +219,7 @@ def start(options: Options | None = None) -> ProcessGraphMemory:
         _active, _routing = scope, stack
     _visible()
     atexit.register(_at_exit, scope)
+    multiprocessing.util.register_after_fork(scope, _after_fork)
     log.debug("%s: every capture of process %d is served by graphkit", ENV, os.getpid())
     return scope
 
@@ -243,20 +250,70 @@ def start_from_environment() -> ProcessGraphMemory | None:
     return start(options)
 
 
+_reported = False
+
+
+def plugin() -> None:
+    """The engines' plugin entry point (vLLM's ``vllm.general_plugins``, SGLang's ``sglang.srt.plugins``) and
+    the start-up hook's call: :func:`start_from_environment`, as often as it is called, touching no device.
+
+    It never raises: an engine calls it in every worker, where a bad value would stop the engine over an
+    optimisation. A bad value (or a failure to start) is logged once per process and the switch stays off.
+    """
+    global _reported
+    try:
+        start_from_environment()
+    except Exception as exc:  # logged below, with its traceback unless it is hal's own error
+        if not _reported:
+            _reported = True
+            text = str(exc) if str(exc).startswith(ENV) else f"{ENV}: {type(exc).__name__}: {exc}"
+            log.warning("%s -- graph memory stays off in process %d", text, os.getpid(),
+                        exc_info=not isinstance(exc, hal.HalError))
+
+
 def _at_exit(scope: ProcessGraphMemory) -> None:
+    if scope._exit_logged == os.getpid():
+        return
+    scope._exit_logged = os.getpid()
     scope.stop()
+    _visible()
     for line in scope.report_lines():
         log.info("%s (at exit)", line)
 
 
+def _after_fork(scope: ProcessGraphMemory) -> None:
+    """In a child forked by multiprocessing, which leaves through ``os._exit`` past the atexit handlers, the
+    lines at exit are logged by multiprocessing's own exit finalizers."""
+    multiprocessing.util.Finalize(None, _at_exit, args=(scope,), exitpriority=0)
+
+
+_stderr: logging.Handler | None = None  # the handler _visible() added, while it is needed
+_own_level = False  # whether _visible() set the logger's level (it puts it back with the handler)
+
+
 def _visible() -> None:
-    """The report lines reach stderr even where the process configured no logging."""
-    if not log.hasHandlers():
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
+    """The report lines reach stderr where the process configured no logging, and only there: checked again
+    before each report, since a process started by the start-up hook sets up its logging later, if at all."""
+    global _stderr, _own_level
+    configured, logger = False, log
+    while not configured:
+        configured = any(h is not _stderr for h in logger.handlers)
+        if not logger.propagate or logger.parent is None:
+            break
+        logger = logger.parent
+    if configured and _stderr is not None:
+        log.removeHandler(_stderr)
+        if _own_level:
+            log.setLevel(logging.NOTSET)
+        _stderr, _own_level = None, False
+    elif not configured and _stderr is None:
+        _stderr = logging.StreamHandler(sys.stderr)
+        _stderr.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(_stderr)
+        _own_level = log.level == logging.NOTSET
+        if _own_level:
+            log.setLevel(logging.INFO)
 
 
-
-__all__ = ["ENV", "Options", "ProcessGraphMemory", "active", "parse", "start", "start_from_environment", "stop"]
+__all__ = ["ENV", "Options", "ProcessGraphMemory", "active", "parse", "plugin", "start", "start_from_environment",
+           "stop"]
