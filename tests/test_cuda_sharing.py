@@ -130,8 +130,8 @@ def facade(**options: Any) -> hal.Backend:
     return hal.Backend("cuda", CudaBackend(0, **options))
 
 
-def test_chunks_are_created_exportable_where_the_device_supports_it(driver: StandInDriver) -> None:
-    be = facade()
+def test_chunks_are_created_exportable_where_asked_and_the_device_supports_it(driver: StandInDriver) -> None:
+    be = facade(shareable=True)
     handle = be.create_phy_mem_handle(G)
     assert driver.created == [HandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR]
     assert driver.attributes_read == [Attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED]
@@ -147,9 +147,10 @@ def test_chunks_are_created_exportable_where_the_device_supports_it(driver: Stan
 
 
 @pytest.mark.parametrize("why, options, supported", [
-    ("the backend was made with shareable=False", {"shareable": False}, 1),
+    ("the backend was made without shareable=True (hal.get_backend('cuda', shareable=True))", {}, 1),
+    ("the backend was made without shareable=True (hal.get_backend('cuda', shareable=True))", {"shareable": False}, 1),
     (("device 0 does not support POSIX file descriptor handles "
-      "(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is 0)"), {}, 0),
+      "(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is 0)"), {"shareable": True}, 0),
 ])
 def test_chunks_that_cannot_be_shared_are_created_as_before_and_refuse_export(
         driver: StandInDriver, why: str, options: dict, supported: int) -> None:
@@ -157,8 +158,8 @@ def test_chunks_that_cannot_be_shared_are_created_as_before_and_refuse_export(
     be = facade(**options)
     handle = be.create_phy_mem_handle(G)
     assert driver.created == [HandleType.CU_MEM_HANDLE_TYPE_NONE]
-    assert driver.attributes_read == ([] if options else [Attribute[
-        "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"]])
+    assert driver.attributes_read == ([Attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED]
+                                      if options.get("shareable") else [])
     with pytest.raises(hal.UnsupportedError) as info:
         be.export_phy_mem_handle(handle)
     assert info.value.backend == "cuda" and info.value.call == "export_phy_mem_handle"
@@ -171,8 +172,8 @@ def test_memory_sharing_is_a_capability_only_where_chunks_are_exportable(driver:
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     glue = types.SimpleNamespace(capabilities=frozenset({"graphs"}), inspector=None)
     monkeypatch.setattr(CudaBackend, "_current_glue", lambda self: glue)
-    assert facade().capabilities == {"graphs", "memory_sharing"}
-    assert facade(shareable=False).capabilities == {"graphs"}
+    assert facade(shareable=True).capabilities == {"graphs", "memory_sharing"}
+    assert facade().capabilities == {"graphs"}
 
 
 def test_the_option_takes_a_bool(driver: StandInDriver) -> None:

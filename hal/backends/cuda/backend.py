@@ -36,11 +36,15 @@ class CudaBackend(TorchHooks):
     this thread skip it and the block's end makes each contiguous run of new
     mappings accessible with one call.
 
-    Sharing: chunks are created with a POSIX file descriptor handle type where the
-    device supports one, so that :meth:`hal.Backend.export_phy_mem_handle` can hand
-    them to another process (``"memory_sharing"``). ``shareable=False`` creates them
-    without one; then neither graphkit's export nor a collective library that would
-    register them with its peers (NCCL with ``NCCL_CUMEM_ENABLE=1``) can share them.
+    Sharing: with ``shareable=True``, chunks are created with a POSIX file descriptor
+    handle type (where the device supports one), so that
+    :meth:`hal.Backend.export_phy_mem_handle` can hand them to another process
+    (``"memory_sharing"``). It is off by default because it changes what NCCL does
+    with graph memory: with ``NCCL_CUMEM_ENABLE=1`` (NCCL's default) and
+    ``NCCL_GRAPH_REGISTER=1``, NCCL exports the chunks behind a collective's
+    buffers captured in a graph to its peers, and keeps them by virtual address
+    (see ``docs/engines.md``, tensor parallelism); chunks without a handle type
+    make it decline and copy through its own buffers.
     """
 
     #: for :mod:`hal.testing`: mapped memory is device memory, reached through torch tensors
@@ -49,7 +53,7 @@ class CudaBackend(TorchHooks):
     torch_extension = "torch"
     torch_device_type = "cuda"
 
-    def __init__(self, device: int = 0, *, shareable: bool = True) -> None:
+    def __init__(self, device: int = 0, *, shareable: bool = False) -> None:
         from hal.backends.cuda.driver import CudaDevice
 
         if not isinstance(shareable, bool):

@@ -38,7 +38,7 @@ def device_count() -> int:
 class CudaDevice:
     """One device: its retained primary context and the vmm driver calls on it."""
 
-    def __init__(self, index: int, shareable: bool = True) -> None:
+    def __init__(self, index: int, shareable: bool = False) -> None:
         d = self._d = driver_module()
         check(d.cuInit(0), "cuInit", "get_backend")
         count = int(check(d.cuDeviceGetCount(), "cuDeviceGetCount", "get_backend"))
@@ -79,7 +79,7 @@ class CudaDevice:
     def _unshareable_reason(self, shareable: bool) -> str | None:
         """Why chunks will not carry a POSIX file descriptor handle type, or None when they will."""
         if not shareable:
-            return "the backend was made with shareable=False"
+            return "the backend was made without shareable=True (hal.get_backend('cuda', shareable=True))"
         attribute = self._d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
         supported = check(self._d.cuDeviceGetAttribute(attribute, self.cu_device), "cuDeviceGetAttribute",
                           "get_backend")
