@@ -110,6 +110,7 @@ class Rank:
         gc.collect()
         for key in keys:
             self.pools.release(key)
+        self.pools.collect()
 
 
 def reused(before: dict[int, tuple[int, int]], released: set[int], after: dict[int, tuple[int, int]]) -> dict:
