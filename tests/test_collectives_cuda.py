@@ -66,7 +66,7 @@ def test_collectives_replay_over_aliased_and_reused_graph_memory(graph_register:
     over other chunks, and after a sleep and wake (except where NCCL can hold registrations of graph memory)."""
     env = rank_env(NCCL_GRAPH_REGISTER=graph_register, NCCL_CUMEM_ENABLE=cumem, NCCL_PROTO="Simple",
                    NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="REG")
-    results = run_ranks(SCRIPT, timeout=150, env=env)
+    results = run_ranks(SCRIPT, timeout=90, env=env)
     found = findings(results)
     name = f"nccl-register{graph_register}-cumem{cumem}"
     save(name, found)

@@ -335,5 +335,5 @@ TP_SCRIPT = textwrap.dedent('''
 def test_tensor_parallel_two_ranks_with_an_all_reduce_in_each_graph(tmp_path) -> None:
     script = tmp_path / "tp.py"
     script.write_text(TP_SCRIPT)
-    results = run_ranks(script, timeout=180)  # every rank is killed at the deadline: a hung rank fails the test
+    results = run_ranks(script, timeout=120)  # every rank is killed at the deadline: a hung rank fails the test
     assert all(r.ok and f"rank {r.rank} ok" in r.output for r in results), explain(results)

@@ -165,6 +165,6 @@ def test_a_graph_output_is_read_and_written_by_the_other_rank(tmp_path) -> None:
     left, right = socket.socketpair(socket.AF_UNIX)
     with left, right:
         fds = [left.fileno(), right.fileno()]
-        results = run_ranks(script, timeout=120, env=rank_env(), args=[str(fd) for fd in fds],
+        results = run_ranks(script, timeout=90, env=rank_env(), args=[str(fd) for fd in fds],
                             pass_fds=[[fds[0]], [fds[1]]])
     assert all(r.ok and f"rank {r.rank} ok" in r.output for r in results), explain(results)
