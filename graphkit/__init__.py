@@ -9,6 +9,7 @@ from graphkit.isolation import IsolationError
 from graphkit.report import KeyReport, PoolsReport, RunnerReport, SizeReport
 from graphkit.runner import GraphRunner, RunnerOptions
 from graphkit.saver import MemorySaver, Sleeper, TagReport
+from graphkit.sharing import ExportedRange, ImportedRange
 from graphkit.transaction import Transaction
 from hal import __version__
 
@@ -27,8 +28,10 @@ __all__ = [
     "CaptureHygieneError",
     "ElasticBuffer",
     "ElasticReservation",
+    "ExportedRange",
     "GraphPools",
     "GraphRunner",
+    "ImportedRange",
     "IsolationError",
     "KeyReport",
     "MemorySaver",

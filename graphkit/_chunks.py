@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import hal
+from graphkit.sharing import ExportedRange, export_handles
 from graphkit.transaction import Transaction, release_or_keep, retry_releases, unmap_run
 from hal.types import fmt_bytes
 
@@ -110,6 +111,28 @@ class SharedChunks:
                     self.unmap_hole(space, index)
                 except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after the rest
                     errors.append(exc)
+
+    # -- sharing ------------------------------------------------------------------
+
+    def export(self, ptr: int, nbytes: int) -> ExportedRange:
+        """The chunks behind ``[ptr, ptr + nbytes)`` of a live space, exported (see :mod:`graphkit.sharing`)."""
+        name = self.backend.name
+        if (not isinstance(ptr, int) or isinstance(ptr, bool) or not isinstance(nbytes, int)
+                or isinstance(nbytes, bool) or nbytes <= 0):
+            raise hal.InvalidArgumentError(f"ptr={ptr!r}, nbytes={nbytes!r}: need an int address and nbytes > 0",
+                                           backend=name, call="export")
+        space = next((s for s in self.spaces.values() if s.contains(ptr)), None)
+        if space is None:
+            raise hal.InvalidArgumentError(f"ptr={ptr:#x} is in no live space of this allocator", backend=name,
+                                           call="export")
+        g = self.granularity
+        first, end = (ptr - space.base) // g, -(-(ptr - space.base + nbytes) // g)
+        unmapped = [i for i in range(first, end) if i >= space.mapped or i in space.holes]
+        if unmapped:
+            raise hal.InvalidArgumentError(
+                f"[{ptr:#x}, {ptr + nbytes:#x}) reaches granule(s) {unmapped[:4]} of space {space.id}, which are not "
+                f"mapped (it maps {space.mapped}): export memory its allocations reached", backend=name, call="export")
+        return export_handles(self.backend, self.handles[first:end], g, ptr - space.base - first * g, nbytes)
 
     # -- creating and releasing ---------------------------------------------------
 

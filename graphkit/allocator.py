@@ -52,6 +52,7 @@ from graphkit._pool_callbacks import PoolCallbacks
 from graphkit._sleep import SpacesSleep
 from graphkit.closing import Closable, raise_first_failure
 from graphkit.deprecation import alias, renamed
+from graphkit.sharing import ExportedRange
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.allocator")
@@ -360,6 +361,12 @@ class SharedVMMAllocator(Closable):
     def pool_callbacks(self, space_id: int) -> tuple[Callable[[int], int], Callable[[int, int], None]]:
         """``(alloc, free)`` for :meth:`hal.Backend.create_pool`, bound to one space (see :attr:`last_error`)."""
         return self._pool_callbacks.bound_to(space_id)
+
+    def export(self, ptr: int, nbytes: int) -> ExportedRange:
+        """The chunks behind ``[ptr, ptr + nbytes)`` of a live space, for another process (:mod:`graphkit.sharing`)."""
+        with self._lock:
+            self._check_open("export", awake=True)
+            return self._chunks.export(ptr, nbytes)
 
     @property
     def last_error(self) -> str | None:

@@ -199,8 +199,9 @@ def capabilities() -> frozenset[str]:
     ``"graphs"`` (streams, pools and the graph hooks work), ``"custom_pool"``
     (:func:`create_pool` accepts allocator callbacks), ``"capture_routing"``
     (:func:`route_captures` works), ``"use_pool"`` (:func:`use_pool` works),
-    ``"graph_addresses"`` (:func:`graph_addresses` answers).
-    A backend that lacks ``"custom_pool"`` still supports pools drawn from
+    ``"graph_addresses"`` (:func:`graph_addresses` answers), ``"memory_sharing"``
+    (:func:`export_phy_mem_handle` and :func:`import_phy_mem_handle` work: another
+    process can map this backend's chunks). A backend that lacks ``"custom_pool"`` still supports pools drawn from
     its own allocator. Optional: a backend without it has no capabilities.
     An override in a subclass is a hook only when it is marked
     ``@hal.hookimpl`` again (an unmarked one is refused at load). Anything
@@ -428,6 +429,44 @@ def route_captures(router: CaptureRouter) -> AbstractContextManager[None]:
 
 
 # ---------------------------------------------------------------------------
+# Sharing chunks with another process ("memory_sharing")
+# ---------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def export_phy_mem_handle(handle: Hashable) -> int:
+    """Return a new file descriptor through which another process can import the chunk ``handle``.
+
+    The caller owns the descriptor: it sends it (``socket.send_fds`` over a Unix
+    socket gives the receiver a descriptor of its own) and closes it. A chunk
+    lives while any process holds it: releasing it here leaves an importer's
+    copy of the handle, and its mappings, intact. CUDA: ``cuMemExportToShareableHandle``
+    (a POSIX file descriptor), which works only for chunks created with that handle
+    type requested.
+
+    :param handle: a live handle from :func:`create_phy_mem_handle`.
+    :raises UnsupportedError: this backend's chunks cannot be exported (known only at
+        run time: the device cannot, or the option that requests it is off), with why.
+    """
+
+
+@hookspec(firstresult=True)
+def import_phy_mem_handle(fd: int, size: int) -> Hashable:
+    """Return a handle to the chunk of ``size`` bytes that a process exported as ``fd``.
+
+    The handle maps (onto this backend's device, with access for it), unmaps and
+    releases like one from :func:`create_phy_mem_handle`; ``fd`` stays the caller's
+    to close. Bytes written through any mapping of the chunk, in any process, are
+    visible through every other one.
+
+    :param fd: a descriptor made by :func:`export_phy_mem_handle` (here or in another process).
+    :param size: the chunk's size, a positive multiple of the minimum granularity.
+    :raises InvalidArgumentError: ``fd`` is no exported chunk, or not of ``size`` bytes
+        (where the backend can tell).
+    """
+
+
+# ---------------------------------------------------------------------------
 # Lifecycle
 # ---------------------------------------------------------------------------
 
@@ -477,7 +516,7 @@ RESULT_HOOKS = frozenset({
     "device_count", "granularity", "mem_info", "create_vir_ptr", "create_phy_mem_handle", "capabilities",
     "torch_device", "tensor_at", "create_stream", "current_stream", "use_stream", "default_capture_stream",
     "create_pool", "use_pool", "pool_active_blocks", "create_graph", "capture", "route_captures",
-    "graph_addresses", "stream_state_sizes",
+    "graph_addresses", "stream_state_sizes", "export_phy_mem_handle", "import_phy_mem_handle",
 })
 
 #: The hooks of the ``"graphs"`` capability.
@@ -486,13 +525,18 @@ GRAPH_HOOKS = (
     "create_pool", "pool_active_blocks", "release_pool", "create_graph", "capture", "replay", "release_graph",
 )
 
-#: Capability name -> the hooks it needs implemented. Every capability builds on ``"graphs"``.
+#: The hooks of the ``"memory_sharing"`` capability.
+SHARING_HOOKS = ("export_phy_mem_handle", "import_phy_mem_handle")
+
+#: Capability name -> the hooks it needs implemented. Every capability but ``"memory_sharing"``
+#: (a part of the vmm half) builds on ``"graphs"``.
 CAPABILITY_HOOKS: dict[str, tuple[str, ...]] = {
     "graphs": GRAPH_HOOKS,
     "custom_pool": GRAPH_HOOKS,  # and create_pool accepts alloc/free callbacks
     "capture_routing": (*GRAPH_HOOKS, "route_captures"),
     "use_pool": (*GRAPH_HOOKS, "use_pool"),
     "graph_addresses": (*GRAPH_HOOKS, "graph_addresses"),
+    "memory_sharing": SHARING_HOOKS,
 }
 
 #: The capability names hal knows (``hal.get_backend(requires=...)`` accepts these).
@@ -504,4 +548,5 @@ HOOK_CAPABILITY: dict[str, str] = {
     "route_captures": "capture_routing",
     "use_pool": "use_pool",
     "graph_addresses": "graph_addresses",
+    **{hook: "memory_sharing" for hook in SHARING_HOOKS},
 }

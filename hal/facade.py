@@ -282,6 +282,44 @@ class Backend:
             self._map_starts.remove(ptr)
             self._handle_maps[m.handle] -= 1
 
+    def export_phy_mem_handle(self, handle: Any) -> int:
+        """A new file descriptor through which another process imports the chunk ``handle`` (yours to close).
+
+        See :func:`hal.api.export_phy_mem_handle`.
+
+        :raises UnsupportedError: the backend cannot export chunks (the hook is absent, or says why not).
+        """
+        call = "export_phy_mem_handle"
+        with self._lock:
+            self._check_open(call)
+            self._require(call)
+            if handle not in self._handles:
+                raise self._err(InvalidStateError, call, f"handle={handle!r} is not live")
+            fd = self._result(call, self._hook.export_phy_mem_handle(handle=handle))
+            if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
+                raise self._err(PluginValidationError, call, f"the backend returned {fd!r}, not a file descriptor")
+            return fd
+
+    def import_phy_mem_handle(self, fd: int, size: int) -> Any:
+        """A handle to the chunk of ``size`` bytes another process exported as ``fd``; map and release it as
+        one from :meth:`create_phy_mem_handle` (``fd`` stays yours to close).
+
+        See :func:`hal.api.import_phy_mem_handle`.
+
+        :raises UnsupportedError: the backend cannot import chunks.
+        """
+        call = "import_phy_mem_handle"
+        with self._lock:
+            self._check_open(call)
+            self._require(call)
+            if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
+                raise self._err(InvalidArgumentError, call, f"fd={fd!r} must be a file descriptor (an int >= 0)")
+            self._check_size(call, size)
+            handle = self._result(call, self._hook.import_phy_mem_handle(fd=fd, size=size))
+            self._handles[handle] = size
+            self._handle_maps[handle] = 0
+            return handle
+
     def _check_in_range(self, call: str, ptr: int, size: int) -> None:
         i = bisect.bisect_right(self._range_starts, ptr) - 1
         if i >= 0:

@@ -106,6 +106,10 @@ class Accounting:
         return (yield from self._gone("release_phy_mem_handle", self.chunks, handle))
 
     @hookimpl(wrapper=True)
+    def import_phy_mem_handle(self, size: int) -> Generator[None, Any, Any]:
+        return (yield from self._made("import_phy_mem_handle", self.chunks, size))
+
+    @hookimpl(wrapper=True)
     def map(self, ptr: int, size: int) -> Generator[None, None, None]:
         result = yield
         with self._lock:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,7 @@ __all__ = [
     "TestErrors",
     "TestOutOfMemory",
     "TestFaultRollback",
+    "TestMemorySharing",
     "TestLifecycle",
     "TestStateMachine",
     *_GRAPH_TESTS,
@@ -427,6 +429,49 @@ class TestFaultRollback:
         with pytest.raises(hal.DeviceOutOfMemoryError) as info:
             be.create_vir_ptr(g)
         assert info.value is error and be.live.zero
+
+
+class TestMemorySharing:
+    """``"memory_sharing"``: a chunk exported as a file descriptor and imported again aliases the original."""
+
+    @pytest.fixture(autouse=True)
+    def _capable(self, hal_backend: hal.Backend) -> None:
+        if not hal_backend.supports("memory_sharing"):
+            has = ", ".join(sorted(hal_backend.capabilities)) or "none"
+            pytest.skip(f"{hal_backend.name} lacks capability memory_sharing (it declares: {has}); these tests "
+                        "export chunks as file descriptors and import them")
+
+    def test_an_imported_chunk_aliases_the_exported_one(self, hal_backend: hal.Backend,
+                                                        hal_memory: MemoryAccess) -> None:
+        be, g, mem = hal_backend, hal_backend.granularity, hal_memory
+        h = be.create_phy_mem_handle(2 * g)
+        fd = be.export_phy_mem_handle(h)
+        try:
+            imported = be.import_phy_mem_handle(fd, 2 * g)
+        finally:
+            os.close(fd)
+        va1, va2 = be.create_vir_ptr(2 * g), be.create_vir_ptr(2 * g)
+        be.map(va1, 2 * g, h)
+        be.map(va2, 2 * g, imported)
+        for i, off in enumerate(probe_offsets(2 * g)):
+            mem.write(va1 + off, pattern(i))
+        for i, off in enumerate(probe_offsets(2 * g)):
+            assert mem.read(va2 + off, PROBE) == pattern(i), f"offset {off} of the imported chunk does not alias"
+        be.unmap(va1, 2 * g)
+        be.release_phy_mem_handle(h)  # the importer's handle keeps the chunk
+        mem.write(va2, pattern(9))
+        assert mem.read(va2, PROBE) == pattern(9)
+        be.unmap(va2, 2 * g)
+        be.release_phy_mem_handle(imported)
+        assert be.live.chunks == 0
+
+    def test_export_and_import_are_checked(self, hal_backend: hal.Backend) -> None:
+        be, g = hal_backend, hal_backend.granularity
+        h = be.create_phy_mem_handle(g)
+        be.release_phy_mem_handle(h)
+        expect(be, hal.InvalidStateError, "export_phy_mem_handle", lambda: be.export_phy_mem_handle(h))
+        expect(be, hal.InvalidArgumentError, "import_phy_mem_handle", lambda: be.import_phy_mem_handle(-1, g))
+        expect(be, hal.InvalidArgumentError, "import_phy_mem_handle", lambda: be.import_phy_mem_handle(3, g + 1))
 
 
 class TestLifecycle:

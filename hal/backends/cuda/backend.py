@@ -15,6 +15,7 @@ from hal.backends._native.hooks import TorchHooks
 from hal.backends._native.vmm import map_with_access
 from hal.backends.cuda.errors import NAME
 from hal.backends.cuda.probe import probe_reason
+from hal.errors import InvalidArgumentError, UnsupportedError
 from hal.types import GraphAddresses, MemInfo
 
 if TYPE_CHECKING:
@@ -34,6 +35,16 @@ class CudaBackend(TorchHooks):
     ``cuMemSetAccess`` per chunk). Inside :meth:`deferred_access`, maps on
     this thread skip it and the block's end makes each contiguous run of new
     mappings accessible with one call.
+
+    Sharing: with ``shareable=True``, chunks are created with a POSIX file descriptor
+    handle type (where the device supports one), so that
+    :meth:`hal.Backend.export_phy_mem_handle` can hand them to another process
+    (``"memory_sharing"``). It is off by default because it changes what NCCL does
+    with graph memory: with ``NCCL_CUMEM_ENABLE=1`` (NCCL's default) and
+    ``NCCL_GRAPH_REGISTER=1``, NCCL exports the chunks behind a collective's
+    buffers captured in a graph to its peers, and keeps them by virtual address
+    (see ``docs/engines.md``, tensor parallelism); chunks without a handle type
+    make it decline and copy through its own buffers.
     """
 
     #: for :mod:`hal.testing`: mapped memory is device memory, reached through torch tensors
@@ -42,11 +53,14 @@ class CudaBackend(TorchHooks):
     torch_extension = "torch"
     torch_device_type = "cuda"
 
-    def __init__(self, device: int = 0) -> None:
+    def __init__(self, device: int = 0, *, shareable: bool = False) -> None:
         from hal.backends.cuda.driver import CudaDevice
 
+        if not isinstance(shareable, bool):
+            raise InvalidArgumentError(f"shareable={shareable!r} must be True or False", backend=NAME,
+                                       call="get_backend")
         self.device = device
-        self.dev = CudaDevice(device)
+        self.dev = CudaDevice(device, shareable=shareable)
         self._handles: dict[int, Any] = {}  # hal handle -> CUmemGenericAllocationHandle
         self._handle_ids = itertools.count(1)
         self._tls = threading.local()
@@ -96,6 +110,21 @@ class CudaBackend(TorchHooks):
     def release_phy_mem_handle(self, handle: int) -> None:
         self.dev.release(self._handles[handle])
         del self._handles[handle]
+
+    @hookimpl
+    def export_phy_mem_handle(self, handle: int) -> int:
+        why = self.dev.unshareable_reason
+        if why is not None:
+            raise UnsupportedError(f"chunks of this backend cannot be exported: {why}", backend=NAME,
+                                   call="export_phy_mem_handle")
+        return self.dev.export(self._handles[handle])
+
+    @hookimpl
+    def import_phy_mem_handle(self, fd: int, size: int) -> int:
+        native = self.dev.import_fd(fd)
+        handle = next(self._handle_ids)
+        self._handles[handle] = native
+        return handle
 
     @hookimpl
     def map(self, ptr: int, size: int, handle: int) -> None:
@@ -183,10 +212,11 @@ class CudaBackend(TorchHooks):
 
     @hookimpl
     def capabilities(self) -> frozenset[str]:
-        """The glue's, plus ``"graph_addresses"`` where graphs under construction can be read."""
+        """The glue's, plus ``"graph_addresses"`` where graphs under construction can be read and
+        ``"memory_sharing"`` where chunks are created exportable."""
         glue = self._current_glue()
-        caps = glue.capabilities
-        return caps | {"graph_addresses"} if glue.inspector is not None else caps
+        caps = glue.capabilities | ({"graph_addresses"} if glue.inspector is not None else set())
+        return caps | ({"memory_sharing"} if self.dev.unshareable_reason is None else set())
 
     @hookimpl
     def capture(self, graph: Any, pool: Any, stream: Any, capture_error_mode: str | None,  # type: ignore[override]

@@ -38,7 +38,7 @@ def device_count() -> int:
 class CudaDevice:
     """One device: its retained primary context and the vmm driver calls on it."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, shareable: bool = False) -> None:
         d = self._d = driver_module()
         check(d.cuInit(0), "cuInit", "get_backend")
         count = int(check(d.cuDeviceGetCount(), "cuDeviceGetCount", "get_backend"))
@@ -61,12 +61,32 @@ class CudaDevice:
         prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         prop.location.id = index
+        #: why chunks cannot be exported (None: they are created with a POSIX file descriptor handle type)
+        self.unshareable_reason = self._unshareable_reason(shareable)
+        if self.unshareable_reason is None:
+            prop.requestedHandleTypes = self._posix_fd
         self.prop = prop
         desc = d.CUmemAccessDesc()
         desc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         desc.location.id = index
         desc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self.access = [desc]
+
+    @property
+    def _posix_fd(self) -> Any:
+        return self._d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+    def _unshareable_reason(self, shareable: bool) -> str | None:
+        """Why chunks will not carry a POSIX file descriptor handle type, or None when they will."""
+        if not shareable:
+            return "the backend was made without shareable=True (hal.get_backend('cuda', shareable=True))"
+        attribute = self._d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
+        supported = check(self._d.cuDeviceGetAttribute(attribute, self.cu_device), "cuDeviceGetAttribute",
+                          "get_backend")
+        if not supported:
+            return (f"device {self.index} does not support POSIX file descriptor handles "
+                    "(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is 0)")
+        return None
 
     # -- the one entry point -------------------------------------------------------
 
@@ -124,8 +144,17 @@ class CudaDevice:
     def create(self, size: int) -> Any:
         return self.call("create_phy_mem_handle", "cuMemCreate", size, self.prop, 0, detail=f"size={size}")
 
-    def release(self, handle: Any) -> None:
-        self.call("release_phy_mem_handle", "cuMemRelease", handle)
+    def release(self, handle: Any, hook: str = "release_phy_mem_handle") -> None:
+        self.call(hook, "cuMemRelease", handle)
+
+    def export(self, handle: Any) -> int:
+        """A new POSIX file descriptor for the chunk ``handle`` (created shareable)."""
+        return int(self.call("export_phy_mem_handle", "cuMemExportToShareableHandle", handle, self._posix_fd, 0))
+
+    def import_fd(self, fd: int) -> Any:
+        """The handle of the chunk another process exported as the POSIX file descriptor ``fd``."""
+        return self.call("import_phy_mem_handle", "cuMemImportFromShareableHandle", fd, self._posix_fd,
+                         detail=f"fd={fd}")
 
     def map(self, ptr: int, size: int, handle: Any) -> None:
         self.call("map", "cuMemMap", ptr, size, 0, handle, 0, detail=f"ptr={ptr:#x}, size={size}")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import stat
 import threading
 from typing import Any
 
@@ -68,6 +70,7 @@ class FakeBackend(HostGraphs):
         self._lock = threading.Lock()
         self._used = 0
         self._chunks: dict[int, tuple[int, int]] = {}  # handle -> (fd, size)
+        self._imported: set[int] = set()  # handles of chunks another backend made (not charged here)
         self._anon: dict[int, int] = {}  # own allocations: ptr -> size
         self._handle_ids = itertools.count(1)
         self.init_host_graphs(NAME, alloc=self.device_malloc, free=self.device_free, segment_size=granularity)
@@ -158,7 +161,36 @@ class FakeBackend(HostGraphs):
         fd, size = self._chunks[handle]
         vm.release_chunk(fd, backend=NAME)
         del self._chunks[handle]
-        self._refund(size)
+        if handle in self._imported:
+            self._imported.discard(handle)
+        else:
+            self._refund(size)
+
+    @hookimpl
+    def capabilities(self) -> frozenset[str]:
+        """The host recorder's, and ``"memory_sharing"``: a chunk is a memfd, which another process can map."""
+        return HostGraphs.capabilities(self) | {"memory_sharing"}
+
+    @hookimpl
+    def export_phy_mem_handle(self, handle: int) -> int:
+        fd, _ = self._chunks[handle]
+        with self._os_errors("export_phy_mem_handle"):
+            return os.dup(fd)
+
+    @hookimpl
+    def import_phy_mem_handle(self, fd: int, size: int) -> int:
+        with self._os_errors("import_phy_mem_handle"):
+            info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+            raise InvalidArgumentError(f"fd={fd} is not an exported chunk of size={size} (a file of "
+                                       f"{info.st_size} bytes, mode {info.st_mode:#o})", backend=NAME,
+                                       call="import_phy_mem_handle")
+        with self._os_errors("import_phy_mem_handle"):
+            own = os.dup(fd)
+        handle = next(self._handle_ids)
+        self._chunks[handle] = (own, size)
+        self._imported.add(handle)
+        return handle
 
     @hookimpl
     def map(self, ptr: int, size: int, handle: int) -> None:

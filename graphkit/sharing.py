@@ -1,0 +1,216 @@
+"""graphkit memory seen by another process: export the chunks behind an address range, map them in a peer.
+
+A peer that reads or writes one rank's buffers directly (a custom all-reduce,
+a transfer engine) needs the physical memory behind them mapped in its own
+process. The runtime's own IPC (``cudaIpcGetMemHandle``) refuses memory mapped
+through the driver's virtual memory API, which is all of graphkit's; the way
+that works is the VMM one: export every chunk behind the range as a file
+descriptor, send the descriptors over a Unix socket, import them in the peer
+and map them there side by side:
+
+>>> exported = pools.allocator.export(out.data_ptr(), out.nbytes)   # rank 0
+>>> send_range(sock, exported); exported.close()
+>>> peer = receive_range(sock, hal.get_backend("cuda", device=1))  # rank 1
+>>> peer.tensor()  # the same bytes, read over the link between the devices
+
+What a peer maps is the chunks, not the addresses: every space of the
+allocator maps the same chunks, so the peer sees whatever graph of the pools
+replayed last. A chunk lives while any process holds it; after the
+allocator's memory is released and restored (sleep and wake) it has new
+chunks: the peer's mapping keeps the old ones alive and sees none of the new
+bytes, so export again after every wake. The backend must have the
+``"memory_sharing"`` capability (``cuda``: chunks created with a POSIX file
+descriptor handle type, the default where the device supports it; ``fake``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import socket
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import hal
+from graphkit.closing import Closable, close_step, raise_first_failure
+from graphkit.transaction import Transaction
+
+log = logging.getLogger("graphkit.sharing")
+
+#: the most descriptors one message carries (Linux's SCM_MAX_FD is 253)
+FDS_PER_MESSAGE = 253
+
+
+@dataclass
+class ExportedRange(Closable):
+    """What a peer needs to map ``nbytes`` of memory: one descriptor per chunk, in address order.
+
+    The range starts ``offset`` bytes into the first chunk; each chunk is
+    ``chunk_bytes`` long. The descriptors are this object's: :meth:`close`
+    closes them (once they were sent, the peer holds its own).
+    """
+
+    fds: tuple[int, ...]
+    chunk_bytes: int
+    offset: int
+    nbytes: int
+    closed: bool = False
+
+    def layout(self) -> dict[str, int]:
+        """The plain numbers a peer needs besides the descriptors (JSON-able)."""
+        return {"chunks": len(self.fds), "chunk_bytes": self.chunk_bytes, "offset": self.offset,
+                "nbytes": self.nbytes}
+
+    def close(self) -> None:
+        """Close the descriptors (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def export_handles(backend: hal.Backend, handles: Sequence[Any], chunk_bytes: int, offset: int,
+                   nbytes: int) -> ExportedRange:
+    """Export ``handles`` (chunks in address order) as a range of ``nbytes`` from ``offset``; all or nothing."""
+    fds: list[int] = []
+    try:
+        for handle in handles:
+            fds.append(backend.export_phy_mem_handle(handle))
+    except BaseException:
+        ExportedRange(tuple(fds), chunk_bytes, offset, nbytes).close()
+        raise
+    return ExportedRange(tuple(fds), chunk_bytes, offset, nbytes)
+
+
+class ImportedRange(Closable):
+    """Chunks another process exported, mapped side by side in a range of this process.
+
+    ``ptr`` is the first byte of the exported range (``offset`` bytes into the
+    reservation). Built all or nothing; :meth:`close` unmaps, releases the
+    imported handles and frees the range (the descriptors stay the caller's).
+    """
+
+    def __init__(self, backend: hal.Backend, fds: Sequence[int], chunk_bytes: int, offset: int,
+                 nbytes: int) -> None:
+        _check_layout(backend, len(fds), chunk_bytes, offset, nbytes)
+        self.backend = backend
+        self.chunk_bytes = chunk_bytes
+        self.size = len(fds) * chunk_bytes
+        self._held: dict[int, Any] = {}  # chunk index -> imported handle, until released
+        self._mapped: set[int] = set()  # chunk indices mapped, until unmapped
+        self._closed = False
+        with Transaction() as tx:
+            base = self.base = backend.create_vir_ptr(self.size)
+            tx.append(functools.partial(backend.release_vir_ptr, base, self.size))
+            for i, fd in enumerate(fds):
+                handle = backend.import_phy_mem_handle(fd, chunk_bytes)
+                tx.append(functools.partial(backend.release_phy_mem_handle, handle))
+                backend.map(base + i * chunk_bytes, chunk_bytes, handle)
+                tx.append(functools.partial(backend.unmap, base + i * chunk_bytes, chunk_bytes))
+                self._held[i] = handle
+                self._mapped.add(i)
+            tx.commit()
+        self.ptr = base + offset
+        self.nbytes = nbytes
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"at {self.ptr:#x}"
+        return f"<ImportedRange {self.nbytes} bytes in {self.size // self.chunk_bytes} chunk(s) {state}>"
+
+    def tensor(self) -> Any:
+        """A ``torch.uint8`` tensor over the range (it keeps this object alive); view it as you need."""
+        if self._closed:
+            raise hal.InvalidStateError("the imported range is closed", backend=self.backend.name, call="tensor")
+        return self.backend.tensor_at(self.ptr, self.nbytes, owner=self)
+
+    def close(self) -> None:
+        """Unmap the chunks, release the imported handles, free the range; goes on past failures. Idempotent."""
+        if self._closed:
+            return
+        errors: list[BaseException] = []
+        for i, handle in list(self._held.items()):
+            if i in self._mapped:
+                if not close_step(errors, self.backend.unmap, self.base + i * self.chunk_bytes, self.chunk_bytes):
+                    continue
+                self._mapped.discard(i)
+            if close_step(errors, self.backend.release_phy_mem_handle, handle):
+                del self._held[i]
+        if not errors:
+            close_step(errors, self.backend.release_vir_ptr, self.base, self.size)
+        raise_first_failure(log, errors, "ImportedRange.close")
+        self._closed = True
+
+
+def _check_layout(backend: hal.Backend, chunks: int, chunk_bytes: int, offset: int, nbytes: int) -> None:
+    values = {"chunk_bytes": chunk_bytes, "offset": offset, "nbytes": nbytes, "chunks": chunks}
+    bad = [f"{k}={v!r}" for k, v in values.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0]
+    if not bad and (chunks == 0 or nbytes == 0 or chunk_bytes == 0 or offset >= chunk_bytes
+                    or offset + nbytes > chunks * chunk_bytes):
+        bad = [f"{k}={v}" for k, v in values.items()]
+    if bad:
+        raise hal.InvalidArgumentError(f"{', '.join(bad)}: need 0 <= offset < chunk_bytes and 0 < nbytes <= "
+                                       "chunks * chunk_bytes - offset", backend=backend.name, call="ImportedRange")
+
+
+# -- over a Unix socket ------------------------------------------------------------------------------
+
+
+def send_range(sock: socket.socket, exported: ExportedRange) -> None:
+    """Send ``exported`` over a connected Unix socket: its layout, then its descriptors (the peer gets its own)."""
+    header = json.dumps(exported.layout()).encode()
+    sock.sendall(struct.pack("!I", len(header)) + header)
+    for start in range(0, len(exported.fds), FDS_PER_MESSAGE):
+        socket.send_fds(sock, [b"f"], list(exported.fds[start:start + FDS_PER_MESSAGE]))
+
+
+def receive_range(sock: socket.socket, backend: hal.Backend) -> ImportedRange:
+    """Receive what :func:`send_range` sent and map it with ``backend``; the received descriptors are closed."""
+    fds: list[int] = []
+    try:
+        length = struct.unpack("!I", _receive_exactly(sock, 4, fds))[0]
+        layout = _layout(backend, _receive_exactly(sock, length, fds))
+        while len(fds) < layout["chunks"]:
+            _receive_exactly(sock, 1, fds)
+        if len(fds) != layout["chunks"]:
+            raise hal.InvalidArgumentError(f"received {len(fds)} descriptors for {layout['chunks']} chunks",
+                                           backend=backend.name, call="receive_range")
+        return ImportedRange(backend, fds, layout["chunk_bytes"], layout["offset"], layout["nbytes"])
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _layout(backend: hal.Backend, header: bytes) -> dict[str, int]:
+    """The layout :func:`send_range` sent, checked to be one."""
+    try:
+        layout = json.loads(header)
+    except ValueError:
+        layout = None
+    keys = {"chunks", "chunk_bytes", "offset", "nbytes"}
+    if not isinstance(layout, dict) or set(layout) != keys or not all(isinstance(v, int) for v in layout.values()):
+        raise hal.InvalidArgumentError(f"the peer sent {header[:200]!r}, not the layout of an exported range",
+                                       backend=backend.name, call="receive_range")
+    return layout
+
+
+def _receive_exactly(sock: socket.socket, nbytes: int, fds: list[int]) -> bytes:
+    """``nbytes`` bytes from ``sock`` (never more: the next message's descriptors stay with it); descriptors
+    that come with them are appended to ``fds``."""
+    data = b""
+    while len(data) < nbytes:
+        chunk, got, _, _ = socket.recv_fds(sock, nbytes - len(data), FDS_PER_MESSAGE)
+        fds.extend(got)
+        if not chunk:
+            raise ConnectionError(f"the socket closed after {len(data)} of {nbytes} bytes")
+        data += chunk
+    return data
+
+
+__all__ = ["ExportedRange", "ImportedRange", "export_handles", "receive_range", "send_range"]
