@@ -126,7 +126,7 @@ class CaptureRouting:
                 with self.keys.lock:
                     entry = self.keys.entries.get(key)
                     if entry is not None:
-                        self._seal(entry)
+                        self.seal(entry, "when its pools.group() block ended")
 
     def _group_stack(self) -> list[Hashable]:
         stack = getattr(self._groups, "stack", None)
@@ -184,7 +184,7 @@ class CaptureRouting:
                 if self.hygiene:
                     self._report_new_blocks(entry, before)
                 if not grouped:
-                    self._seal(entry)
+                    self.seal(entry, "when its capture ended")
 
         return on_end
 
@@ -202,11 +202,11 @@ class CaptureRouting:
 
         return on_release
 
-    def _seal(self, entry: KeyPool) -> None:
+    def seal(self, entry: KeyPool, why: str) -> None:
         """No more captures go to ``entry``'s space: it takes the address space it used, no more."""
         alloc = self.allocator
         if entry.space_id is not None and alloc is not None and not alloc.closed and entry.space_id in alloc.spaces:
-            alloc.seal(entry.space_id)
+            alloc.seal(entry.space_id, why)
 
     # -- hygiene ---------------------------------------------------------------------------
 

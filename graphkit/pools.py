@@ -118,8 +118,9 @@ class VmmPools(PoolStrategy):
         self._returned: list[int] = []
 
     def lease(self) -> Lease:
+        """A new open space (other spaces keep their room: their owners seal them) and a pool over it."""
         allocator = self.allocator
-        space = allocator.switch_to_new_virtual_space()
+        space = allocator.open_virtual_space()
         try:
             pool = self.backend.create_pool(*allocator.pool_callbacks(space), paused=lambda: allocator.paused)
         except BaseException:

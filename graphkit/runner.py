@@ -351,6 +351,7 @@ class GraphRunner(Closable):
                 cap.release_cached_memory(be)
             bucket.report = SizeReport(size, seconds, be.mem_info().used - used0,
                                        pools.strategy.figures().get("chunk_bytes"))
+            pools._routing.seal(key, "when the capture of its size ended")  # a size is captured once
         except BaseException:
             try:
                 self._release_bucket(bucket)
