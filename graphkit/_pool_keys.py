@@ -160,13 +160,22 @@ class PoolKeys:
         return 0, next(_serial)
 
     def live(self, key: Hashable, handle: PoolHandle, call: str) -> KeyPool:
-        """The entry ``handle`` stands for; a released key (or closed pools) is a hal error."""
+        """The entry ``handle`` stands for, for a capture; a released key, closed or paused pools are hal errors."""
         entry = self.entries.get(key)
         if entry is None or entry.handle is not handle:
             why = f"the {self.name} was closed" if self.closed else f"key {key!r} was released"
             raise hal.InvalidStateError(f"pool handle of key {key!r} used after release ({why}): ask "
                                         "pools.pool(key) for a live one", backend=self.backend.name, call=call)
+        self.check_awake(entry, call)
         return entry
+
+    def check_awake(self, entry: KeyPool, call: str) -> None:
+        """Refuse a capture into ``entry`` while its memory sleeps: its pool would hand out unmapped memory."""
+        allocator = getattr(self.strategy, "allocator", None)
+        if allocator is not None and allocator.paused and not allocator.closed:
+            raise hal.InvalidStateError(f"key {entry.key!r}: the graph memory of the {self.name} is paused: resume "
+                                        "it (MemorySaver.resume('graphs')) before capturing into it",
+                                        backend=self.backend.name, call=call)
 
     def drop(self, entry: KeyPool) -> None:
         """Give the key's lease back; a failed pool release keeps the key, to drop again."""

@@ -102,6 +102,7 @@ class CaptureRouting:
         entry = keys.entry_of(requested_pool)
         if entry is None or keys.closed or verify is None:
             return None
+        keys.check_awake(entry, "capture")
 
         def on_end(ok: bool) -> None:
             if ok:
@@ -149,8 +150,13 @@ class CaptureRouting:
             self.keys.check_open("graph_memory")
             self._settle()
             entry, grouped = self._entry_for(capturer, requested_pool)
+            self.keys.check_awake(entry, "graph_memory")
             entry.graphs += 1
-            before = self._blocks(entry) if self.hygiene else set()
+            try:
+                before = self._blocks(entry) if self.hygiene else set()
+            except BaseException:  # the capture does not start: its key goes as after a failed one
+                self._gone(entry)
+                raise
         return Route(entry.pool, self._on_end(graph, entry, grouped, before), self._on_release(entry),
                      inspect=self._verify is not None)
 
@@ -170,23 +176,26 @@ class CaptureRouting:
 
         def on_end(ok: bool) -> None:
             with self.keys.lock:
-                if ok and verify is not None:
-                    try:
-                        verify(graph, entry)
-                    except BaseException:  # refused: the backend releases the graph, never to report it again
-                        self.dead.append(entry)
-                        self._settle()
-                        raise
                 if not ok:
-                    self.dead.append(entry)
-                    self._settle()
+                    self._gone(entry)
                     return
-                if self.hygiene:
-                    self._report_new_blocks(entry, before)
+                try:
+                    if verify is not None:
+                        verify(graph, entry)
+                    if self.hygiene:
+                        self._report_new_blocks(entry, before)
+                except BaseException:  # refused: the backend releases the graph, never to report it again
+                    self._gone(entry)
+                    raise
                 if not grouped:
                     self.seal(entry, "when its capture ended")
 
         return on_end
+
+    def _gone(self, entry: KeyPool) -> None:
+        """A routed capture into ``entry`` failed or was refused: no graph of it will be released (under the lock)."""
+        self.dead.append(entry)
+        self._settle()
 
     def _on_release(self, entry: KeyPool) -> Callable[[bool], None]:
         keys = self.keys

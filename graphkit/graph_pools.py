@@ -156,18 +156,23 @@ class GraphPools(Closable):
     def pool(self, key: Hashable) -> PoolHandle:
         """The handle of ``key``'s pool: the same handle for the same key until it is released.
 
-        With ``verify``, captures into handles are watched from the first
-        call until :meth:`close` (the framework's graph class is wrapped
-        meanwhile, where the backend routes captures).
+        With ``verify``, captures into handles (of this method and of
+        :meth:`group`) are watched from the first one made until
+        :meth:`close` (the framework's graph class is wrapped meanwhile,
+        where the backend routes captures). A key's space keeps room to grow
+        until the key is released: handles may be asked for in any order,
+        and captures into several keys may run in several threads at once.
         """
-        with self._lock:
-            self._check_open("pool")
-            if self._watches:
-                self._routing.watch_handles()
-            return self._handle(key)
+        return self._handle(key)
 
     def _handle(self, key: Hashable) -> PoolHandle:
-        return self._key_pool(key).handle
+        """``key``'s handle (for :meth:`pool` and :meth:`group`): from the first one on, captures into handles
+        are watched."""
+        with self._lock:
+            handle = self._key_pool(key).handle
+            if self._watches:
+                self._routing.watch_handles()
+            return handle
 
     def _key_pool(self, key: Hashable) -> KeyPool:
         """``key``'s pool, made on first use (a :class:`GraphRunner` captures into its lease directly)."""
@@ -222,6 +227,9 @@ class GraphPools(Closable):
 
         For piecewise graphs: piece k's output feeds piece k + 1, so the
         pieces of one batch must never share physical bytes with each other.
+        Yields ``key``'s handle (as :meth:`pool`; captures into it are
+        verified inside or outside the scope). When the outermost block of
+        ``key`` ends, its space is sealed: trimmed to what its captures used.
         """
         return self._routing.group(key)
 

@@ -58,3 +58,18 @@ def test_a_failed_capture_in_the_scope_gives_its_space_back(be: hal.Backend) -> 
     pools.collect()
     assert pools.keys == [] and pools.allocator.num_virtual_spaces == 0
     pools.close()
+
+
+@pytest.mark.parametrize("nth", [1, 2], ids=["before the capture", "after it"])
+def test_a_fault_in_the_hygiene_query_of_a_routed_capture_leaves_no_key(be: hal.Backend, nth: int) -> None:
+    """hygiene=True asks for the pool's blocks before a routed capture and after it: either failing fails
+    the capture, whose automatic key goes like that of any failed capture."""
+    pools = graphkit.GraphPools(be, hygiene=True)
+    be.faults.fail("pool_active_blocks", nth=nth)
+    with graphkit.graph_memory(pools=pools), pytest.raises(hal.DriverError, match="injected"):
+        capture(be, lambda x: x * 2, torch.ones(8, 64))
+    gc.collect()
+    pools.collect()
+    assert pools.keys == [] and pools.allocator.num_virtual_spaces == 0 and be.live.pools == 0
+    pools.close()
+    assert be.live.zero, be.live

@@ -157,6 +157,43 @@ def test_a_failed_resume_rolls_back_and_can_be_retried(be: hal.Backend) -> None:
     saver.close()
 
 
+def test_a_capture_into_a_paused_keys_handle_is_refused(be: hal.Backend) -> None:
+    """A key kept from an earlier capture: its pool would hand out cached blocks of the unmapped space."""
+    saver = graphkit.MemorySaver(be)
+    pools = graphkit.GraphPools(be, saver=saver)
+    g = be.create_graph()
+    with be.capture(g, pool=pools.pool(1)):
+        y = torch.ones(8, 64) * 2
+    be.release_graph(g)
+    del y
+    gc.collect()
+    saver.pause()
+    handle = pools.pool(1)  # an existing key: no new memory needed to hand it out
+    for attempt in range(3):
+        g = be.create_graph()
+        with pytest.raises(hal.InvalidStateError, match=r"key 1: .* is paused: resume it"):
+            if attempt == 0:
+                with be.capture(g, pool=handle):
+                    pass
+            elif attempt == 1:
+                tuple(handle)  # what a framework's capture API does with a pool id
+            else:
+                with graphkit.graph_memory(pools=pools), pools.group(1), be.capture(g):
+                    pass
+        be.release_graph(g)
+    saver.resume()
+    g = be.create_graph()
+    with be.capture(g, pool=handle):
+        y = torch.ones(8, 64) * 3
+    be.replay(g)
+    assert torch.equal(y, torch.full((8, 64), 3.0))
+    be.release_graph(g)
+    del y
+    pools.close()
+    saver.close()
+    assert be.live.zero, be.live
+
+
 def test_a_failed_pause_leaves_the_tag_awake(be: hal.Backend) -> None:
     saver = graphkit.MemorySaver(be)
     with saver.region("weights", backup=True):
