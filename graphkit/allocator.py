@@ -227,8 +227,8 @@ class SharedVMMAllocator(Closable):
         """Whether any of its memory is released or unmapped (or a failed pause left a hole): nothing may run on it."""
         return self._sleep.paused
 
-    def release_physical(self) -> int:
-        """Unmap every chunk from every space and release them all; spaces keep their addresses.
+    def release_physical(self, *, keep_backup: bool = False) -> int:
+        """Unmap every chunk from every space and release them all; spaces keep their addresses (no backup to keep).
 
         Returns the bytes released. No graph of the spaces may replay until :meth:`restore_physical`.
         Idempotent; a driver failure half-way maps back what was unmapped (what will not map back stays

@@ -429,19 +429,24 @@ class ElasticBuffer(Closable):
 
     # -- sleep (through a MemorySaver) ---------------------------------------------------------
 
-    def release_physical(self) -> int:
+    def release_physical(self, *, keep_backup: bool = False) -> int:
         """Back up (when made with ``backup``), unmap and release every chunk; the address stays. Idempotent.
 
         Returns the bytes released. A failed unmap maps back what this call
         unmapped (what will not map back leaves the buffer :attr:`paused`); a
         chunk whose release fails is kept and released later.
+
+        :param keep_backup: the rollback of a failed resume: the backup of the
+            last pause stays the one a resume restores (nothing is copied).
         """
         chunks = self._chunks
         with self._lock:
             self._check("pause", awake=False)
             if self._sleeping and chunks.released:
                 return 0
-            if self.backup and chunks.footprint_bytes and not self._backup.held:
+            if keep_backup:
+                self._backup.sleep_again()
+            elif self.backup and chunks.footprint_bytes and not self._backup.held:
                 if chunks.holes:
                     raise hal.InvalidStateError("part of the buffer is unmapped (a failed rollback): "
                                                 "restore_physical() it before a pause can back it up",
@@ -478,7 +483,7 @@ class ElasticBuffer(Closable):
                     self._backup.restore(self.backend, self.ptr, chunks.footprint_bytes)
                 tx.commit()
             self._sleeping = False
-            self._backup.held = False
+            self._backup.wake()
 
     # -- teardown ---------------------------------------------------------------------------
 

@@ -64,8 +64,12 @@ class Sleeper(Protocol):
         """Physical bytes it holds while awake (what a pause releases)."""
         ...
 
-    def release_physical(self) -> int:
-        """Unmap and release its physical memory (backing it up first where it keeps a backup); the bytes released."""
+    def release_physical(self, *, keep_backup: bool = False) -> int:
+        """Unmap and release its physical memory (backing it up first where it keeps a backup); the bytes released.
+
+        ``keep_backup=True`` is the rollback of a failed resume (of another sleeper of the tag): the backup the
+        last pause made is still what the memory must wake with, so nothing is copied and it is kept.
+        """
         ...
 
     def restore_physical(self, restore: bool = True) -> None:
@@ -383,7 +387,6 @@ class MemorySaver(Closable):
                 t0 = time.perf_counter()
                 self._resume_tag(tag, restore)
                 self._times[tag] = (self._times.get(tag, (None, None))[0], time.perf_counter() - t0)
-            self.backend.synchronize()
 
     def _resume_tag(self, tag: str, restore: bool) -> None:
         """Restore every paused sleeper of ``tag``, or none: a failure releases those restored by this call."""
@@ -393,8 +396,9 @@ class MemorySaver(Closable):
                 if sleeper.paused:
                     sleeper.restore_physical(restore=restore)
                     done.append(sleeper)
-        except BaseException:
-            _roll_back(done, lambda s: s.release_physical(),
+            self.backend.synchronize()  # the tag reads awake once its memory is: a failure here rolls it back too
+        except BaseException:  # back to sleep with the backups of the pause: the fresh memory holds nothing of value
+            _roll_back(done, lambda s: s.release_physical(keep_backup=True) if s.backup else s.release_physical(),
                        f"resume {tag!r} failed and could not be rolled back fully")
             raise
         self._paused.discard(tag)
