@@ -376,7 +376,7 @@ class SharedVMMAllocator(Closable):
         """Unmap every space, free the arenas, release every chunk. Idempotent.
 
         Goes on past driver failures and raises the first; what failed stays recorded, and calling
-        ``close()`` again finishes the job.
+        ``close()`` again finishes the job. After the backend's close it only forgets (nothing is left).
 
         :param park_live: a space that a framework tensor still uses (a view output kept after its
             graph) is *parked* instead: its range stays reserved and mapped to one scratch chunk, so
@@ -387,11 +387,12 @@ class SharedVMMAllocator(Closable):
             if self._closed:
                 return
             errors: list[BaseException] = []
-            if not self._sleep.paused:  # a paused allocator has nothing mapped for a tensor to read
-                self._parking.park_busy(self._spaces.values(), park_live, errors)
-            self._chunks.unmap_spaces([s for s in self._spaces.values() if s not in self._parking], errors)
-            self._arenas.release_all(self._parking.arena_ids, errors)
-            self._chunks.release_unmapped(errors)
+            if not self.backend.closed:  # else the backend's close released every mapping, range and chunk
+                if not self._sleep.paused:  # a paused allocator has nothing mapped for a tensor to read
+                    self._parking.park_busy(self._spaces.values(), park_live, errors)
+                self._chunks.unmap_spaces([s for s in self._spaces.values() if s not in self._parking], errors)
+                self._arenas.release_all(self._parking.arena_ids, errors)
+                self._chunks.release_unmapped(errors)
             self._sleep.paused = True  # nothing of it may run any more
             raise_first_failure(log, errors, "allocator close")
             self._spaces.clear()

@@ -30,7 +30,7 @@ from graphkit._elastic_backup import HostBackup
 from graphkit._elastic_chunks import FreeChunks, RangeChunks
 from graphkit._elastic_orphans import Orphans
 from graphkit._elastic_views import LiveViews, ViewToken
-from graphkit.closing import Closable, close_step, raise_first_failure
+from graphkit.closing import Closable, after_backend, close_step, raise_first_failure
 from graphkit.deprecation import alias, renamed
 from graphkit.saver import MemorySaver
 from graphkit.transaction import Transaction
@@ -183,9 +183,10 @@ class ElasticReservation(Closable):
         with self._lock:
             if self._closed:
                 return
-            self._settle()
-            self.trim()
-            errors += self._leftovers(errors)
+            if not after_backend(self.backend, log, "ElasticReservation"):  # else it released the range and chunks
+                self._settle()
+                self.trim()
+                errors += self._leftovers(errors)
             raise_first_failure(log, errors, "ElasticReservation.close")
             self._closed = True
             if self._owns_backend:
@@ -504,12 +505,13 @@ class ElasticBuffer(Closable):
                 if self._own_reservation and not self.reservation.closed:
                     self.reservation.close()
                 return
+            gone = after_backend(be, log, "ElasticBuffer")  # its close released every chunk: nothing to unmap
             live = self._views.ends()
-            if live:
+            if live and not gone:
                 raise hal.InvalidStateError(f"{len(live)} view(s) of the buffer are still alive: drop them "
                                             "before closing", backend=be.name, call="ElasticBuffer.close")
-            errors = self._chunks.unmap_all()
-            if self._chunks.stray and not errors:
+            errors = [] if gone else self._chunks.unmap_all()
+            if self._chunks.stray and not errors and not gone:
                 errors.append(hal.InvalidStateError(f"{len(self._chunks.stray)} mapping(s) would not unmap",
                                                     backend=be.name, call="ElasticBuffer.close"))
             raise_first_failure(log, errors, "ElasticBuffer.close")

@@ -30,7 +30,7 @@ from graphkit._pool_keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
 from graphkit._routing import CaptureRouting
 from graphkit.allocator import SharedVMMAllocator
 from graphkit.capture import CaptureHygieneError, leftover_blocks, report_leftovers, warm_up_checked
-from graphkit.closing import Closable, close_step, raise_first_failure
+from graphkit.closing import Closable, after_backend, close_step, raise_first_failure
 from graphkit.isolation import IsolationError
 from graphkit.pools import POOL_KINDS, PoolStrategy, make_pool_strategy
 from graphkit.report import KeyReport, PoolsReport, pools_report
@@ -323,7 +323,8 @@ class GraphPools(Closable):
 
         Reset (or drop) the graphs captured with these pools first: their
         memory is gone after this. Goes on past failures and raises the
-        first; ``close()`` again finishes the job.
+        first; ``close()`` again finishes the job. After the backend's close
+        it only forgets its keys (the backend released them), with a warning.
         """
         with self._lock:
             if self._close_done:
@@ -332,7 +333,10 @@ class GraphPools(Closable):
             self._finalizer.detach()
             self._routing.stop()
             errors: list[BaseException] = []
-            close_step(errors, self.backend.synchronize)
+            if after_backend(self.backend, log, self._caller):  # its close released every pool, space and chunk
+                self._entries.clear()
+            else:
+                close_step(errors, self.backend.synchronize)
             gc.collect()  # framework tensors of these pools caught in reference cycles go while the pools exist
             for entry in list(self._entries.values()):
                 close_step(errors, self._keys.drop, entry)

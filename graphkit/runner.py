@@ -476,16 +476,20 @@ class GraphRunner(Closable):
         """Synchronize, drop graphs, drop pools, unmap, free ranges, release chunks. Idempotent.
 
         Goes on past failures and raises the first; what failed is kept, and
-        ``close()`` again finishes the job.
+        ``close()`` again finishes the job. After the backend's close it only
+        forgets its graphs and pools (the backend released them), with a warning.
         """
         with self._lock:
             if self._close_done:
                 return
             self._closed = True  # from here on every call raises InvalidStateError
             errors: list[BaseException] = []
-            close_step(errors, self.backend.synchronize)  # what follows waits for the device itself where it must
-            gc.collect()  # tensors of the pools caught in reference cycles go while the pools exist
             self._leftover.extend(self._forget(size) for size in list(self._captured))
+            if self.backend.closed:  # its close released every graph (the pools' close below says so)
+                self._leftover.clear()
+            else:
+                close_step(errors, self.backend.synchronize)  # what follows waits for the device where it must
+                gc.collect()  # tensors of the pools caught in reference cycles go while the pools exist
             left = []
             for bucket in self._leftover:  # past failures: release what can be released
                 if not close_step(errors, self._release_bucket, bucket):

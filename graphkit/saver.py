@@ -33,7 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 import hal
 from graphkit._nccl import warn_graph_register
 from graphkit._regions import Region, RegionMemory
-from graphkit.closing import Closable, raise_first_failure
+from graphkit.closing import Closable, after_backend, raise_first_failure
 from graphkit.report import TagReport
 from hal.types import fmt_bytes
 
@@ -427,12 +427,13 @@ class MemorySaver(Closable):
     def close(self) -> None:
         """Resume nothing; release the regions' pools (their memory goes when the framework frees it). Idempotent.
 
-        Goes on past failures and raises the first; ``close()`` again finishes.
+        Goes on past failures and raises the first; ``close()`` again finishes (after the backend's, it only forgets).
         """
         with self._lock:
             if self._closed:
                 return
-            raise_first_failure(log, self._memory.close(), "MemorySaver.close")
+            if not after_backend(self.backend, log, "MemorySaver"):  # else its close released the regions' pools
+                raise_first_failure(log, self._memory.close(), "MemorySaver.close")
             self._closed = True
             self._sleepers.clear()
             if self._owns_backend:

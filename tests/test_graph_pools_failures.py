@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 
 import pytest
 import torch
@@ -73,3 +74,19 @@ def test_a_fault_in_the_hygiene_query_of_a_routed_capture_leaves_no_key(be: hal.
     assert pools.keys == [] and pools.allocator.num_virtual_spaces == 0 and be.live.pools == 0
     pools.close()
     assert be.live.zero, be.live
+
+
+def test_close_after_the_backends_close_finishes_with_one_warning(be: hal.Backend,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """The backend's close released every pool, space and chunk: the pools' close has nothing left to give back."""
+    pools = graphkit.GraphPools(be)
+    kept = capture(be, lambda x: x * 2, torch.ones(8, 64), pool=pools.pool(1))
+    be.close()
+    with caplog.at_level(logging.WARNING, logger="graphkit"):
+        pools.close()
+    assert pools.closed and pools.allocator.closed and pools.keys == []
+    warned = [r.message for r in caplog.records if r.name.startswith("graphkit")]
+    assert warned == [("GraphPools closed after its backend fake: nothing left to release (the backend's close "
+                       "released it); close graphkit objects before their backend")]
+    pools.close()  # idempotent
+    del kept

@@ -786,3 +786,18 @@ SAVER_BAD_CALLS = {
 def test_bad_arguments_are_refused_before_anything_is_made(name: str) -> None:
     with refused_cleanly(graphkit.MemorySaver) as (_, saver):
         SAVER_BAD_CALLS[name](saver)
+
+
+def test_close_after_the_backends_close_finishes(be: hal.Backend) -> None:
+    """The backend's close released the regions' pools and memory: the saver's close only forgets them."""
+    saver = graphkit.MemorySaver(be)
+    with saver.region("weights", backup=True):
+        w = torch.ones(1 << 14)
+    kv = graphkit.ElasticBuffer(be, max_bytes=4 * G, saver=saver, tag="kv")
+    kv.resize(G)
+    be.close()
+    kv.close()
+    saver.close()
+    assert saver.closed and kv.closed
+    del w
+    gc.collect()
