@@ -56,7 +56,7 @@ from graphkit._parking import Parking
 from graphkit._pool_callbacks import PoolCallbacks
 from graphkit._sleep import SpacesSleep
 from graphkit.closing import Closable, raise_first_failure
-from graphkit.deprecation import alias, renamed
+from graphkit.deprecation import alias, renamed, renamed_keyword
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.allocator")
@@ -127,10 +127,8 @@ class SharedVMMAllocator(Closable):
     def __init__(self, backend: hal.Backend, reserve_bytes: int | None = None,
                  max_physical_bytes: int | None = None, arena_bytes: int | None = None, *,
                  capacity: int | None = None) -> None:
-        if capacity is not None:
-            renamed("SharedVMMAllocator(capacity=)", "max_physical_bytes=")
-            if max_physical_bytes is None:
-                max_physical_bytes = capacity
+        max_physical_bytes = renamed_keyword("SharedVMMAllocator", "capacity", capacity, "max_physical_bytes",
+                                             max_physical_bytes, backend=getattr(backend, "name", None))
         self.backend = backend
         self.granularity = backend.granularity
         self.reserve_bytes, self.arena_bytes = _address_sizes(backend, reserve_bytes, arena_bytes, max_physical_bytes)

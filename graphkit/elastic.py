@@ -31,7 +31,7 @@ from graphkit._elastic_chunks import FreeChunks, RangeChunks
 from graphkit._elastic_orphans import Orphans
 from graphkit._elastic_views import LiveViews, ViewToken
 from graphkit.closing import Closable, after_backend, close_step, raise_first_failure
-from graphkit.deprecation import alias, renamed
+from graphkit.deprecation import alias, renamed, renamed_keyword
 from graphkit.saver import MemorySaver
 from graphkit.transaction import Transaction
 from hal.types import fmt_bytes, round_up
@@ -278,13 +278,9 @@ class ElasticBuffer(Closable):
     def __init__(self, backend: hal.Backend | None = None, max_bytes: int = 0, *,
                  reservation: ElasticReservation | None = None, saver: MemorySaver | None = None,
                  tag: str = "kv_cache", backup: bool = False, pool: ElasticReservation | None = None) -> None:
-        spelled = "reservation"
-        if pool is not None:
-            renamed("ElasticBuffer(pool=)", "reservation=")
-            if reservation is not None:
-                raise hal.InvalidArgumentError("pool= is the deprecated spelling of reservation=: pass one of them",
-                                               backend=getattr(backend, "name", None), call="ElasticBuffer")
-            reservation, spelled = pool, "pool"
+        spelled = "reservation" if pool is None else "pool"
+        reservation = renamed_keyword("ElasticBuffer", "pool", pool, "reservation", reservation,
+                                      backend=getattr(backend, "name", None))
         be = _buffer_backend(backend, reservation, spelled, saver, tag)
         _positive(max_bytes, "max_bytes", "ElasticBuffer", be.name)
         self._own_reservation = reservation is None

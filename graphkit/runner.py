@@ -37,7 +37,7 @@ from graphkit._buckets import Bucket, Pieces
 from graphkit._outputs import Outputs
 from graphkit.buffers import StaticInputs
 from graphkit.closing import Closable, close_step, raise_first_failure
-from graphkit.deprecation import alias, renamed
+from graphkit.deprecation import alias, renamed, renamed_keyword
 from graphkit.graph_pools import GraphPools, Kind
 from graphkit.pools import PoolStrategy
 from graphkit.report import RunnerReport, SizeReport
@@ -226,9 +226,10 @@ class GraphRunner(Closable):
     :param backend: a :class:`hal.Backend` (default: ``hal.get_backend()``,
         then owned and closed by the runner).
     :param kind: the pool kind, as in :class:`graphkit.GraphPools`:
-        ``"vmm"`` (a fresh virtual space per size over shared chunks: N sizes
-        cost the largest), ``"shared"`` (one pool) or ``"private"`` (a pool
-        per size). ``pool=`` is its deprecated spelling.
+        ``"vmm"`` (the default: a fresh virtual space per size over shared
+        chunks, N sizes cost the largest), ``"shared"`` (one pool) or
+        ``"private"`` (a pool per size). ``pool=`` is its deprecated spelling
+        (giving both is an error).
     :param options: a :class:`RunnerOptions` (mode, outputs, on-demand
         capture, padding fill, hygiene, progress...); defaults work.
     :param saver: a :class:`graphkit.MemorySaver`: with ``kind="vmm"`` the
@@ -243,11 +244,11 @@ class GraphRunner(Closable):
     """
 
     def __init__(self, fn: Callable[..., Any] | Sequence[Callable[..., Any]], sizes: Sequence[int],
-                 backend: hal.Backend | None = None, kind: str = "vmm", *, options: RunnerOptions | None = None,
-                 saver: MemorySaver | None = None, pool: str | None = None, **overrides: Any) -> None:
-        if pool is not None:
-            renamed("GraphRunner(pool=)", "kind=")
-            kind = pool
+                 backend: hal.Backend | None = None, kind: str | None = None, *,
+                 options: RunnerOptions | None = None, saver: MemorySaver | None = None, pool: str | None = None,
+                 **overrides: Any) -> None:
+        kind = renamed_keyword("GraphRunner", "pool", pool, "kind", kind, backend=getattr(backend, "name", None))
+        kind = "vmm" if kind is None else kind
         self.options = opts = _merged_options(options, overrides)
         self._owns_backend = backend is None
         self.backend = be = backend or hal.get_backend(requires=("graphs",))
