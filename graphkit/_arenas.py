@@ -58,6 +58,7 @@ class VirtualSpace:
     live_allocations: int = 0
     dying: bool = False  # release requested while allocations were still live
     sealed: bool = False  # trimmed to its use: it cannot grow any more
+    sealed_why: str = ""  # when and why it was sealed, for the out-of-memory error of a capture that outgrows it
     holes: set[int] = field(default_factory=set, repr=False)  # granules < mapped that are not mapped now
 
     def contains(self, ptr: int) -> bool:
@@ -68,22 +69,24 @@ class VirtualSpace:
         start = round_up(self.offset, alignment)
         end = start + max(nbytes, 1)
         if end > self.size:
-            why = (f"space {self.id} was sealed at {fmt_bytes(self.size)} when a newer space opened "
-                   "(capture the graphs of one space one after the other)" if self.sealed
+            why = (f"space {self.id} was sealed at {fmt_bytes(self.size)} {self.sealed_why}" if self.sealed
                    else f"the space can grow to {fmt_bytes(self.size)}; make the allocator's "
                         "reserve_bytes larger")
             raise hal.DeviceOutOfMemoryError(f"{fmt_bytes(nbytes)} at offset {fmt_bytes(start)} does not fit: "
                                              f"{why}", backend=backend.name, call="allocate")
         return start, end
 
-    def seal(self, granularity: int) -> None:
-        """Trim to what it used (at least one granule), giving the rest back to its arena; idempotent."""
+    def seal(self, granularity: int, why: str) -> None:
+        """Trim to what it used (at least one granule), giving the rest back to its arena; idempotent.
+
+        :param why: when and why, for the error of an allocation that no longer fits ("when its capture ended").
+        """
         if self.sealed:
             return
         keep = max(round_up(self.offset, granularity), granularity, self.mapped * granularity)
         self.arena.give(self.base + keep, self.size - keep)
         self.size = keep
-        self.sealed = True
+        self.sealed, self.sealed_why = True, why
 
 
 class SpaceArenas:
@@ -112,6 +115,21 @@ class SpaceArenas:
             arena, start = self._carve(size, tx)
             tx.commit()
         return arena, start
+
+    def open_space(self, space_id: int, size: int, open_spaces: int) -> VirtualSpace:
+        """A new space of ``size`` bytes; out of memory, saying why, when the address space ran out.
+
+        :param open_spaces: how many spaces are open (each keeping room to grow to ``size``), for that error.
+        """
+        try:
+            arena, base = self.carve(size)
+        except hal.DeviceOutOfMemoryError as exc:
+            raise hal.DeviceOutOfMemoryError(
+                f"no address space left for a new space: {open_spaces} space(s) are open, each keeping room to grow "
+                f"to reserve_bytes={fmt_bytes(size)} until its owner seals it (a GraphPools key's space stays open "
+                f"until the key is released): release the keys whose graphs are gone, or make reserve_bytes "
+                f"smaller ({exc})", backend=self.backend.name, call="open_virtual_space") from exc
+        return VirtualSpace(space_id, base, size, arena)
 
     def _carve(self, size: int, tx: Transaction) -> tuple[Arena, int]:
         for arena in self.arenas:

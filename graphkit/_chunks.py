@@ -85,6 +85,13 @@ class SharedChunks:
         self.backend.unmap(space.base + index * self.granularity, self.granularity)
         space.mapped = index
 
+    def map_up_to(self, space: VirtualSpace, count: int, limit: int | None, tx: Transaction) -> None:
+        """Map chunks ``space.mapped .. count-1`` into ``space``, creating those missing within ``limit`` bytes."""
+        self.check_limit(max(count - len(self.handles), 0), limit, "allocate")
+        for index in range(space.mapped, count):
+            self.ensure(index, tx)
+            self.grow(space, index, tx)
+
     def unmap_space(self, space: VirtualSpace, tx: Transaction) -> None:
         """Unmap every granule mapped in ``space`` (each becomes a hole), last first; mapped back on rollback."""
         unmap_run(self.backend, space.base, self.granularity, self.handles, tx,

@@ -13,11 +13,20 @@ class HostBackup:
     :attr:`held` says whether it holds the current sleep's bytes.
     """
 
-    __slots__ = ("_host", "held")
+    __slots__ = ("_host", "_woke_held", "held")
 
     def __init__(self) -> None:
         self._host: torch.Tensor | None = None
         self.held = False
+        self._woke_held = False  # what held was when the last sleep ended
+
+    def wake(self) -> None:
+        """The sleep ended: the next pause backs up afresh (:meth:`sleep_again` undoes this)."""
+        self._woke_held, self.held = self.held, False
+
+    def sleep_again(self) -> None:
+        """Back to the sleep :meth:`wake` ended (a failed resume rolled back): it holds that sleep's bytes again."""
+        self.held = self._woke_held
 
     def save(self, backend: hal.Backend, ptr: int, size: int) -> None:
         """Copy ``size`` bytes at ``ptr`` to the host and wait for the copy."""

@@ -168,7 +168,7 @@ class PoolKeys:
         return 0, next(_serial)
 
     def live(self, key: Hashable, handle: PoolHandle, call: str, framework: bool = False) -> KeyPool:
-        """The entry ``handle`` stands for; a released key (or closed pools) is a hal error.
+        """The entry ``handle`` stands for, for a capture; a released key, closed or paused pools are hal errors.
 
         :param framework: the framework's capture API reads the handle: a capture starting on another device
             than the pools' is refused (it would silently take a private pool of that device).
@@ -187,7 +187,16 @@ class PoolKeys:
                     f"from graphkit. Make the pools on the device that captures ({self.name}() takes the current "
                     f"device: create it after the device is set), or pass backend=hal.get_backend(device={device})",
                     backend=self.backend.name, call=call)
+        self.check_awake(entry, call)
         return entry
+
+    def check_awake(self, entry: KeyPool, call: str) -> None:
+        """Refuse a capture into ``entry`` while its memory sleeps: its pool would hand out unmapped memory."""
+        allocator = getattr(self.strategy, "allocator", None)
+        if allocator is not None and allocator.paused and not allocator.closed:
+            raise hal.InvalidStateError(f"key {entry.key!r}: the graph memory of the {self.name} is paused: resume "
+                                        "it (MemorySaver.resume('graphs')) before capturing into it",
+                                        backend=self.backend.name, call=call)
 
     def drop(self, entry: KeyPool) -> None:
         """Give the key's lease back; a failed pool release keeps the key, to drop again."""

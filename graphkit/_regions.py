@@ -53,6 +53,7 @@ class Region:
     blocks: int = 0  # region() blocks open on it (any thread)
     sleeping: bool = False
     backed_up: bool = False
+    woke_backed_up: bool = False  # backed_up when the last sleep ended (a failed resume goes back to it)
     preparing: threading.Thread | None = None  # making the backup buffers in the background
     pin_seconds: float = 0.0  # time spent making (pinning) backup buffers, off the pause path or on it
 
@@ -104,10 +105,13 @@ class Region:
         self.preparing = threading.Thread(target=run, name=f"graphkit-backup-{self.tag}", daemon=True)
         self.preparing.start()
 
-    def release_physical(self) -> int:
+    def release_physical(self, *, keep_backup: bool = False) -> int:
+        """See :class:`graphkit.Sleeper`; ``keep_backup``: a failed resume goes back to the last pause's backup."""
         be = self.backend
         segments = list(self.segments.values())
-        if self.backup and not self.backed_up:  # every copy first, then every unmap: never a copy racing its unmap
+        if keep_backup:
+            self.backed_up = self.woke_backed_up
+        elif self.backup and not self.backed_up:  # every copy first, then every unmap: never a copy racing its unmap
             if any(not s.mapped for s in segments):
                 raise hal.InvalidStateError(f"tag {self.tag!r}: part of it is unmapped (a failed rollback); "
                                             "resume it before pausing", backend=be.name, call="MemorySaver.pause")
@@ -171,7 +175,7 @@ class Region:
                 be.synchronize()
             tx.commit()
         self.sleeping = False
-        self.backed_up = False
+        self.woke_backed_up, self.backed_up = self.backed_up, False
 
     def _drop_chunk(self, s: Segment) -> None:
         if s.mapped:  # an unmap of the rollback failed: the chunk stays with its mapping

@@ -104,6 +104,7 @@ class CaptureRouting:
         entry = keys.entry_of(requested_pool)
         if entry is None or keys.closed:
             return None
+        keys.check_awake(entry, "capture")
         with keys.lock:
             check = isolation(entry) if isolation is not None else None
 
@@ -130,7 +131,7 @@ class CaptureRouting:
                 with self.keys.lock:
                     entry = self.keys.entries.get(key)
                     if entry is not None:
-                        self._seal(entry)
+                        self.seal(entry, "when its pools.group() block ended")
 
     def _group_stack(self) -> list[Hashable]:
         stack = getattr(self._groups, "stack", None)
@@ -153,9 +154,14 @@ class CaptureRouting:
             self.keys.check_open("graph_memory")
             self._settle()
             entry, grouped = self._entry_for(capturer, requested_pool)
+            self.keys.check_awake(entry, "graph_memory")
             entry.graphs += 1
-            before = self._blocks(entry) if self.hygiene else set()
-            check = self._isolation(entry) if self._isolation is not None else None
+            try:
+                before = self._blocks(entry) if self.hygiene else set()
+                check = self._isolation(entry) if self._isolation is not None else None
+            except BaseException:  # the capture does not start: its key goes as after a failed one
+                self._gone(entry)
+                raise
         return Route(entry.pool, self._on_end(graph, entry, grouped, before, check), self._on_release(entry),
                      inspect=check is not None and check.read)
 
@@ -173,23 +179,26 @@ class CaptureRouting:
                 check: KeyCheck | None) -> Callable[[bool], None]:
         def on_end(ok: bool) -> None:
             with self.keys.lock:
-                if ok and check is not None:
-                    try:
-                        check.accepted(graph)
-                    except BaseException:  # refused: the backend releases the graph, never to report it again
-                        self.dead.append(entry)
-                        self._settle()
-                        raise
                 if not ok:
-                    self.dead.append(entry)
-                    self._settle()
+                    self._gone(entry)
                     return
-                if self.hygiene:
-                    self._report_new_blocks(entry, before)
+                try:
+                    if check is not None:
+                        check.accepted(graph)
+                    if self.hygiene:
+                        self._report_new_blocks(entry, before)
+                except BaseException:  # refused: the backend releases the graph, never to report it again
+                    self._gone(entry)
+                    raise
                 if not grouped:
-                    self._seal(entry)
+                    self.seal(entry, "when its capture ended")
 
         return on_end
+
+    def _gone(self, entry: KeyPool) -> None:
+        """A routed capture into ``entry`` failed or was refused: no graph of it will be released (under the lock)."""
+        self.dead.append(entry)
+        self._settle()
 
     def _on_release(self, entry: KeyPool) -> Callable[[bool], None]:
         keys = self.keys
@@ -205,11 +214,11 @@ class CaptureRouting:
 
         return on_release
 
-    def _seal(self, entry: KeyPool) -> None:
+    def seal(self, entry: KeyPool, why: str) -> None:
         """No more captures go to ``entry``'s space: it takes the address space it used, no more."""
         alloc = self.allocator
         if entry.space_id is not None and alloc is not None and not alloc.closed and entry.space_id in alloc.spaces:
-            alloc.seal(entry.space_id)
+            alloc.seal(entry.space_id, why)
 
     # -- hygiene ---------------------------------------------------------------------------
 

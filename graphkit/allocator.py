@@ -10,10 +10,15 @@ freeing is a no-op (the space dies as a whole, with its graph).
 Address space is cheap but finite (a CUDA process gets 128 TiB of it), so
 spaces are carved out of a few large reservations ("arenas") instead of one
 device-sized reservation each: a space is opened with room to grow to
-``reserve_bytes``, and *sealed* when the next space opens (or on request),
-which trims it to what its capture used and gives the rest back to the
-arena. Chunks are mapped into a space lazily, as its bump pointer reaches
-them, so a small capture after a large one costs a few map calls.
+``reserve_bytes``, and *sealed* once no more captures go into it (by its
+owner; by :meth:`~SharedVMMAllocator.switch_to_new_virtual_space` for the
+current space), which trims it to what its captures used and gives the rest
+back to the arena. Opening a space with
+:meth:`~SharedVMMAllocator.open_virtual_space` seals no other: open spaces
+keep their room side by side (handles asked for up front, a capture in each
+of several threads), and address space is what limits how many stay open.
+Chunks are mapped into a space lazily, as its bump pointer reaches them, so
+a small capture after a large one costs a few map calls.
 
 Every multi-step operation runs in a :class:`graphkit.transaction.Transaction`:
 a driver failure half-way through an allocation, a switch or a release
@@ -51,7 +56,7 @@ from graphkit._parking import Parking
 from graphkit._pool_callbacks import PoolCallbacks
 from graphkit._sleep import SpacesSleep
 from graphkit.closing import Closable, raise_first_failure
-from graphkit.deprecation import alias, renamed
+from graphkit.deprecation import alias, renamed, renamed_keyword
 from graphkit.sharing import ExportedRange
 from hal.types import fmt_bytes, round_up
 
@@ -123,10 +128,8 @@ class SharedVMMAllocator(Closable):
     def __init__(self, backend: hal.Backend, reserve_bytes: int | None = None,
                  max_physical_bytes: int | None = None, arena_bytes: int | None = None, *,
                  capacity: int | None = None) -> None:
-        if capacity is not None:
-            renamed("SharedVMMAllocator(capacity=)", "max_physical_bytes=")
-            if max_physical_bytes is None:
-                max_physical_bytes = capacity
+        max_physical_bytes = renamed_keyword("SharedVMMAllocator", "capacity", capacity, "max_physical_bytes",
+                                             max_physical_bytes, backend=getattr(backend, "name", None))
         self.backend = backend
         self.granularity = backend.granularity
         self.reserve_bytes, self.arena_bytes = _address_sizes(backend, reserve_bytes, arena_bytes, max_physical_bytes)
@@ -223,8 +226,8 @@ class SharedVMMAllocator(Closable):
         """Whether any of its memory is released or unmapped (or a failed pause left a hole): nothing may run on it."""
         return self._sleep.paused
 
-    def release_physical(self) -> int:
-        """Unmap every chunk from every space and release them all; spaces keep their addresses.
+    def release_physical(self, *, keep_backup: bool = False) -> int:
+        """Unmap every chunk from every space and release them all; spaces keep their addresses (no backup to keep).
 
         Returns the bytes released. No graph of the spaces may replay until :meth:`restore_physical`.
         Idempotent; a driver failure half-way maps back what was unmapped (what will not map back stays
@@ -244,31 +247,36 @@ class SharedVMMAllocator(Closable):
             self._check_open("restore_physical")
             self._sleep.restore()
 
-    def switch_to_new_virtual_space(self) -> int:
-        """Seal the current space, open a new one and make it current; return its id.
+    def open_virtual_space(self) -> int:
+        """Open a new space that can grow to ``reserve_bytes``; return its id. No chunk is mapped yet.
 
-        No chunk is mapped yet: chunks are mapped as allocations reach them."""
-        with self._lock:
-            self._check_open("switch_to_new_virtual_space", awake=True)
-            self._deferred.reap()
-            self._chunks.retry()
-            if self.current is not None:
-                self.seal(self.current)
-            arena, base = self._arenas.carve(self.reserve_bytes)
-            space = VirtualSpace(next(self._ids), base, self.reserve_bytes, arena)
-            self._spaces[space.id] = space
-            self.current = space.id
-            log.debug("space %d at %#x", space.id, base)
-            return space.id
-
-    def seal(self, space_id: int) -> None:
-        """Trim a space to what it used (at least one granule); it cannot grow afterwards.
-
-        Called for the current space when the next one opens; allocations that still fit keep working.
+        Other spaces stay as they are: open ones keep their room to grow (handles asked for up front, captures
+        in several threads) until their owner seals them.
         """
         with self._lock:
-            space = self._live_space(space_id, "seal")
-            space.seal(self.granularity)
+            self._check_open("open_virtual_space", awake=True)
+            self._deferred.reap()
+            self._chunks.retry()
+            opened = sum(not s.sealed for s in self._spaces.values())
+            space = self._arenas.open_space(next(self._ids), self.reserve_bytes, opened)
+            self._spaces[space.id] = space
+            log.debug("space %d at %#x", space.id, space.base)
+            return space.id
+
+    def switch_to_new_virtual_space(self) -> int:
+        """Seal the current space, open a new one and make it current (what :meth:`allocate` uses); return its id."""
+        with self._lock:
+            self._check_open("switch_to_new_virtual_space", awake=True)
+            if self.current is not None:
+                self.seal(self.current, "when a newer space opened (switch_to_new_virtual_space() seals the "
+                                        "current one)")
+            self.current = self.open_virtual_space()
+            return self.current
+
+    def seal(self, space_id: int, why: str = "on request") -> None:
+        """Trim a space to its use once no more captures go into it (``why``: named by a later out-of-memory error)."""
+        with self._lock:
+            self._live_space(space_id, "seal").seal(self.granularity, why)
             if self.current == space_id:
                 self.current = None
 
@@ -312,16 +320,6 @@ class SharedVMMAllocator(Closable):
         renamed("SharedVMMAllocator.extend_mapping()", "precreate()")
         self.precreate(nbytes)
 
-    def _map_up_to(self, space: VirtualSpace, count: int) -> None:
-        """Map chunks ``space.mapped .. count-1`` into ``space``, creating missing ones (all or nothing)."""
-        if count <= space.mapped:
-            return
-        self._chunks.check_limit(max(count - len(self._chunks.handles), 0), self.max_physical_bytes, "allocate")
-        with self._sleep.transaction() as tx:
-            for index in range(space.mapped, count):
-                self._chunks.ensure(index, tx)
-                self._chunks.grow(space, index, tx)
-
     def allocate(self, nbytes: int, alignment: int = hal.ALLOCATION_ALIGNMENT, space_id: int | None = None) -> int:
         """Bump-allocate ``nbytes`` in a space (the current one by default); return the address."""
         with self._lock:
@@ -333,7 +331,9 @@ class SharedVMMAllocator(Closable):
             space = self._live_space(sid, "allocate")
             _check_allocation(self.backend, nbytes, alignment)
             start, end = space.next_block(nbytes, alignment, self.backend)
-            self._map_up_to(space, -(-end // self.granularity))
+            if end > space.mapped * self.granularity:
+                with self._sleep.transaction() as tx:
+                    self._chunks.map_up_to(space, -(-end // self.granularity), self.max_physical_bytes, tx)
             space.offset = end
             space.live_allocations += 1
             return space.base + start
@@ -381,7 +381,7 @@ class SharedVMMAllocator(Closable):
         """Unmap every space, free the arenas, release every chunk. Idempotent.
 
         Goes on past driver failures and raises the first; what failed stays recorded, and calling
-        ``close()`` again finishes the job.
+        ``close()`` again finishes the job. After the backend's close it only forgets (nothing is left).
 
         :param park_live: a space that a framework tensor still uses (a view output kept after its
             graph) is *parked* instead: its range stays reserved and mapped to one scratch chunk, so
@@ -392,11 +392,12 @@ class SharedVMMAllocator(Closable):
             if self._closed:
                 return
             errors: list[BaseException] = []
-            if not self._sleep.paused:  # a paused allocator has nothing mapped for a tensor to read
-                self._parking.park_busy(self._spaces.values(), park_live, errors)
-            self._chunks.unmap_spaces([s for s in self._spaces.values() if s not in self._parking], errors)
-            self._arenas.release_all(self._parking.arena_ids, errors)
-            self._chunks.release_unmapped(errors)
+            if not self.backend.closed:  # else the backend's close released every mapping, range and chunk
+                if not self._sleep.paused:  # a paused allocator has nothing mapped for a tensor to read
+                    self._parking.park_busy(self._spaces.values(), park_live, errors)
+                self._chunks.unmap_spaces([s for s in self._spaces.values() if s not in self._parking], errors)
+                self._arenas.release_all(self._parking.arena_ids, errors)
+                self._chunks.release_unmapped(errors)
             self._sleep.paused = True  # nothing of it may run any more
             raise_first_failure(log, errors, "allocator close")
             self._spaces.clear()

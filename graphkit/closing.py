@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
 import hal
 
 _T = TypeVar("_T", bound="Closable")
+_warned: weakref.WeakSet[hal.Backend] = weakref.WeakSet()  # backends whose late closes were warned about
 
 
 class Closable:
@@ -39,3 +41,15 @@ def raise_first_failure(log: logging.Logger, errors: list[BaseException], call: 
     if errors:
         log.error("%s: %d step(s) failed; close() again to finish: %s", call, len(errors), str(errors[0]))
         raise errors[0]
+
+
+def after_backend(backend: hal.Backend, log: logging.Logger, what: str) -> bool:
+    """Whether ``backend`` is closed already: then its close released every graph, pool, mapping, range and chunk,
+    and a close of ``what`` has nothing left to give back (it only forgets them). Warns once per backend."""
+    if not backend.closed:
+        return False
+    if backend not in _warned:
+        _warned.add(backend)
+        log.warning("%s closed after its backend %s: nothing left to release (the backend's close released it); "
+                    "close graphkit objects before their backend", what, backend.name)
+    return True

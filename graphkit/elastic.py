@@ -30,8 +30,8 @@ from graphkit._elastic_backup import HostBackup
 from graphkit._elastic_chunks import FreeChunks, RangeChunks
 from graphkit._elastic_orphans import Orphans
 from graphkit._elastic_views import LiveViews, ViewToken
-from graphkit.closing import Closable, close_step, raise_first_failure
-from graphkit.deprecation import alias, renamed
+from graphkit.closing import Closable, after_backend, close_step, raise_first_failure
+from graphkit.deprecation import alias, renamed, renamed_keyword
 from graphkit.saver import MemorySaver
 from graphkit.transaction import Transaction
 from hal.types import fmt_bytes, round_up
@@ -183,9 +183,10 @@ class ElasticReservation(Closable):
         with self._lock:
             if self._closed:
                 return
-            self._settle()
-            self.trim()
-            errors += self._leftovers(errors)
+            if not after_backend(self.backend, log, "ElasticReservation"):  # else it released the range and chunks
+                self._settle()
+                self.trim()
+                errors += self._leftovers(errors)
             raise_first_failure(log, errors, "ElasticReservation.close")
             self._closed = True
             if self._owns_backend:
@@ -277,13 +278,9 @@ class ElasticBuffer(Closable):
     def __init__(self, backend: hal.Backend | None = None, max_bytes: int = 0, *,
                  reservation: ElasticReservation | None = None, saver: MemorySaver | None = None,
                  tag: str = "kv_cache", backup: bool = False, pool: ElasticReservation | None = None) -> None:
-        spelled = "reservation"
-        if pool is not None:
-            renamed("ElasticBuffer(pool=)", "reservation=")
-            if reservation is not None:
-                raise hal.InvalidArgumentError("pool= is the deprecated spelling of reservation=: pass one of them",
-                                               backend=getattr(backend, "name", None), call="ElasticBuffer")
-            reservation, spelled = pool, "pool"
+        spelled = "reservation" if pool is None else "pool"
+        reservation = renamed_keyword("ElasticBuffer", "pool", pool, "reservation", reservation,
+                                      backend=getattr(backend, "name", None))
         be = _buffer_backend(backend, reservation, spelled, saver, tag)
         _positive(max_bytes, "max_bytes", "ElasticBuffer", be.name)
         self._own_reservation = reservation is None
@@ -429,19 +426,24 @@ class ElasticBuffer(Closable):
 
     # -- sleep (through a MemorySaver) ---------------------------------------------------------
 
-    def release_physical(self) -> int:
+    def release_physical(self, *, keep_backup: bool = False) -> int:
         """Back up (when made with ``backup``), unmap and release every chunk; the address stays. Idempotent.
 
         Returns the bytes released. A failed unmap maps back what this call
         unmapped (what will not map back leaves the buffer :attr:`paused`); a
         chunk whose release fails is kept and released later.
+
+        :param keep_backup: the rollback of a failed resume: the backup of the
+            last pause stays the one a resume restores (nothing is copied).
         """
         chunks = self._chunks
         with self._lock:
             self._check("pause", awake=False)
             if self._sleeping and chunks.released:
                 return 0
-            if self.backup and chunks.footprint_bytes and not self._backup.held:
+            if keep_backup:
+                self._backup.sleep_again()
+            elif self.backup and chunks.footprint_bytes and not self._backup.held:
                 if chunks.holes:
                     raise hal.InvalidStateError("part of the buffer is unmapped (a failed rollback): "
                                                 "restore_physical() it before a pause can back it up",
@@ -478,7 +480,7 @@ class ElasticBuffer(Closable):
                     self._backup.restore(self.backend, self.ptr, chunks.footprint_bytes)
                 tx.commit()
             self._sleeping = False
-            self._backup.held = False
+            self._backup.wake()
 
     # -- teardown ---------------------------------------------------------------------------
 
@@ -499,12 +501,13 @@ class ElasticBuffer(Closable):
                 if self._own_reservation and not self.reservation.closed:
                     self.reservation.close()
                 return
+            gone = after_backend(be, log, "ElasticBuffer")  # its close released every chunk: nothing to unmap
             live = self._views.ends()
-            if live:
+            if live and not gone:
                 raise hal.InvalidStateError(f"{len(live)} view(s) of the buffer are still alive: drop them "
                                             "before closing", backend=be.name, call="ElasticBuffer.close")
-            errors = self._chunks.unmap_all()
-            if self._chunks.stray and not errors:
+            errors = [] if gone else self._chunks.unmap_all()
+            if self._chunks.stray and not errors and not gone:
                 errors.append(hal.InvalidStateError(f"{len(self._chunks.stray)} mapping(s) would not unmap",
                                                     backend=be.name, call="ElasticBuffer.close"))
             raise_first_failure(log, errors, "ElasticBuffer.close")

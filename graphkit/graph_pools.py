@@ -30,7 +30,7 @@ from graphkit._pool_keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
 from graphkit._routing import CaptureRouting
 from graphkit.allocator import SharedVMMAllocator
 from graphkit.capture import CaptureHygieneError, leftover_blocks, report_leftovers, warm_up_checked
-from graphkit.closing import Closable, close_step, raise_first_failure
+from graphkit.closing import Closable, after_backend, close_step, raise_first_failure
 from graphkit.isolation import IsolationError
 from graphkit.pools import POOL_KINDS, PoolStrategy, make_pool_strategy
 from graphkit.report import KeyReport, PoolsReport, pools_report
@@ -157,18 +157,23 @@ class GraphPools(Closable):
     def pool(self, key: Hashable) -> PoolHandle:
         """The handle of ``key``'s pool: the same handle for the same key until it is released.
 
-        With ``verify``, captures into handles are watched from the first
-        call until :meth:`close` (the framework's graph class is wrapped
-        meanwhile, where the backend routes captures).
+        With ``verify``, captures into handles (of this method and of
+        :meth:`group`) are watched from the first one made until
+        :meth:`close` (the framework's graph class is wrapped meanwhile,
+        where the backend routes captures). A key's space keeps room to grow
+        until the key is released: handles may be asked for in any order,
+        and captures into several keys may run in several threads at once.
         """
-        with self._lock:
-            self._check_open("pool")
-            if self._watches:
-                self._routing.watch_handles()
-            return self._handle(key)
+        return self._handle(key)
 
     def _handle(self, key: Hashable) -> PoolHandle:
-        return self._key_pool(key).handle
+        """``key``'s handle (for :meth:`pool` and :meth:`group`): from the first one on, captures into handles
+        are watched."""
+        with self._lock:
+            handle = self._key_pool(key).handle
+            if self._watches:
+                self._routing.watch_handles()
+            return handle
 
     def _key_pool(self, key: Hashable) -> KeyPool:
         """``key``'s pool, made on first use (a :class:`GraphRunner` captures into its lease directly)."""
@@ -223,6 +228,9 @@ class GraphPools(Closable):
 
         For piecewise graphs: piece k's output feeds piece k + 1, so the
         pieces of one batch must never share physical bytes with each other.
+        Yields ``key``'s handle (as :meth:`pool`; captures into it are
+        verified inside or outside the scope). When the outermost block of
+        ``key`` ends, its space is sealed: trimmed to what its captures used.
         """
         return self._routing.group(key)
 
@@ -337,7 +345,8 @@ class GraphPools(Closable):
 
         Reset (or drop) the graphs captured with these pools first: their
         memory is gone after this. Goes on past failures and raises the
-        first; ``close()`` again finishes the job.
+        first; ``close()`` again finishes the job. After the backend's close
+        it only forgets its keys (the backend released them), with a warning.
         """
         with self._lock:
             if self._close_done:
@@ -346,7 +355,10 @@ class GraphPools(Closable):
             self._finalizer.detach()
             self._routing.stop()
             errors: list[BaseException] = []
-            close_step(errors, self.backend.synchronize)
+            if after_backend(self.backend, log, self._caller):  # its close released every pool, space and chunk
+                self._entries.clear()
+            else:
+                close_step(errors, self.backend.synchronize)
             gc.collect()  # framework tensors of these pools caught in reference cycles go while the pools exist
             for entry in list(self._entries.values()):
                 close_step(errors, self._keys.drop, entry)

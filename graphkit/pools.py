@@ -89,9 +89,9 @@ class SharedPool(PoolStrategy):
         return Lease(pool=self._pool)
 
     def close(self) -> None:
-        if self._pool is not None:
+        if self._pool is not None and not self.backend.closed:  # a closed backend released it
             self.backend.release_pool(self._pool)  # a failure keeps it, to release at the next close()
-            self._pool = None
+        self._pool = None
 
 
 class VmmPools(PoolStrategy):
@@ -118,8 +118,9 @@ class VmmPools(PoolStrategy):
         self._returned: list[int] = []
 
     def lease(self) -> Lease:
+        """A new open space (other spaces keep their room: their owners seal them) and a pool over it."""
         allocator = self.allocator
-        space = allocator.switch_to_new_virtual_space()
+        space = allocator.open_virtual_space()
         try:
             pool = self.backend.create_pool(*allocator.pool_callbacks(space), paused=lambda: allocator.paused)
         except BaseException:
@@ -160,7 +161,8 @@ class VmmPools(PoolStrategy):
     def close(self) -> None:
         """Settle, then close an allocator of its own; goes on past a failed settle and raises the first."""
         errors: list[BaseException] = []
-        close_step(errors, self.settle)  # the allocator's close below takes the spaces down anyway
+        if not self.backend.closed:  # else the backend's close took every space down
+            close_step(errors, self.settle)  # the allocator's close below takes the spaces down anyway
         if self._own:  # outputs the caller still holds (views) keep readable memory under them when parked
             self.allocator.close(park_live=self._park_live)
             self._returned.clear()

@@ -37,7 +37,7 @@ from graphkit._buckets import Bucket, Pieces
 from graphkit._outputs import Outputs
 from graphkit.buffers import StaticInputs
 from graphkit.closing import Closable, close_step, raise_first_failure
-from graphkit.deprecation import alias, renamed
+from graphkit.deprecation import alias, renamed, renamed_keyword
 from graphkit.graph_pools import GraphPools, Kind
 from graphkit.pools import PoolStrategy
 from graphkit.report import RunnerReport, SizeReport
@@ -226,9 +226,10 @@ class GraphRunner(Closable):
     :param backend: a :class:`hal.Backend` (default: ``hal.get_backend()``,
         then owned and closed by the runner).
     :param kind: the pool kind, as in :class:`graphkit.GraphPools`:
-        ``"vmm"`` (a fresh virtual space per size over shared chunks: N sizes
-        cost the largest), ``"shared"`` (one pool) or ``"private"`` (a pool
-        per size). ``pool=`` is its deprecated spelling.
+        ``"vmm"`` (the default: a fresh virtual space per size over shared
+        chunks, N sizes cost the largest), ``"shared"`` (one pool) or
+        ``"private"`` (a pool per size). ``pool=`` is its deprecated spelling
+        (giving both is an error).
     :param options: a :class:`RunnerOptions` (mode, outputs, on-demand
         capture, padding fill, hygiene, progress...); defaults work.
     :param saver: a :class:`graphkit.MemorySaver`: with ``kind="vmm"`` the
@@ -243,11 +244,11 @@ class GraphRunner(Closable):
     """
 
     def __init__(self, fn: Callable[..., Any] | Sequence[Callable[..., Any]], sizes: Sequence[int],
-                 backend: hal.Backend | None = None, kind: str = "vmm", *, options: RunnerOptions | None = None,
-                 saver: MemorySaver | None = None, pool: str | None = None, **overrides: Any) -> None:
-        if pool is not None:
-            renamed("GraphRunner(pool=)", "kind=")
-            kind = pool
+                 backend: hal.Backend | None = None, kind: str | None = None, *,
+                 options: RunnerOptions | None = None, saver: MemorySaver | None = None, pool: str | None = None,
+                 **overrides: Any) -> None:
+        kind = renamed_keyword("GraphRunner", "pool", pool, "kind", kind, backend=getattr(backend, "name", None))
+        kind = "vmm" if kind is None else kind
         self.options = opts = _merged_options(options, overrides)
         self._owns_backend = backend is None
         self.backend = be = backend or hal.get_backend(requires=("graphs",))
@@ -355,6 +356,7 @@ class GraphRunner(Closable):
                 cap.release_cached_memory(be)
             bucket.report = SizeReport(size, seconds, be.mem_info().used - used0,
                                        pools.strategy.figures().get("chunk_bytes"))
+            pools._routing.seal(key, "when the capture of its size ended")  # a size is captured once
         except BaseException:
             try:
                 self._release_bucket(bucket)
@@ -479,16 +481,20 @@ class GraphRunner(Closable):
         """Synchronize, drop graphs, drop pools, unmap, free ranges, release chunks. Idempotent.
 
         Goes on past failures and raises the first; what failed is kept, and
-        ``close()`` again finishes the job.
+        ``close()`` again finishes the job. After the backend's close it only
+        forgets its graphs and pools (the backend released them), with a warning.
         """
         with self._lock:
             if self._close_done:
                 return
             self._closed = True  # from here on every call raises InvalidStateError
             errors: list[BaseException] = []
-            close_step(errors, self.backend.synchronize)  # what follows waits for the device itself where it must
-            gc.collect()  # tensors of the pools caught in reference cycles go while the pools exist
             self._leftover.extend(self._forget(size) for size in list(self._captured))
+            if self.backend.closed:  # its close released every graph (the pools' close below says so)
+                self._leftover.clear()
+            else:
+                close_step(errors, self.backend.synchronize)  # what follows waits for the device where it must
+                gc.collect()  # tensors of the pools caught in reference cycles go while the pools exist
             left = []
             for bucket in self._leftover:  # past failures: release what can be released
                 if not close_step(errors, self._release_bucket, bucket):

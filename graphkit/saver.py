@@ -33,7 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 import hal
 from graphkit._nccl import warn_graph_register
 from graphkit._regions import Region, RegionMemory
-from graphkit.closing import Closable, raise_first_failure
+from graphkit.closing import Closable, after_backend, raise_first_failure
 from graphkit.report import TagReport
 from hal.types import fmt_bytes
 
@@ -64,8 +64,12 @@ class Sleeper(Protocol):
         """Physical bytes it holds while awake (what a pause releases)."""
         ...
 
-    def release_physical(self) -> int:
-        """Unmap and release its physical memory (backing it up first where it keeps a backup); the bytes released."""
+    def release_physical(self, *, keep_backup: bool = False) -> int:
+        """Unmap and release its physical memory (backing it up first where it keeps a backup); the bytes released.
+
+        ``keep_backup=True`` is the rollback of a failed resume (of another sleeper of the tag): the backup the
+        last pause made is still what the memory must wake with, so nothing is copied and it is kept.
+        """
         ...
 
     def restore_physical(self, restore: bool = True) -> None:
@@ -383,7 +387,6 @@ class MemorySaver(Closable):
                 t0 = time.perf_counter()
                 self._resume_tag(tag, restore)
                 self._times[tag] = (self._times.get(tag, (None, None))[0], time.perf_counter() - t0)
-            self.backend.synchronize()
 
     def _resume_tag(self, tag: str, restore: bool) -> None:
         """Restore every paused sleeper of ``tag``, or none: a failure releases those restored by this call."""
@@ -393,8 +396,9 @@ class MemorySaver(Closable):
                 if sleeper.paused:
                     sleeper.restore_physical(restore=restore)
                     done.append(sleeper)
-        except BaseException:
-            _roll_back(done, lambda s: s.release_physical(),
+            self.backend.synchronize()  # the tag reads awake once its memory is: a failure here rolls it back too
+        except BaseException:  # back to sleep with the backups of the pause: the fresh memory holds nothing of value
+            _roll_back(done, lambda s: s.release_physical(keep_backup=True) if s.backup else s.release_physical(),
                        f"resume {tag!r} failed and could not be rolled back fully")
             raise
         self._paused.discard(tag)
@@ -423,12 +427,13 @@ class MemorySaver(Closable):
     def close(self) -> None:
         """Resume nothing; release the regions' pools (their memory goes when the framework frees it). Idempotent.
 
-        Goes on past failures and raises the first; ``close()`` again finishes.
+        Goes on past failures and raises the first; ``close()`` again finishes (after the backend's, it only forgets).
         """
         with self._lock:
             if self._closed:
                 return
-            raise_first_failure(log, self._memory.close(), "MemorySaver.close")
+            if not after_backend(self.backend, log, "MemorySaver"):  # else its close released the regions' pools
+                raise_first_failure(log, self._memory.close(), "MemorySaver.close")
             self._closed = True
             self._sleepers.clear()
             if self._owns_backend:

@@ -92,3 +92,20 @@ def test_elastic_pool_is_elastic_reservation(module) -> None:
     assert cls is graphkit.ElasticReservation
     with pytest.raises(AttributeError):
         module.NoSuchName  # noqa: B018
+
+
+def test_graph_runner_refuses_kind_and_its_old_spelling_together(be: hal.Backend) -> None:
+    with pytest.warns(DeprecationWarning), pytest.raises(hal.InvalidArgumentError, match=r"pool='vmm' and kind="):
+        _runner(be, kind="private", pool="vmm")
+    with pytest.warns(DeprecationWarning), pytest.raises(hal.InvalidArgumentError, match=r"pool=.* and kind='vmm'"):
+        _runner(be, kind="vmm", pool="shared")  # the default spelled out is a choice too
+    assert be.live.zero, be.live
+
+
+def test_allocator_refuses_max_physical_bytes_and_its_old_spelling_together(be: hal.Backend) -> None:
+    with pytest.warns(DeprecationWarning), pytest.raises(hal.InvalidArgumentError,
+                                                         match=r"capacity=.* and max_physical_bytes=.* both given"):
+        graphkit.SharedVMMAllocator(be, max_physical_bytes=G, capacity=16 * G)
+    with pytest.warns(DeprecationWarning), pytest.raises(hal.InvalidArgumentError, match="capacity="):
+        graphkit.GraphPools(be, max_physical_bytes=G, capacity=16 * G)
+    assert be.live.zero, be.live

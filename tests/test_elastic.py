@@ -513,3 +513,18 @@ ELASTIC_BAD_CALLS = {
 def test_bad_arguments_are_refused_before_anything_is_made(name: str) -> None:
     with refused_cleanly(lambda be: graphkit.ElasticReservation(be, reserve_bytes=8 * G)) as (be, reservation):
         ELASTIC_BAD_CALLS[name](be, reservation)
+
+
+def test_close_after_the_backends_close_finishes(be: hal.Backend) -> None:
+    """The backend's close released the ranges and chunks: buffers and reservations only forget them,
+    also with a view still alive (it reads released memory either way)."""
+    res = graphkit.ElasticReservation(be, reserve_bytes=8 * G, precreate_bytes=2 * G)
+    kept, own = res.buffer(4 * G), graphkit.ElasticBuffer(be, max_bytes=2 * G)
+    for buf in (kept, own):
+        buf.resize(G)
+    view = own.view(torch.uint8, (G,))
+    be.close()
+    own.close()
+    res.close()
+    assert own.closed and own.reservation.closed and kept.closed and res.closed
+    del view

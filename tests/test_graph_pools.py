@@ -3,8 +3,10 @@ and the routing of a framework class."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+import threading
 
 import pytest
 import torch
@@ -167,6 +169,82 @@ def test_without_a_group_the_pieces_would_alias(be: hal.Backend) -> None:
     be.release_graph(g1)
     del out, mid
     pools.close()
+
+
+def test_handles_asked_for_up_front_keep_room_for_their_captures(be: hal.Backend) -> None:
+    """Engines make their handles first (``{bs: pools.pool(bs) for bs in sizes}``), then capture in any order;
+    a second piece goes into an earlier key after other keys captured."""
+    step = make_step()
+    with graphkit.GraphPools(be) as pools:
+        handles = {n: pools.pool(n) for n in (1, 64, 8)}
+        graphs = {}
+        for n in (64, 1, 8):  # 64 rows take several granules; its space was opened before the others
+            x = torch.zeros(n, 256)
+            graphs[n] = (x, *capture(be, step, x, pool=handles[n]))
+        mid = graphs[64][2]
+        g1, out = capture(be, step, mid, pool=handles[64])  # piece 2 of key 64, reading piece 1's output
+        assert not any(pools.allocator.spaces[pools._entries[n].space_id].sealed for n in handles)
+        for n, (x, graph, o) in graphs.items():
+            x.copy_(torch.randn(n, 256))
+            be.replay(graph)
+            torch.testing.assert_close(o, step(x), rtol=1e-5, atol=1e-5)
+        be.replay(g1)
+        torch.testing.assert_close(out, step(mid), rtol=1e-5, atol=1e-5)
+        for graph in [g1, *(g for _, g, _ in graphs.values())]:
+            be.release_graph(graph)
+        del graphs, mid, out, o
+    assert be.live.zero, be.live
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["handles", "graph_memory"])
+def test_two_threads_capture_into_two_keys_at_once(be: hal.Backend, routed: bool) -> None:
+    """Thread A's capture goes on while thread B opens a key and captures into it (dual-batch overlap)."""
+    step = make_step()
+    pools = graphkit.GraphPools(be)
+    a_started, b_done = threading.Event(), threading.Event()
+    done: dict = {}
+
+    def capture_in_thread(name: str, n: int, between=None) -> None:
+        x = torch.zeros(n, 256)
+        graph = be.create_graph()
+        try:
+            with be.capture(graph, pool=None if routed else pools.pool(name)):
+                h = step(x)
+                if between is not None:
+                    between()
+                out = step(h) + h  # more granules, after the other thread opened its key and captured
+            done[name] = (x, graph, out)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            done[name] = exc
+            be.release_graph(graph)
+
+    def thread_a() -> None:
+        capture_in_thread("a", 64, lambda: (a_started.set(), b_done.wait(10)))
+        a_started.set()
+
+    def thread_b() -> None:
+        a_started.wait(10)
+        try:
+            capture_in_thread("b", 32)
+        finally:
+            b_done.set()
+
+    with graphkit.graph_memory(pools=pools) if routed else contextlib.nullcontext():
+        threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert all(isinstance(v, tuple) for v in done.values()), done
+    for x, graph, out in done.values():
+        x.copy_(torch.randn(*x.shape))
+        be.replay(graph)
+        torch.testing.assert_close(out, step(step(x)) + step(x), rtol=1e-5, atol=1e-5)
+        be.release_graph(graph)
+    done.clear()
+    del out
+    pools.close()
+    assert be.live.zero, be.live
 
 
 def test_a_space_lives_as_long_as_its_graph(be: hal.Backend) -> None:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -79,6 +80,57 @@ def test_torch_cuda_graph_takes_a_pool_handle(be: hal.Backend, order: str) -> No
         for graph, _, _ in graphs.values():
             graph.reset()
         del graphs
+        gc.collect()
+    assert be.live.chunks == 0 and be.live.mappings == 0
+
+
+def test_two_threads_capture_into_handles_made_up_front(be: hal.Backend) -> None:
+    """Handles made first; thread A's capture goes on while thread B captures into another key (each on its
+    own stream, thread_local capture mode): neither runs out of room, both replay right."""
+    step = make_step()
+    a_started, b_done = threading.Event(), threading.Event()
+    done: dict = {}
+    with graphkit.GraphPools(be) as pools:
+        handles = {n: pools.pool(n) for n in (64, 256)}
+        for n in handles:
+            pools.warm_up(step, torch.zeros(n, 1024, device="cuda"))
+
+        def capture(n: int, between) -> None:
+            x = torch.zeros(n, 1024, device="cuda")
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=handles[n], stream=torch.cuda.Stream(),
+                                      capture_error_mode="thread_local"):
+                    h = step(x)
+                    between()
+                    out = step(h)
+                done[n] = (graph, x, out)
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                done[n] = exc
+
+        def first() -> None:
+            try:
+                capture(256, lambda: (a_started.set(), b_done.wait(30)))
+            finally:
+                a_started.set()
+
+        def second() -> None:
+            a_started.wait(30)
+            try:
+                capture(64, lambda: None)
+            finally:
+                b_done.set()
+
+        threads = [threading.Thread(target=first), threading.Thread(target=second)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(isinstance(v, tuple) for v in done.values()), done
+        check_replays(done, lambda x: step(step(x)))
+        for graph, _, _ in done.values():
+            graph.reset()
+        done.clear()
         gc.collect()
     assert be.live.chunks == 0 and be.live.mappings == 0
 

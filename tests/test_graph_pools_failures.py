@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 
 import pytest
 import torch
@@ -58,3 +59,34 @@ def test_a_failed_capture_in_the_scope_gives_its_space_back(be: hal.Backend) -> 
     pools.collect()
     assert pools.keys == [] and pools.allocator.num_virtual_spaces == 0
     pools.close()
+
+
+@pytest.mark.parametrize("nth", [1, 2], ids=["before the capture", "after it"])
+def test_a_fault_in_the_hygiene_query_of_a_routed_capture_leaves_no_key(be: hal.Backend, nth: int) -> None:
+    """hygiene=True asks for the pool's blocks before a routed capture and after it: either failing fails
+    the capture, whose automatic key goes like that of any failed capture."""
+    pools = graphkit.GraphPools(be, hygiene=True)
+    be.faults.fail("pool_active_blocks", nth=nth)
+    with graphkit.graph_memory(pools=pools), pytest.raises(hal.DriverError, match="injected"):
+        capture(be, lambda x: x * 2, torch.ones(8, 64))
+    gc.collect()
+    pools.collect()
+    assert pools.keys == [] and pools.allocator.num_virtual_spaces == 0 and be.live.pools == 0
+    pools.close()
+    assert be.live.zero, be.live
+
+
+def test_close_after_the_backends_close_finishes_with_one_warning(be: hal.Backend,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """The backend's close released every pool, space and chunk: the pools' close has nothing left to give back."""
+    pools = graphkit.GraphPools(be)
+    kept = capture(be, lambda x: x * 2, torch.ones(8, 64), pool=pools.pool(1))
+    be.close()
+    with caplog.at_level(logging.WARNING, logger="graphkit"):
+        pools.close()
+    assert pools.closed and pools.allocator.closed and pools.keys == []
+    warned = [r.message for r in caplog.records if r.name.startswith("graphkit")]
+    assert warned == [("GraphPools closed after its backend fake: nothing left to release (the backend's close "
+                       "released it); close graphkit objects before their backend")]
+    pools.close()  # idempotent
+    del kept

@@ -93,6 +93,23 @@ def test_a_capture_into_a_pool_handle_is_verified_too(be: hal.Backend) -> None:
     assert be.live.zero
 
 
+def test_a_capture_into_a_group_handle_outside_the_scope_is_verified_too(be: hal.Backend) -> None:
+    """``pools.group(key)`` yields the key's handle: used outside graph_memory, captures into it are checked
+    as those into ``pools.pool(key)`` (a key reading another key's live output replays wrong)."""
+    first, second = pieces()
+    pools = graphkit.GraphPools(be)
+    x = torch.zeros(8, 256)
+    with pools.group(1) as h1:
+        g1, h = capture(be, first, x, pool=h1)
+    with pools.group(2) as h2, pytest.raises(graphkit.IsolationError, match=r"key 2 .*space of key 1"):
+        capture(be, second, h, pool=h2)
+    assert pools.verify_stats.graphs == 2
+    be.release_graph(g1)
+    del h
+    pools.close()
+    assert be.live.zero
+
+
 def test_verify_false_turns_the_check_off(be: hal.Backend) -> None:
     first, second = pieces()
     with graphkit.graph_memory(be, verify=False) as pools:

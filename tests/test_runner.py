@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import graphkit
 import hal
 from hal.backends.fake import FakeBackend
+from tests.conftest import G
 from tests.values import BAD_VALUE_SETTINGS, NOT_A_SIZE, refused_cleanly
 
 SIZES = [1, 2, 4, *range(8, 8 * 18 + 1, 8)]  # 21 sizes
@@ -270,6 +271,18 @@ def test_the_runner_keeps_its_pools_in_graph_pools_keyed_by_size(be: hal.Backend
     assert torch.equal(runner(x=torch.ones(3, 4)), torch.full((3, 4), 3.0))  # served by size 8
     runner.close()
     assert runner.pools.closed and be.live.zero, be.live
+
+
+def test_each_sizes_space_is_sealed_once_its_capture_ended(be: hal.Backend) -> None:
+    """A size is captured once (all its pieces): its space then takes the address space it used, no more."""
+    runner = graphkit.GraphRunner([lambda x: x * 3, lambda h: h + 1], sizes=[2, 8], backend=be, progress=False,
+                                  mode="piecewise", between=[lambda h, x: h])
+    runner.capture(x=torch.zeros(8, 4))
+    spaces = runner.pools.allocator.spaces
+    assert len(spaces) == 2 and all(s.sealed and s.size == G for s in spaces.values())
+    assert torch.equal(runner(x=torch.ones(5, 4)), torch.full((5, 4), 4.0))
+    runner.close()
+    assert be.live.zero, be.live
 
 
 def test_a_call_that_wants_gradients_runs_eagerly_and_the_runner_keeps_working(be: hal.Backend) -> None:

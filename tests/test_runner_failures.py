@@ -111,3 +111,16 @@ def test_a_size_whose_pool_would_not_go_keeps_its_key_for_close(be: hal.Backend)
     assert torch.equal(runner(x=torch.ones(1, 8)), torch.full((1, 8), 2.0))
     runner.close()
     assert 2 not in runner.pools and be.live.zero, be.live
+
+
+def test_close_after_the_backends_close_finishes(be: hal.Backend) -> None:
+    """The backend's close released every graph, pool and chunk: the runner's close only forgets them."""
+    runner = graphkit.GraphRunner(lambda x: x * 2, sizes=[2, 4], backend=be, progress=False)
+    runner.capture(x=torch.zeros(4, 8))
+    be.close()
+    runner.close()
+    assert runner.pools is not None and runner.pools.closed and runner.pools.allocator.closed
+    assert runner.captured_sizes == []
+    with pytest.raises(hal.InvalidStateError, match="closed"):
+        runner(x=torch.zeros(1, 8))
+    runner.close()

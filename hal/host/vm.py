@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
+import stat
 from collections.abc import Iterator
 
 from hal.errors import DeviceOutOfMemoryError, DriverError, InvalidArgumentError
@@ -116,6 +118,26 @@ def unmap_chunk(ptr: int, size: int, *, backend: str = "host") -> None:
     _pages(backend, "unmap", ptr=ptr, size=size)
     with _checked(backend, "unmap", "mmap"):
         _os.unmap_chunk(ptr, size)
+
+
+def export_chunk(fd: int, *, backend: str = "host") -> int:
+    """A new file descriptor of chunk ``fd`` that another process can map (the caller or the receiver closes it)."""
+    with _checked(backend, "export_phy_mem_handle", "dup"):
+        return os.dup(fd)
+
+
+def import_chunk(fd: int, size: int, *, backend: str = "host") -> int:
+    """A descriptor of its own of an exported chunk ``fd`` of ``size`` bytes, checked to be one.
+
+    :raises InvalidArgumentError: ``fd`` is no regular file of ``size`` bytes.
+    """
+    with _checked(backend, "import_phy_mem_handle", "fstat"):
+        info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+        raise InvalidArgumentError(f"fd={fd} is not an exported chunk of size={size} (a file of {info.st_size} "
+                                   f"bytes, mode {info.st_mode:#o})", backend=backend, call="import_phy_mem_handle")
+    with _checked(backend, "import_phy_mem_handle", "dup"):
+        return os.dup(fd)
 
 
 def alloc(size: int, *, backend: str = "host") -> int:

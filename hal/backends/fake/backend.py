@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
-import stat
 import threading
 from typing import Any
 
@@ -174,19 +172,11 @@ class FakeBackend(HostGraphs):
     @hookimpl
     def export_phy_mem_handle(self, handle: int) -> int:
         fd, _ = self._chunks[handle]
-        with self._os_errors("export_phy_mem_handle"):
-            return os.dup(fd)
+        return vm.export_chunk(fd, backend=NAME)
 
     @hookimpl
     def import_phy_mem_handle(self, fd: int, size: int) -> int:
-        with self._os_errors("import_phy_mem_handle"):
-            info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
-            raise InvalidArgumentError(f"fd={fd} is not an exported chunk of size={size} (a file of "
-                                       f"{info.st_size} bytes, mode {info.st_mode:#o})", backend=NAME,
-                                       call="import_phy_mem_handle")
-        with self._os_errors("import_phy_mem_handle"):
-            own = os.dup(fd)
+        own = vm.import_chunk(fd, size, backend=NAME)
         handle = next(self._handle_ids)
         self._chunks[handle] = (own, size)
         self._imported.add(handle)
