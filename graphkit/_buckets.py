@@ -34,6 +34,7 @@ class Bucket:
     outputs: list[Any] = field(default_factory=list)  # per piece
     piece_inputs: list[list[torch.Tensor]] = field(default_factory=list)  # static inputs of pieces 1..
     report: SizeReport | None = None
+    layout: Any = None  # the runner's reading of the last piece's outputs, made at its first delivery
 
 
 def _spread(piece: Callable[..., Any]) -> Callable[..., Any]:
@@ -97,18 +98,22 @@ class Pieces:
         bucket.piece_inputs.append(buffers)
         return tuple(buffers) if isinstance(mid, tuple) else buffers[0]
 
-    def replay(self, bucket: Bucket, views: Callable[[], Mapping[str, torch.Tensor]]) -> Any:
+    def replay(self, bucket: Bucket, views: Callable[[int], Mapping[str, torch.Tensor]]) -> Any:
         """Replay the bucket's graphs, running the eager steps between them; its last piece's outputs.
 
-        :param views: the static inputs at the bucket's size (asked only for a piecewise step).
+        :param views: the static inputs at a size (asked only for a piecewise step).
         """
         be = self.backend
+        graphs = bucket.graphs
+        if len(graphs) == 1:  # a full graph: the call's path, kept short
+            be.replay(graphs[0])
+            return bucket.outputs[-1]
         inputs = None
-        for k, graph in enumerate(bucket.graphs):
+        for k, graph in enumerate(graphs):
             be.replay(graph)
-            if k + 1 < len(bucket.graphs):
+            if k + 1 < len(graphs):
                 if not inputs:
-                    inputs = views()
+                    inputs = views(bucket.size)
                 mid = self.between[k](bucket.outputs[k], **inputs)
                 for buf, leaf in zip(bucket.piece_inputs[k], mid if isinstance(mid, tuple) else (mid,), strict=False):
                     buf.copy_(leaf)
@@ -127,6 +132,7 @@ class Pieces:
                 kept.append(graph)
         bucket.graphs[:] = kept
         bucket.outputs.clear()
+        bucket.layout = None  # it holds the outputs too
         bucket.piece_inputs.clear()
         return errors
 

@@ -14,9 +14,7 @@ captured the first time a batch needs it.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import dataclasses
-import functools
 import gc
 import logging
 import random
@@ -27,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
-from torch.utils._pytree import tree_flatten
 from tqdm.auto import tqdm
 
 import hal
@@ -49,6 +46,8 @@ log = logging.getLogger("graphkit.runner")
 Mode = Literal["full", "piecewise", "none"]
 MAX_BATCH = 1 << 31
 Order = Literal["descending", "ascending", "random"]
+#: the most batches whose call plans a runner keeps
+_MAX_PLANS = 4096
 #: what an isolation error of a runner's capture advises
 _ISOLATION_FIX = ("Create what the step keeps between calls (caches, workspaces) before capturing, "
                   "and pass nothing made by one size's graph to another")
@@ -185,12 +184,6 @@ def ordered_sizes(sizes: list[int], order: Order | Sequence[int], seed: int = 0)
     return list(order)
 
 
-def _wants_grad(inputs: dict[str, Any]) -> bool:
-    """Whether a call asks for gradients (autograd on, an input that requires them)."""
-    return torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(inputs)[0])
-
-
 def _check_unmoved(inputs: StaticInputs, be: hal.Backend) -> None:
     """``debug``: a static input that moved since capture would be read stale by the graph."""
     moved = inputs.moved()
@@ -212,6 +205,15 @@ def _runner_pools(be: hal.Backend, opts: RunnerOptions, kind: str, saver: Memory
         raise hal.UnsupportedError("kind='none' cannot sleep with a MemorySaver: use kind='vmm' on a backend "
                                    "with 'custom_pool'", backend=be.name, call="GraphRunner")
     return None
+
+
+class _Plan:
+    """What a runner call at one batch does: the size, its bucket, and the static buffers' views to copy into."""
+
+    __slots__ = ("batch", "bucket", "rows", "size")
+
+    def __init__(self, batch: int, size: int, bucket: Bucket, rows: list[tuple[str, tuple[Any, Any, Any]]]) -> None:
+        self.batch, self.size, self.bucket, self.rows = batch, size, bucket, rows
 
 
 class GraphRunner(Closable):
@@ -260,8 +262,10 @@ class GraphRunner(Closable):
         self.saver = saver
         self.inputs: StaticInputs | None = None
         self._outputs = Outputs(opts.outputs, self.max_size)
+        self._debug = opts.debug
         self._buckets: dict[int, Bucket] = {}
         self._captured: list[int] = []  # sorted sizes with graphs
+        self._plans: dict[int, _Plan] = {}  # batch -> what a call at that batch does (cleared as sizes come and go)
         self._capture_order: list[int] = []  # sizes in the order they were captured
         self._stream = be.create_stream() if opts.mode != "none" else None
         self._lock = threading.RLock()  # graphs of one pool never run concurrently
@@ -361,6 +365,7 @@ class GraphRunner(Closable):
             raise
         self._buckets[size] = bucket
         bisect.insort(self._captured, size)
+        self._plans.clear()  # a batch may now be served by this size
         self._capture_order.append(size)
         log.debug("captured batch %d in %.3f s (%s more device memory)", size, seconds,
                   fmt_bytes(bucket.report.memory_delta))
@@ -377,30 +382,57 @@ class GraphRunner(Closable):
     def __call__(self, **inputs: torch.Tensor) -> Any:
         """Run the step on ``inputs`` through the graph that fits; see the class doc for outputs."""
         with self._lock:  # close() and captures may race this call: decide under the lock
-            self._check_open()
-            if self.inputs is None:
+            static = self.inputs
+            if self._closed or static is None:
+                self._check_open()
                 raise hal.InvalidStateError("call capture(**example_inputs) first", backend=self.backend.name,
                                             call="GraphRunner")
-            batch = self.inputs.batch_of(inputs)
-            size = self.bucket_for(batch) if self.mode != "none" else None
-            if size is None and batch > self.max_size and self.oversize == "error":
-                raise hal.InvalidArgumentError(f"batch {batch} is above the largest captured size "
-                                               f"{self.max_size}", backend=self.backend.name, call="GraphRunner")
-            wants_grad = _wants_grad(inputs)  # a graph gives no gradients: such a call runs eagerly, with autograd
+            batch = static.batch_of(inputs)  # every input is a tensor of the captured row shape from here on
+            plan = self._plans.get(batch)
+            size = plan.size if plan is not None else self._size_for(batch)
+            # a graph gives no gradients: a call that asks for them runs eagerly, with autograd
+            wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs.values())
             if size is not None and not wants_grad:
+                if self.saver is None:
+                    return self._replay(plan or self._plan(static, batch, size), inputs)
                 # a pause waits for this block to end, and a call waits for a pause under way
-                with self.saver.awake(GRAPHS, "GraphRunner") if self.saver is not None else contextlib.nullcontext():
-                    bucket = self._buckets.get(size) or self._capture_size(size)
-                    with torch.no_grad():
-                        self.inputs.update(inputs, batch, size)
-                    if self.options.debug:
-                        _check_unmoved(self.inputs, self.backend)
-                    out = self.step.replay(bucket, functools.partial(self.inputs.views, size))
-                    return self._outputs.deliver(out, batch, size)
+                with self.saver.awake(GRAPHS, "GraphRunner"):
+                    return self._replay(plan or self._plan(static, batch, size), inputs)
         if wants_grad:
             return self.step.eager(**inputs)
         with torch.no_grad():
             return self.step.eager(**inputs)
+
+    def _size_for(self, batch: int) -> int | None:
+        """The size whose graph serves ``batch``; None: eager. Raises for a batch too large when so configured."""
+        size = self.bucket_for(batch) if self.mode != "none" else None
+        if size is None and batch > self.max_size and self.oversize == "error":
+            raise hal.InvalidArgumentError(f"batch {batch} is above the largest captured size "
+                                           f"{self.max_size}", backend=self.backend.name, call="GraphRunner")
+        return size
+
+    def _plan(self, static: StaticInputs, batch: int, size: int) -> _Plan:
+        """What a call at ``batch`` does, made at its first call (capturing ``size`` on demand) and kept until the
+        captured sizes change."""
+        bucket = self._buckets.get(size) or self._capture_size(size)
+        if len(self._plans) >= _MAX_PLANS:  # a bound, for a stream of ever new batches
+            self._plans.clear()
+        plan = self._plans[batch] = _Plan(batch, size, bucket, list(static._rows_for(batch, size).items()))
+        return plan
+
+    def _replay(self, plan: _Plan, inputs: dict[str, torch.Tensor]) -> Any:
+        """Copy the inputs in, replay the graph(s), hand out the batch's rows (under the lock).
+
+        No autograd: no input requires gradients here, so the copies record nothing.
+        """
+        for name, (prefix, padding, fill) in plan.rows:
+            prefix.copy_(inputs[name], non_blocking=True)
+            if padding is not None:
+                padding.fill_(fill)
+        if self._debug:
+            _check_unmoved(self.inputs, self.backend)  # type: ignore[arg-type]  # set whenever a plan exists
+        self.step.replay(plan.bucket, self.inputs.views)  # type: ignore[union-attr]
+        return self._outputs.deliver(plan.bucket, plan.batch)
 
     # -- figures and teardown ---------------------------------------------------------
 
@@ -448,6 +480,7 @@ class GraphRunner(Closable):
 
     def _forget(self, size: int) -> Bucket:
         self._captured.remove(size)
+        self._plans.clear()
         self._capture_order.remove(size)
         return self._buckets.pop(size)
 
