@@ -429,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def demo(args: argparse.Namespace, prog: str, command: str) -> int:
     """``demo``: every strategy on a tiny decoder, two capture orders."""
+    import torch
+
     from graphkit.bench.run import BenchConfig
 
     for check in (lambda: backend_error(args.backend), lambda: out_dir_error(args.out_dir)):
@@ -436,6 +438,10 @@ def demo(args: argparse.Namespace, prog: str, command: str) -> int:
         if why:
             fail(prog, why)
     name = hal.registry.select_backend_name(args.backend, requires=("graphs",))
+    if name == "fake":
+        # the demo's ops are too small to gain from more CPU threads, and threads that wait on each other turn
+        # another process's load into steps several times slower (the timed targets become noise)
+        torch.set_num_threads(1)
     cfg = BenchConfig(workload=DecoderConfig.tiny(), sizes=DEMO_SIZES, strategies=list(STRATEGIES),
                       orders=["descending", "ascending"], backend=name, iters=5, command=command,
                       backend_options={"granularity": DEMO_FAKE_GRANULARITY} if name == "fake" else {})

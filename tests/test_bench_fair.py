@@ -109,3 +109,32 @@ def test_the_elastic_bench_alternates_regrowth_and_elastic_growth(monkeypatch: p
     assert row["exact"] and row["alternations"] == 3 and row["regrow_copied_bytes"] == 1 << 20
     assert row["regrow"]["n"] == row["elastic_grow"]["n"] == 3 and row["elastic_copied_bytes"] == 0
     assert row["regrow"]["min"] <= row["regrow_s"] == row["regrow"]["median"] <= row["regrow"]["max"]
+
+
+def test_the_interval_of_a_median_is_two_order_statistics_and_needs_six_values() -> None:
+    from graphkit.bench.fair import median_interval
+
+    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None
+    assert median_interval([6.0, 1.0, 5.0, 2.0, 4.0, 3.0]) == (1.0, 6.0)  # 96.9% for the extremes of six
+    assert median_interval([float(i) for i in range(1, 21)]) == (6.0, 15.0)  # the 6th from each end of 20
+
+
+def _target_4(ratios: list[float]) -> dict:
+    from graphkit.bench.targets import check_targets
+
+    vmm = {"strategy": "vmm", "order": "descending", "graph_memory_bytes": 1, "capture_seconds": 1.0,
+           "replay_ms": {"1": 1.0}, "runner_ms_batch1": 1.0, "hand_loop_ms_batch1": 1.0, "hand_loop_ratios": ratios}
+    out = {"results": [vmm], "largest_alone_bytes": 1, "eager_ms": {"1": 2.0}}
+    return next(t for t in check_targets(out, 1, reference_gpu=False) if t["id"] == 4)
+
+
+def test_a_ratio_target_is_judged_on_the_rounds_and_a_noisy_machine_gets_not_judged_never_missed() -> None:
+    from graphkit.bench.output import summary_table
+
+    assert _target_4([1.01, 1.02, 1.0, 1.03, 1.02, 1.01, 1.0, 1.02])["met"] is True
+    assert _target_4([1.2, 1.3, 1.25, 1.22, 1.28, 1.21, 1.24, 1.27])["met"] is False
+    noisy = _target_4([0.7, 1.6, 0.9, 1.3, 1.0, 1.2, 0.8, 1.4])
+    assert noisy["met"] is None and "straddles 1.05" in noisy["detail"]
+    table = summary_table({"machine": {"backend": "fake", "processor": "x", "torch": "2"}, "sizes": [1],
+                           "largest_alone_bytes": 1, "eager_ms": {}, "results": [], "targets": [noisy]})
+    assert "[not judged]" in table and "MISSED" not in table

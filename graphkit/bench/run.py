@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import platform
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -27,13 +28,16 @@ from graphkit.bench.fair import interleaved
 from graphkit.bench.model import Decoder, DecoderConfig
 from graphkit.bench.strategies import COMPILE, ORDERS, STRATEGIES
 from graphkit.bench.targets import check_targets
-from graphkit.bench.timing import ms_per_call, rel_error
+from graphkit.bench.timing import interleaved_ms, ms_per_call, rel_error, round_ratios
 from graphkit.capture import release_cached_memory
 from graphkit.runner import Order
 
 log = logging.getLogger("graphkit.bench")
 
 REFERENCE_SIZES = [1, 2, 4, *range(8, 257, 8)]
+#: target 4: rounds of the runner and the hand-written loop in turns, and back-to-back calls of each per round
+HAND_LOOP_ROUNDS = 40
+HAND_LOOP_CALLS = 5
 
 
 @dataclass
@@ -167,9 +171,22 @@ class Bench:
         if order == "descending" or strategy == "vmm" or len(self.cfg.orders) == 1:
             result["replay_ms"] = {str(n): ms_per_call(be, lambda n=n: runner(**self.inputs[n]), cfg.iters)
                                    for n in self.timing_batches}
-            result["hand_loop_ms_batch1"] = ms_per_call(be, self._hand_loop(runner, 1), cfg.iters)
+            result.update(self.against_hand_loop(runner))
         runner.close()
         return result
+
+    def against_hand_loop(self, runner: graphkit.GraphRunner) -> dict[str, Any]:
+        """The runner at batch 1 and the hand-written loop on the same graph, timed in turns (target 4).
+
+        ``runner_ms_batch1`` and ``hand_loop_ms_batch1`` are the medians of
+        the rounds; ``hand_loop_ratios`` the runner over the loop, round by round.
+        """
+        inputs = self.inputs[1]
+        times = interleaved_ms(self.be, {"runner": lambda: runner(**inputs), "hand": self._hand_loop(runner, 1)},
+                               rounds=HAND_LOOP_ROUNDS, calls=HAND_LOOP_CALLS)
+        return {"runner_ms_batch1": statistics.median(times["runner"]),
+                "hand_loop_ms_batch1": statistics.median(times["hand"]),
+                "hand_loop_ratios": round_ratios(times, "runner", "hand")}
 
     def _hand_loop(self, runner: graphkit.GraphRunner, n: int) -> Callable[[], Any]:
         """Copy inputs into the static buffers, ``graph.replay()``, slice: on the runner's own graph."""

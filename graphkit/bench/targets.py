@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
+
+from graphkit.bench.fair import judge_ratio
+
+#: target 4: the runner's step at batch 1 against the hand-written loop
+HAND_LOOP_LIMIT = 1.05
 
 
 def _find(results: list[dict], strategy: str, order: str) -> dict | None:
     return next((r for r in results if r["strategy"] == strategy and r["order"] == order), None)
+
+
+def _hand_loop_target(vmm: dict[str, Any]) -> tuple[bool | None, float, str]:
+    """Target 4 from the runner's and the hand-written loop's rounds in turns: met, missed, or not judged when
+    the interval of the median ratio straddles 1.05 (a machine too noisy to tell)."""
+    ratios = vmm.get("hand_loop_ratios")
+    runner_ms = vmm.get("runner_ms_batch1", vmm["replay_ms"]["1"])
+    times = f"runner {runner_ms:.4f} ms, hand loop {vmm['hand_loop_ms_batch1']:.4f} ms"
+    if not ratios:  # figures of a version that timed the two one after the other
+        r = runner_ms / vmm["hand_loop_ms_batch1"]
+        return r <= HAND_LOOP_LIMIT, r, times
+    met, why = judge_ratio(ratios, HAND_LOOP_LIMIT)
+    return met, statistics.median(ratios), f"{times} (medians of {len(ratios)} rounds in turns); ratio {why}"
 
 
 def check_targets(out: dict[str, Any], granule: int, reference_gpu: bool) -> list[dict[str, Any]]:
@@ -50,9 +69,7 @@ def check_targets(out: dict[str, Any], granule: int, reference_gpu: bool) -> lis
             add(3, "vmm capture time of all sizes <= 1.5 x shared-weakref's", r <= 1.5, r,
                 f"vmm {vmm['capture_seconds']:.3f} s, shared-weakref {weak['capture_seconds']:.3f} s")
         if "hand_loop_ms_batch1" in vmm:
-            r = vmm["replay_ms"]["1"] / vmm["hand_loop_ms_batch1"]
-            add(4, "runner step time at batch 1 <= 1.05 x the hand-written loop", r <= 1.05, r,
-                f"runner {vmm['replay_ms']['1']:.4f} ms, hand loop {vmm['hand_loop_ms_batch1']:.4f} ms")
+            add(4, "runner step time at batch 1 <= 1.05 x the hand-written loop", *_hand_loop_target(vmm))
             speedup = out["eager_ms"]["1"] / vmm["replay_ms"]["1"]
             add(5, "graph decode step at batch 1 >= 4 x faster than eager (reference workload, H100/H200)",
                 speedup >= 4 if reference_gpu else None, speedup,
