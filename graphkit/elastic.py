@@ -367,6 +367,10 @@ class ElasticBuffer(Closable):
         """
         be = self.backend
         with self._lock:
+            chunks = self._chunks
+            if (type(nbytes) is int and 0 <= nbytes <= self.max_bytes and -(-nbytes // self.granularity)
+                    == len(chunks.chunks) and not (self._closed or self._sleeping or chunks.holes or chunks.stray)):
+                return  # the size it has, nothing to heal: a decode loop asks this every step
             self._check("resize", awake=False)
             if self._sleeping:
                 self._check("resize")
