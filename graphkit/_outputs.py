@@ -42,6 +42,12 @@ class Outputs:
         self.max_size = max_size
         self._static: list[torch.Tensor | None] | None = None  # None: a leaf that is no batched tensor
 
+    def single(self, bucket: Bucket) -> torch.Tensor | None:
+        """The bucket's output when it is one tensor, else None."""
+        if bucket.layout is None:
+            bucket.layout = Layout(bucket.outputs[-1], bucket.size)
+        return bucket.layout.single
+
     def deliver(self, bucket: Bucket, batch: int) -> Any:
         """The first ``batch`` rows of every leaf of the bucket's outputs that has ``bucket.size`` rows; other
         leaves as they are."""

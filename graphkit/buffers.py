@@ -52,18 +52,26 @@ class StaticInputs:
 
     def batch_of(self, inputs: Mapping[str, torch.Tensor]) -> int:
         """Check the inputs against the buffers; return the common batch size."""
-        if inputs.keys() != self.buffers.keys():
+        return self.check(inputs, grad=False)[0]
+
+    def check(self, inputs: Mapping[str, torch.Tensor], grad: bool) -> tuple[int, bool]:
+        """Check the inputs against the buffers; the common batch size, and (when ``grad``) whether an input
+        requires gradients. The runner's every call goes through here: the common case reads each input once."""
+        if len(inputs) != len(self._expected):
             self._refuse(inputs)
-        batch = -1
+        batch, wants_grad = -1, False
         for name, dtype, dim, row, device in self._expected:
-            t = inputs[name]
+            t = inputs.get(name)
             if not isinstance(t, torch.Tensor) or t.dtype != dtype:
                 self._refuse(inputs)
             shape = t.shape
-            if len(shape) != dim or shape[1:] != row or t.device != device or (batch >= 0 and shape[0] != batch):
+            if (len(shape) != dim or (dim > 1 and shape[1:] != row) or t.device != device
+                    or (batch >= 0 and shape[0] != batch)):
                 self._refuse(inputs)
             batch = shape[0]
-        return batch
+            if grad and t.requires_grad:
+                wants_grad = True
+        return batch, wants_grad
 
     def _refuse(self, inputs: Mapping[str, Any]) -> NoReturn:
         """Raise the error that says what is wrong with ``inputs`` (the slow path of :meth:`batch_of`)."""
@@ -104,7 +112,7 @@ class StaticInputs:
             rows = self._rows_for(batch, padded_to)
         for name, t in inputs.items():
             prefix, padding, fill = rows[name]
-            prefix.copy_(t, non_blocking=True)
+            prefix.copy_(t, True)  # non_blocking
             if padding is not None:
                 padding.fill_(fill)
 

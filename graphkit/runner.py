@@ -208,12 +208,20 @@ def _runner_pools(be: hal.Backend, opts: RunnerOptions, kind: str, saver: Memory
 
 
 class _Plan:
-    """What a runner call at one batch does: the size, its bucket, and the static buffers' views to copy into."""
+    """What a runner call at one batch does: the size, its bucket, and the static buffers' views to copy into.
 
-    __slots__ = ("batch", "bucket", "rows", "size")
+    ``single``: the output tensor of a one-graph bucket whose outputs are handed out as views (None otherwise);
+    ``sliced``: whether its rows are cut to the batch.
+    """
 
-    def __init__(self, batch: int, size: int, bucket: Bucket, rows: list[tuple[str, tuple[Any, Any, Any]]]) -> None:
+    __slots__ = ("batch", "bucket", "graph", "rows", "single", "size", "sliced")
+
+    def __init__(self, batch: int, size: int, bucket: Bucket, rows: list[tuple[str, tuple[Any, Any, Any]]],
+                 single: Any) -> None:
         self.batch, self.size, self.bucket, self.rows = batch, size, bucket, rows
+        self.graph = bucket.graphs[0]
+        self.single: torch.Tensor | None = single if isinstance(single, torch.Tensor) else None
+        self.sliced = self.single is not None and self.single.dim() > 0 and self.single.shape[0] == size
 
 
 class GraphRunner(Closable):
@@ -387,11 +395,11 @@ class GraphRunner(Closable):
                 self._check_open()
                 raise hal.InvalidStateError("call capture(**example_inputs) first", backend=self.backend.name,
                                             call="GraphRunner")
-            batch = static.batch_of(inputs)  # every input is a tensor of the captured row shape from here on
+            # every input is a tensor of the captured row shape from here on; a graph gives no gradients: a call
+            # that asks for them runs eagerly, with autograd
+            batch, wants_grad = static.check(inputs, grad=torch.is_grad_enabled())
             plan = self._plans.get(batch)
             size = plan.size if plan is not None else self._size_for(batch)
-            # a graph gives no gradients: a call that asks for them runs eagerly, with autograd
-            wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs.values())
             if size is not None and not wants_grad:
                 if self.saver is None:
                     return self._replay(plan or self._plan(static, batch, size), inputs)
@@ -417,7 +425,9 @@ class GraphRunner(Closable):
         bucket = self._buckets.get(size) or self._capture_size(size)
         if len(self._plans) >= _MAX_PLANS:  # a bound, for a stream of ever new batches
             self._plans.clear()
-        plan = self._plans[batch] = _Plan(batch, size, bucket, list(static._rows_for(batch, size).items()))
+        rows = list(static._rows_for(batch, size).items())
+        single = self.output_mode == "view" and len(bucket.graphs) == 1 and self._outputs.single(bucket)
+        plan = self._plans[batch] = _Plan(batch, size, bucket, rows, single)
         return plan
 
     def _replay(self, plan: _Plan, inputs: dict[str, torch.Tensor]) -> Any:
@@ -426,11 +436,14 @@ class GraphRunner(Closable):
         No autograd: no input requires gradients here, so the copies record nothing.
         """
         for name, (prefix, padding, fill) in plan.rows:
-            prefix.copy_(inputs[name], non_blocking=True)
+            prefix.copy_(inputs[name], True)  # non_blocking
             if padding is not None:
                 padding.fill_(fill)
         if self._debug:
             _check_unmoved(self.inputs, self.backend)  # type: ignore[arg-type]  # set whenever a plan exists
+        if plan.single is not None:  # one full graph, one tensor out, views asked for: the engine's own loop
+            self.backend.replay(plan.graph)
+            return plan.single[:plan.batch] if plan.sliced else plan.single
         self.step.replay(plan.bucket, self.inputs.views)  # type: ignore[union-attr]
         return self._outputs.deliver(plan.bucket, plan.batch)
 

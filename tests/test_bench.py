@@ -66,3 +66,17 @@ def test_without_matplotlib_the_plot_is_skipped_with_the_extra_to_install(tmp_pa
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     assert output.plot({"results": [], "largest_alone_bytes": 0}, tmp_path / "demo.png") is False
     assert "hal-graphkit[bench]" in caplog.text and not (tmp_path / "demo.png").exists()
+
+
+def test_the_overhead_bench_times_the_runner_the_hand_loop_and_hal_in_turns(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from graphkit.bench import overhead
+
+    assert overhead.main(["--backend", "fake", "--workload", "trivial", "--processes", "0", "--rounds", "6",
+                          "--out-dir", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "bench-overhead.json").read_text())
+    run = out["runs"][0]
+    assert all(len(run[k]) == 6 for k in ("runner_ms", "hand_ms", "hal_ms", "ratios", "hal_ratios"))
+    assert out["met"] in (True, False, None) and out["ratio"]["n"] == 6
+    text = capsys.readouterr().out
+    assert "target 4" in text and "graphkit's own share" in text

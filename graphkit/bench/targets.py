@@ -25,7 +25,11 @@ def _hand_loop_target(vmm: dict[str, Any]) -> tuple[bool | None, float, str]:
         r = runner_ms / vmm["hand_loop_ms_batch1"]
         return r <= HAND_LOOP_LIMIT, r, times
     met, why = judge_ratio(ratios, HAND_LOOP_LIMIT)
-    return met, statistics.median(ratios), f"{times} (medians of {len(ratios)} rounds in turns); ratio {why}"
+    hal_share = ""
+    if vmm.get("hal_loop_ratios"):  # the same loop through hal's replay: what of the gap is hal's call
+        hal = statistics.median(vmm["hal_loop_ratios"])
+        hal_share = f"; the loop replaying through hal.Backend.replay: {hal:.3f} x"
+    return met, statistics.median(ratios), f"{times} (medians of {len(ratios)} rounds in turns); ratio {why}{hal_share}"
 
 
 def check_targets(out: dict[str, Any], granule: int, reference_gpu: bool) -> list[dict[str, Any]]:
