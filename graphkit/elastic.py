@@ -332,6 +332,16 @@ class ElasticBuffer(Closable):
         return self._chunks.footprint_bytes
 
     @property
+    def host_bytes(self) -> int:
+        """Host bytes made for the backup (``backup=True``): made as it grows, before any pause."""
+        return self._backup.host_bytes
+
+    @property
+    def pin_seconds(self) -> float:
+        """Time spent making (pinning) the backup's host buffers, off the pause path or on it."""
+        return self._backup.pin_seconds
+
+    @property
     def paused(self) -> bool:
         """Whether part of its prefix is released or unmapped (nothing may read it until it is restored)."""
         return self._sleeping or bool(self._chunks.holes)
@@ -382,6 +392,9 @@ class ElasticBuffer(Closable):
             target = -(-nbytes // self.granularity)
             if target > len(self._chunks.chunks):
                 self._chunks.grow(target)
+                if self.backup:  # the host copy's buffers, made now in the background: a pause then only copies
+                    self._backup.prepare_in_background(self._chunks.footprint_bytes,
+                                                       be.torch_device().type != "cpu")
             elif target < len(self._chunks.chunks):
                 self._shrink(target)
 
