@@ -1,8 +1,9 @@
 """The host copy an elastic buffer made with ``backup=True`` keeps of its bytes while it sleeps.
 
-Pinning host memory is slow (about 0.5 s per GB on an H100 host), so the copy's
-buffers are made on a background thread as the buffer grows, not when it is
-paused: a pause then only copies. They come in pieces, each a power of two
+Pinning host memory is slow (about 0.5 s per GB on an H100 host), and pageable
+memory gets its pages at its first write, so the copy's buffers are made (and
+written once where pageable) on a background thread as the buffer grows, not
+when it is paused: a pause then only copies. They come in pieces, each a power of two
 (the framework's pinned allocator rounds every request up to one) and at least
 a quarter of what is covered already, so a range that grows granule by
 granule gets a few dozen pieces, none of them made twice.
@@ -57,6 +58,8 @@ class HostBackup:
                 start = time.perf_counter()
                 piece = torch.empty(_piece_bytes(size - self._covered, self._covered), dtype=torch.uint8,
                                     pin_memory=pin)
+                if not pin:  # pageable memory gets its pages at the first write: now, not in the first pause
+                    piece.zero_()
                 with self._lock:
                     self._pieces.append(piece)
                     self._covered += piece.numel()
