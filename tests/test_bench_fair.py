@@ -76,22 +76,32 @@ def test_the_sleep_bench_alternates_graphkit_and_torch_memory_saver(monkeypatch:
         return {"impl": "torch_memory_saver", "bytes": nbytes, "backup": backup, "pauses": [n, 0.5],
                 "resumes": [n, 0.25], "asleep_each": [0, 0], "exact": True}
 
+    def recorded(name, real_case):
+        def case(be, nbytes, backup, cycles):
+            calls.append((name, backup))
+            return real_case(be, nbytes, backup, cycles)
+        return case
+
     monkeypatch.setattr(sleep, "graphkit_case", graphkit_case)
     monkeypatch.setattr(sleep, "tms_case", tms_case)
+    monkeypatch.setattr(sleep, "elastic_case", recorded("elastic", sleep.elastic_case))
+    monkeypatch.setattr(sleep, "hal_case", recorded("hal", sleep.hal_case))
     rc = sleep.run_sleep_bench("fake", 0, [2 << 20], 2, tmp_path, "test", rounds=3)
     assert rc == 0
-    measured = calls[4:]  # after one untimed warm-up case of each kind and backup
-    assert measured == [("graphkit", False), ("tms", False), ("tms", False), ("graphkit", False),
-                        ("graphkit", False), ("tms", False),
-                        ("graphkit", True), ("tms", True), ("tms", True), ("graphkit", True),
-                        ("graphkit", True), ("tms", True)]
+    measured = calls[8:]  # after one untimed warm-up case of each kind and backup
+    kinds = ["graphkit", "tms", "elastic", "hal"]
+    assert measured == [(k, backup) for backup in (False, True) for i in range(3) for k in kinds[i:] + kinds[:i]]
     out = json.loads((tmp_path / "bench-sleep.json").read_text())
     assert out["case_order"] == "alternated" and out["rounds"] == 3
     tms = next(r for r in out["rows"] if r["impl"] == "torch_memory_saver" and not r["backup"])
-    assert tms["first_pause"] == {"median": 7, "min": 6, "max": 10, "n": 3}  # calls 6, 7 and 10
-    assert tms["pause"]["n"] == 6 and tms["pause_s"] == pytest.approx(3.25)
+    assert tms["first_pause"] == {"median": 13, "min": 10, "max": 20, "n": 3}  # calls 10, 13 and 20 (8 warm-ups)
+    assert tms["pause"]["n"] == 6 and tms["pause_s"] == pytest.approx(5.25)  # of 10, 13, 20 and 0.5 three times
     ours = next(r for r in out["rows"] if r["impl"] == "graphkit" and r["backup"])
     assert ours["exact"] and ours["pause"]["n"] == 6 and ours["first_pause"]["n"] == 3
+    # the rows of the elastic buffer and of hal's bare calls (no backup: the driver's share), and the first-pause
+    # target of each graphkit row
+    assert {(r["impl"], r["backup"]) for r in out["rows"]} >= {("graphkit-elastic", True), ("hal calls", False)}
+    assert sum("first pause <= 1.2 x" in t["target"] for t in out["targets"]) == 4
 
 
 def test_the_elastic_bench_alternates_regrowth_and_elastic_growth(monkeypatch: pytest.MonkeyPatch) -> None:
