@@ -21,6 +21,7 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import hal
+from graphkit._phases import CAPTURE_TIMES
 from graphkit._pool_keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
 from graphkit.allocator import SharedVMMAllocator
 from graphkit.capture import framework_capturer
@@ -145,12 +146,14 @@ class CaptureRouting:
                 log.info("a capture of torch.compile's CUDA graph trees (mode='reduce-overhead'): left to torch, "
                          "which keeps one pool of its own for them and checks it; graph_memory routes the others")
             return None
+        counted = CAPTURE_TIMES.start("routing")
         with self.keys.lock:
             self.keys.check_open("graph_memory")
             self._settle()
             entry, grouped = self._entry_for(capturer, requested_pool)
             entry.graphs += 1
             before = self._blocks(entry) if self.hygiene else set()
+        CAPTURE_TIMES.stop(counted)
         return Route(entry.pool, self._on_end(graph, entry, grouped, before), self._on_release(entry),
                      inspect=self._verify is not None)
 
@@ -169,6 +172,13 @@ class CaptureRouting:
         verify = self._verify
 
         def on_end(ok: bool) -> None:
+            counted = CAPTURE_TIMES.start("routing")
+            try:
+                _end(ok)
+            finally:
+                CAPTURE_TIMES.stop(counted)
+
+        def _end(ok: bool) -> None:
             with self.keys.lock:
                 if ok and verify is not None:
                     try:
