@@ -148,3 +148,60 @@ def test_a_ratio_target_is_judged_on_the_rounds_and_a_noisy_machine_gets_not_jud
     table = summary_table({"machine": {"backend": "fake", "processor": "x", "torch": "2"}, "sizes": [1],
                            "largest_alone_bytes": 1, "eager_ms": {}, "results": [], "targets": [noisy]})
     assert "[not judged]" in table and "MISSED" not in table
+
+
+def test_graphkits_parts_of_capture_time_are_counted_only_when_asked_and_never_twice(be) -> None:
+    """Off, a capture counts nothing; on, graph_memory's router, the new spaces and the maps are counted apart
+    (the maps made while a space is set up count as maps only), and their sum is within the capture's time."""
+    import time
+
+    import torch
+
+    import graphkit
+    from graphkit._phases import CAPTURE_TIMES
+
+    w = torch.randn(64, 64)
+
+    def capture_all(pools_scope) -> float:
+        start = time.perf_counter()
+        graphs = []
+        with pools_scope as pools:
+            for n in (8, 4, 2):
+                graph = be.create_graph()
+                with torch.no_grad(), be.capture(graph):
+                    torch.tanh(torch.zeros(n, 64) @ w)
+                graphs.append(graph)
+        seconds = time.perf_counter() - start
+        for graph in graphs:
+            be.release_graph(graph)
+        pools.close()
+        return seconds
+
+    capture_all(graphkit.graph_memory(be))
+    assert CAPTURE_TIMES.times.calls == {} and not CAPTURE_TIMES.on
+    with CAPTURE_TIMES.counting() as parts:
+        seconds = capture_all(graphkit.graph_memory(be))
+    assert parts.calls["routing"] == 6  # the start and the end of three captures
+    assert parts.calls["spaces"] == 3 and parts.calls["maps"] >= 3
+    assert all(v >= 0 for v in parts.seconds.values()) and 0 < parts.total <= seconds
+
+
+def test_the_engine_capture_target_pairs_the_runs_and_says_when_noise_cannot_tell() -> None:
+    rows = [{"strategy": s, "order": "descending", "capture_seconds": 1.0, "graph_memory_bytes": 1}
+            for s in ("own-kept", "own-weakref", "graph_memory")]
+
+    def results(ratios: list[float]) -> list[dict]:
+        out = []
+        for i, r in enumerate(ratios):
+            out += [{"strategy": "own-kept", "order": "descending", "capture_seconds": 1.0 + i, "run": i},
+                    {"strategy": "graph_memory", "order": "descending", "capture_seconds": (1.0 + i) * r, "run": i}]
+        return out
+
+    def target(ratios: list[float]) -> dict:
+        return next(t for t in engines.check_targets(rows, results(ratios)) if "capture time" in t["target"])
+
+    assert target([1.02, 1.05, 1.0, 1.04, 1.03, 1.01])["met"] is True
+    assert target([1.3, 1.4, 1.35, 1.32, 1.31, 1.45])["met"] is False
+    noisy = target([0.9, 1.3, 1.0, 1.25, 1.05, 1.2])
+    assert noisy["met"] is None and "straddles 1.1" in noisy["detail"] and noisy["measured"] == pytest.approx(1.125)
+    assert target([1.0, 1.0, 1.0])["met"] is None  # three runs cannot tell 10% from noise
