@@ -230,6 +230,32 @@ class Bench:
         runner.close()
         return memory
 
+    def run_graph_floor(self) -> dict[str, Any]:
+        """The device memory the driver keeps per instantiated graph, which no pool can share.
+
+        Every size captured into one plain pool of the framework (largest
+        first, outputs weakly referenced: the pool's memory is the largest
+        size's), the device's used-memory growth less the growth of what the
+        framework's allocator holds, per graph. Where the device is the host
+        (``fake``) graphs keep no device memory of their own: 0.
+        """
+        be, n = self.be, len(self.cfg.sizes)
+        module: Any = getattr(torch, self.device.type, None)
+        if self.device.type == "cpu" or not hasattr(module, "memory_reserved"):
+            return {"graphs": n, "per_graph_bytes": 0, "driver_bytes": 0, "pool_bytes": None,
+                    "how": "the device is the host: graphs keep no device memory of their own"}
+        release_cached_memory(be)
+        be.synchronize()
+        used0, reserved0 = be.mem_info().used, module.memory_reserved(self.device)
+        runner = graphkit.GraphRunner(self.model.step, self.cfg.sizes, backend=be, fill=self.model.padding(),
+                                      progress=False, kind="shared", keep_outputs="weak", outputs="view")
+        runner.capture(self.inputs[max(self.cfg.sizes)])
+        be.synchronize()
+        used, pool = be.mem_info().used - used0, module.memory_reserved(self.device) - reserved0
+        runner.close()
+        return {"graphs": n, "per_graph_bytes": (used - pool) / n, "driver_bytes": used - pool, "pool_bytes": pool,
+                "how": "every size captured into one plain pool; device growth less the framework's pool, per graph"}
+
     def run_compile(self) -> dict[str, Any]:
         """torch.compile(mode="reduce-overhead") on the same step, within a time budget."""
         if self.device.type != "cuda":
@@ -267,8 +293,13 @@ class Bench:
 
     # -- the whole run -------------------------------------------------------------------
 
-    def run(self, strategies: list[str] | None = None, largest_alone: bool = True) -> dict[str, Any]:
-        """Run the strategies (default: all of the config) in this process; return the figures."""
+    def run(self, strategies: list[str] | None = None, largest_alone: bool = True,
+            floor: bool = True) -> dict[str, Any]:
+        """Run the strategies (default: all of the config) in this process; return the figures.
+
+        :param floor: measure the driver's memory per graph (:meth:`run_graph_floor`) first, before any graph of
+            this process was destroyed (the driver keeps the memory of destroyed graphs for reuse).
+        """
         cfg = self.cfg
         strategies = cfg.strategies if strategies is None else strategies
         for n in self.check_batches():
@@ -280,6 +311,7 @@ class Bench:
         plan = [(s, o) for s, o, _ in interleaved([s for s in strategies if s in STRATEGIES], cfg.orders, 1)]
         results = []
         alone = None
+        graph_floor = self.run_graph_floor() if floor else None
         with tqdm(total=len(plan) + largest_alone, desc="bench", unit="run", disable=not cfg.progress) as bar:
             if largest_alone:
                 bar.set_postfix(run="largest alone")
@@ -303,6 +335,7 @@ class Bench:
                          "kv_cache_bytes": 2 * self.model.k_cache.numel() * self.model.k_cache.element_size()},
             "sizes": cfg.sizes,
             "largest_alone_bytes": alone,
+            "graph_floor": graph_floor,
             "eager_ms": eager_ms,
             "results": results,
             "left_out": left_out,
@@ -332,6 +365,8 @@ def merge_parts(parts: list[dict[str, Any]], command: str) -> dict[str, Any]:
         out["left_out"].update(part["left_out"])
         if part["largest_alone_bytes"] is not None:
             out["largest_alone_bytes"] = part["largest_alone_bytes"]
+        if part.get("graph_floor") is not None:
+            out["graph_floor"] = part["graph_floor"]
     out["isolated_processes"] = True
     out["targets"] = check_targets(out, out["machine"]["granularity"],
                                    reference_gpu=out["machine"].get("device_name") is not None)
