@@ -520,6 +520,7 @@ class ElasticBuffer(Closable):
             if live:
                 raise hal.InvalidStateError(f"{len(live)} view(s) of the buffer are still alive: drop them "
                                             "before closing", backend=be.name, call="ElasticBuffer.close")
+            self._backup.wait()  # no thread of its own outlives it
             errors = self._chunks.unmap_all()
             if self._chunks.stray and not errors:
                 errors.append(hal.InvalidStateError(f"{len(self._chunks.stray)} mapping(s) would not unmap",
