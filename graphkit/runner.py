@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 import hal
 from graphkit import capture as cap
 from graphkit import isolation
-from graphkit._buckets import Bucket, Pieces
+from graphkit._buckets import Bucket, CallPlan, CallPlans, Pieces
 from graphkit._outputs import Outputs
 from graphkit.buffers import StaticInputs
 from graphkit.closing import Closable, close_step, raise_first_failure
@@ -46,8 +46,6 @@ log = logging.getLogger("graphkit.runner")
 Mode = Literal["full", "piecewise", "none"]
 MAX_BATCH = 1 << 31
 Order = Literal["descending", "ascending", "random"]
-#: the most batches whose call plans a runner keeps
-_MAX_PLANS = 4096
 #: what an isolation error of a runner's capture advises
 _ISOLATION_FIX = ("Create what the step keeps between calls (caches, workspaces) before capturing, "
                   "and pass nothing made by one size's graph to another")
@@ -207,23 +205,6 @@ def _runner_pools(be: hal.Backend, opts: RunnerOptions, kind: str, saver: Memory
     return None
 
 
-class _Plan:
-    """What a runner call at one batch does: the size, its bucket, and the static buffers' views to copy into.
-
-    ``single``: the output tensor of a one-graph bucket whose outputs are handed out as views (None otherwise);
-    ``sliced``: whether its rows are cut to the batch.
-    """
-
-    __slots__ = ("batch", "bucket", "graph", "rows", "single", "size", "sliced")
-
-    def __init__(self, batch: int, size: int, bucket: Bucket, rows: list[tuple[str, tuple[Any, Any, Any]]],
-                 single: Any) -> None:
-        self.batch, self.size, self.bucket, self.rows = batch, size, bucket, rows
-        self.graph = bucket.graphs[0]
-        self.single: torch.Tensor | None = single if isinstance(single, torch.Tensor) else None
-        self.sliced = self.single is not None and self.single.dim() > 0 and self.single.shape[0] == size
-
-
 class GraphRunner(Closable):
     """Capture ``fn`` for several batch sizes on any hal backend and replay the one that fits.
 
@@ -273,7 +254,7 @@ class GraphRunner(Closable):
         self._debug = opts.debug
         self._buckets: dict[int, Bucket] = {}
         self._captured: list[int] = []  # sorted sizes with graphs
-        self._plans: dict[int, _Plan] = {}  # batch -> what a call at that batch does (cleared as sizes come and go)
+        self._plans = CallPlans(self._outputs)  # what a call at each batch does (cleared as sizes come and go)
         self._capture_order: list[int] = []  # sizes in the order they were captured
         self._stream = be.create_stream() if opts.mode != "none" else None
         self._lock = threading.RLock()  # graphs of one pool never run concurrently
@@ -399,53 +380,28 @@ class GraphRunner(Closable):
             # that asks for them runs eagerly, with autograd
             batch, wants_grad = static.check(inputs, grad=torch.is_grad_enabled())
             plan = self._plans.get(batch)
-            size = plan.size if plan is not None else self._size_for(batch)
+            size = plan.size if plan is not None else self.bucket_for(batch) if self.mode != "none" else None
+            if size is None and batch > self.max_size and self.oversize == "error":
+                raise hal.InvalidArgumentError(f"batch {batch} is above the largest captured size "
+                                               f"{self.max_size}", backend=self.backend.name, call="GraphRunner")
             if size is not None and not wants_grad:
+                if self._debug:
+                    _check_unmoved(static, self.backend)
                 if self.saver is None:
-                    return self._replay(plan or self._plan(static, batch, size), inputs)
+                    return (plan or self._plan(static, batch, size)).run(self.step, inputs, static.views,
+                                                                         self._outputs)
                 # a pause waits for this block to end, and a call waits for a pause under way
                 with self.saver.awake(GRAPHS, "GraphRunner"):
-                    return self._replay(plan or self._plan(static, batch, size), inputs)
+                    return (plan or self._plan(static, batch, size)).run(self.step, inputs, static.views,
+                                                                         self._outputs)
         if wants_grad:
             return self.step.eager(**inputs)
         with torch.no_grad():
             return self.step.eager(**inputs)
 
-    def _size_for(self, batch: int) -> int | None:
-        """The size whose graph serves ``batch``; None: eager. Raises for a batch too large when so configured."""
-        size = self.bucket_for(batch) if self.mode != "none" else None
-        if size is None and batch > self.max_size and self.oversize == "error":
-            raise hal.InvalidArgumentError(f"batch {batch} is above the largest captured size "
-                                           f"{self.max_size}", backend=self.backend.name, call="GraphRunner")
-        return size
-
-    def _plan(self, static: StaticInputs, batch: int, size: int) -> _Plan:
-        """What a call at ``batch`` does, made at its first call (capturing ``size`` on demand) and kept until the
-        captured sizes change."""
-        bucket = self._buckets.get(size) or self._capture_size(size)
-        if len(self._plans) >= _MAX_PLANS:  # a bound, for a stream of ever new batches
-            self._plans.clear()
-        rows = list(static._rows_for(batch, size).items())
-        single = self.output_mode == "view" and len(bucket.graphs) == 1 and self._outputs.single(bucket)
-        plan = self._plans[batch] = _Plan(batch, size, bucket, rows, single)
-        return plan
-
-    def _replay(self, plan: _Plan, inputs: dict[str, torch.Tensor]) -> Any:
-        """Copy the inputs in, replay the graph(s), hand out the batch's rows (under the lock).
-
-        No autograd: no input requires gradients here, so the copies record nothing.
-        """
-        for name, (prefix, padding, fill) in plan.rows:
-            prefix.copy_(inputs[name], True)  # non_blocking
-            if padding is not None:
-                padding.fill_(fill)
-        if self._debug:
-            _check_unmoved(self.inputs, self.backend)  # type: ignore[arg-type]  # set whenever a plan exists
-        if plan.single is not None:  # one full graph, one tensor out, views asked for: the engine's own loop
-            self.backend.replay(plan.graph)
-            return plan.single[:plan.batch] if plan.sliced else plan.single
-        self.step.replay(plan.bucket, self.inputs.views)  # type: ignore[union-attr]
-        return self._outputs.deliver(plan.bucket, plan.batch)
+    def _plan(self, static: StaticInputs, batch: int, size: int) -> CallPlan:
+        """The plan of a call at ``batch``, made at its first call (capturing ``size`` on demand)."""
+        return self._plans.make(batch, size, self._buckets.get(size) or self._capture_size(size), static)
 
     # -- figures and teardown ---------------------------------------------------------
 

@@ -109,3 +109,17 @@ def test_an_isolated_bench_measures_the_floor_in_a_process_of_its_own(tmp_path: 
                  "--part", "graph-floor", "--part-out", str(path)]) == 0
     part = json.loads(path.read_text())
     assert part["graph_floor"]["graphs"] == 2 and part["results"] == [] and part["largest_alone_bytes"] is None
+
+
+@pytest.mark.cuda
+def test_the_drivers_memory_per_graph_is_measured_on_cuda() -> None:
+    """Graphs instantiated by the driver keep memory no pool shares: the floor is positive on a GPU."""
+    from graphkit.bench.model import DecoderConfig
+    from graphkit.bench.run import Bench, BenchConfig
+
+    bench = Bench(BenchConfig(workload=DecoderConfig.tiny(), sizes=[1, 2, 4, 8], backend="cuda", progress=False))
+    try:
+        floor = bench.run_graph_floor()
+    finally:
+        bench.close()
+    assert floor["graphs"] == 4 and floor["per_graph_bytes"] > 0 and floor["pool_bytes"] >= 0

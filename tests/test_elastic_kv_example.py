@@ -180,3 +180,14 @@ def test_the_diagnostic_caches_decode_alike_and_the_report_splits_the_step(capsy
     elastic_kv.print_report(out)
     text = capsys.readouterr().out
     assert "forward ms (device)" in text and "step / prealloc" in text and "prealloc-viewed" in text
+
+
+@pytest.mark.cuda
+def test_the_diagnostic_caches_and_the_device_time_on_cuda() -> None:
+    be = hal.get_backend("cuda")
+    try:
+        out = elastic_kv.run(be, "tiny", CUDA_WORKLOAD, ("elastic", "prealloc", "elastic-premapped", "prealloc-viewed"))
+    finally:
+        be.close()
+    assert out["checks"]["tokens_equal"] and out["checks"]["logits_equal"]
+    assert all(r["device_ms"]["median"] > 0 for r in out["results"].values())  # CUDA events timed each forward
