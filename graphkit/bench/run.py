@@ -174,9 +174,11 @@ class Bench:
         if order == "descending" or strategy == "vmm" or len(self.cfg.orders) == 1:
             result["replay_ms"] = {str(n): ms_per_call(be, lambda n=n: runner(**self.inputs[n]), cfg.iters)
                                    for n in self.timing_batches}
-            # target 4 is judged on vmm's first order: enough rounds there, a few for the table elsewhere
+            # target 4 is judged on vmm's first order: enough rounds there (fewer for a short --iters), a few for
+            # the table elsewhere
             judged = strategy == "vmm" and order == cfg.orders[0]
-            result.update(self.against_hand_loop(runner, HAND_LOOP_ROUNDS if judged else HAND_LOOP_FEW_ROUNDS))
+            rounds = min(HAND_LOOP_ROUNDS, max(8 * cfg.iters, 6)) if judged else HAND_LOOP_FEW_ROUNDS
+            result.update(self.against_hand_loop(runner, rounds))
         runner.close()
         return result
 
