@@ -22,6 +22,8 @@ from graphkit.bench.strategies import COMPILE, ORDERS, STRATEGIES
 DEMO_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
 DEMO_FAKE_GRANULARITY = 64 << 10  # small granules, so a small model shows the differences
 SEED_LIMIT = 1 << 63  # torch generators take seeds below 2**64; the engine runs add the run index
+#: the parts of an isolated decoder bench besides its strategies: the driver's memory per graph, the largest alone
+PARTS = ("graph-floor", "largest-alone")
 DECODER_FLAGS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab", "context")
 
 
@@ -263,7 +265,7 @@ def run_isolated(cfg, argv: list[str], out_dir: Path) -> dict:
     from graphkit.bench.run import merge_parts
 
     parts = []
-    names = ["largest-alone", *(f"{s}:{o}" for o in cfg.orders for s in cfg.strategies if s != COMPILE),
+    names = ["graph-floor", "largest-alone", *(f"{s}:{o}" for o in cfg.orders for s in cfg.strategies if s != COMPILE),
              *(s for s in cfg.strategies if s == COMPILE)]
     for i, name in enumerate(names):
         path = out_dir / f".part-{i}.json"
@@ -394,7 +396,7 @@ def validate_bench(args: argparse.Namespace, prog: str) -> None:
         strategy, _, order = args.part.partition(":")
         if args.part_out is None:
             fail(prog, "--part needs --part-out")
-        if args.part != "largest-alone" and not (strategy in {*STRATEGIES, COMPILE} and (order in ORDERS or (
+        if args.part not in PARTS and not (strategy in {*STRATEGIES, COMPILE} and (order in ORDERS or (
                 strategy == COMPILE and not order))):
             fail(prog, f"--part: unknown part {args.part!r}")
         return  # a child of an isolated run: the parent checked the backend, the device and the folder
@@ -429,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def demo(args: argparse.Namespace, prog: str, command: str) -> int:
     """``demo``: every strategy on a tiny decoder, two capture orders."""
+    import torch
+
     from graphkit.bench.run import BenchConfig
 
     for check in (lambda: backend_error(args.backend), lambda: out_dir_error(args.out_dir)):
@@ -436,6 +440,10 @@ def demo(args: argparse.Namespace, prog: str, command: str) -> int:
         if why:
             fail(prog, why)
     name = hal.registry.select_backend_name(args.backend, requires=("graphs",))
+    if name == "fake":
+        # the demo's ops are too small to gain from more CPU threads, and threads that wait on each other turn
+        # another process's load into steps several times slower (the timed targets become noise)
+        torch.set_num_threads(1)
     cfg = BenchConfig(workload=DecoderConfig.tiny(), sizes=DEMO_SIZES, strategies=list(STRATEGIES),
                       orders=["descending", "ascending"], backend=name, iters=5, command=command,
                       backend_options={"granularity": DEMO_FAKE_GRANULARITY} if name == "fake" else {})
@@ -516,10 +524,10 @@ def run_part(cfg, part: str, path: Path) -> int:
         cfg.orders = [order]
     bench = Bench(cfg)
     try:
-        if part == "largest-alone":
-            out = bench.run(strategies=[], largest_alone=True)
+        if part in PARTS:
+            out = bench.run(strategies=[], largest_alone=part == "largest-alone", floor=part == "graph-floor")
         else:
-            out = bench.run(strategies=[strategy], largest_alone=False)
+            out = bench.run(strategies=[strategy], largest_alone=False, floor=False)
     finally:
         bench.close()
     path.write_text(json.dumps(out))

@@ -18,6 +18,8 @@ from torch.utils._pytree import tree_map
 
 import hal
 from graphkit import capture as cap
+from graphkit._outputs import Outputs
+from graphkit.buffers import StaticInputs
 from graphkit.pools import Lease
 from graphkit.report import SizeReport
 
@@ -34,6 +36,7 @@ class Bucket:
     outputs: list[Any] = field(default_factory=list)  # per piece
     piece_inputs: list[list[torch.Tensor]] = field(default_factory=list)  # static inputs of pieces 1..
     report: SizeReport | None = None
+    layout: Any = None  # the runner's reading of the last piece's outputs, made at its first delivery
 
 
 def _spread(piece: Callable[..., Any]) -> Callable[..., Any]:
@@ -97,18 +100,22 @@ class Pieces:
         bucket.piece_inputs.append(buffers)
         return tuple(buffers) if isinstance(mid, tuple) else buffers[0]
 
-    def replay(self, bucket: Bucket, views: Callable[[], Mapping[str, torch.Tensor]]) -> Any:
+    def replay(self, bucket: Bucket, views: Callable[[int], Mapping[str, torch.Tensor]]) -> Any:
         """Replay the bucket's graphs, running the eager steps between them; its last piece's outputs.
 
-        :param views: the static inputs at the bucket's size (asked only for a piecewise step).
+        :param views: the static inputs at a size (asked only for a piecewise step).
         """
         be = self.backend
+        graphs = bucket.graphs
+        if len(graphs) == 1:  # a full graph: the call's path, kept short
+            be.replay(graphs[0])
+            return bucket.outputs[-1]
         inputs = None
-        for k, graph in enumerate(bucket.graphs):
+        for k, graph in enumerate(graphs):
             be.replay(graph)
-            if k + 1 < len(bucket.graphs):
+            if k + 1 < len(graphs):
                 if not inputs:
-                    inputs = views()
+                    inputs = views(bucket.size)
                 mid = self.between[k](bucket.outputs[k], **inputs)
                 for buf, leaf in zip(bucket.piece_inputs[k], mid if isinstance(mid, tuple) else (mid,), strict=False):
                     buf.copy_(leaf)
@@ -127,8 +134,62 @@ class Pieces:
                 kept.append(graph)
         bucket.graphs[:] = kept
         bucket.outputs.clear()
+        bucket.layout = None  # it holds the outputs too
         bucket.piece_inputs.clear()
         return errors
 
 
-__all__ = ["Bucket", "Pieces"]
+class CallPlan:
+    """What a runner call at one batch does, made at its first call: the size and bucket that serve the batch, the
+    static buffers' views its inputs are copied into, and for a one-graph bucket whose one tensor output is handed
+    out as a view, that graph and that output (a call then only copies, replays and slices)."""
+
+    __slots__ = ("batch", "bucket", "graph", "rows", "single", "size", "sliced")
+
+    def __init__(self, batch: int, size: int, bucket: Bucket, rows: list[tuple[str, tuple[Any, Any, Any]]],
+                 single: torch.Tensor | None) -> None:
+        self.batch, self.size, self.bucket, self.rows = batch, size, bucket, rows
+        self.graph = bucket.graphs[0]
+        self.single = single
+        self.sliced = single is not None and single.dim() > 0 and single.shape[0] == size
+
+    def run(self, step: Pieces, inputs: Mapping[str, torch.Tensor], views: Callable[[int], Mapping[str, torch.Tensor]],
+            outputs: Outputs) -> Any:
+        """Copy the inputs in, replay, hand out the batch's rows (no autograd: no input requires gradients)."""
+        for name, (prefix, padding, fill) in self.rows:
+            prefix.copy_(inputs[name], True)  # non_blocking
+            if padding is not None:
+                padding.fill_(fill)
+        if self.single is not None:
+            step.backend.replay(self.graph)
+            return self.single[:self.batch] if self.sliced else self.single
+        step.replay(self.bucket, views)
+        return outputs.deliver(self.bucket, self.batch)
+
+
+class CallPlans:
+    """A runner's call plans by batch, made once and dropped when its captured sizes change (bounded)."""
+
+    #: the most batches whose plans are kept
+    LIMIT = 4096
+
+    def __init__(self, outputs: Outputs) -> None:
+        self.outputs = outputs
+        self._plans: dict[int, CallPlan] = {}
+
+    def get(self, batch: int) -> CallPlan | None:
+        return self._plans.get(batch)
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def make(self, batch: int, size: int, bucket: Bucket, static: StaticInputs) -> CallPlan:
+        """The plan of ``batch``, served by ``bucket`` of ``size``, kept for the next calls."""
+        if len(self._plans) >= self.LIMIT:  # a stream of ever new batches
+            self._plans.clear()
+        single = self.outputs.single(bucket) if self.outputs.mode == "view" and len(bucket.graphs) == 1 else None
+        plan = self._plans[batch] = CallPlan(batch, size, bucket, list(static._rows_for(batch, size).items()), single)
+        return plan
+
+
+__all__ = ["Bucket", "CallPlan", "CallPlans", "Pieces"]

@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import hal
+from graphkit._phases import CAPTURE_TIMES
 from graphkit.sharing import ExportedRange, export_handles
 from graphkit.transaction import Transaction, release_or_keep, retry_releases, unmap_run
 from hal.types import fmt_bytes
@@ -68,10 +69,12 @@ class SharedChunks:
 
     def _map_granule(self, space: VirtualSpace, index: int) -> None:
         ptr = space.base + index * self.granularity
+        counted = CAPTURE_TIMES.start("maps")
         t0 = time.perf_counter()
         self.backend.map(ptr, self.granularity, self.handles[index])
         self.map_seconds += time.perf_counter() - t0
         self.map_calls += 1
+        CAPTURE_TIMES.stop(counted)
 
     def grow(self, space: VirtualSpace, index: int, tx: Transaction) -> None:
         """Map chunk ``index`` at the end of ``space`` (``index == space.mapped``)."""

@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+if TYPE_CHECKING:
+    from graphkit._buckets import Bucket
+
 OutputMode = Literal["copy", "static", "view"]
+
+
+class Layout:
+    """The leaves of one bucket's outputs, read once after its capture: a call only slices them.
+
+    :attr:`single` is the output itself when it is one tensor (the common case, handled without pytree).
+    """
+
+    __slots__ = ("batched", "leaves", "single", "spec")
+
+    def __init__(self, out: Any, size: int) -> None:
+        self.leaves, self.spec = tree_flatten(out)
+        # a leaf is sliced to the batch when it is a tensor whose dim 0 is the bucket's size
+        self.batched = [isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == size for t in self.leaves]
+        self.single = out if isinstance(out, torch.Tensor) else None
 
 
 class Outputs:
@@ -24,15 +42,31 @@ class Outputs:
         self.max_size = max_size
         self._static: list[torch.Tensor | None] | None = None  # None: a leaf that is no batched tensor
 
-    def deliver(self, out: Any, batch: int, size: int) -> Any:
-        """The first ``batch`` rows of every leaf of ``out`` with ``size`` rows; other leaves as they are."""
-        leaves, spec = tree_flatten(out)
-        rows = [t[:batch] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size else t
-                for t in leaves]
+    def single(self, bucket: Bucket) -> torch.Tensor | None:
+        """The bucket's output when it is one tensor, else None."""
+        if bucket.layout is None:
+            bucket.layout = Layout(bucket.outputs[-1], bucket.size)
+        return bucket.layout.single
+
+    def deliver(self, bucket: Bucket, batch: int) -> Any:
+        """The first ``batch`` rows of every leaf of the bucket's outputs that has ``bucket.size`` rows; other
+        leaves as they are."""
+        layout = bucket.layout
+        if layout is None:
+            layout = bucket.layout = Layout(bucket.outputs[-1], bucket.size)
+        single = layout.single
+        if single is not None and self.mode != "static":  # one tensor: no pytree on the way
+            rows = single[:batch] if layout.batched[0] else single
+            return rows if self.mode == "view" else rows.clone()
+        rows = [t[:batch] if sliced else t for t, sliced in zip(layout.leaves, layout.batched, strict=True)]
         if self.mode == "view":
-            return tree_unflatten(rows, spec)
+            return tree_unflatten(rows, layout.spec)
         if self.mode == "copy":
-            return tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t for t in rows], spec)
+            return tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t for t in rows], layout.spec)
+        return tree_unflatten(self._into_static(layout.leaves, rows), layout.spec)
+
+    def _into_static(self, leaves: list[Any], rows: list[Any]) -> list[Any]:
+        """``rows`` copied into the runner's static buffers (made at the first call from ``leaves``)."""
         if self._static is None:
             self._static = [torch.empty((self.max_size, *t.shape[1:]), dtype=t.dtype, device=t.device)
                             if isinstance(t, torch.Tensor) and t.dim() else None for t in leaves]
@@ -43,7 +77,7 @@ class Outputs:
             else:
                 buf[: t.shape[0]].copy_(t)
                 result.append(buf[: t.shape[0]])
-        return tree_unflatten(result, spec)
+        return result
 
     def drop(self) -> None:
         """Forget the static buffers (the runner closed)."""

@@ -85,7 +85,10 @@ class Region:
         for s in list(self.segments.values()):
             host = self.host.get(s.ptr)
             if host is None or host.numel() != s.size:
-                self.host[s.ptr] = torch.empty(s.size, dtype=torch.uint8, pin_memory=self.pinned)
+                host = torch.empty(s.size, dtype=torch.uint8, pin_memory=self.pinned)
+                if not self.pinned:  # pageable memory gets its pages at the first write: now, not in the first pause
+                    host.zero_()
+                self.host[s.ptr] = host
                 made = True
         if made:
             self.pin_seconds += time.perf_counter() - start

@@ -21,6 +21,7 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import hal
+from graphkit._phases import CAPTURE_TIMES
 from graphkit._pool_keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
 from graphkit.allocator import SharedVMMAllocator
 from graphkit.capture import framework_capturer
@@ -150,6 +151,7 @@ class CaptureRouting:
                 log.info("a capture of torch.compile's CUDA graph trees (mode='reduce-overhead'): left to torch, "
                          "which keeps one pool of its own for them and checks it; graph_memory routes the others")
             return None
+        counted = CAPTURE_TIMES.start("routing")
         with self.keys.lock:
             self.keys.check_open("graph_memory")
             self._settle()
@@ -162,6 +164,7 @@ class CaptureRouting:
             except BaseException:  # the capture does not start: its key goes as after a failed one
                 self._gone(entry)
                 raise
+        CAPTURE_TIMES.stop(counted)
         return Route(entry.pool, self._on_end(graph, entry, grouped, before, check), self._on_release(entry),
                      inspect=check is not None and check.read)
 
@@ -178,6 +181,13 @@ class CaptureRouting:
     def _on_end(self, graph: Any, entry: KeyPool, grouped: bool, before: set[tuple[int, int]],
                 check: KeyCheck | None) -> Callable[[bool], None]:
         def on_end(ok: bool) -> None:
+            counted = CAPTURE_TIMES.start("routing")
+            try:
+                _end(ok)
+            finally:
+                CAPTURE_TIMES.stop(counted)
+
+        def _end(ok: bool) -> None:
             with self.keys.lock:
                 if not ok:
                     self._gone(entry)

@@ -10,11 +10,14 @@ a scratch slot).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 import hal
+
+#: the most (batch, padded size) pairs whose buffer views are kept
+_MAX_KEPT_ROWS = 4096
 
 
 class StaticInputs:
@@ -41,9 +44,37 @@ class StaticInputs:
             dev = device or ex.device
             self.buffers[name] = torch.full((max_batch, *ex.shape[1:]), self.fill[name], dtype=ex.dtype, device=dev)
         self.addresses = {name: b.data_ptr() for name, b in self.buffers.items()}
+        # what a call's inputs must match, per buffer: checked on every call, so read once here
+        self._expected = [(name, b.dtype, b.dim(), b.shape[1:], b.device) for name, b in self.buffers.items()]
+        # (batch, padded_to) -> name -> (the buffer's first ``batch`` rows, its rows up to ``padded_to`` or None,
+        # the fill): made once per pair, since slicing a tensor costs more than the copy of a small batch
+        self._rows: dict[tuple[int, int], dict[str, tuple[torch.Tensor, torch.Tensor | None, Any]]] = {}
 
     def batch_of(self, inputs: Mapping[str, torch.Tensor]) -> int:
         """Check the inputs against the buffers; return the common batch size."""
+        return self.check(inputs, grad=False)[0]
+
+    def check(self, inputs: Mapping[str, torch.Tensor], grad: bool) -> tuple[int, bool]:
+        """Check the inputs against the buffers; the common batch size, and (when ``grad``) whether an input
+        requires gradients. The runner's every call goes through here: the common case reads each input once."""
+        if len(inputs) != len(self._expected):
+            self._refuse(inputs)
+        batch, wants_grad = -1, False
+        for name, dtype, dim, row, device in self._expected:
+            t = inputs.get(name)
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+                self._refuse(inputs)
+            shape = t.shape
+            if (len(shape) != dim or (dim > 1 and shape[1:] != row) or t.device != device
+                    or (batch >= 0 and shape[0] != batch)):
+                self._refuse(inputs)
+            batch = shape[0]
+            if grad and t.requires_grad:
+                wants_grad = True
+        return batch, wants_grad
+
+    def _refuse(self, inputs: Mapping[str, Any]) -> NoReturn:
+        """Raise the error that says what is wrong with ``inputs`` (the slow path of :meth:`batch_of`)."""
         if inputs.keys() != self.buffers.keys():
             missing = sorted(self.buffers.keys() - inputs.keys())
             extra = sorted(inputs.keys() - self.buffers.keys())
@@ -52,8 +83,8 @@ class StaticInputs:
                 + (f"; missing: {', '.join(missing)}" if missing else "")
                 + (f"; unexpected: {', '.join(extra)}" if extra else ""), call="GraphRunner")
         batch = None
-        for name, t in inputs.items():
-            buf = self.buffers[name]
+        for name, buf in self.buffers.items():
+            t = inputs[name]
             if not isinstance(t, torch.Tensor):
                 raise hal.InvalidArgumentError(f"input {name!r} must be a tensor, got {type(t).__name__}",
                                                call="GraphRunner")
@@ -72,20 +103,31 @@ class StaticInputs:
             elif t.shape[0] != batch:
                 raise hal.InvalidArgumentError(
                     f"input {name!r} has batch {t.shape[0]}, others have {batch}", call="GraphRunner")
-        assert batch is not None
-        return batch
+        raise hal.InvalidArgumentError("inputs differ from the captured ones", call="GraphRunner")
 
     def update(self, inputs: Mapping[str, torch.Tensor], batch: int, padded_to: int) -> None:
         """Copy ``batch`` rows of every input into the prefix; fill rows ``batch:padded_to``."""
+        rows = self._rows.get((batch, padded_to))
+        if rows is None:
+            rows = self._rows_for(batch, padded_to)
+        for name, t in inputs.items():
+            prefix, padding, fill = rows[name]
+            prefix.copy_(t, True)  # non_blocking
+            if padding is not None:
+                padding.fill_(fill)
+
+    def _rows_for(self, batch: int, padded_to: int) -> dict[str, tuple[torch.Tensor, torch.Tensor | None, Any]]:
+        """The views :meth:`update` writes for ``batch`` rows padded to ``padded_to``, made once and kept."""
         if padded_to > self.max_batch:
             raise hal.InvalidArgumentError(
                 f"batch {padded_to} is over the maximum {self.max_batch} the buffers were sized for",
                 call="GraphRunner")
-        for name, t in inputs.items():
-            buf = self.buffers[name]
-            buf[:batch].copy_(t, non_blocking=True)
-            if padded_to > batch:
-                buf[batch:padded_to].fill_(self.fill[name])
+        if len(self._rows) >= _MAX_KEPT_ROWS:  # a bound, for callers that pass many distinct pairs
+            self._rows.clear()
+        rows = {name: (buf[:batch], buf[batch:padded_to] if padded_to > batch else None, self.fill[name])
+                for name, buf in self.buffers.items()}
+        self._rows[(batch, padded_to)] = rows
+        return rows
 
     def views(self, batch: int) -> dict[str, torch.Tensor]:
         """The first ``batch`` rows of every buffer."""

@@ -329,6 +329,16 @@ class ElasticBuffer(Closable):
         return self._chunks.footprint_bytes
 
     @property
+    def host_bytes(self) -> int:
+        """Host bytes made for the backup (``backup=True``): made as it grows, before any pause."""
+        return self._backup.host_bytes
+
+    @property
+    def pin_seconds(self) -> float:
+        """Time spent making (pinning) the backup's host buffers, off the pause path or on it."""
+        return self._backup.pin_seconds
+
+    @property
     def paused(self) -> bool:
         """Whether part of its prefix is released or unmapped (nothing may read it until it is restored)."""
         return self._sleeping or bool(self._chunks.holes)
@@ -364,6 +374,10 @@ class ElasticBuffer(Closable):
         """
         be = self.backend
         with self._lock:
+            chunks = self._chunks
+            if (type(nbytes) is int and 0 <= nbytes <= self.max_bytes and -(-nbytes // self.granularity)
+                    == len(chunks.chunks) and not (self._closed or self._sleeping or chunks.holes or chunks.stray)):
+                return  # the size it has, nothing to heal: a decode loop asks this every step
             self._check("resize", awake=False)
             if self._sleeping:
                 self._check("resize")
@@ -375,6 +389,9 @@ class ElasticBuffer(Closable):
             target = -(-nbytes // self.granularity)
             if target > len(self._chunks.chunks):
                 self._chunks.grow(target)
+                if self.backup:  # the host copy's buffers, made now in the background: a pause then only copies
+                    self._backup.prepare_in_background(self._chunks.footprint_bytes,
+                                                       be.torch_device().type != "cpu")
             elif target < len(self._chunks.chunks):
                 self._shrink(target)
 
@@ -506,6 +523,7 @@ class ElasticBuffer(Closable):
             if live and not gone:
                 raise hal.InvalidStateError(f"{len(live)} view(s) of the buffer are still alive: drop them "
                                             "before closing", backend=be.name, call="ElasticBuffer.close")
+            self._backup.wait()  # no thread of its own outlives it
             errors = [] if gone else self._chunks.unmap_all()
             if self._chunks.stray and not errors and not gone:
                 errors.append(hal.InvalidStateError(f"{len(self._chunks.stray)} mapping(s) would not unmap",

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import hal
+from graphkit._phases import CAPTURE_TIMES
 from graphkit.allocator import SharedVMMAllocator
 from graphkit.closing import close_step
 
@@ -120,12 +121,15 @@ class VmmPools(PoolStrategy):
     def lease(self) -> Lease:
         """A new open space (other spaces keep their room: their owners seal them) and a pool over it."""
         allocator = self.allocator
+        counted = CAPTURE_TIMES.start("spaces")
         space = allocator.open_virtual_space()
         try:
             pool = self.backend.create_pool(*allocator.pool_callbacks(space), paused=lambda: allocator.paused)
         except BaseException:
             self.allocator.release_virtual_space(space)
             raise
+        finally:
+            CAPTURE_TIMES.stop(counted)
         return Lease(pool=pool, space_id=space)
 
     def give_back(self, lease: Lease) -> None:

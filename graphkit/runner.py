@@ -14,9 +14,7 @@ captured the first time a batch needs it.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import dataclasses
-import functools
 import gc
 import logging
 import random
@@ -27,13 +25,12 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
-from torch.utils._pytree import tree_flatten
 from tqdm.auto import tqdm
 
 import hal
 from graphkit import capture as cap
 from graphkit import isolation
-from graphkit._buckets import Bucket, Pieces
+from graphkit._buckets import Bucket, CallPlan, CallPlans, Pieces
 from graphkit._outputs import Outputs
 from graphkit.buffers import StaticInputs
 from graphkit.closing import Closable, close_step, raise_first_failure
@@ -86,7 +83,9 @@ class RunnerOptions:
         ``"global"``, ``"thread_local"``, ``"relaxed"``).
     :param keep_outputs: ``"strong"`` (the runner owns each graph's outputs,
         as SGLang and nano-vllm do) or ``"weak"`` (non-owning aliases, as vLLM
-        does: only sound when captures go largest first).
+        does: with a shared pool only sound when captures go largest first).
+        ``None`` (default): weak with ``kind="vmm"`` (each size has a space of
+        its own) unless ``outputs="view"``, strong otherwise.
     :param measure_memory: give cached framework memory back around each
         capture so the per-size memory figures are exact (slower).
     :param allocator_options: options of :class:`SharedVMMAllocator` for
@@ -107,7 +106,7 @@ class RunnerOptions:
     verify: bool = True
     progress: bool = True
     capture_error_mode: str | None = None
-    keep_outputs: Literal["strong", "weak"] = "strong"
+    keep_outputs: Literal["strong", "weak"] | None = None
     measure_memory: bool = False
     allocator_options: Mapping[str, Any] | None = None
     pool_strategy: PoolStrategy | None = None
@@ -147,8 +146,8 @@ def _checked_pieces(fn: Callable[..., Any] | Sequence[Callable[..., Any]], sizes
                   f"got {len(between)}")
     if opts.outputs not in ("copy", "static", "view"):
         raise bad(f"outputs={opts.outputs!r} must be copy, static or view")
-    if opts.keep_outputs not in ("strong", "weak"):
-        raise bad(f"keep_outputs={opts.keep_outputs!r} must be strong or weak")
+    if opts.keep_outputs not in ("strong", "weak", None):
+        raise bad(f"keep_outputs={opts.keep_outputs!r} must be strong, weak or None")
     if opts.oversize not in ("eager", "error"):
         raise bad(f"oversize={opts.oversize!r} must be eager or error")
     if mode != "none" and not be.supports("graphs"):
@@ -185,12 +184,6 @@ def ordered_sizes(sizes: list[int], order: Order | Sequence[int], seed: int = 0)
     return list(order)
 
 
-def _wants_grad(inputs: dict[str, Any]) -> bool:
-    """Whether a call asks for gradients (autograd on, an input that requires them)."""
-    return torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(inputs)[0])
-
-
 def _check_unmoved(inputs: StaticInputs, be: hal.Backend) -> None:
     """``debug``: a static input that moved since capture would be read stale by the graph."""
     moved = inputs.moved()
@@ -198,6 +191,15 @@ def _check_unmoved(inputs: StaticInputs, be: hal.Backend) -> None:
         raise hal.InvalidStateError(
             f"static input(s) {', '.join(moved)} moved since capture; the graph would read stale memory",
             backend=be.name, call="GraphRunner")
+
+
+def _kept_outputs(opts: RunnerOptions, kind: str) -> str:
+    """How the runner holds its graphs' outputs: as asked, else weakly where each size has a space of its own
+    and the caller never holds graph memory (vmm, outputs copied): nothing of one size then stays allocated
+    where another size's capture could read it, and the isolation check has no graph to read."""
+    if opts.keep_outputs is not None:
+        return opts.keep_outputs
+    return "weak" if kind == "vmm" and opts.outputs != "view" else "strong"
 
 
 def _runner_pools(be: hal.Backend, opts: RunnerOptions, kind: str, saver: MemorySaver | None) -> GraphPools | None:
@@ -217,27 +219,22 @@ def _runner_pools(be: hal.Backend, opts: RunnerOptions, kind: str, saver: Memory
 class GraphRunner(Closable):
     """Capture ``fn`` for several batch sizes on any hal backend and replay the one that fits.
 
-    :param fn: the step; takes tensors (keyword arguments) whose dim 0 is the
-        batch, returns a tensor or a tuple/list/dict of them. For
-        ``mode="piecewise"`` a list of pieces; ``between[k]`` then runs
-        eagerly between piece ``k`` and ``k + 1`` as
-        ``between[k](piece_output, **inputs)`` (attention, typically).
+    :param fn: the step; takes tensors (keyword arguments) whose dim 0 is the batch, returns a tensor or a
+        tuple/list/dict of them. For ``mode="piecewise"`` a list of pieces; ``between[k]`` then runs eagerly
+        between piece ``k`` and ``k + 1`` as ``between[k](piece_output, **inputs)`` (attention, typically).
     :param sizes: the batch sizes to capture.
     :param backend: a :class:`hal.Backend` (default: ``hal.get_backend()``,
         then owned and closed by the runner).
-    :param kind: the pool kind, as in :class:`graphkit.GraphPools`:
-        ``"vmm"`` (the default: a fresh virtual space per size over shared
-        chunks, N sizes cost the largest), ``"shared"`` (one pool) or
-        ``"private"`` (a pool per size). ``pool=`` is its deprecated spelling
-        (giving both is an error).
+    :param kind: the pool kind, as in :class:`graphkit.GraphPools`: ``"vmm"`` (the default: a fresh virtual
+        space per size over shared chunks, N sizes cost the largest), ``"shared"`` (one pool) or ``"private"``
+        (a pool per size). ``pool=`` is its deprecated spelling (giving both is an error).
     :param options: a :class:`RunnerOptions` (mode, outputs, on-demand
         capture, padding fill, hygiene, progress...); defaults work.
     :param saver: a :class:`graphkit.MemorySaver`: with ``kind="vmm"`` the
         graphs' memory sleeps and wakes with its tag ``"graphs"``; calls
         while it is paused raise :class:`hal.InvalidStateError`.
-    :param overrides: any :class:`RunnerOptions` field as a keyword
-        (``outputs="view"``, ``on_demand=True``); an unknown name raises
-        :class:`hal.InvalidArgumentError`.
+    :param overrides: any :class:`RunnerOptions` field as a keyword (``outputs="view"``, ``on_demand=True``);
+        an unknown name raises :class:`hal.InvalidArgumentError`.
 
     The graphs of each size draw from the pool of that size's key in
     :attr:`pools`, a :class:`graphkit.GraphPools` of the runner's own.
@@ -254,23 +251,25 @@ class GraphRunner(Closable):
         self.backend = be = backend or hal.get_backend(requires=("graphs",))
         pieces = _checked_pieces(fn, sizes, opts, be)
         self.sizes = sorted(set(sizes))
-        self.step = Pieces(be, pieces, list(opts.between), self.sizes[-1], weak_outputs=opts.keep_outputs == "weak")
+        self.step = Pieces(be, pieces, list(opts.between), self.sizes[-1])
         self.max_size, self.mode, self.on_demand = self.sizes[-1], opts.mode, opts.on_demand
-        self.output_mode, self.oversize, self.keep_outputs = opts.outputs, opts.oversize, opts.keep_outputs
-        self.fill = dict(opts.fill) if opts.fill is not None else None
-        self.saver = saver
+        self.output_mode, self.oversize = opts.outputs, opts.oversize
+        self.fill, self.saver = (dict(opts.fill) if opts.fill is not None else None), saver
         self.inputs: StaticInputs | None = None
         self._outputs = Outputs(opts.outputs, self.max_size)
+        self._debug = opts.debug
         self._buckets: dict[int, Bucket] = {}
         self._captured: list[int] = []  # sorted sizes with graphs
+        self._plans = CallPlans(self._outputs)  # what a call at each batch does (cleared as sizes come and go)
         self._capture_order: list[int] = []  # sizes in the order they were captured
         self._stream = be.create_stream() if opts.mode != "none" else None
         self._lock = threading.RLock()  # graphs of one pool never run concurrently
         self._mem_before: int | None = None
         self._leftover: list[Bucket] = []  # buckets whose release failed: finished by close()
-        self._closed = False
-        self._close_done = False
+        self._closed = self._close_done = False
         self.pools = _runner_pools(be, opts, kind, saver)
+        self.keep_outputs = _kept_outputs(opts, self.kind)
+        self.step.weak_outputs = self.keep_outputs == "weak"
 
     @property
     def strategy(self) -> PoolStrategy | None:
@@ -367,6 +366,7 @@ class GraphRunner(Closable):
             raise
         self._buckets[size] = bucket
         bisect.insort(self._captured, size)
+        self._plans.clear()  # a batch may now be served by this size
         self._capture_order.append(size)
         log.debug("captured batch %d in %.3f s (%s more device memory)", size, seconds,
                   fmt_bytes(bucket.report.memory_delta))
@@ -383,30 +383,37 @@ class GraphRunner(Closable):
     def __call__(self, **inputs: torch.Tensor) -> Any:
         """Run the step on ``inputs`` through the graph that fits; see the class doc for outputs."""
         with self._lock:  # close() and captures may race this call: decide under the lock
-            self._check_open()
-            if self.inputs is None:
+            static = self.inputs
+            if self._closed or static is None:
+                self._check_open()
                 raise hal.InvalidStateError("call capture(**example_inputs) first", backend=self.backend.name,
                                             call="GraphRunner")
-            batch = self.inputs.batch_of(inputs)
-            size = self.bucket_for(batch) if self.mode != "none" else None
+            # every input is a tensor of the captured row shape from here on; a graph gives no gradients: a call
+            # that asks for them runs eagerly, with autograd
+            batch, wants_grad = static.check(inputs, grad=torch.is_grad_enabled())
+            plan = self._plans.get(batch)
+            size = plan.size if plan is not None else self.bucket_for(batch) if self.mode != "none" else None
             if size is None and batch > self.max_size and self.oversize == "error":
                 raise hal.InvalidArgumentError(f"batch {batch} is above the largest captured size "
                                                f"{self.max_size}", backend=self.backend.name, call="GraphRunner")
-            wants_grad = _wants_grad(inputs)  # a graph gives no gradients: such a call runs eagerly, with autograd
             if size is not None and not wants_grad:
+                if self._debug:
+                    _check_unmoved(static, self.backend)
+                if self.saver is None:
+                    return (plan or self._plan(static, batch, size)).run(self.step, inputs, static.views,
+                                                                         self._outputs)
                 # a pause waits for this block to end, and a call waits for a pause under way
-                with self.saver.awake(GRAPHS, "GraphRunner") if self.saver is not None else contextlib.nullcontext():
-                    bucket = self._buckets.get(size) or self._capture_size(size)
-                    with torch.no_grad():
-                        self.inputs.update(inputs, batch, size)
-                    if self.options.debug:
-                        _check_unmoved(self.inputs, self.backend)
-                    out = self.step.replay(bucket, functools.partial(self.inputs.views, size))
-                    return self._outputs.deliver(out, batch, size)
+                with self.saver.awake(GRAPHS, "GraphRunner"):
+                    return (plan or self._plan(static, batch, size)).run(self.step, inputs, static.views,
+                                                                         self._outputs)
         if wants_grad:
             return self.step.eager(**inputs)
         with torch.no_grad():
             return self.step.eager(**inputs)
+
+    def _plan(self, static: StaticInputs, batch: int, size: int) -> CallPlan:
+        """The plan of a call at ``batch``, made at its first call (capturing ``size`` on demand)."""
+        return self._plans.make(batch, size, self._buckets.get(size) or self._capture_size(size), static)
 
     # -- figures and teardown ---------------------------------------------------------
 
@@ -454,6 +461,7 @@ class GraphRunner(Closable):
 
     def _forget(self, size: int) -> Bucket:
         self._captured.remove(size)
+        self._plans.clear()
         self._capture_order.remove(size)
         return self._buckets.pop(size)
 

@@ -33,6 +33,8 @@ def test_bench_json_has_every_strategy_order_and_correctness(tmp_path: Path) -> 
     private = next(r for r in out["results"] if r["strategy"] == "private" and r["order"] == "descending")
     assert private["graph_memory_bytes"] > vmm["descending"]["graph_memory_bytes"]
     assert out["machine"]["backend"] == "fake" and out["command"].startswith("python -m graphkit bench")
+    assert out["graph_floor"]["per_graph_bytes"] == 0  # fake graphs keep no device memory of their own
+    assert "the driver's memory per graph" in out["targets"][0]["target"]
 
 
 def test_bench_help_documents_every_option() -> None:
@@ -66,3 +68,58 @@ def test_without_matplotlib_the_plot_is_skipped_with_the_extra_to_install(tmp_pa
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     assert output.plot({"results": [], "largest_alone_bytes": 0}, tmp_path / "demo.png") is False
     assert "hal-graphkit[bench]" in caplog.text and not (tmp_path / "demo.png").exists()
+
+
+def test_the_overhead_bench_times_the_runner_the_hand_loop_and_hal_in_turns(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from graphkit.bench import overhead
+
+    assert overhead.main(["--backend", "fake", "--workload", "trivial", "--processes", "0", "--rounds", "6",
+                          "--out-dir", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "bench-overhead.json").read_text())
+    run = out["runs"][0]
+    assert all(len(run[k]) == 6 for k in ("runner_ms", "hand_ms", "hal_ms", "ratios", "hal_ratios"))
+    assert out["met"] in (True, False, None) and out["ratio"]["n"] == 6
+    text = capsys.readouterr().out
+    assert "target 4" in text and "graphkit's own share" in text
+
+
+def _target_1(vmm: int, alone: int, floor: float | None, sizes: int = 5) -> dict:
+    from graphkit.bench.targets import check_targets
+
+    rows = [{"strategy": s, "order": "descending", "graph_memory_bytes": vmm, "capture_seconds": 1.0}
+            for s in ("vmm", "shared-weakref")]
+    out = {"results": rows, "largest_alone_bytes": alone, "sizes": list(range(1, sizes + 1)), "eager_ms": {},
+           "graph_floor": None if floor is None else {"per_graph_bytes": floor}}
+    return next(t for t in check_targets(out, 2, reference_gpu=True) if t["id"] == 1)
+
+
+def test_vmm_memory_is_judged_against_the_largest_alone_plus_the_measured_floor_per_graph() -> None:
+    """The driver's memory per instantiated graph is a floor no pool shares: N sizes may cost the largest alone
+    plus N - 1 times it (and a granule), not 1.1 x the largest alone."""
+    assert _target_1(vmm=130, alone=100, floor=7.5)["met"]  # 100 + 4 x 7.5 + 2 = 132
+    assert not _target_1(vmm=133, alone=100, floor=7.5)["met"]
+    assert "4 x 8 B per graph" in _target_1(vmm=130, alone=100, floor=7.5)["detail"]
+    assert not _target_1(vmm=130, alone=100, floor=None)["met"]  # figures without the floor: the old 1.1 x
+
+
+def test_an_isolated_bench_measures_the_floor_in_a_process_of_its_own(tmp_path: Path) -> None:
+    path = tmp_path / "part.json"
+    assert main(["bench", "--workload", "tiny", "--sizes", "1,2", "--iters", "1", "--no-progress", "--backend", "fake",
+                 "--part", "graph-floor", "--part-out", str(path)]) == 0
+    part = json.loads(path.read_text())
+    assert part["graph_floor"]["graphs"] == 2 and part["results"] == [] and part["largest_alone_bytes"] is None
+
+
+@pytest.mark.cuda
+def test_the_drivers_memory_per_graph_is_measured_on_cuda() -> None:
+    """Graphs instantiated by the driver keep memory no pool shares: the floor is positive on a GPU."""
+    from graphkit.bench.model import DecoderConfig
+    from graphkit.bench.run import Bench, BenchConfig
+
+    bench = Bench(BenchConfig(workload=DecoderConfig.tiny(), sizes=[1, 2, 4, 8], backend="cuda", progress=False))
+    try:
+        floor = bench.run_graph_floor()
+    finally:
+        bench.close()
+    assert floor["graphs"] == 4 and floor["per_graph_bytes"] > 0 and floor["pool_bytes"] >= 0

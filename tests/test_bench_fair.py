@@ -76,22 +76,32 @@ def test_the_sleep_bench_alternates_graphkit_and_torch_memory_saver(monkeypatch:
         return {"impl": "torch_memory_saver", "bytes": nbytes, "backup": backup, "pauses": [n, 0.5],
                 "resumes": [n, 0.25], "asleep_each": [0, 0], "exact": True}
 
+    def recorded(name, real_case):
+        def case(be, nbytes, backup, cycles):
+            calls.append((name, backup))
+            return real_case(be, nbytes, backup, cycles)
+        return case
+
     monkeypatch.setattr(sleep, "graphkit_case", graphkit_case)
     monkeypatch.setattr(sleep, "tms_case", tms_case)
+    monkeypatch.setattr(sleep, "elastic_case", recorded("elastic", sleep.elastic_case))
+    monkeypatch.setattr(sleep, "hal_case", recorded("hal", sleep.hal_case))
     rc = sleep.run_sleep_bench("fake", 0, [2 << 20], 2, tmp_path, "test", rounds=3)
     assert rc == 0
-    measured = calls[4:]  # after one untimed warm-up case of each kind and backup
-    assert measured == [("graphkit", False), ("tms", False), ("tms", False), ("graphkit", False),
-                        ("graphkit", False), ("tms", False),
-                        ("graphkit", True), ("tms", True), ("tms", True), ("graphkit", True),
-                        ("graphkit", True), ("tms", True)]
+    measured = calls[8:]  # after one untimed warm-up case of each kind and backup
+    kinds = ["graphkit", "tms", "elastic", "hal"]
+    assert measured == [(k, backup) for backup in (False, True) for i in range(3) for k in kinds[i:] + kinds[:i]]
     out = json.loads((tmp_path / "bench-sleep.json").read_text())
     assert out["case_order"] == "alternated" and out["rounds"] == 3
     tms = next(r for r in out["rows"] if r["impl"] == "torch_memory_saver" and not r["backup"])
-    assert tms["first_pause"] == {"median": 7, "min": 6, "max": 10, "n": 3}  # calls 6, 7 and 10
-    assert tms["pause"]["n"] == 6 and tms["pause_s"] == pytest.approx(3.25)
+    assert tms["first_pause"] == {"median": 13, "min": 10, "max": 20, "n": 3}  # calls 10, 13 and 20 (8 warm-ups)
+    assert tms["pause"]["n"] == 6 and tms["pause_s"] == pytest.approx(5.25)  # of 10, 13, 20 and 0.5 three times
     ours = next(r for r in out["rows"] if r["impl"] == "graphkit" and r["backup"])
     assert ours["exact"] and ours["pause"]["n"] == 6 and ours["first_pause"]["n"] == 3
+    # the rows of the elastic buffer and of hal's bare calls (no backup: the driver's share), and the first-pause
+    # target of each graphkit row
+    assert {(r["impl"], r["backup"]) for r in out["rows"]} >= {("graphkit-elastic", True), ("hal calls", False)}
+    assert sum("first pause <= 1.2 x" in t["target"] for t in out["targets"]) == 4
 
 
 def test_the_elastic_bench_alternates_regrowth_and_elastic_growth(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -109,3 +119,89 @@ def test_the_elastic_bench_alternates_regrowth_and_elastic_growth(monkeypatch: p
     assert row["exact"] and row["alternations"] == 3 and row["regrow_copied_bytes"] == 1 << 20
     assert row["regrow"]["n"] == row["elastic_grow"]["n"] == 3 and row["elastic_copied_bytes"] == 0
     assert row["regrow"]["min"] <= row["regrow_s"] == row["regrow"]["median"] <= row["regrow"]["max"]
+
+
+def test_the_interval_of_a_median_is_two_order_statistics_and_needs_six_values() -> None:
+    from graphkit.bench.fair import median_interval
+
+    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None
+    assert median_interval([6.0, 1.0, 5.0, 2.0, 4.0, 3.0]) == (1.0, 6.0)  # 96.9% for the extremes of six
+    assert median_interval([float(i) for i in range(1, 21)]) == (6.0, 15.0)  # the 6th from each end of 20
+
+
+def _target_4(ratios: list[float]) -> dict:
+    from graphkit.bench.targets import check_targets
+
+    vmm = {"strategy": "vmm", "order": "descending", "graph_memory_bytes": 1, "capture_seconds": 1.0,
+           "replay_ms": {"1": 1.0}, "runner_ms_batch1": 1.0, "hand_loop_ms_batch1": 1.0, "hand_loop_ratios": ratios}
+    out = {"results": [vmm], "largest_alone_bytes": 1, "eager_ms": {"1": 2.0}}
+    return next(t for t in check_targets(out, 1, reference_gpu=False) if t["id"] == 4)
+
+
+def test_a_ratio_target_is_judged_on_the_rounds_and_a_noisy_machine_gets_not_judged_never_missed() -> None:
+    from graphkit.bench.output import summary_table
+
+    assert _target_4([1.01, 1.02, 1.0, 1.03, 1.02, 1.01, 1.0, 1.02])["met"] is True
+    assert _target_4([1.2, 1.3, 1.25, 1.22, 1.28, 1.21, 1.24, 1.27])["met"] is False
+    noisy = _target_4([0.7, 1.6, 0.9, 1.3, 1.0, 1.2, 0.8, 1.4])
+    assert noisy["met"] is None and "straddles 1.05" in noisy["detail"]
+    table = summary_table({"machine": {"backend": "fake", "processor": "x", "torch": "2"}, "sizes": [1],
+                           "largest_alone_bytes": 1, "eager_ms": {}, "results": [], "targets": [noisy]})
+    assert "[not judged]" in table and "MISSED" not in table
+
+
+def test_graphkits_parts_of_capture_time_are_counted_only_when_asked_and_never_twice(be) -> None:
+    """Off, a capture counts nothing; on, graph_memory's router, the new spaces and the maps are counted apart
+    (the maps made while a space is set up count as maps only), and their sum is within the capture's time."""
+    import time
+
+    import torch
+
+    import graphkit
+    from graphkit._phases import CAPTURE_TIMES
+
+    w = torch.randn(64, 64)
+
+    def capture_all(pools_scope) -> float:
+        start = time.perf_counter()
+        graphs = []
+        with pools_scope as pools:
+            for n in (8, 4, 2):
+                graph = be.create_graph()
+                with torch.no_grad(), be.capture(graph):
+                    torch.tanh(torch.zeros(n, 64) @ w)
+                graphs.append(graph)
+        seconds = time.perf_counter() - start
+        for graph in graphs:
+            be.release_graph(graph)
+        pools.close()
+        return seconds
+
+    capture_all(graphkit.graph_memory(be))
+    assert CAPTURE_TIMES.times.calls == {} and not CAPTURE_TIMES.on
+    with CAPTURE_TIMES.counting() as parts:
+        seconds = capture_all(graphkit.graph_memory(be))
+    assert parts.calls["routing"] == 6  # the start and the end of three captures
+    assert parts.calls["spaces"] == 3 and parts.calls["maps"] >= 3
+    assert all(v >= 0 for v in parts.seconds.values()) and 0 < parts.total <= seconds
+
+
+def test_the_engine_capture_target_pairs_the_runs_and_says_when_noise_cannot_tell() -> None:
+    rows = [{"strategy": s, "order": "descending", "capture_seconds": 1.0, "graph_memory_bytes": 1}
+            for s in ("own-kept", "own-weakref", "graph_memory")]
+
+    def results(ratios: list[float]) -> list[dict]:
+        out = []
+        for i, r in enumerate(ratios):
+            out += [{"strategy": "own-kept", "order": "descending", "capture_seconds": 1.0 + i, "run": i},
+                    {"strategy": "graph_memory", "order": "descending", "capture_seconds": (1.0 + i) * r, "run": i}]
+        return out
+
+    def target(ratios: list[float]) -> dict:
+        return next(t for t in engines.check_targets(rows, results(ratios)) if "capture time" in t["target"])
+
+    assert target([1.02, 1.05, 1.0, 1.04, 1.03, 1.01])["met"] is True
+    assert target([1.3, 1.4, 1.35, 1.32, 1.31, 1.45])["met"] is False
+    noisy = target([0.9, 1.3, 1.0, 1.25, 1.05, 1.2])
+    assert noisy["met"] is None and "straddles 1.1" in noisy["detail"] and noisy["measured"] == pytest.approx(1.125)
+    assert target([1.0, 1.0, 1.0])["met"] is None  # three runs cannot tell 10% from noise

@@ -152,3 +152,42 @@ def test_the_strategies_alternate_and_the_step_time_is_the_median_of_the_rounds(
     assert el["step_ms"] == {"median": 14.0, "min": 11.0, "max": 15.0, "n": 3} and el["step_ms_median"] == 14.0
     assert out["checks"]["elastic_step_ratio"] == pytest.approx(14.0 / 8.0)
     assert out["checks"]["tokens_equal"] and out["checks"]["logits_equal"] and out["alternations"] == 3
+    # every strategy against the preallocated cache round by round (the rounds pair up): of 11/7, 14/8, 15/11
+    assert out["checks"]["step_ratio_to_prealloc"]["elastic"]["median"] == pytest.approx(11.0 / 7.0)
+
+
+def test_the_diagnostic_caches_decode_alike_and_the_report_splits_the_step(capsys: pytest.CaptureFixture[str]) -> None:
+    """elastic-premapped maps its ranges whole before the first step; prealloc-viewed reads plain memory through
+    tensors made like elastic views. Both decode the same tokens; the report gives each step's phases and its
+    ratio to the preallocated cache."""
+    be = hal.get_backend("fake", granularity=elastic_kv.FAKE_GRANULARITY)
+    try:
+        wl = elastic_kv.Workload(steps=8, max_batch=4, max_model_len=64, block_size=8, arrive_every=2)
+        out = elastic_kv.run(be, "tiny", wl, ("elastic", "prealloc", "elastic-premapped", "prealloc-viewed"))
+    finally:
+        be.close()
+    res = out["results"]
+    assert out["checks"]["tokens_equal"] and out["checks"]["logits_equal"]
+    premapped = res["elastic-premapped"]
+    assert all(r["physical"] == premapped["trace"][0]["physical"] for r in premapped["trace"])  # no growth
+    assert premapped["peak_physical_bytes"] >= res["prealloc"]["peak_physical_bytes"]
+    assert res["elastic"]["peak_physical_bytes"] < premapped["peak_physical_bytes"]
+    assert res["prealloc-viewed"]["copied_bytes"] == 0 and res["prealloc-viewed"]["moves"] == 0
+    for r in res.values():
+        assert r["grow_ms"]["n"] == 1 and r["issue_ms"]["median"] > 0
+        assert r["device_ms"]["n"] == 0  # fake has no device clock: the issue time is the run time
+    assert set(out["checks"]["step_ratio_to_prealloc"]) == {"elastic", "elastic-premapped", "prealloc-viewed"}
+    elastic_kv.print_report(out)
+    text = capsys.readouterr().out
+    assert "forward ms (device)" in text and "step / prealloc" in text and "prealloc-viewed" in text
+
+
+@pytest.mark.cuda
+def test_the_diagnostic_caches_and_the_device_time_on_cuda() -> None:
+    be = hal.get_backend("cuda")
+    try:
+        out = elastic_kv.run(be, "tiny", CUDA_WORKLOAD, ("elastic", "prealloc", "elastic-premapped", "prealloc-viewed"))
+    finally:
+        be.close()
+    assert out["checks"]["tokens_equal"] and out["checks"]["logits_equal"]
+    assert all(r["device_ms"]["median"] > 0 for r in out["results"].values())  # CUDA events timed each forward

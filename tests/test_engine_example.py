@@ -249,7 +249,7 @@ def test_an_interrupted_bench_keeps_the_cases_it_measured(monkeypatch: pytest.Mo
                                  backend="fake", device=0, seed=0, iters=1, isolate=False, out_dir=tmp_path,
                                  command="test", progress=False)
     saved = json.loads((tmp_path / "bench-engine.json").read_text())
-    assert saved["partial"] is True and saved["results"] == [{"strategy": "own-kept", "order": "descending"}]
+    assert saved["partial"] is True and saved["results"] == [{"strategy": "own-kept", "order": "descending", "run": 0}]
 
 
 # -- a KV cache sized after capture -----------------------------------------------------------------------------

@@ -53,6 +53,16 @@ def test_two_rl_steps_sleep_everything_and_wake_with_new_weights_on_fake() -> No
     assert out["first_pause_s"] > 0 and out["steady_pause"]["n"] == 1 and out["steady_resume"]["median"] > 0
 
 
+def test_the_kv_cache_can_sleep_with_a_backup_and_the_first_pause_is_reported_against_the_steady_ones() -> None:
+    with hal.get_backend("fake", **rl_sleep.FAKE_OPTIONS) as be:
+        out = rl_sleep.rl_loop(be, "graphkit", steps=2, sizes=(1, 2), rollout_steps=2, kv_backup=True)
+        assert be.live.zero, be.live
+    assert out["kv_backup"] and out["all_exact"]
+    summary = rl_sleep.combine([out])[0]
+    assert summary["kv_backup"] and summary["first_over_steady_pause"] == pytest.approx(
+        out["first_pause_s"] / out["rows"][1]["pause_s"])
+
+
 def test_torch_memory_saver_needs_cuda_and_the_command_line_says_it_skipped(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with hal.get_backend("fake", **rl_sleep.FAKE_OPTIONS) as be:

@@ -344,3 +344,42 @@ def test_sizes_that_are_no_positive_ints_are_hal_errors(be: hal.Backend, sizes: 
 def test_a_saver_that_is_no_memory_saver_is_refused_before_anything_is_made() -> None:
     with refused_cleanly() as (be, _):
         graphkit.GraphRunner(lambda x: x, [1], be, saver=object())
+
+
+class _FrameworkCalls(torch.overrides.TorchFunctionMode):
+    """Counts the framework calls made from Python inside it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name != "__get__":  # attribute reads (shape, dtype, device) are checks, not work
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_call_adds_only_the_copies_the_padding_and_the_output_slice_to_the_replay(be: hal.Backend,
+                                                                                     batch: int) -> None:
+    """The hand-written loop copies the inputs in, replays and slices the output; a runner call at a batch it has
+    seen before does that and checks, and makes no views of its static buffers or pytree walks each time."""
+    runner = graphkit.GraphRunner(lambda x, pos: (x * 2 + pos.float()), [1, 4], backend=be, outputs="view",
+                                  progress=False)
+    runner.capture(x=torch.zeros(4, 8), pos=torch.zeros(4, 1, dtype=torch.long))
+    inputs = {"x": torch.randn(batch, 8), "pos": torch.ones(batch, 1, dtype=torch.long)}
+    expected = inputs["x"] * 2 + 1
+    torch.testing.assert_close(runner(**inputs), expected)  # the first call at this batch makes its views
+    graph = runner._buckets[runner.bucket_for(batch)].graphs[0]
+    with _FrameworkCalls() as replay_alone:
+        be.replay(graph)
+    with _FrameworkCalls() as call:
+        out = runner(**inputs)
+    torch.testing.assert_close(out, expected)
+    padded = batch < runner.bucket_for(batch)
+    runner.close()
+    ours = sorted(call.calls)
+    for name in replay_alone.calls:
+        ours.remove(name)
+    assert ours == sorted(["copy_", "copy_", "__getitem__"] + ["fill_", "fill_"] * padded), call.calls

@@ -54,9 +54,17 @@ from hal.registry import select_backend_name
 from hal.types import fmt_bytes, round_up
 
 STRATEGIES = ("elastic", "prealloc", "regrow")
+#: strategies that take the elastic cache's gap to the preallocated one apart (not run unless asked for):
+#: ``elastic-premapped`` is the elastic cache mapped to its maximum before the first step (its memory read the
+#: same way, no growth during the run); ``prealloc-viewed`` is the preallocated memory read through tensors made
+#: the way elastic views are (``Backend.tensor_at``), not through the framework's own
+DIAGNOSTIC = ("elastic-premapped", "prealloc-viewed")
 FAKE_GRANULARITY = 16 << 10  # small granules on fake, so a tiny cache spans several
 STEP_TOLERANCE = 0.02  # the elastic cache's decode step within this share of the preallocated cache's
 KEEP_LOGITS_LIMIT = 64 << 20  # keep every step's logits on the host up to this many bytes, else digests only
+#: parts of a step, each the median over the steps of a run: the growth (host), issuing the forward (host), and
+#: running it (the device's own time, CUDA events; None elsewhere)
+PHASES = {"grow_ms": "grow_ms_median", "issue_ms": "issue_ms_median", "device_ms": "device_ms_median"}
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -273,16 +281,22 @@ class ElasticCache(KVCache):
 
     name = "elastic"
 
-    def __init__(self, be: hal.Backend, cfg: ModelConfig, wl: Workload, meter: Meter) -> None:
+    def __init__(self, be: hal.Backend, cfg: ModelConfig, wl: Workload, meter: Meter, premapped: bool = False) -> None:
         super().__init__(be, cfg, wl, meter)
         g, L = be.granularity, cfg.layers
         range_bytes = self.max_blocks * self.block_bytes
         self.reservation = graphkit.ElasticReservation(be, reserve_bytes=2 * L * round_up(range_bytes, g))
         self.buffers = [self.reservation.buffer(range_bytes) for _ in range(2 * L)]
+        if premapped:  # a diagnostic: the same memory, mapped to the maximum before the first step
+            self.name = "elastic-premapped"
+            for b in self.buffers:
+                b.resize(range_bytes)
+            meter.sample()
         views = [b.view(cfg.torch_dtype, (self.max_blocks, *self.block_shape), whole_range=True)
                  for b in self.buffers]
         self.k, self.v = views[:L], views[L:]
         self.row_bytes = self.block_bytes
+        self.mapped_blocks = self.buffers[0].mapped_bytes // self.row_bytes  # every range is mapped alike
 
     @property
     def ranges(self) -> int:  # type: ignore[override]
@@ -293,8 +307,11 @@ class ElasticCache(KVCache):
         return sum(b.mapped_bytes for b in self.buffers) + self.reservation.free_bytes
 
     def _grow(self, blocks: int) -> None:
+        if blocks <= self.mapped_blocks:  # the granules mapped already hold them: no call at all
+            return
         for buf in self.buffers:
             buf.resize(blocks * self.row_bytes)
+        self.mapped_blocks = self.buffers[0].mapped_bytes // self.row_bytes
         self.meter.sample()  # it only ever grows: nothing transient to catch in between
 
     def close(self) -> None:
@@ -321,6 +338,19 @@ class PreallocCache(KVCache):
 
     def _grow(self, blocks: int) -> None:
         pass
+
+
+class PreallocViewedCache(PreallocCache):
+    """The preallocated cache read through tensors made as elastic views are (``Backend.tensor_at``): a diagnostic."""
+
+    name = "prealloc-viewed"
+
+    def __init__(self, be: hal.Backend, cfg: ModelConfig, wl: Workload, meter: Meter) -> None:
+        super().__init__(be, cfg, wl, meter)
+        shape = (self.max_blocks, *self.block_shape)
+        nbytes = self.max_blocks * self.block_bytes
+        self.k, self.v = ([be.tensor_at(t.data_ptr(), nbytes, owner=t).view(cfg.torch_dtype).view(shape) for t in ts]
+                          for ts in (self.k, self.v))
 
 
 class RegrowCache(KVCache):
@@ -357,13 +387,16 @@ class RegrowCache(KVCache):
 
 
 def make_cache(name: str, be: hal.Backend, cfg: ModelConfig, wl: Workload, meter: Meter) -> KVCache:
-    if name == "elastic":
-        return ElasticCache(be, cfg, wl, meter)
+    if name in ("elastic", "elastic-premapped"):
+        return ElasticCache(be, cfg, wl, meter, premapped=name == "elastic-premapped")
     if name == "prealloc":
         return PreallocCache(be, cfg, wl, meter)
+    if name == "prealloc-viewed":
+        return PreallocViewedCache(be, cfg, wl, meter)
     if name == "regrow":
         return RegrowCache(be, cfg, wl, meter)
-    raise hal.InvalidArgumentError(f"strategy {name!r} must be one of {', '.join(STRATEGIES)}", call="make_cache")
+    raise hal.InvalidArgumentError(f"strategy {name!r} must be one of {', '.join(STRATEGIES + DIAGNOSTIC)}",
+                                   call="make_cache")
 
 
 # -- the decode loop ---------------------------------------------------------------------------------
@@ -403,6 +436,8 @@ def decode(be: hal.Backend, model: Model, wl: Workload, strategy: str, keep_logi
     seqs: list[Request] = []
     next_block = 1  # block 0: the scratch block
     trace, step_s, grow_s, digests, logits_seen = [], [], [], [], []
+    issue_s, device_ms = [], []  # the host's time to issue a step's forward; the device's time to run it
+    events = DeviceEvents(dev)
     requests = prompts(wl, model.cfg.vocab)
     try:
         for t in range(wl.steps):
@@ -424,13 +459,18 @@ def decode(be: hal.Backend, model: Model, wl: Workload, strategy: str, keep_logi
             t0 = time.perf_counter()
             cache.ensure(next_block)
             t1 = time.perf_counter()
+            events.start()
             logits = model.forward(cache, *(x.to(dev, non_blocking=True) for x in inputs))
+            events.end()
+            issued = time.perf_counter()
             new_tokens = logits.argmax(dim=-1).tolist()
             be.synchronize()
             t2 = time.perf_counter()
             metering = meter.spent - spent  # samples taken inside a growth are not the strategy's time
             step_s.append(t2 - t0 - metering)
             grow_s.append(t1 - t0 - metering)
+            issue_s.append(issued - t1)
+            device_ms.append(events.elapsed_ms())
             digests.append(_digest(logits, coef))
             if keep_logits:
                 logits_seen.append(logits.float().cpu())
@@ -448,7 +488,9 @@ def decode(be: hal.Backend, model: Model, wl: Workload, strategy: str, keep_logi
                "max_slack_bytes": max(r["physical"] - r["used"] for r in trace),
                "copied_bytes": cache.copied_bytes, "moves": cache.moves,
                "step_ms_median": statistics.median(step_s) * 1e3, "step_ms_max": max(step_s) * 1e3,
-               "grow_ms_total": sum(grow_s) * 1e3, "trace": trace,
+               "grow_ms_total": sum(grow_s) * 1e3, "grow_ms_median": statistics.median(grow_s) * 1e3,
+               "issue_ms_median": statistics.median(issue_s) * 1e3,
+               "device_ms_median": statistics.median(device_ms) if events.on else None, "trace": trace,
                "tokens": [s.tokens[len(s.prompt):] for s in seqs], "digests": digests}
         out["logits"] = logits_seen if keep_logits else None
         return out
@@ -456,6 +498,29 @@ def decode(be: hal.Backend, model: Model, wl: Workload, strategy: str, keep_logi
         cache.close()
         del cache
         release_cached_memory(be)
+
+
+class DeviceEvents:
+    """The device's own time of the work issued between :meth:`start` and :meth:`end` (CUDA events); nothing
+    elsewhere (``fake`` runs on the host: its issue time is its run time)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.on = device.type == "cuda"
+        if self.on:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self.on:
+            self._start.record()
+
+    def end(self) -> None:
+        if self.on:
+            self._end.record()
+
+    def elapsed_ms(self) -> float:
+        """After the device was synchronised: milliseconds between the two events (0 without events)."""
+        return self._start.elapsed_time(self._end) if self.on else 0.0
 
 
 class _ScratchCache:
@@ -492,13 +557,15 @@ def run(be: hal.Backend, config: str = "tiny", workload: Workload | None = None,
         for name in rotated(list(strategies), a):
             rounds[name].append(decode(be, model, wl, name, keep_logits=keep and a == 0))
             if a:  # only the first round keeps its trace and tokens: later ones need their times and digests
-                rounds[name][-1] = {k: rounds[name][-1][k] for k in ("step_ms_median", "step_ms_max", "digests")}
+                rounds[name][-1] = {k: rounds[name][-1][k] for k in ("step_ms_median", "step_ms_max", "digests",
+                                                                     *PHASES.values())}
     results = {}
     for name, runs in rounds.items():
         medians = [r["step_ms_median"] for r in runs]
         results[name] = {**runs[0], "step_ms_median": spread(medians)["median"], "step_ms": spread(medians),
                          "step_ms_runs": medians, "digests_stable": all(r["digests"] == runs[0]["digests"]
-                                                                        for r in runs)}
+                                                                        for r in runs),
+                         **{phase: spread(r[key] for r in runs) for phase, key in PHASES.items()}}
     first = results[strategies[0]]
     tokens_equal = all(r["tokens"] == first["tokens"] for r in results.values())
     digests_equal = all(r["digests"] == first["digests"] and r["digests_stable"] for r in results.values())
@@ -517,6 +584,10 @@ def run(be: hal.Backend, config: str = "tiny", workload: Workload | None = None,
         checks["elastic_moves"] = el["moves"]
         if "prealloc" in results:  # the median step against the preallocated cache's, both over every round
             checks["elastic_step_ratio"] = el["step_ms_median"] / results["prealloc"]["step_ms_median"]
+    if "prealloc" in results:  # every strategy against the preallocated cache, round by round (the rounds pair up)
+        base = results["prealloc"]["step_ms_runs"]
+        checks["step_ratio_to_prealloc"] = {name: spread(a / b for a, b in zip(r["step_ms_runs"], base, strict=True))
+                                            for name, r in results.items() if name != "prealloc"}
     return {"backend": be.name, "config": config, "model": asdict(cfg), "workload": {**asdict(wl),
             "max_blocks": wl.max_blocks}, "alternations": alternations, "results": results, "checks": checks}
 
@@ -530,14 +601,15 @@ def print_report(out: dict[str, Any]) -> None:
           f"sequences (one every {wl['arrive_every']} steps), block size {wl['block_size']}, "
           f"cache of at most {wl['max_blocks']} blocks; {out['alternations']} alternation(s) of the strategies, "
           "step ms as the median of their medians (min-max)")
-    print(f"{'strategy':<10}{'peak device':>13}{'peak held':>12}{'peak phys':>12}{'final phys':>12}{'final used':>12}"
-          f"{'max slack':>11}{'copied':>11}{'moves':>7}{'step ms':>26}{'max ms':>8}{'grow ms':>9}")
+    print(f"{'strategy':<18}{'peak device':>13}{'peak held':>12}{'peak phys':>12}{'final phys':>12}"
+          f"{'final used':>12}{'max slack':>11}{'copied':>11}{'moves':>7}{'step ms':>26}{'max ms':>8}{'grow ms':>9}")
     for r in out["results"].values():
-        print(f"{r['strategy']:<10}{fmt_bytes(r['peak_device_bytes']):>13}{fmt_bytes(r['peak_held_bytes']):>12}"
+        print(f"{r['strategy']:<18}{fmt_bytes(r['peak_device_bytes']):>13}{fmt_bytes(r['peak_held_bytes']):>12}"
               f"{fmt_bytes(r['peak_physical_bytes']):>12}"
               f"{fmt_bytes(r['final_physical_bytes']):>12}{fmt_bytes(r['final_used_bytes']):>12}"
               f"{fmt_bytes(r['max_slack_bytes']):>11}{fmt_bytes(r['copied_bytes']):>11}{r['moves']:>7}"
               f"{fmt_spread(r['step_ms']):>26}{r['step_ms_max']:>8.2f}{r['grow_ms_total']:>9.1f}")
+    print_phases(out)
     print(f"tokens equal across strategies: {'yes' if checks['tokens_equal'] else 'NO'}; logits equal "
           f"({checks['logits_compared']}): {'yes' if checks['logits_equal'] else 'NO'}")
     if "elastic_within_granule" in checks:
@@ -552,6 +624,17 @@ def print_report(out: dict[str, Any]) -> None:
               f"({(ratio - 1) * 100:+.2f}%; within {STEP_TOLERANCE:.0%}: {met})")
 
 
+def print_phases(out: dict[str, Any]) -> None:
+    """Where a step's time goes, per strategy (medians of the rounds' medians, min-max), and each strategy's step
+    against the preallocated cache's, round by round."""
+    ratios = out["checks"].get("step_ratio_to_prealloc", {})
+    print(f"{'strategy':<18}{'grow ms (host)':>26}{'issue ms (host)':>26}{'forward ms (device)':>26}"
+          f"{'step / prealloc':>26}")
+    for name, r in out["results"].items():
+        ratio = fmt_spread(ratios[name], digits=4) if name in ratios else "-"
+        print(f"{name:<18}" + "".join(f"{fmt_spread(r[p]):>26}" for p in PHASES) + f"{ratio:>26}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default=None, help="hal backend (default: the best available)")
@@ -563,7 +646,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
     parser.add_argument("--arrive-every", type=int, default=None, help="steps between two arrivals")
     parser.add_argument("--strategies", default=",".join(STRATEGIES),
-                        help="comma-separated, of " + ", ".join(STRATEGIES))
+                        help=f"comma-separated, of {', '.join(STRATEGIES)}; diagnostics: {', '.join(DIAGNOSTIC)}")
     parser.add_argument("--alternations", type=int, default=None,
                         help="rounds of every strategy in a rotated order (default: 5 for the reference config, 1 "
                              "otherwise); the step time is the median of the rounds' medians")
@@ -571,8 +654,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures (traces included) here")
     args = parser.parse_args(argv)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    if not strategies or set(strategies) - set(STRATEGIES):
-        parser.error(f"--strategies: choose from {', '.join(STRATEGIES)}")
+    if not strategies or set(strategies) - set(STRATEGIES + DIAGNOSTIC):
+        parser.error(f"--strategies: choose from {', '.join(STRATEGIES + DIAGNOSTIC)}")
     name = select_backend_name(args.backend, requires=("graphs",))
     be = hal.get_backend(name, **({"granularity": args.granularity} if name == "fake" else {}))
     try:

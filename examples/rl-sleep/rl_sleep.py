@@ -60,6 +60,8 @@ IMPLS = ("graphkit", "tms")
 FAKE_OPTIONS = {"granularity": 1 << 16}
 #: what the trainer leaves of the memory the engine gave back, for the framework's rounding (a GPU)
 DEVICE_SLACK = 256 << 20
+#: the first pause of a process at most this many times its steady pauses
+FIRST_PAUSE_RATIO = 1.2
 
 
 def load_engine_module() -> ModuleType:
@@ -109,15 +111,17 @@ class Sleeper:
 
 
 class GraphkitSleeper(Sleeper):
-    """A :class:`graphkit.MemorySaver`: weights backed up, the KV cache not, the graphs' memory asleep too."""
+    """A :class:`graphkit.MemorySaver`: weights backed up, the KV cache not (unless ``kv_backup``), the graphs'
+    memory asleep too."""
 
     name = "graphkit"
 
-    def __init__(self, be: hal.Backend) -> None:
+    def __init__(self, be: hal.Backend, kv_backup: bool = False) -> None:
         self.saver = graphkit.MemorySaver(be)
+        self.backed_up = {"weights", "kv_cache"} if kv_backup else {"weights"}
 
     def region(self, part: str) -> AbstractContextManager[Any]:
-        return self.saver.region(part, backup=part == "weights")
+        return self.saver.region(part, backup=part in self.backed_up)
 
     def pools(self, be: hal.Backend) -> graphkit.GraphPools:
         return graphkit.GraphPools(be, saver=self.saver)
@@ -137,20 +141,22 @@ class GraphkitSleeper(Sleeper):
 
 
 class TmsSleeper(Sleeper):
-    """torch_memory_saver: weights with a CPU backup, the KV cache without; graphs stay in the engine's pool."""
+    """torch_memory_saver: weights with a CPU backup, the KV cache without (unless ``kv_backup``); graphs stay in
+    the engine's pool."""
 
     name = "tms"
 
-    def __init__(self, be: hal.Backend) -> None:
+    def __init__(self, be: hal.Backend, kv_backup: bool = False) -> None:
         from torch_memory_saver import torch_memory_saver as tms
 
         from graphkit.bench.sleep import _tms_in_process
 
         _tms_in_process(tms)
         self.tms = tms
+        self.backed_up = {"weights", "kv_cache"} if kv_backup else {"weights"}
 
     def region(self, part: str) -> AbstractContextManager[Any]:
-        return self.tms.region(tag=part, enable_cpu_backup=part == "weights")
+        return self.tms.region(tag=part, enable_cpu_backup=part in self.backed_up)
 
     def pause(self) -> None:
         self.tms.pause()
@@ -297,8 +303,11 @@ def _run_steps(be: hal.Backend, engine: Any, sleeper: Sleeper, steps: int, sizes
 
 def rl_loop(be: hal.Backend, impl: str = "graphkit", config: str = "tiny", steps: int = 2,
             sizes: Sequence[int] = (1, 2, 4, 8), max_model_len: int = 32, rollout_steps: int = 4,
-            seed: int = 0) -> dict[str, Any]:
-    """Capture, then ``steps`` rounds of rollout, pause, train, wake with new weights, check; the figures."""
+            seed: int = 0, kv_backup: bool = False) -> dict[str, Any]:
+    """Capture, then ``steps`` rounds of rollout, pause, train, wake with new weights, check; the figures.
+
+    :param kv_backup: back the KV cache up too (its pause copies it to the host, its wake copies it back).
+    """
     if impl not in IMPLS:
         raise hal.InvalidArgumentError(f"impl={impl!r} must be one of {', '.join(IMPLS)}", backend=be.name,
                                        call="rl_loop")
@@ -310,7 +319,7 @@ def rl_loop(be: hal.Backend, impl: str = "graphkit", config: str = "tiny", steps
         raise hal.InvalidArgumentError(f"steps={steps!r} must be an int >= 1", backend=be.name, call="rl_loop")
     module = load_engine_module()
     base = _used(be)
-    sleeper: Sleeper = GraphkitSleeper(be) if impl == "graphkit" else TmsSleeper(be)
+    sleeper: Sleeper = GraphkitSleeper(be, kv_backup) if impl == "graphkit" else TmsSleeper(be, kv_backup)
     pools = sleeper.pools(be)
     engine = module.Engine(be, config, max_batch=max(sizes), max_model_len=max_model_len, seed=seed, pools=pools,
                            memory=sleeper.region)
@@ -323,7 +332,7 @@ def rl_loop(be: hal.Backend, impl: str = "graphkit", config: str = "tiny", steps
         del engine  # the regions' memory goes with the engine's tensors, before the saver closes
         gc.collect()
         sleeper.close()
-    return summarise(impl, be, config, awake, rows)
+    return {**summarise(impl, be, config, awake, rows), "kv_backup": kv_backup}
 
 
 def summarise(impl: str, be: hal.Backend, config: str, awake: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -366,8 +375,10 @@ def combine(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "released_bytes": max(r["released_bytes"] for r in runs),
             "asleep_bytes": max(r["asleep_bytes"] for r in runs),
             "trainer_peak_bytes": max(r["trainer_peak_bytes"] for r in runs),
-            "all_exact": all(r["all_exact"] for r in runs),
+            "all_exact": all(r["all_exact"] for r in runs), "kv_backup": runs[0].get("kv_backup", False),
         })
+        first, steady = out[-1]["first_pause"]["median"], out[-1]["steady_pause"]["median"]
+        out[-1]["first_over_steady_pause"] = first / steady if first is not None and steady else None
     return out
 
 
@@ -384,6 +395,12 @@ def print_report(summary: list[dict[str, Any]], skipped: dict[str, str]) -> None
               + f"{r['load_weights']['median'] * 1e3:>10.2f}{fmt_bytes(r['released_bytes']):>11}"
               f"{fmt_bytes(r['asleep_bytes']):>10}{fmt_bytes(r['trainer_peak_bytes']):>14}  "
               f"{'yes' if r['all_exact'] else 'NO'}")
+    for r in summary:
+        ratio = r.get("first_over_steady_pause")
+        if ratio is not None:
+            print(f"{r['impl']}: first pause / steady pause {ratio:.2f} (target <= {FIRST_PAUSE_RATIO}: "
+                  f"{'met' if ratio <= FIRST_PAUSE_RATIO else 'MISS'}); KV cache backed up: "
+                  f"{'yes' if r['kv_backup'] else 'no'}")
     for impl, why in skipped.items():
         print(f"{impl}: skipped ({why})")
 
@@ -422,6 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1,
                         help="processes per implementation, the implementations alternating (the one that goes "
                              "first rotates every round); with more than one, every run is a fresh process")
+    parser.add_argument("--kv-backup", action="store_true",
+                        help="back the KV cache up too (by default only the weights are)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -446,11 +465,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.child and (len(impls) > 1 or args.rounds > 1):  # fresh processes: no one-time cost
                 child = ["--backend", be.name, "--config", options["config"], "--steps", str(args.steps),
                          "--sizes", ",".join(map(str, options["sizes"])), "--max-model-len",
-                         str(options["max_model_len"])]
+                         str(options["max_model_len"]), *(["--kv-backup"] if args.kv_backup else [])]
                 be.close()
                 results = [_in_fresh_process(child, impl) for impl, _, _ in interleaved(impls, [None], args.rounds)]
             else:
-                results = [rl_loop(be, impl, steps=args.steps, **options) for impl in impls]
+                results = [rl_loop(be, impl, steps=args.steps, kv_backup=args.kv_backup, **options) for impl in impls]
     except hal.HalError as exc:
         print(f"error: {exc}")
         return 2

@@ -23,6 +23,8 @@ import torch
 
 import graphkit
 import hal
+from graphkit._phases import CAPTURE_TIMES, PartTimes
+from graphkit.bench.engines import PARTS
 from graphkit.bench.timing import median_ms
 from graphkit.capture import release_cached_memory
 
@@ -150,7 +152,7 @@ def run_engine_case(strategy: str, order: str, sizes: list[int], backend: hal.Ba
         before = _used(be)
         t0 = time.perf_counter()
         scope = graphkit.graph_memory(be) if strategy == "graph_memory" else contextlib.nullcontext(pools)
-        with scope as pools:
+        with scope as pools, CAPTURE_TIMES.counting() as parts:
             if order == "on-demand":
                 seconds = _capture_on_demand(engine, sizes, batch, seed)
             else:
@@ -171,7 +173,7 @@ def run_engine_case(strategy: str, order: str, sizes: list[int], backend: hal.Ba
             "graph_memory_bytes": memory, "chunk_bytes": chunk_bytes, "capture_seconds": seconds,
             "map_calls": report.map_calls if report is not None else None,
             "map_seconds": report.map_seconds if report is not None else None,
-            **verify_figures(report),
+            **verify_figures(report), **graphkit_share(parts, report, seconds),
             "capture_wall_seconds": wall, "replay_ms": replay_ms, "eager_ms": eager_ms,
             "replay_ms_1": replay_ms["1"], "replay_ms_max": replay_ms[str(max(sizes))],
             "max_abs_error": error, "tokens_equal": tokens_equal}
@@ -183,6 +185,19 @@ def verify_figures(report: graphkit.PoolsReport | None) -> dict[str, Any]:
         return {"verified_graphs": None, "inspected_nodes": None, "missed_nodes": None, "verify_seconds": None}
     return {"verified_graphs": report.verified_graphs, "inspected_nodes": report.inspected_nodes,
             "missed_nodes": report.missed_nodes, "verify_seconds": report.verify_seconds}
+
+
+def graphkit_share(parts: PartTimes, report: graphkit.PoolsReport | None, capture_seconds: float) -> dict[str, Any]:
+    """graphkit's parts of the capture time: seconds of routing (its own, verification left out), setting up
+    spaces, mapping chunks and verifying, and their sum as a share of the capture time."""
+    seconds = dict(parts.seconds)
+    verify = (report.verify_seconds or 0.0) if report is not None else 0.0
+    if "routing" in seconds:  # graph_memory's router verifies inside its end of capture
+        seconds["routing"] = max(seconds["routing"] - verify, 0.0)
+    seconds["verify"] = verify
+    total = sum(seconds.values())
+    return {"graphkit_seconds": {part: seconds.get(part, 0.0) for part in PARTS}, "graphkit_total_seconds": total,
+            "graphkit_share": total / capture_seconds if capture_seconds else None}
 
 
 def _teardown(be: hal.Backend, engine: Any, pools: graphkit.GraphPools | None) -> list[BaseException]:
@@ -200,5 +215,5 @@ def _teardown(be: hal.Backend, engine: Any, pools: graphkit.GraphPools | None) -
     return errors
 
 
-__all__ = ["ENGINE_ORDERS", "ENGINE_STRATEGIES", "engine_path", "load_engine_module", "run_engine_case",
-           "verify_figures"]
+__all__ = ["ENGINE_ORDERS", "ENGINE_STRATEGIES", "engine_path", "graphkit_share", "load_engine_module",
+           "run_engine_case", "verify_figures"]

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import hal
-from graphkit.bench.fair import fmt_spread, interleaved, spread
+from graphkit.bench.fair import fmt_spread, interleaved, judge_ratio, spread
 from hal.types import fmt_bytes
 
 log = logging.getLogger("graphkit.bench")
@@ -42,6 +42,8 @@ GRAPHKIT = ("graph_memory", "graph_pools")
 BASELINE = ("own-weakref", "descending")
 CAPTURE_TIME_LIMIT = 1.1
 ENGINE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
+#: graphkit's parts of capture time, as the bench reports them
+PARTS = ("routing", "spaces", "maps", "verify")
 
 
 def case_runner(workload: str) -> Callable[..., dict]:
@@ -110,6 +112,9 @@ def summarise(results: list[dict]) -> list[dict]:
             "missed_nodes": median_of(runs, "missed_nodes"),
             "replay_ms_1": median_of(runs, "replay_ms_1"),
             "replay_ms_max": median_of(runs, "replay_ms_max"),
+            "graphkit_seconds": {part: median_of([{"v": r["graphkit_seconds"][part]} for r in runs
+                                                  if r.get("graphkit_seconds")], "v") for part in PARTS},
+            "graphkit_share": median_of(runs, "graphkit_share"),
             "max_abs_error": max((r.get("max_abs_error") or 0.0) for r in runs),
             "correct": all(r.get("ok", r.get("tokens_equal", True)) for r in runs),
             "spread": {key: spread(r.get(key) for r in runs) for key in SPREAD_KEYS},
@@ -117,8 +122,19 @@ def summarise(results: list[dict]) -> list[dict]:
     return rows
 
 
-def check_targets(rows: list[dict]) -> list[dict]:
-    """Each target: met, or the measured gap."""
+def capture_ratios(results: list[dict], strategy: str, order: str) -> list[float]:
+    """``strategy``'s capture time over the engine's own pool's (``own-kept``), run by run: the runs pair up, the
+    cases of one run having gone side by side."""
+    def by_run(name: str) -> dict[int, float]:
+        return {r.get("run", i): r["capture_seconds"] for i, r in enumerate(x for x in results
+                if (x["strategy"], x["order"]) == (name, order)) if r.get("capture_seconds")}
+    ours, own = by_run(strategy), by_run("own-kept")
+    return [ours[i] / own[i] for i in sorted(ours.keys() & own.keys())]
+
+
+def check_targets(rows: list[dict], results: list[dict] | None = None) -> list[dict]:
+    """Each target: met, or the measured gap; the capture time is judged run by run (:func:`capture_ratios`):
+    met or missed only where the interval of the median ratio is clear of the limit, else not judged."""
     by = {(r["strategy"], r["order"]): r for r in rows}
     base = by.get(BASELINE)
     targets = []
@@ -134,10 +150,12 @@ def check_targets(rows: list[dict]) -> list[dict]:
         for strategy in GRAPHKIT:
             row = by.get((strategy, order))
             if own and row and own["capture_seconds"]:
-                ratio = row["capture_seconds"] / own["capture_seconds"]
+                ratios = capture_ratios(results or [], strategy, order)
+                met, why = judge_ratio(ratios, CAPTURE_TIME_LIMIT)
+                ratio = statistics.median(ratios) if ratios else row["capture_seconds"] / own["capture_seconds"]
                 targets.append({"target": f"{strategy} {order}: capture time <= {CAPTURE_TIME_LIMIT}x own pool",
-                                "measured": round(ratio, 3), "limit": CAPTURE_TIME_LIMIT,
-                                "met": ratio <= CAPTURE_TIME_LIMIT})
+                                "measured": round(ratio, 3), "limit": CAPTURE_TIME_LIMIT, "met": met,
+                                "detail": f"{len(ratios)} paired run(s); {why}"})
     return targets
 
 
@@ -164,6 +182,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def share_table(rows: list[dict]) -> str:
+    """graphkit's parts of each case's capture time (medians over the runs, milliseconds) and their share."""
+    lines = [("graphkit's share of capture time (medians, ms): routing = graph_memory's router less verification; "
+             "spaces = a new space and its pool; maps = chunks mapped (into new spaces and as captures grow)"),
+             f"{'strategy':<14}{'order':<12}{'capture ms':>11}" + "".join(f"{p:>10}" for p in PARTS) + f"{'share':>8}"]
+    for r in rows:
+        parts = r.get("graphkit_seconds") or {}
+        cells = "".join(f"{parts[p] * 1e3:>10.1f}" if parts.get(p) is not None else f"{'-':>10}" for p in PARTS)
+        share = f"{r['graphkit_share'] * 100:.1f}%" if r.get("graphkit_share") is not None else "-"
+        lines.append(f"{r['strategy']:<14}{r['order']:<12}{r['capture_seconds'] * 1e3:>11.1f}{cells}{share:>8}")
+    return "\n".join(lines)
+
+
 def run_engine_bench(workload: str, config: str, sizes: list[int], strategies: list[str], orders: list[str],
                      runs: int, backend: str | None, device: int, seed: int, iters: int, isolate: bool,
                      out_dir: Path, command: str, progress: bool = True) -> int:
@@ -180,16 +211,20 @@ def run_engine_bench(workload: str, config: str, sizes: list[int], strategies: l
     for strategy, order, i in tqdm(cases, desc=f"bench {workload}", unit="case", disable=not progress):
         args = [workload, strategy, order, ",".join(map(str, sizes)), backend or "", str(device), config,
                 str(seed + i), str(iters)]
-        results.append(run_isolated(args) if isolate else
-                       run_one(workload, strategy, order, sizes, backend, device, config, seed + i, iters))
+        results.append({**(run_isolated(args) if isolate else
+                           run_one(workload, strategy, order, sizes, backend, device, config, seed + i, iters)),
+                        "run": i})
         path.write_text(json.dumps({**out, "partial": True}, indent=1))  # an interrupted run keeps its cases
     rows = summarise(results)
-    targets = check_targets(rows)
+    targets = check_targets(rows, results)
     out.update(summary=rows, targets=targets)
     path.write_text(json.dumps(out, indent=1))
     print(table(rows))
+    print(share_table(rows))
     for t in targets:
-        print(f"  {'met ' if t['met'] else 'MISS'}  {t['target']}: {t['measured']} (limit {t['limit']})")
+        state = {True: "met ", False: "MISS", None: "not judged"}[t["met"]]
+        print(f"  {state}  {t['target']}: {t['measured']} (limit {t['limit']})"
+              + (f" -- {t['detail']}" if t.get("detail") else ""))
     print(f"wrote {path}")
     return 0 if all(r["correct"] for r in rows) else 1
 

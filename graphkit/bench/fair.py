@@ -11,6 +11,7 @@ minimum and maximum.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
@@ -52,3 +53,45 @@ def fmt_spread(s: dict[str, Any], scale: float = 1.0, digits: int = 3) -> str:
     if s["n"] == 1 or s["min"] == s["max"]:
         return f"{s['median'] * scale:.{digits}f}"
     return f"{s['median'] * scale:.{digits}f} ({s['min'] * scale:.{digits}f}-{s['max'] * scale:.{digits}f})"
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free confidence interval of the median of ``values``: two of their order statistics.
+
+    The ``k``-th smallest and the ``k``-th largest, with ``k`` the largest index
+    for which a median outside them has probability at most ``1 - confidence``
+    (the binomial law of how many values fall below the median). None when
+    there are too few values for any interval at that confidence (5 or fewer
+    at 95%).
+    """
+    ordered = sorted(values)
+    n = len(ordered)
+    alpha = (1 - confidence) / 2
+    k, below = 0, 0.0
+    while k < n // 2:
+        below += math.comb(n, k) / 2 ** n  # P(fewer than k + 1 values below the median)
+        if below > alpha:
+            break
+        k += 1
+    if k == 0:
+        return None
+    return ordered[k - 1], ordered[n - k]
+
+
+def judge_ratio(ratios: Sequence[float], limit: float, confidence: float = 0.95) -> tuple[bool | None, str]:
+    """Whether ratios measured in turns stay at or under ``limit``: met, missed, or None when the noise cannot tell.
+
+    Met when the whole confidence interval of their median is at or under the
+    limit, missed when it is wholly above; None (not judged) when it straddles
+    the limit or there are too few ratios. The second value says why, in words.
+    """
+    interval = median_interval(ratios, confidence)
+    if interval is None:
+        return None, f"not judged: {len(ratios)} ratio(s) are too few for a {confidence:.0%} interval of the median"
+    low, high = interval
+    where = f"median {statistics.median(ratios):.3f}, {confidence:.0%} interval {low:.3f}-{high:.3f}"
+    if high <= limit:
+        return True, where
+    if low > limit:
+        return False, where
+    return None, f"not judged: {where} straddles {limit:g} (too noisy here to tell)"

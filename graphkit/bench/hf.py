@@ -53,7 +53,8 @@ import torch
 
 import graphkit
 import hal
-from graphkit.bench.engine_cases import verify_figures
+from graphkit._phases import CAPTURE_TIMES
+from graphkit.bench.engine_cases import graphkit_share, verify_figures
 from graphkit.bench.timing import median_ms
 from graphkit.capture import release_cached_memory, weak_alias
 from graphkit.runner import Order, ordered_sizes
@@ -417,7 +418,7 @@ def _run_case(be: hal.Backend, strategy: str, order: str, sizes: list[int], plan
         release_cached_memory(be)
         be.synchronize()
         before = be.mem_info().used
-        with scope:
+        with scope, CAPTURE_TIMES.counting() as parts:
             if order == "on-demand":
                 for n in arrivals(sizes, seed):
                     if n not in graphs:
@@ -436,6 +437,7 @@ def _run_case(be: hal.Backend, strategy: str, order: str, sizes: list[int], plan
                           map_calls=report.map_calls, map_seconds=report.map_seconds, **verify_figures(report))
         else:
             result["chunk_bytes"] = 0
+        result.update(graphkit_share(parts, pools.report() if pools is not None else None, capture_seconds))
         for n in sizes:
             check.add(serve(n), reference[n])
         replay_ms = {}

@@ -16,9 +16,12 @@ log = logging.getLogger("graphkit.bench")
 def summary_table(out: dict[str, Any]) -> str:
     """One row per strategy and order, then the targets."""
     m = out["machine"]
+    floor = (out.get("graph_floor") or {}).get("per_graph_bytes")
     lines = [(f"backend {m['backend']} ({m.get('device_name', m['processor'])}), torch {m['torch']}, "
               f"{len(out['sizes'])} sizes {out['sizes'][0]}..{out['sizes'][-1]}; "
-              f"largest size alone: {fmt_bytes(out['largest_alone_bytes'])}"),
+              f"largest size alone: {fmt_bytes(out['largest_alone_bytes'])}"
+              + (f"; the driver's memory per graph: {fmt_bytes(int(floor))} (no pool shares it)"
+                 if floor is not None else "")),
              "eager ms/step: " + ", ".join(f"batch {k}: {v:.3f}" for k, v in out["eager_ms"].items())]
     head = (f"{'strategy':<15} {'order':<11} {'graph memory':>13} {'chunks':>10} {'capture s':>10} {'verify':>7} "
             f"{'ms @1':>8} {'hand @1':>8} {'max rel err':>11}  ok")
@@ -68,6 +71,11 @@ def plot(out: dict[str, Any], path: Path) -> bool:
             ys = [y / 2**20 for y in r["memory_after_each_capture"]]
             ax.plot(range(1, len(ys) + 1), ys, marker=".", label=DESCRIPTIONS.get(r["strategy"], r["strategy"]))
         ax.axhline(out["largest_alone_bytes"] / 2**20, color="grey", linestyle=":", label="largest size alone")
+        floor = (out.get("graph_floor") or {}).get("per_graph_bytes")
+        if floor:  # the physical floor: the largest alone, plus the driver's memory of every further graph
+            n = len(out["sizes"])
+            ax.plot(range(1, n + 1), [(out["largest_alone_bytes"] + k * floor) / 2**20 for k in range(n)],
+                    color="grey", linestyle="--", label="largest alone + the driver's memory per graph")
         ax.set_title(f"capture order: {order}")
         ax.set_xlabel("number of captured sizes")
         ax.grid(alpha=0.3)

@@ -9,9 +9,11 @@ hand-written loop on the same graphs, and the error against eager.
 
 from __future__ import annotations
 
+import functools
 import logging
 import platform
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -27,13 +29,18 @@ from graphkit.bench.fair import interleaved
 from graphkit.bench.model import Decoder, DecoderConfig
 from graphkit.bench.strategies import COMPILE, ORDERS, STRATEGIES
 from graphkit.bench.targets import check_targets
-from graphkit.bench.timing import ms_per_call, rel_error
+from graphkit.bench.timing import interleaved_ms, ms_per_call, rel_error, round_ratios
 from graphkit.capture import release_cached_memory
 from graphkit.runner import Order
 
 log = logging.getLogger("graphkit.bench")
 
 REFERENCE_SIZES = [1, 2, 4, *range(8, 257, 8)]
+#: target 4: rounds of the runner and the hand-written loop in turns, and back-to-back calls of each per round
+HAND_LOOP_ROUNDS = 40
+HAND_LOOP_CALLS = 5
+#: rounds where the figures are only shown, not judged
+HAND_LOOP_FEW_ROUNDS = 6
 
 
 @dataclass
@@ -167,19 +174,46 @@ class Bench:
         if order == "descending" or strategy == "vmm" or len(self.cfg.orders) == 1:
             result["replay_ms"] = {str(n): ms_per_call(be, lambda n=n: runner(**self.inputs[n]), cfg.iters)
                                    for n in self.timing_batches}
-            result["hand_loop_ms_batch1"] = ms_per_call(be, self._hand_loop(runner, 1), cfg.iters)
+            # target 4 is judged on vmm's first order: enough rounds there (fewer for a short --iters), a few for
+            # the table elsewhere
+            judged = strategy == "vmm" and order == cfg.orders[0]
+            rounds = min(HAND_LOOP_ROUNDS, max(8 * cfg.iters, 6)) if judged else HAND_LOOP_FEW_ROUNDS
+            result.update(self.against_hand_loop(runner, rounds))
         runner.close()
         return result
 
-    def _hand_loop(self, runner: graphkit.GraphRunner, n: int) -> Callable[[], Any]:
-        """Copy inputs into the static buffers, ``graph.replay()``, slice: on the runner's own graph."""
+    def against_hand_loop(self, runner: graphkit.GraphRunner, rounds: int = 40) -> dict[str, Any]:
+        """The runner at batch 1 and the hand-written loop on the same graph, timed in turns (target 4).
+
+        ``runner_ms_batch1`` and ``hand_loop_ms_batch1`` are the medians of
+        the rounds; ``hand_loop_ratios`` the runner over the loop, round by round.
+        The same loop replaying through hal's ``Backend.replay`` instead of the
+        native call runs in the same turns: ``hal_loop_ratios`` (it over the
+        loop) is hal's share of the runner's cost, the rest is graphkit's.
+        """
+        inputs = self.inputs[1]
+        times = interleaved_ms(self.be, {"runner": lambda: runner(**inputs), "hand": self._hand_loop(runner, 1),
+                                         "hal": self._hand_loop(runner, 1, through_hal=True)},
+                               rounds=rounds, calls=HAND_LOOP_CALLS)
+        return {"runner_ms_batch1": statistics.median(times["runner"]),
+                "hand_loop_ms_batch1": statistics.median(times["hand"]),
+                "hal_loop_ms_batch1": statistics.median(times["hal"]),
+                "hand_loop_ratios": round_ratios(times, "runner", "hand"),
+                "hal_loop_ratios": round_ratios(times, "hal", "hand")}
+
+    def _hand_loop(self, runner: graphkit.GraphRunner, n: int, through_hal: bool = False) -> Callable[[], Any]:
+        """Copy inputs into the static buffers, ``graph.replay()``, slice: on the runner's own graph.
+
+        :param through_hal: replay with ``Backend.replay`` rather than the framework's own call.
+        """
         size = runner.bucket_for(n)
         assert size is not None and runner.inputs is not None  # n is a captured size
         bucket = runner._buckets[size]
         graph, out = bucket.graphs[0], bucket.outputs[0]
         buffers = [(runner.inputs.buffers[k], v) for k, v in self.inputs[n].items()]
         native = getattr(graph, "torch_graph", graph)  # cuda: the torch.cuda.CUDAGraph itself
-        replay = native.replay if hasattr(native, "replay") else (lambda: self.be.replay(graph))
+        replay = (native.replay if hasattr(native, "replay") and not through_hal
+                  else functools.partial(self.be.replay, graph))
 
         def step() -> Any:
             for buf, value in buffers:
@@ -197,6 +231,32 @@ class Bench:
         memory = runner.graph_bytes()
         runner.close()
         return memory
+
+    def run_graph_floor(self) -> dict[str, Any]:
+        """The device memory the driver keeps per instantiated graph, which no pool can share.
+
+        Every size captured into one plain pool of the framework (largest
+        first, outputs weakly referenced: the pool's memory is the largest
+        size's), the device's used-memory growth less the growth of what the
+        framework's allocator holds, per graph. Where the device is the host
+        (``fake``) graphs keep no device memory of their own: 0.
+        """
+        be, n = self.be, len(self.cfg.sizes)
+        module: Any = getattr(torch, self.device.type, None)
+        if self.device.type == "cpu" or not hasattr(module, "memory_reserved"):
+            return {"graphs": n, "per_graph_bytes": 0, "driver_bytes": 0, "pool_bytes": None,
+                    "how": "the device is the host: graphs keep no device memory of their own"}
+        release_cached_memory(be)
+        be.synchronize()
+        used0, reserved0 = be.mem_info().used, module.memory_reserved(self.device)
+        runner = graphkit.GraphRunner(self.model.step, self.cfg.sizes, backend=be, fill=self.model.padding(),
+                                      progress=False, kind="shared", keep_outputs="weak", outputs="view")
+        runner.capture(self.inputs[max(self.cfg.sizes)])
+        be.synchronize()
+        used, pool = be.mem_info().used - used0, module.memory_reserved(self.device) - reserved0
+        runner.close()
+        return {"graphs": n, "per_graph_bytes": (used - pool) / n, "driver_bytes": used - pool, "pool_bytes": pool,
+                "how": "every size captured into one plain pool; device growth less the framework's pool, per graph"}
 
     def run_compile(self) -> dict[str, Any]:
         """torch.compile(mode="reduce-overhead") on the same step, within a time budget."""
@@ -235,8 +295,13 @@ class Bench:
 
     # -- the whole run -------------------------------------------------------------------
 
-    def run(self, strategies: list[str] | None = None, largest_alone: bool = True) -> dict[str, Any]:
-        """Run the strategies (default: all of the config) in this process; return the figures."""
+    def run(self, strategies: list[str] | None = None, largest_alone: bool = True,
+            floor: bool = True) -> dict[str, Any]:
+        """Run the strategies (default: all of the config) in this process; return the figures.
+
+        :param floor: measure the driver's memory per graph (:meth:`run_graph_floor`) first, before any graph of
+            this process was destroyed (the driver keeps the memory of destroyed graphs for reuse).
+        """
         cfg = self.cfg
         strategies = cfg.strategies if strategies is None else strategies
         for n in self.check_batches():
@@ -248,6 +313,7 @@ class Bench:
         plan = [(s, o) for s, o, _ in interleaved([s for s in strategies if s in STRATEGIES], cfg.orders, 1)]
         results = []
         alone = None
+        graph_floor = self.run_graph_floor() if floor else None
         with tqdm(total=len(plan) + largest_alone, desc="bench", unit="run", disable=not cfg.progress) as bar:
             if largest_alone:
                 bar.set_postfix(run="largest alone")
@@ -271,6 +337,7 @@ class Bench:
                          "kv_cache_bytes": 2 * self.model.k_cache.numel() * self.model.k_cache.element_size()},
             "sizes": cfg.sizes,
             "largest_alone_bytes": alone,
+            "graph_floor": graph_floor,
             "eager_ms": eager_ms,
             "results": results,
             "left_out": left_out,
@@ -300,6 +367,8 @@ def merge_parts(parts: list[dict[str, Any]], command: str) -> dict[str, Any]:
         out["left_out"].update(part["left_out"])
         if part["largest_alone_bytes"] is not None:
             out["largest_alone_bytes"] = part["largest_alone_bytes"]
+        if part.get("graph_floor") is not None:
+            out["graph_floor"] = part["graph_floor"]
     out["isolated_processes"] = True
     out["targets"] = check_targets(out, out["machine"]["granularity"],
                                    reference_gpu=out["machine"].get("device_name") is not None)
