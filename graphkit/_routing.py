@@ -193,10 +193,10 @@ class CaptureRouting:
                     self._gone(entry)
                     return
                 try:
+                    if self.hygiene:  # what the capture left, before the check notes what the key holds
+                        self._report_new_blocks(entry, before)
                     if check is not None:
                         check.accepted(graph)
-                    if self.hygiene:
-                        self._report_new_blocks(entry, before)
                 except BaseException:  # refused: the backend releases the graph, never to report it again
                     self._gone(entry)
                     raise

@@ -86,24 +86,33 @@ def test_torch_cuda_graph_takes_a_pool_handle(be: hal.Backend, order: str) -> No
 
 def test_two_threads_capture_into_handles_made_up_front(be: hal.Backend) -> None:
     """Handles made first; thread A's capture goes on while thread B captures into another key (each on its
-    own stream, thread_local capture mode): neither runs out of room, both replay right."""
+    own stream, thread_local capture mode): neither runs out of room, both replay right.
+
+    Through ``capture_begin``/``capture_end``, as a capture from worker threads must be: ``torch.cuda.graph``
+    empties the allocator's cache on entry, which torch refuses (an internal assert) while another thread
+    captures."""
     step = make_step()
     a_started, b_done = threading.Event(), threading.Event()
     done: dict = {}
     with graphkit.GraphPools(be) as pools:
         handles = {n: pools.pool(n) for n in (64, 256)}
         for n in handles:
-            pools.warm_up(step, torch.zeros(n, 1024, device="cuda"))
+            step(torch.zeros(n, 1024, device="cuda"))  # the engine's warm-up
+        torch.cuda.synchronize()
 
         def capture(n: int, between) -> None:
             x = torch.zeros(n, 1024, device="cuda")
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph, pool=handles[n], stream=torch.cuda.Stream(),
-                                      capture_error_mode="thread_local"):
-                    h = step(x)
-                    between()
-                    out = step(h)
+                with torch.cuda.stream(torch.cuda.Stream()):
+                    graph.capture_begin(handles[n], capture_error_mode="thread_local")
+                    try:
+                        h = step(x)
+                        between()
+                        out = step(h)
+                    finally:
+                        graph.capture_end()
+                torch.cuda.synchronize()
                 done[n] = (graph, x, out)
             except BaseException as exc:  # noqa: BLE001 - checked below
                 done[n] = exc
