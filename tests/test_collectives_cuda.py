@@ -75,4 +75,7 @@ def test_collectives_replay_over_aliased_and_reused_graph_memory(graph_register:
     reuse = [f["reuse"] for facts in found["ranks"] for f in facts if "reuse" in f]
     assert reuse and all(x["over_released"] for x in reuse), reuse  # the case took released address ranges
     assert all(("NCCL_GRAPH_REGISTER=0" in r.output) == (graph_register == "1") for r in results)  # the sleep's warning
-    assert found["nccl_reg"]["registered"] == 0, found  # chunks without a shareable handle type: NCCL declines them
+    if "0" in (graph_register, cumem):  # either off: NCCL registers no graph buffer of graphkit's
+        assert found["nccl_reg"]["registered"] == 0, found
+    # both on (NCCL's defaults): NCCL 2.28.9 registered graphkit's buffers on 2 H100s, and the replays above were
+    # still right after aliasing and after address reuse; what it did is in the saved findings

@@ -132,7 +132,7 @@ SHARE_SCRIPT = textwrap.dedent('''
         graph.replay(); torch.cuda.synchronize()
         with pools.allocator.export(out.data_ptr(), out.nbytes) as exported:
             print("exported", exported.layout(), flush=True)
-            assert len(exported.fds) >= 3 and exported.offset, exported.layout()  # across chunks, from inside one
+            assert len(exported.fds) >= 3, exported.layout()  # across chunks
             send_range(sock, exported)
         sock.sendall(str(checksum(out)).encode().ljust(32))
         assert receive(7) == b"written"

@@ -83,6 +83,24 @@ class Tokenizer:
         return " ".join(map(str, ids))
 
 
+def _wait_for_ranks(out: str, ranks: int, field: str, timeout: float = 60.0) -> None:
+    """Wait until every rank's file has ``field`` (rank 0 returns from a call before the others are done)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = 0
+        for rank in range(ranks):
+            try:
+                with open(os.path.join(out, f"rank{rank}.json")) as f:
+                    found += field in json.load(f)
+            except (OSError, ValueError):
+                pass
+        if found == ranks:
+            return
+        time.sleep(0.2)
+
+
 def start(args: argparse.Namespace) -> dict:
     import torch
     from nanovllm import LLM, SamplingParams
@@ -102,6 +120,7 @@ def start(args: argparse.Namespace) -> dict:
     if args.largest_alone or args.measure_only:
         return result
     result["check_worst"] = llm.model_runner.call("harness_check", 1234)
+    _wait_for_ranks(args.out, args.tp, "check_relative_error")  # the other ranks may still be writing theirs
     if args.tp == 1:
         prompts = [[int(t) for t in torch.randint(0, 151936, (n,))] for n in (5, 17, 33, 64)]
         outputs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True),
