@@ -228,6 +228,11 @@ class FaultInjector:
         with self._lock:
             self._rules.clear()
 
+    def armed(self, hook: str) -> bool:
+        """Whether a rule for ``hook`` has yet to fire (read without the lock: a rule being added races the call
+        it was added for anyway)."""
+        return any(r.hook == hook and not r.fired for r in self._rules)
+
     @property
     def pending(self) -> int:
         with self._lock:

@@ -296,3 +296,30 @@ def test_the_facade_refuses_what_a_backend_would_replay() -> None:
         assert torch.equal(y, torch.full((64,), 2.0)) and torch.equal(z, torch.full((64,), 3.0))
         be.release_graph(kept)
         del y, z
+
+
+def test_replay_takes_the_direct_path_only_while_nothing_else_would_see_the_call(be: hal.Backend) -> None:
+    """Replay skips pluggy's dispatch (a hot path) only where no fault is armed and no other plugin hooks it."""
+    x = torch.ones(8)
+    graph = be.create_graph()
+    with be.capture(graph):
+        y = x * 2
+    be.faults.fail("replay")  # an armed fault still fires
+    with pytest.raises(hal.DriverError, match="injected"):
+        be.replay(graph)
+    seen: list[str] = []
+
+    class Watcher:
+        @hal.hookimpl(wrapper=True)
+        def replay(self, graph):
+            seen.append("replay")
+            return (yield)
+
+    be._pm.register(Watcher(), name="watcher")  # a plugin that hooks replay still sees it
+    be.replay(graph)
+    assert seen == ["replay"]
+    be._pm.unregister(name="watcher")
+    be.replay(graph)
+    assert seen == ["replay"] and torch.equal(y, x * 2)
+    be.release_graph(graph)
+    del y
