@@ -45,8 +45,8 @@ from typing import Any
 
 import hal
 from _graphkit_startup import ENV, OFF, ON
-from graphkit.graph_pools import GraphPools
-from graphkit.pools import POOL_KINDS
+from graphkit.graphs.pools import GraphPools
+from graphkit.graphs.strategies import POOL_KINDS
 from hal.process_routing import patch_imported
 from hal.types import Route
 

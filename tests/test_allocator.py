@@ -280,9 +280,9 @@ def test_bad_sizes_and_alignments_are_hal_errors(be: hal.Backend, value: object)
 
 
 def test_the_space_and_arena_classes_still_import_from_the_allocator_module() -> None:
-    from graphkit._arenas import Arena, VirtualSpace
-    from graphkit.allocator import Arena as OldArena
-    from graphkit.allocator import VirtualSpace as OldVirtualSpace
+    from graphkit.memory.allocator import Arena as OldArena
+    from graphkit.memory.allocator import VirtualSpace as OldVirtualSpace
+    from graphkit.memory.ranges import Arena, VirtualSpace
 
     assert OldArena is Arena and OldVirtualSpace is VirtualSpace
 

@@ -158,7 +158,7 @@ def test_graphkits_parts_of_capture_time_are_counted_only_when_asked_and_never_t
     import torch
 
     import graphkit
-    from graphkit._phases import CAPTURE_TIMES
+    from graphkit.memory.phases import CAPTURE_TIMES
 
     w = torch.randn(64, 64)
 

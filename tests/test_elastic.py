@@ -336,7 +336,7 @@ def _reservation_with_a_dropped_buffer(be: hal.Backend) -> graphkit.ElasticReser
 
 def test_a_dropped_buffer_gives_its_memory_back_with_a_warning(be: hal.Backend,
                                                                caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="graphkit.elastic"):
+    with caplog.at_level(logging.WARNING, logger="graphkit.memory.elastic"):
         pool = _reservation_with_a_dropped_buffer(be)
     assert "garbage-collected without close()" in caplog.text
     again = pool.buffer(16 * G)  # the dropped range is back in the reservation
@@ -402,53 +402,15 @@ def test_views_made_in_a_loop_do_not_pile_up(be: hal.Backend) -> None:
     kv.close()
 
 
-# -- deprecated spellings -------------------------------------------------------------------------------------
-
-
-def test_pool_is_the_deprecated_spelling_of_reservation(be: hal.Backend) -> None:
-    res = graphkit.ElasticReservation(be, reserve_bytes=8 * G)
-    with pytest.warns(DeprecationWarning, match=r"ElasticBuffer\(pool=\) is deprecated; use reservation=") as w:
-        buf = graphkit.ElasticBuffer(be, max_bytes=8 * G, pool=res)
-    assert w[0].filename == __file__  # the warning points at the caller
-    assert buf.reservation is res
-    with pytest.warns(DeprecationWarning, match=r"ElasticBuffer\.pool is deprecated; use reservation") as w:
-        assert buf.pool is res
-    assert w[0].filename == __file__
-    buf.resize(2 * G)
-    buf.close()
-    res.buffer(8 * G).close()  # the range went back to the reservation it was carved from
-    res.close()
-    assert be.live.zero, be.live
-
-
-def test_reservation_and_its_deprecated_spelling_together_are_refused(be: hal.Backend) -> None:
-    with graphkit.ElasticReservation(be, reserve_bytes=8 * G) as res:
-        before = be.live
-        with pytest.warns(DeprecationWarning), pytest.raises(hal.InvalidArgumentError, match="pass one of them"):
-            graphkit.ElasticBuffer(be, max_bytes=G, reservation=res, pool=res)
-        assert be.live == before
-    assert be.live.zero
-
-
 def test_a_bad_reservation_is_named_as_the_caller_spelled_it(be: hal.Backend) -> None:
     with pytest.raises(hal.InvalidArgumentError, match=r"reservation=<object .* must be an ElasticReservation"):
         graphkit.ElasticBuffer(be, max_bytes=G, reservation=object())  # type: ignore[arg-type]
-    with pytest.warns(DeprecationWarning), \
-            pytest.raises(hal.InvalidArgumentError, match=r"pool=<object .* must be an ElasticReservation"):
-        graphkit.ElasticBuffer(be, max_bytes=G, pool=object())  # type: ignore[arg-type]
     other = hal.get_backend("fake", granularity=G)
     with graphkit.ElasticReservation(other, reserve_bytes=4 * G) as res, \
             pytest.raises(hal.InvalidArgumentError, match="reservation= belongs to another backend"):
         graphkit.ElasticBuffer(be, max_bytes=G, reservation=res)
     other.close()
     assert be.live.zero
-
-
-def test_physical_bytes_is_the_deprecated_spelling_of_mapped_bytes(be: hal.Backend) -> None:
-    with graphkit.ElasticBuffer(be, max_bytes=4 * G) as buf:
-        buf.resize(2 * G)
-        with pytest.warns(DeprecationWarning, match=r"ElasticBuffer\.physical_bytes is deprecated; use mapped_bytes"):
-            assert buf.physical_bytes == buf.mapped_bytes == 2 * G
 
 
 # -- what a failed rollback leaves, finished later -------------------------------------------------------------
@@ -499,7 +461,7 @@ def test_a_dropped_buffer_that_will_not_unmap_is_given_back_at_a_later_call(be: 
                                                                             caplog: pytest.LogCaptureFixture) -> None:
     res = _reservation_with_a_dropped_buffer(be)
     be.faults.fail("unmap", nth=1)
-    with caplog.at_level(logging.ERROR, logger="graphkit.elastic"):
+    with caplog.at_level(logging.ERROR, logger="graphkit.memory.elastic"):
         res.precreate(0)  # a safe point: the dropped range is tried, and one unmap fails
     assert "would not unmap" in caplog.text and be.live.mappings == 1  # kept for the next safe point
     res.buffer(16 * G).close()  # that call gives the rest back first: the whole reservation is free again

@@ -25,7 +25,7 @@ import graphkit
 import hal
 from graphkit.bench.fakereplay import SmallOpModel
 from graphkit.bench.model import Decoder, DecoderConfig
-from graphkit.capture import weak_alias
+from graphkit.graphs.capture import weak_alias
 from tests import op_families
 
 

@@ -316,7 +316,7 @@ def test_misuse_is_loud(be: hal.Backend, caplog: pytest.LogCaptureFixture) -> No
         cache.setdefault("table", torch.ones(512, 64))  # born inside the capture and kept
         return x * 2 + cache["table"][: x.shape[0], :1]
 
-    with caplog.at_level(logging.INFO, logger="graphkit.graph_pools"):
+    with caplog.at_level(logging.INFO, logger="graphkit.graphs.pools"):
         with graphkit.graph_memory(pools=pools):
             with pools.group("k"):
                 graph, out = capture(be, step, torch.zeros(4, 1))
@@ -356,7 +356,7 @@ def test_shared_fallback_where_custom_pools_are_absent(caplog: pytest.LogCapture
     from tests.test_runner import NoCustomPool
 
     be = hal.Backend("nocustompool", NoCustomPool(granularity=G))
-    with caplog.at_level(logging.WARNING, logger="graphkit.graph_pools"):
+    with caplog.at_level(logging.WARNING, logger="graphkit.graphs.pools"):
         pools = graphkit.GraphPools(be)
     assert pools.kind == "shared" and "custom_pool" in caplog.text
     assert "GraphPools falls back to one shared pool" in caplog.text  # the warning the runner gives, too
@@ -516,14 +516,14 @@ def test_torch_npu_captures_are_routed_through_the_ascend_glue(monkeypatch: pyte
 
 
 def test_the_reports_live_in_graphkit_report_and_keep_their_old_import_path() -> None:
-    import graphkit.graph_pools
-    import graphkit.report
+    import graphkit.graphs.pools
+    import graphkit.graphs.report
 
     for name in ("KeyReport", "PoolsReport", "RunnerReport", "SizeReport"):
-        cls = getattr(graphkit.report, name)
-        assert cls.__module__ == "graphkit.report" and getattr(graphkit, name) is cls
-    assert graphkit.graph_pools.KeyReport is graphkit.report.KeyReport
-    assert graphkit.graph_pools.PoolsReport is graphkit.report.PoolsReport
+        cls = getattr(graphkit.graphs.report, name)
+        assert cls.__module__ == "graphkit.graphs.report" and getattr(graphkit, name) is cls
+    assert graphkit.graphs.pools.KeyReport is graphkit.graphs.report.KeyReport
+    assert graphkit.graphs.pools.PoolsReport is graphkit.graphs.report.PoolsReport
 
 
 def test_private_kind_gives_every_key_a_pool_of_its_own(be: hal.Backend) -> None:
@@ -553,12 +553,12 @@ def test_private_kind_gives_every_key_a_pool_of_its_own(be: hal.Backend) -> None
 
 def test_a_vmm_strategy_collects_garbage_only_for_a_space_a_block_still_holds(
         be: hal.Backend, monkeypatch: pytest.MonkeyPatch) -> None:
-    import graphkit.pools
+    import graphkit.graphs.strategies
 
     collections: list[int] = []
     collect = gc.collect
-    monkeypatch.setattr(graphkit.pools.gc, "collect", lambda *a: collections.append(1) or collect(*a))
-    strategy = graphkit.pools.VmmPools(be, park_live=False)
+    monkeypatch.setattr(graphkit.graphs.strategies.gc, "collect", lambda *a: collections.append(1) or collect(*a))
+    strategy = graphkit.graphs.strategies.VmmPools(be, park_live=False)
     idle, held = strategy.lease(), strategy.lease()
     with be.use_pool(held.pool):
         kept = torch.ones(G // 4)  # a block of the held space, alive after its pool is given back
@@ -664,7 +664,7 @@ def test_bad_arguments_are_refused_before_anything_is_made(name: str) -> None:
 def test_routed_graphs_released_while_their_outputs_live_cost_no_collection_each(
         be: hal.Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every capture and graph release is a safe point: a full collection at each made 2,000 captures take minutes."""
-    import graphkit.pools
+    import graphkit.graphs.strategies
 
     collections: list[int] = []
     collect = gc.collect
@@ -676,7 +676,7 @@ def test_routed_graphs_released_while_their_outputs_live_cost_no_collection_each
             with be.capture(graph):
                 out = x * 2
             graphs.append((graph, out))
-    monkeypatch.setattr(graphkit.pools.gc, "collect", lambda *a: collections.append(1) or collect(*a))
+    monkeypatch.setattr(graphkit.graphs.strategies.gc, "collect", lambda *a: collections.append(1) or collect(*a))
     for graph, _ in graphs:
         be.release_graph(graph)  # its output still holds a block of its space
     assert collections == [] and len(pools.allocator.spaces) == 20

@@ -10,7 +10,7 @@ import torch
 
 import graphkit
 import hal
-from graphkit.isolation import foreign_uses
+from graphkit.graphs.isolation import foreign_uses
 from hal.types import GraphAddresses
 
 
@@ -138,7 +138,7 @@ def test_a_backend_that_cannot_answer_skips_the_check_with_one_line(be: hal.Back
     monkeypatch.setattr(type(be), "capabilities", property(lambda self: frozenset(
         {"graphs", "custom_pool", "capture_routing", "use_pool"})))
     first, second = pieces()
-    with caplog.at_level(logging.INFO, logger="graphkit.isolation"), graphkit.graph_memory(be) as pools:
+    with caplog.at_level(logging.INFO, logger="graphkit.graphs.isolation"), graphkit.graph_memory(be) as pools:
         g1, h = capture(be, first, torch.zeros(4, 256))
         g2, _ = capture(be, second, h)
     lines = [r for r in caplog.records if "graph_addresses" in r.getMessage()]
@@ -180,7 +180,7 @@ def test_inspect_needs_the_capability(be: hal.Backend, monkeypatch: pytest.Monke
 
 
 def test_foreign_uses_counts_spans_and_pointers() -> None:
-    from graphkit.allocator import VirtualSpace
+    from graphkit.memory.allocator import VirtualSpace
 
     spaces = {1: VirtualSpace(1, 0x10000, 0x1000, arena=None), 2: VirtualSpace(2, 0x20000, 0x1000, arena=None)}
     found = GraphAddresses(((0x10000, 0x100), (0x20010, 1), (0x20020, 1), (0x30000, 64), (0x0fff0, 0x20)))
@@ -256,7 +256,7 @@ def test_graph_tree_captures_are_left_to_torch(be: hal.Backend, caplog: pytest.L
     own_pool = be.create_pool()
     trees_capture = _as_if_from("torch._inductor.cudagraph_trees", "_record", lambda x: capture(be, first, x,
                                                                                                  pool=own_pool))
-    with caplog.at_level(logging.INFO, logger="graphkit.graph_pools"), graphkit.graph_memory(be) as pools:
+    with caplog.at_level(logging.INFO, logger="graphkit.graphs.pools"), graphkit.graph_memory(be) as pools:
         g1, out1 = trees_capture(torch.zeros(4, 256))
         g2, out2 = trees_capture(torch.zeros(2, 256))
     assert pools.keys == [] and be.pool_active_blocks(own_pool) != []  # torch's own pool, not graphkit's
@@ -301,7 +301,7 @@ def test_the_graphs_of_one_make_graphed_callables_call_share_a_space(be: hal.Bac
 def test_a_number_that_falls_in_another_space_but_in_no_live_block_is_no_use() -> None:
     """Kernel arguments hold integers too (a division constant): inside another key's space but outside every
     block still allocated there, a bare word is not a use of that key's memory."""
-    from graphkit.allocator import VirtualSpace
+    from graphkit.memory.allocator import VirtualSpace
 
     spaces = {1: VirtualSpace(1, 0x10000, 0x10000, arena=None), 2: VirtualSpace(2, 0x20000, 0x10000, arena=None)}
     found = GraphAddresses(((0x28889, 1), (0x20100, 1), (0x20101, 1)))  # an odd word is no tensor's address
@@ -340,8 +340,8 @@ def test_a_fallback_that_catches_runtime_error_survives_a_refusal(be: hal.Backen
 
 
 def test_the_refusal_names_a_block_of_a_librarys_per_stream_state_and_its_fix(be: hal.Backend) -> None:
-    from graphkit._arenas import VirtualSpace
-    from graphkit.isolation import Context, check
+    from graphkit.graphs.isolation import Context, check
+    from graphkit.memory.ranges import VirtualSpace
 
     spaces = {1: VirtualSpace(1, 0x10000, 0x100000, arena=None), 2: VirtualSpace(2, 0x200000, 0x100000, arena=None)}
     workspace = (0x20000, 0x8000)  # a live block of space 1 of the size the backend's preparation measured

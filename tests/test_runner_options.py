@@ -77,7 +77,7 @@ def test_the_common_call_stays_one_line(be: hal.Backend) -> None:
 
 
 def test_a_pool_strategy_of_ones_own_serves_the_runner_through_its_pools(be: hal.Backend) -> None:
-    from graphkit.pools import Lease, PoolStrategy
+    from graphkit.graphs.strategies import Lease, PoolStrategy
 
     calls: list[str] = []
 

@@ -54,18 +54,6 @@ def test_regions_pause_and_resume_at_the_same_addresses(be: hal.Backend) -> None
     saver.close()
 
 
-def test_tag_report_bytes_is_a_deprecated_spelling_of_footprint_bytes(be: hal.Backend) -> None:
-    saver = graphkit.MemorySaver(be)
-    with saver.region("kv_cache"):
-        kv = torch.ones(2048, 512)  # 4 MiB
-    (report,) = saver.report()
-    assert report.footprint_bytes >= kv.numel() * kv.element_size()
-    with pytest.warns(DeprecationWarning, match=r"TagReport\.bytes is deprecated; use footprint_bytes"):
-        assert report.bytes == report.footprint_bytes
-    del kv
-    saver.close()
-
-
 def test_pause_and_resume_of_one_tag_leave_the_others(be: hal.Backend) -> None:
     saver = graphkit.MemorySaver(be)
     with saver.region("a", backup=True):

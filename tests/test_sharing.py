@@ -1,4 +1,4 @@
-"""Sharing graphkit memory with another process: hal's export and import hooks, graphkit.sharing, on fake.
+"""Sharing graphkit memory with another process: hal's export and import hooks, graphkit.memory.sharing, on fake.
 
 A fake chunk is a memfd, so another process really maps the same bytes: the
 peer here is a child process that receives the descriptors over a Unix
@@ -17,7 +17,7 @@ import pytest
 
 import graphkit
 import hal
-from graphkit.sharing import FDS_PER_MESSAGE, ImportedRange, receive_range, send_range
+from graphkit.memory.sharing import FDS_PER_MESSAGE, ImportedRange, receive_range, send_range
 from hal.backends.fake import FakeBackend
 from tests.conftest import G
 
@@ -193,7 +193,7 @@ def test_a_failed_import_leaves_nothing_mapped(alloc: graphkit.SharedVMMAllocato
 
 def test_more_chunks_than_one_message_carries(be: hal.Backend, peer: hal.Backend) -> None:
     handles = [be.create_phy_mem_handle(G) for _ in range(FDS_PER_MESSAGE + 7)]
-    exported = graphkit.sharing.export_handles(be, handles, G, 0, len(handles) * G)
+    exported = graphkit.memory.sharing.export_handles(be, handles, G, 0, len(handles) * G)
     left, right = socket.socketpair(socket.AF_UNIX)
     before = open_fds()
     with left, right, exported:

@@ -107,7 +107,7 @@ def test_legacy_ipc_refuses_graphkit_memory(shareable: bool) -> None:
 
 SHARE_SCRIPT = textwrap.dedent('''
     import socket, sys, torch, hal, graphkit
-    from graphkit.sharing import receive_range, send_range
+    from graphkit.memory.sharing import receive_range, send_range
     rank = int(sys.argv[1]); sock = socket.socket(fileno=int(sys.argv[2 + rank]))
     torch.cuda.set_device(rank)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import hal
-from graphkit.transaction import Transaction, map_run, release_or_keep, unmap_run
+from graphkit.memory.transaction import Transaction, map_run, release_or_keep, unmap_run
 from tests.conftest import G
 
 

@@ -49,7 +49,7 @@ import graphkit
 import hal
 from graphkit.bench.elastic import CopyCounter, device_empty
 from graphkit.bench.fair import fmt_spread, rotated, spread
-from graphkit.capture import release_cached_memory
+from graphkit.graphs.capture import release_cached_memory
 from hal.registry import select_backend_name
 from hal.types import fmt_bytes, round_up
 

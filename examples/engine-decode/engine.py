@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 import graphkit
 import hal
-from graphkit.capture import release_cached_memory, weak_alias
+from graphkit.graphs.capture import release_cached_memory, weak_alias
 from hal.registry import select_backend_name
 from hal.types import fmt_bytes, round_up
 

@@ -42,7 +42,7 @@ import graphkit
 import hal
 from graphkit.bench.fair import fmt_spread, rotated, spread
 from graphkit.bench.timing import Thunk
-from graphkit.capture import release_cached_memory
+from graphkit.graphs.capture import release_cached_memory
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.bench")

@@ -23,10 +23,10 @@ import torch
 
 import graphkit
 import hal
-from graphkit._phases import CAPTURE_TIMES, PartTimes
 from graphkit.bench.engines import PARTS
 from graphkit.bench.timing import median_ms
-from graphkit.capture import release_cached_memory
+from graphkit.graphs.capture import release_cached_memory
+from graphkit.memory.phases import CAPTURE_TIMES, PartTimes
 
 log = logging.getLogger("graphkit.bench.engine")
 

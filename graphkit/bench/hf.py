@@ -53,11 +53,11 @@ import torch
 
 import graphkit
 import hal
-from graphkit._phases import CAPTURE_TIMES
 from graphkit.bench.engine_cases import graphkit_share, verify_figures
 from graphkit.bench.timing import median_ms
-from graphkit.capture import release_cached_memory, weak_alias
-from graphkit.runner import Order, ordered_sizes
+from graphkit.graphs.capture import release_cached_memory, weak_alias
+from graphkit.graphs.runner import Order, ordered_sizes
+from graphkit.memory.phases import CAPTURE_TIMES
 from hal.gcguard import gc_disabled
 
 Size = Literal["tiny", "reference"]
@@ -331,7 +331,7 @@ def run_hf_case(strategy: str, order: str, sizes: list[int], backend: hal.Backen
 
     Strategies: ``own-kept`` (one pool from ``be.create_pool()`` passed to
     every capture, outputs kept: SGLang, nano-vllm), ``own-weakref`` (the
-    same, outputs held by :func:`graphkit.capture.weak_alias`: vLLM),
+    same, outputs held by :func:`graphkit.graphs.capture.weak_alias`: vLLM),
     ``graph_memory`` (the engine's loop unchanged, passing ``pool=None``,
     inside :func:`graphkit.graph_memory`), ``graph_pools``
     (``GraphPools(be).pool(size)`` per size). Orders: ``descending``,

@@ -38,7 +38,7 @@ import graphkit
 import hal
 from graphkit.bench.engine_cases import MAX_MODEL_LEN, load_engine_module
 from graphkit.bench.fair import interleaved, spread
-from graphkit.capture import release_cached_memory
+from graphkit.graphs.capture import release_cached_memory
 from hal.types import fmt_bytes
 
 log = logging.getLogger("graphkit.bench")

@@ -7,7 +7,7 @@ import torch
 import graphkit
 import hal
 from graphkit.bench.model import Decoder, DecoderConfig
-from graphkit.pools import VmmPools
+from graphkit.graphs.strategies import VmmPools
 
 torch.set_num_threads(1)
 sizes = [1, 2, 4, *range(8, 65, 8)]

@@ -30,8 +30,8 @@ from graphkit.bench.model import Decoder, DecoderConfig
 from graphkit.bench.strategies import COMPILE, ORDERS, STRATEGIES
 from graphkit.bench.targets import check_targets
 from graphkit.bench.timing import interleaved_ms, ms_per_call, rel_error, round_ratios
-from graphkit.capture import release_cached_memory
-from graphkit.runner import Order
+from graphkit.graphs.capture import release_cached_memory
+from graphkit.graphs.runner import Order
 
 log = logging.getLogger("graphkit.bench")
 

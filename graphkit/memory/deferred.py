@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 import hal
 
 if TYPE_CHECKING:
-    from graphkit._arenas import VirtualSpace
+    from graphkit.memory.ranges import VirtualSpace
 
-log = logging.getLogger("graphkit.allocator")
+log = logging.getLogger("graphkit.memory.allocator")
 
 
 class DeferredRelease:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import hal
 from hal.types import fmt_bytes
 
-log = logging.getLogger("graphkit.allocator")
+log = logging.getLogger("graphkit.memory.allocator")
 
 
 class PoolCallbacks:

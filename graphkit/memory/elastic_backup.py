@@ -20,7 +20,7 @@ import torch
 
 import hal
 
-log = logging.getLogger("graphkit.elastic")
+log = logging.getLogger("graphkit.memory.elastic")
 
 
 def _piece_bytes(missing: int, covered: int) -> int:

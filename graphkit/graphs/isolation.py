@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import hal
-from graphkit._arenas import VirtualSpace
+from graphkit.memory.ranges import VirtualSpace
 from hal.types import GraphAddresses, fmt_bytes
 
-log = logging.getLogger("graphkit.isolation")
+log = logging.getLogger("graphkit.graphs.isolation")
 
 
 class IsolationError(hal.CaptureError):

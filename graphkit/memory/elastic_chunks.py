@@ -13,10 +13,10 @@ import threading
 from typing import Any
 
 import hal
-from graphkit.closing import close_step
-from graphkit.transaction import Transaction, map_run, release_or_keep, retry_releases, unmap_run
+from graphkit.memory.closing import close_step
+from graphkit.memory.transaction import Transaction, map_run, release_or_keep, retry_releases, unmap_run
 
-log = logging.getLogger("graphkit.elastic")
+log = logging.getLogger("graphkit.memory.elastic")
 
 
 class FreeChunks:

@@ -10,9 +10,9 @@ import hal
 from hal.types import fmt_bytes
 
 if TYPE_CHECKING:
-    from graphkit._arenas import VirtualSpace
+    from graphkit.memory.ranges import VirtualSpace
 
-log = logging.getLogger("graphkit.allocator")
+log = logging.getLogger("graphkit.memory.allocator")
 
 
 class Parking:

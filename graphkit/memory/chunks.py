@@ -8,15 +8,15 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import hal
-from graphkit._phases import CAPTURE_TIMES
-from graphkit.sharing import ExportedRange, export_handles
-from graphkit.transaction import Transaction, release_or_keep, retry_releases, unmap_run
+from graphkit.memory.phases import CAPTURE_TIMES
+from graphkit.memory.sharing import ExportedRange, export_handles
+from graphkit.memory.transaction import Transaction, release_or_keep, retry_releases, unmap_run
 from hal.types import fmt_bytes
 
 if TYPE_CHECKING:
-    from graphkit._arenas import VirtualSpace
+    from graphkit.memory.ranges import VirtualSpace
 
-log = logging.getLogger("graphkit.allocator")
+log = logging.getLogger("graphkit.memory.allocator")
 
 
 class SharedChunks:
@@ -125,7 +125,7 @@ class SharedChunks:
     # -- sharing ------------------------------------------------------------------
 
     def export(self, ptr: int, nbytes: int) -> ExportedRange:
-        """The chunks behind ``[ptr, ptr + nbytes)`` of a live space, exported (see :mod:`graphkit.sharing`)."""
+        """The chunks behind ``[ptr, ptr + nbytes)`` of a live space, exported (see :mod:`graphkit.memory.sharing`)."""
         name = self.backend.name
         if (not isinstance(ptr, int) or isinstance(ptr, bool) or not isinstance(nbytes, int)
                 or isinstance(nbytes, bool) or nbytes <= 0):

@@ -17,13 +17,13 @@ import torch
 from torch.utils._pytree import tree_map
 
 import hal
-from graphkit import capture as cap
-from graphkit._outputs import Outputs
-from graphkit.buffers import StaticInputs
-from graphkit.pools import Lease
-from graphkit.report import SizeReport
+from graphkit.graphs import capture as cap
+from graphkit.graphs.buffers import StaticInputs
+from graphkit.graphs.outputs import Outputs
+from graphkit.graphs.report import SizeReport
+from graphkit.graphs.strategies import Lease
 
-log = logging.getLogger("graphkit.runner")
+log = logging.getLogger("graphkit.graphs.runner")
 
 
 @dataclass

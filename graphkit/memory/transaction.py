@@ -25,7 +25,7 @@ from typing import Any
 
 import hal
 
-log = logging.getLogger("graphkit.transaction")
+log = logging.getLogger("graphkit.memory.transaction")
 
 
 class Transaction:

@@ -25,18 +25,17 @@ from typing import Any
 import torch
 
 import hal
-from graphkit._arenas import Arena
-from graphkit._elastic_backup import HostBackup
-from graphkit._elastic_chunks import FreeChunks, RangeChunks
-from graphkit._elastic_orphans import Orphans
-from graphkit._elastic_views import LiveViews, ViewToken
-from graphkit.closing import Closable, after_backend, close_step, raise_first_failure
-from graphkit.deprecation import alias, renamed, renamed_keyword
+from graphkit.memory.closing import Closable, after_backend, close_step, raise_first_failure
+from graphkit.memory.elastic_backup import HostBackup
+from graphkit.memory.elastic_chunks import FreeChunks, RangeChunks
+from graphkit.memory.elastic_orphans import Orphans
+from graphkit.memory.elastic_views import LiveViews, ViewToken
+from graphkit.memory.ranges import Arena
+from graphkit.memory.transaction import Transaction
 from graphkit.saver import MemorySaver
-from graphkit.transaction import Transaction
 from hal.types import fmt_bytes, round_up
 
-log = logging.getLogger("graphkit.elastic")
+log = logging.getLogger("graphkit.memory.elastic")
 
 
 def _positive(value: Any, name: str, call: str, backend: str, zero: bool = False) -> int:
@@ -263,7 +262,6 @@ class ElasticBuffer(Closable):
     :param max_bytes: the most it can grow to (rounded up to the granularity).
     :param reservation: carve the range out of this :class:`ElasticReservation`
         and grow from its free list (default: a reservation of its own).
-        ``pool=`` is its deprecated spelling.
     :param saver: a :class:`graphkit.MemorySaver` to pause and resume with,
         under ``tag`` (default ``"kv_cache"``), with ``backup`` or not.
 
@@ -277,11 +275,8 @@ class ElasticBuffer(Closable):
 
     def __init__(self, backend: hal.Backend | None = None, max_bytes: int = 0, *,
                  reservation: ElasticReservation | None = None, saver: MemorySaver | None = None,
-                 tag: str = "kv_cache", backup: bool = False, pool: ElasticReservation | None = None) -> None:
-        spelled = "reservation" if pool is None else "pool"
-        reservation = renamed_keyword("ElasticBuffer", "pool", pool, "reservation", reservation,
-                                      backend=getattr(backend, "name", None))
-        be = _buffer_backend(backend, reservation, spelled, saver, tag)
+                 tag: str = "kv_cache", backup: bool = False) -> None:
+        be = _buffer_backend(backend, reservation, "reservation", saver, tag)
         _positive(max_bytes, "max_bytes", "ElasticBuffer", be.name)
         self._own_reservation = reservation is None
         self.reservation = reservation if reservation is not None else ElasticReservation(be, max_bytes)
@@ -342,12 +337,6 @@ class ElasticBuffer(Closable):
     def paused(self) -> bool:
         """Whether part of its prefix is released or unmapped (nothing may read it until it is restored)."""
         return self._sleeping or bool(self._chunks.holes)
-
-    pool = alias("reservation")
-
-    capacity = alias("max_bytes")
-
-    physical_bytes = alias("mapped_bytes")
 
     def __repr__(self) -> str:
         return (f"<graphkit.ElasticBuffer {self.backend.name} at {self.ptr:#x} mapped {fmt_bytes(self.mapped_bytes)} "
@@ -537,10 +526,3 @@ class ElasticBuffer(Closable):
             log.debug("elastic buffer at %#x closed", self.ptr)
             if self._own_reservation:
                 self.reservation.close()
-
-
-def __getattr__(name: str) -> Any:
-    if name == "ElasticPool":
-        renamed("graphkit.ElasticPool", "graphkit.ElasticReservation")
-        return ElasticReservation
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,7 +8,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 if TYPE_CHECKING:
-    from graphkit._buckets import Bucket
+    from graphkit.graphs.buckets import Bucket
 
 OutputMode = Literal["copy", "static", "view"]
 

@@ -7,12 +7,11 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from graphkit.deprecation import alias
 from hal.types import fmt_bytes
 
 if TYPE_CHECKING:
-    from graphkit.allocator import SharedVMMAllocator
-    from graphkit.isolation import VerifyStats
+    from graphkit.graphs.isolation import VerifyStats
+    from graphkit.memory.allocator import SharedVMMAllocator
 
 
 @dataclass(frozen=True)
@@ -35,10 +34,6 @@ class RunnerReport:
     graph_bytes: int = 0
     """Device memory used beyond what was used before the first capture (bytes)."""
     pool_figures: dict[str, int] = field(default_factory=dict)
-
-    pool = alias("kind")
-
-    graph_memory = alias("graph_bytes")
 
     @property
     def capture_seconds(self) -> float:
@@ -117,19 +112,3 @@ def pools_report(backend: str, kind: str, keys: Iterable[tuple[Hashable, int | N
                        alloc.arena_reserved_bytes if alloc else 0, device_bytes,
                        alloc.map_calls if alloc else 0, alloc.map_seconds if alloc else 0.0,
                        stats.graphs, stats.nodes, stats.missed, stats.seconds, stats.unread)
-
-
-@dataclass
-class TagReport:
-    """The state of one tag."""
-
-    tag: str
-    paused: bool
-    backup: bool
-    footprint_bytes: int  # physical bytes the tag holds while awake (what a pause releases), paused or not
-    host_bytes: int  # host memory holding its backup
-    last_pause_s: float | None = None
-    last_resume_s: float | None = None
-    pin_s: float = 0.0  # time spent making its backup buffers (pinned host memory), mostly off the pause path
-
-    bytes = alias("footprint_bytes")

@@ -27,11 +27,11 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 import hal
-from graphkit.pools import Lease
+from graphkit.graphs.strategies import Lease
 from hal.gcguard import gc_disabled
 from hal.types import fmt_bytes
 
-log = logging.getLogger("graphkit.capture")
+log = logging.getLogger("graphkit.graphs.capture")
 
 
 class CaptureHygieneError(hal.CaptureError):

@@ -13,10 +13,10 @@ from collections import deque
 from collections.abc import Callable
 
 import hal
-from graphkit._elastic_chunks import RangeChunks
+from graphkit.memory.elastic_chunks import RangeChunks
 from hal.types import fmt_bytes
 
-log = logging.getLogger("graphkit.elastic")
+log = logging.getLogger("graphkit.memory.elastic")
 
 
 class Orphans:

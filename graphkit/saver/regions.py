@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 import hal
-from graphkit.closing import close_step
-from graphkit.transaction import Transaction, release_or_keep, retry_releases
+from graphkit.memory.closing import close_step
+from graphkit.memory.transaction import Transaction, release_or_keep, retry_releases
 from hal.types import round_up
 
 log = logging.getLogger("graphkit.saver")

@@ -20,7 +20,7 @@ of several threads), and address space is what limits how many stay open.
 Chunks are mapped into a space lazily, as its bump pointer reaches them, so
 a small capture after a large one costs a few map calls.
 
-Every multi-step operation runs in a :class:`graphkit.transaction.Transaction`:
+Every multi-step operation runs in a :class:`graphkit.memory.transaction.Transaction`:
 a driver failure half-way through an allocation, a switch or a release
 undoes what that call did, so the allocator stays consistent and usable and
 nothing leaks. Where an undo step fails too, the record of what is mapped
@@ -30,12 +30,12 @@ the allocator reads :attr:`~SharedVMMAllocator.paused` until
 
 The allocator keeps the spaces, their bump pointers and the lazy mapping;
 each other concept is a small private collaborator it composes:
-``graphkit._arenas`` (the reservations spaces are carved from),
-``graphkit._chunks`` (the shared chunks, the driver steps that map them, and
-the chunks whose release failed), ``graphkit._sleep`` (pause and resume),
-``graphkit._deferred`` (a space released after its last free),
-``graphkit._parking`` (spaces a tensor still uses, kept at close) and
-``graphkit._pool_callbacks`` (what a backend's pool calls).
+``graphkit.memory.ranges`` (the reservations spaces are carved from),
+``graphkit.memory.chunks`` (the shared chunks, the driver steps that map them, and
+the chunks whose release failed), ``graphkit.memory.sleep`` (pause and resume),
+``graphkit.memory.deferred`` (a space released after its last free),
+``graphkit.memory.parking`` (spaces a tensor still uses, kept at close) and
+``graphkit.memory.pool_callbacks`` (what a backend's pool calls).
 """
 
 from __future__ import annotations
@@ -48,19 +48,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import hal
-from graphkit._arenas import Arena as Arena  # re-exported: its home before the arenas had a module
-from graphkit._arenas import SpaceArenas, VirtualSpace
-from graphkit._chunks import SharedChunks
-from graphkit._deferred import DeferredRelease
-from graphkit._parking import Parking
-from graphkit._pool_callbacks import PoolCallbacks
-from graphkit._sleep import SpacesSleep
-from graphkit.closing import Closable, raise_first_failure
-from graphkit.deprecation import alias, renamed, renamed_keyword
-from graphkit.sharing import ExportedRange
+from graphkit.memory.chunks import SharedChunks
+from graphkit.memory.closing import Closable, raise_first_failure
+from graphkit.memory.deferred import DeferredRelease
+from graphkit.memory.parking import Parking
+from graphkit.memory.pool_callbacks import PoolCallbacks
+from graphkit.memory.ranges import Arena as Arena  # re-exported: its home before the arenas had a module
+from graphkit.memory.ranges import SpaceArenas, VirtualSpace
+from graphkit.memory.sharing import ExportedRange
+from graphkit.memory.sleep import SpacesSleep
 from hal.types import fmt_bytes, round_up
 
-log = logging.getLogger("graphkit.allocator")
+log = logging.getLogger("graphkit.memory.allocator")
 
 #: how many ``reserve_bytes`` one arena reservation holds by default
 ARENA_SPACES = 8
@@ -120,16 +119,13 @@ class SharedVMMAllocator(Closable):
         rounded to the granularity.
     :param max_physical_bytes: optional cap on physical bytes (beyond it,
         allocations fail with :class:`hal.DeviceOutOfMemoryError`), e.g. to
-        leave room for the KV cache. ``capacity=`` is its deprecated spelling.
+        leave room for the KV cache.
     :param arena_bytes: size of each address reservation spaces are carved
         from (default ``8 * reserve_bytes``).
     """
 
     def __init__(self, backend: hal.Backend, reserve_bytes: int | None = None,
-                 max_physical_bytes: int | None = None, arena_bytes: int | None = None, *,
-                 capacity: int | None = None) -> None:
-        max_physical_bytes = renamed_keyword("SharedVMMAllocator", "capacity", capacity, "max_physical_bytes",
-                                             max_physical_bytes, backend=getattr(backend, "name", None))
+                 max_physical_bytes: int | None = None, arena_bytes: int | None = None) -> None:
         self.backend = backend
         self.granularity = backend.granularity
         self.reserve_bytes, self.arena_bytes = _address_sizes(backend, reserve_bytes, arena_bytes, max_physical_bytes)
@@ -303,8 +299,6 @@ class SharedVMMAllocator(Closable):
             self._arenas.give_back(space.arena, space.base, space.size)
             self._chunks.trim(max((s.mapped for s in self._spaces.values()), default=0))
 
-    capacity = alias("max_physical_bytes")
-
     def precreate(self, nbytes: int) -> None:
         """Create chunks for ``nbytes`` more physical memory (all or nothing), mapped nowhere yet.
 
@@ -314,11 +308,6 @@ class SharedVMMAllocator(Closable):
         with self._lock:
             self._check_open("precreate", awake=True)
             self._chunks.precreate(nbytes, self.max_physical_bytes, self.reserve_bytes)
-
-    def extend_mapping(self, nbytes: int) -> None:
-        """Deprecated spelling of :meth:`precreate` (it creates chunks; it maps nothing)."""
-        renamed("SharedVMMAllocator.extend_mapping()", "precreate()")
-        self.precreate(nbytes)
 
     def allocate(self, nbytes: int, alignment: int = hal.ALLOCATION_ALIGNMENT, space_id: int | None = None) -> int:
         """Bump-allocate ``nbytes`` in a space (the current one by default); return the address."""
@@ -363,7 +352,8 @@ class SharedVMMAllocator(Closable):
         return self._pool_callbacks.bound_to(space_id)
 
     def export(self, ptr: int, nbytes: int) -> ExportedRange:
-        """The chunks behind ``[ptr, ptr + nbytes)`` of a live space, for another process (:mod:`graphkit.sharing`)."""
+        """The chunks behind ``[ptr, ptr + nbytes)`` of a live space, for another process
+        (:mod:`graphkit.memory.sharing`)."""
         with self._lock:
             self._check_open("export", awake=True)
             return self._chunks.export(ptr, nbytes)

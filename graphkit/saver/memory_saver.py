@@ -28,18 +28,32 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import hal
-from graphkit._nccl import warn_graph_register
-from graphkit._regions import Region, RegionMemory
-from graphkit.closing import Closable, after_backend, raise_first_failure
-from graphkit.report import TagReport
+from graphkit.memory.closing import Closable, after_backend, raise_first_failure
+from graphkit.saver.nccl import warn_graph_register
+from graphkit.saver.regions import Region, RegionMemory
 from hal.types import fmt_bytes
 
 log = logging.getLogger("graphkit.saver")
 
 GRAPHS = "graphs"
+
+
+@dataclass
+class TagReport:
+    """The state of one tag."""
+
+    tag: str
+    paused: bool
+    backup: bool
+    footprint_bytes: int  # physical bytes the tag holds while awake (what a pause releases), paused or not
+    host_bytes: int  # host memory holding its backup
+    last_pause_s: float | None = None
+    last_resume_s: float | None = None
+    pin_s: float = 0.0  # time spent making its backup buffers (pinned host memory), mostly off the pause path
 
 
 @runtime_checkable

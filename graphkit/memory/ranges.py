@@ -8,10 +8,10 @@ import logging
 from dataclasses import dataclass, field
 
 import hal
-from graphkit.transaction import Transaction
+from graphkit.memory.transaction import Transaction
 from hal.types import fmt_bytes, round_up
 
-log = logging.getLogger("graphkit.allocator")
+log = logging.getLogger("graphkit.memory.allocator")
 
 
 class Arena:

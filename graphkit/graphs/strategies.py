@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import hal
-from graphkit._phases import CAPTURE_TIMES
-from graphkit.allocator import SharedVMMAllocator
-from graphkit.closing import close_step
+from graphkit.memory.allocator import SharedVMMAllocator
+from graphkit.memory.closing import close_step
+from graphkit.memory.phases import CAPTURE_TIMES
 
-log = logging.getLogger("graphkit.pools")
+log = logging.getLogger("graphkit.graphs.strategies")
 
 POOL_KINDS = ("vmm", "shared", "private")
 

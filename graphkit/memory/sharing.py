@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import hal
-from graphkit.closing import Closable, close_step, raise_first_failure
-from graphkit.transaction import Transaction
+from graphkit.memory.closing import Closable, close_step, raise_first_failure
+from graphkit.memory.transaction import Transaction
 
-log = logging.getLogger("graphkit.sharing")
+log = logging.getLogger("graphkit.memory.sharing")
 
 #: the most descriptors one message carries (Linux's SCM_MAX_FD is 253)
 FDS_PER_MESSAGE = 253

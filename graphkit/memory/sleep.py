@@ -7,11 +7,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import hal
-from graphkit._chunks import SharedChunks
-from graphkit.transaction import Transaction
+from graphkit.memory.chunks import SharedChunks
+from graphkit.memory.transaction import Transaction
 
 if TYPE_CHECKING:
-    from graphkit._arenas import VirtualSpace
+    from graphkit.memory.ranges import VirtualSpace
 
 
 class SpacesSleep:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import hal
-from graphkit.pools import Lease, PoolStrategy
+from graphkit.graphs.strategies import Lease, PoolStrategy
 
 _serial = itertools.count(1)  # made-up pool ids, unique in the process
 

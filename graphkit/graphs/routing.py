@@ -21,14 +21,14 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import hal
-from graphkit._phases import CAPTURE_TIMES
-from graphkit._pool_keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
-from graphkit.allocator import SharedVMMAllocator
-from graphkit.capture import framework_capturer
-from graphkit.isolation import KeyCheck
+from graphkit.graphs.capture import framework_capturer
+from graphkit.graphs.isolation import KeyCheck
+from graphkit.graphs.keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
+from graphkit.memory.allocator import SharedVMMAllocator
+from graphkit.memory.phases import CAPTURE_TIMES
 from hal.types import Route, fmt_bytes
 
-log = logging.getLogger("graphkit.graph_pools")
+log = logging.getLogger("graphkit.graphs.pools")
 
 
 class CaptureRouting:

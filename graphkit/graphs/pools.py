@@ -25,22 +25,22 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Literal
 
 import hal
-from graphkit import isolation
-from graphkit._pool_keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
-from graphkit._routing import CaptureRouting
-from graphkit.allocator import SharedVMMAllocator
-from graphkit.capture import CaptureHygieneError, leftover_blocks, report_leftovers, warm_up_checked
-from graphkit.closing import Closable, after_backend, close_step, raise_first_failure
-from graphkit.isolation import IsolationError
-from graphkit.pools import POOL_KINDS, PoolStrategy, make_pool_strategy
-from graphkit.report import KeyReport, PoolsReport, pools_report
+from graphkit.graphs import isolation
+from graphkit.graphs.capture import CaptureHygieneError, leftover_blocks, report_leftovers, warm_up_checked
+from graphkit.graphs.isolation import IsolationError
+from graphkit.graphs.keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
+from graphkit.graphs.report import KeyReport, PoolsReport, pools_report
+from graphkit.graphs.routing import CaptureRouting
+from graphkit.graphs.strategies import POOL_KINDS, PoolStrategy, make_pool_strategy
+from graphkit.memory.allocator import SharedVMMAllocator
+from graphkit.memory.closing import Closable, after_backend, close_step, raise_first_failure
 from graphkit.saver import GRAPHS, MemorySaver
 from hal.types import Route
 
-log = logging.getLogger("graphkit.graph_pools")
+log = logging.getLogger("graphkit.graphs.pools")
 
 Kind = Literal["vmm", "shared", "private"]
-_ALLOCATOR_OPTIONS = frozenset({"reserve_bytes", "max_physical_bytes", "capacity", "arena_bytes"})
+_ALLOCATOR_OPTIONS = frozenset({"reserve_bytes", "max_physical_bytes", "arena_bytes"})
 #: what an isolation error advises, for a capture graph_memory routed and for one into pools.pool(key)
 _FIX_ROUTED = ("Put the captures that pass tensors to each other (the pieces of one batch) in one space: "
                "`with pools.group(key):` around them")

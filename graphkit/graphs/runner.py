@@ -28,20 +28,19 @@ import torch
 from tqdm.auto import tqdm
 
 import hal
-from graphkit import capture as cap
-from graphkit import isolation
-from graphkit._buckets import Bucket, CallPlan, CallPlans, Pieces
-from graphkit._outputs import Outputs
-from graphkit.buffers import StaticInputs
-from graphkit.closing import Closable, close_step, raise_first_failure
-from graphkit.deprecation import alias, renamed, renamed_keyword
-from graphkit.graph_pools import GraphPools, Kind
-from graphkit.pools import PoolStrategy
-from graphkit.report import RunnerReport, SizeReport
+from graphkit.graphs import capture as cap
+from graphkit.graphs import isolation
+from graphkit.graphs.buckets import Bucket, CallPlan, CallPlans, Pieces
+from graphkit.graphs.buffers import StaticInputs
+from graphkit.graphs.outputs import Outputs
+from graphkit.graphs.pools import GraphPools, Kind
+from graphkit.graphs.report import RunnerReport, SizeReport
+from graphkit.graphs.strategies import PoolStrategy
+from graphkit.memory.closing import Closable, close_step, raise_first_failure
 from graphkit.saver import GRAPHS, MemorySaver
 from hal.types import fmt_bytes
 
-log = logging.getLogger("graphkit.runner")
+log = logging.getLogger("graphkit.graphs.runner")
 
 Mode = Literal["full", "piecewise", "none"]
 MAX_BATCH = 1 << 31
@@ -90,7 +89,7 @@ class RunnerOptions:
         capture so the per-size memory figures are exact (slower).
     :param allocator_options: options of :class:`SharedVMMAllocator` for
         ``kind="vmm"`` (``reserve_bytes``, ``max_physical_bytes``, ...).
-    :param pool_strategy: a ready :class:`graphkit.pools.PoolStrategy`
+    :param pool_strategy: a ready :class:`graphkit.graphs.strategies.PoolStrategy`
         (overrides ``kind`` and ``allocator_options``).
     """
 
@@ -227,7 +226,7 @@ class GraphRunner(Closable):
         then owned and closed by the runner).
     :param kind: the pool kind, as in :class:`graphkit.GraphPools`: ``"vmm"`` (the default: a fresh virtual
         space per size over shared chunks, N sizes cost the largest), ``"shared"`` (one pool) or ``"private"``
-        (a pool per size). ``pool=`` is its deprecated spelling (giving both is an error).
+        (a pool per size).
     :param options: a :class:`RunnerOptions` (mode, outputs, on-demand
         capture, padding fill, hygiene, progress...); defaults work.
     :param saver: a :class:`graphkit.MemorySaver`: with ``kind="vmm"`` the
@@ -242,9 +241,8 @@ class GraphRunner(Closable):
 
     def __init__(self, fn: Callable[..., Any] | Sequence[Callable[..., Any]], sizes: Sequence[int],
                  backend: hal.Backend | None = None, kind: str | None = None, *,
-                 options: RunnerOptions | None = None, saver: MemorySaver | None = None, pool: str | None = None,
+                 options: RunnerOptions | None = None, saver: MemorySaver | None = None,
                  **overrides: Any) -> None:
-        kind = renamed_keyword("GraphRunner", "pool", pool, "kind", kind, backend=getattr(backend, "name", None))
         kind = "vmm" if kind is None else kind
         self.options = opts = _merged_options(options, overrides)
         self._owns_backend = backend is None
@@ -421,12 +419,6 @@ class GraphRunner(Closable):
     def captured_sizes(self) -> list[int]:
         return list(self._captured)
 
-    pool = alias("kind")
-
-    def graph_memory(self) -> int:
-        """Deprecated spelling of :meth:`graph_bytes` (``graphkit.graph_memory`` is the context manager)."""
-        renamed("GraphRunner.graph_memory()", "graph_bytes()")
-        return self.graph_bytes()
 
     def graph_bytes(self) -> int:
         """Device memory used now beyond what was used before the first capture (bytes)."""
