@@ -132,15 +132,6 @@ def test_blocks_are_rounded_to_the_allocation_alignment_and_segments_to_the_segm
     assert freed == [got[1], got[0]]
 
 
-def test_the_former_fake_names_still_import() -> None:
-    from hal.backends.fake.graph import FakeGraph, Placer, capture, place, tensor_at
-    from hal.backends.fake.pool import BLOCK_ROUND
-    from hal.backends.fake.pool import BlockPool as FakePool
-
-    assert FakeGraph is HostGraph and FakePool is BlockPool and BLOCK_ROUND == hal.ALLOCATION_ALIGNMENT
-    assert all(callable(f) for f in (Placer, capture, place, tensor_at))
-
-
 # -- graphs that cannot be captured or replayed now ----------------------------------------------------
 
 
