@@ -10,7 +10,9 @@ through :meth:`hal.Backend.capture` of any backend. It may return a
 The frameworks' graph classes are patched only while such a router is
 active, and only those of extensions imported already: call
 :func:`patch_imported` again once a later one is imported (torch_npu, say).
-Nothing here opens a device or initialises a driver.
+Nothing here opens a device or initialises a driver. The choice of a
+capture's route (a device's routers, then the process's) is
+:mod:`hal.routing`'s.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import contextlib
 import importlib
 from collections.abc import Iterator
 
-from hal.backends._native.routing import ProcessRouter, add_process_router, remove_process_router
+from hal.routing import ProcessRouter, add_process_router, remove_process_router
 
 #: the built-in backends over a torch extension, and the module of their torch glue
 FRAMEWORKS = (("cuda", "hal.backends.cuda.torch_glue"), ("ascend", "hal.backends.ascend.torch_glue"),
@@ -28,11 +30,9 @@ FRAMEWORKS = (("cuda", "hal.backends.cuda.torch_glue"), ("ascend", "hal.backends
 
 def patch_imported() -> list[str]:
     """Route the captures of every framework graph class whose extension is imported now; the backends' names."""
-    from hal.backends._native.torch_glue import class_routing
-
     found = []
     for name, module in FRAMEWORKS:
-        if class_routing(importlib.import_module(module).EXTENSION, name) is not None:
+        if importlib.import_module(module).EXTENSION.class_routing(name) is not None:
             found.append(name)
     return found
 

@@ -126,13 +126,3 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
-
-
-def __getattr__(name: str) -> Any:
-    """``Mapping``: the former name of :class:`MappedRange` (it shadowed ``collections.abc.Mapping``)."""
-    if name == "Mapping":
-        import warnings
-
-        warnings.warn("hal.types.Mapping is deprecated: use hal.types.MappedRange", DeprecationWarning, stacklevel=2)
-        return MappedRange
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

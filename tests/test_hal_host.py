@@ -132,15 +132,6 @@ def test_blocks_are_rounded_to_the_allocation_alignment_and_segments_to_the_segm
     assert freed == [got[1], got[0]]
 
 
-def test_the_former_fake_names_still_import() -> None:
-    from hal.backends.fake.graph import FakeGraph, Placer, capture, place, tensor_at
-    from hal.backends.fake.pool import BLOCK_ROUND
-    from hal.backends.fake.pool import BlockPool as FakePool
-
-    assert FakeGraph is HostGraph and FakePool is BlockPool and BLOCK_ROUND == hal.ALLOCATION_ALIGNMENT
-    assert all(callable(f) for f in (Placer, capture, place, tensor_at))
-
-
 # -- graphs that cannot be captured or replayed now ----------------------------------------------------
 
 
@@ -241,6 +232,45 @@ def test_a_tensor_whose_bytes_an_op_reads_is_an_address_of_the_graph(be: hal.Bac
             use(other)
         mine = other.untyped_storage().data_ptr()
         assert any(a <= mine < a + n for a, n in be.graph_addresses(graph).spans)
+        be.release_graph(graph)
+
+
+# -- routing: hal.routing's choice, as the recorder asks for it ---------------------------------------------
+
+
+def test_a_capture_takes_the_innermost_router_of_its_device_then_the_process_router(be: hal.Backend) -> None:
+    from hal import routing
+
+    pools = {name: be.create_pool() for name in ("outer", "inner", "process")}
+    asked: list[tuple[str, int]] = []
+
+    def process_router(backend: str, device: int, graph: Any, requested_pool: Any) -> hal.types.Route:
+        asked.append((backend, device))
+        return hal.types.Route(pools["process"])
+
+    x = torch.ones(64)
+    with hal.route_every_capture(process_router):
+        assert routing.has_process_routers()
+        with be.route_captures(lambda g, p: hal.types.Route(pools["outer"])), \
+                be.route_captures(lambda g, p: None), \
+                be.route_captures(lambda g, p: hal.types.Route(pools["inner"])):
+            inner = be.create_graph()
+            with be.capture(inner):
+                y = x * 2
+        with be.route_captures(lambda g, p: None):  # passed on by the device's only router
+            free = be.create_graph()
+            with be.capture(free):
+                z = x * 3
+    assert not routing.has_process_routers()
+    assert asked == [("renamed", 0)]  # only for the capture no router of the device took
+    assert be.pool_active_blocks(pools["inner"]) and be.pool_active_blocks(pools["process"])
+    assert not be.pool_active_blocks(pools["outer"])
+    refused = be.create_graph()
+    with be.route_captures(lambda g, p: "a pool"), pytest.raises(TypeError, match=r"must return a hal\.types\.Route"):
+        with be.capture(refused):
+            pass
+    del y, z
+    for graph in (inner, free, refused):
         be.release_graph(graph)
 
 

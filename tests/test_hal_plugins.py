@@ -233,13 +233,6 @@ def test_the_torch_hooks_actions_return_none() -> None:
             plugin.release_graph("graph")] == [None] * 4
 
 
-def test_the_former_name_of_a_mapped_range_still_works_with_a_warning() -> None:
-    import hal.types
-
-    with pytest.warns(DeprecationWarning, match="MappedRange"):
-        assert hal.types.Mapping is hal.types.MappedRange
-
-
 @pytest.mark.parametrize("vendor, oom, invalid, native", [("ascend", 207018, 107000, "aclrtMallocPhysical"),
                                                           ("mlu", 100053, 100006, "cnMemCreate")])
 def test_native_failures_are_typed_driver_errors_with_their_code(vendor: str, oom: int, invalid: int,

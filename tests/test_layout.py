@@ -1,4 +1,5 @@
-"""The library's shape stays readable: no graphkit class over 300 lines, no function over 60 (the bench aside)."""
+"""The library's shape stays readable: no class over 300 lines, no function over 60 (the bench aside), and a
+private module is imported only inside the package that holds it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("hal", "graphkit")
 
 
 def _definitions(package: str) -> list[tuple[str, ast.AST, int]]:
@@ -20,14 +22,79 @@ def _definitions(package: str) -> list[tuple[str, ast.AST, int]]:
     return found
 
 
-def test_no_graphkit_class_is_over_300_lines() -> None:
-    big = [f"{where} ({n} lines)" for where, node, n in _definitions("graphkit")
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_class_is_over_300_lines(package: str) -> None:
+    big = [f"{where} ({n} lines)" for where, node, n in _definitions(package)
            if isinstance(node, ast.ClassDef) and n > 300]
     assert not big, big
 
 
-@pytest.mark.parametrize("package", ["hal", "graphkit"])
+@pytest.mark.parametrize("package", PACKAGES)
 def test_no_function_is_over_60_lines_outside_the_bench(package: str) -> None:
     long = [f"{where} ({n} lines)" for where, node, n in _definitions(package)
             if not isinstance(node, ast.ClassDef) and n > 60 and "/bench/" not in where]
     assert not long, long
+
+
+# -- private modules ---------------------------------------------------------------------------------------
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str) -> bool:
+    base = ROOT.joinpath(*name.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def _owner(module: str) -> str | None:
+    """The package a private module is private to (the one holding its first ``_name`` part); None: public."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("_") and not part.startswith("__"):
+            return ".".join(parts[:i])
+    return None
+
+
+def _imported(path: Path, module: str) -> list[tuple[int, str]]:
+    """``(line, module)`` of every module of hal or graphkit that ``path`` imports, anywhere in it."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            found.append((node.lineno, base))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names
+                      if _is_module(f"{base}.{alias.name}")]
+    return [(line, name) for line, name in found if name.split(".")[0] in PACKAGES]
+
+
+def _private_imports(package: str) -> list[str]:
+    wrong = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        module = _module_name(path)
+        if _owner(module) is not None:
+            continue  # a private module may use what its own package keeps private
+        for line, name in _imported(path, module):
+            owner = _owner(name)
+            if owner is not None and not module.startswith(f"{owner}."):
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {name} (private to {owner})")
+    return wrong
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_public_module_imports_a_private_module_of_another_package(package: str) -> None:
+    """A module is private when a part of its dotted name starts with ``_``; it is private to the package
+    that holds that part (``hal.backends._native.routing`` to ``hal.backends``, ``graphkit._arenas`` to
+    ``graphkit``). A public module of hal or graphkit imports a private module only from inside the package it
+    is private to: ``hal.backends.cuda.backend`` may import ``hal.backends._native.hooks``, while
+    ``hal.host.graphs`` may not, nor any graphkit module a private module of hal (nor hal one of graphkit)."""
+    wrong = _private_imports(package)
+    assert not wrong, wrong

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from hal.api import AllocFn, FreeFn, hookimpl
 from hal.errors import InvalidArgumentError, PluginValidationError
 from hal.host.pool import BlockPool
+from hal.routing import choose_route, process_route, watch_release
 from hal.types import CaptureRouter, GraphAddresses
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -194,7 +195,6 @@ class HostGraphs:
 
     @contextlib.contextmanager
     def _capture(self, graph: tape.HostGraph, pool: BlockPool | None) -> Iterator[tape.HostGraph]:
-        from hal.backends._native.routing import choose_route, process_route, watch_release
         from hal.host import tape
 
         tape.refuse_capture(graph)  # before a router or a private pool is asked for anything

@@ -10,7 +10,9 @@ context manager, ``make_graphed_callables`` and direct calls) and
 A graph that was routed learns to report its own end: its ``reset`` is
 wrapped on the instance (the class is left alone) and a ``weakref.finalize``
 covers a graph that is simply dropped, so a route's ``on_release`` runs
-exactly once, also long after the routing block ended.
+exactly once, also long after the routing block ended
+(:func:`hal.routing.watch_release`). Which route a capture takes is
+:mod:`hal.routing`'s choice: the device's routers, then the process's.
 
 Where the backend can read a graph under construction (an *inspector*), a
 route with ``inspect`` set has the graph's addresses recorded on the graph
@@ -32,6 +34,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from hal.routing import choose_route, has_process_routers, on_process_routers_change, process_route, watch_release
 from hal.types import CaptureRouter, GraphAddresses, Route
 
 log = logging.getLogger("hal.routing")
@@ -45,50 +48,6 @@ REFUSED = "_hal_refused"
 
 #: reads the graph being captured on the current stream: ``inspector(graph) -> GraphAddresses``
 Inspector = Callable[[Any], GraphAddresses]
-
-
-class _Once:
-    """Calls ``on_release`` the first time it is called; later calls do nothing."""
-
-    def __init__(self, on_release: Callable[[bool], None]) -> None:
-        self._fn: Callable[[bool], None] | None = on_release
-        self._lock = threading.Lock()
-
-    def __call__(self, collected: bool) -> None:
-        with self._lock:
-            fn, self._fn = self._fn, None
-        if fn is not None:
-            try:
-                fn(collected)
-            except Exception as exc:  # noqa: BLE001 - a graph's teardown must not fail because of its router
-                log.error("on_release of a routed graph failed: %s: %s", type(exc).__name__, exc)
-
-
-def watch_release(graph: Any, on_release: Callable[[bool], None],
-                  reset_name: str | None = "reset") -> Callable[[bool], None]:
-    """Call ``on_release(collected)`` once, when ``graph`` is reset or garbage-collected.
-
-    Returns the once-only callable, for a backend that destroys graphs by
-    other means (call it with ``False`` then).
-    """
-    once = _Once(on_release)
-    weakref.finalize(graph, once, True)
-    if reset_name is None:
-        return once
-    original = getattr(type(graph), reset_name)
-    ref = weakref.ref(graph)
-
-    def reset(*args: Any, **kwargs: Any) -> Any:
-        target = ref()  # a weak reference: the wrapper must not keep its graph alive
-        try:
-            # None: the graph was collected while ``graph.reset`` was looked up (``tmp().reset()``);
-            # its destructor already did what reset does
-            return None if target is None else original(target, *args, **kwargs)
-        finally:
-            once(False)
-
-    setattr(graph, reset_name, reset)
-    return once
 
 
 class GraphClassRouting:
@@ -137,7 +96,7 @@ class GraphClassRouting:
 
     def _sync_patch(self) -> None:
         """The class is patched exactly while a router of some device, or of the process, is active."""
-        wanted = bool(self._routers) or (bool(_process_routers) and self.backend is not None)
+        wanted = bool(self._routers) or (has_process_routers() and self.backend is not None)
         if wanted and self._originals is None:
             self._patch()
         elif not wanted and self._originals is not None:
@@ -324,18 +283,6 @@ def _forgetting(graph: Any, on_release: Callable[[bool], None]) -> Callable[[boo
     return released
 
 
-def choose_route(routers: list[CaptureRouter], graph: Any, requested_pool: Any) -> Route | None:
-    """The route of the innermost router that takes the capture (a router returns None to pass it on)."""
-    for router in routers:
-        route = router(graph, requested_pool)
-        if route is None:
-            continue
-        if not isinstance(route, Route):
-            raise TypeError(f"a capture router must return a hal.types.Route or None, not {type(route).__name__}")
-        return route
-    return None
-
-
 _by_class: dict[type, GraphClassRouting] = {}
 _by_class_lock = threading.Lock()
 
@@ -343,7 +290,7 @@ _by_class_lock = threading.Lock()
 def routing_for(graph_class: type, current_device: Callable[[], int], pool_id: Callable[[Any], Any],
                 prepare: Callable[[], None] | None = None, backend: str | None = None) -> GraphClassRouting:
     """The one :class:`GraphClassRouting` of ``graph_class`` in this process (patched at once while the
-    process has routers, see :func:`add_process_router`)."""
+    process has routers, see :func:`hal.routing.add_process_router`)."""
     with _by_class_lock:
         routing = _by_class.get(graph_class)
         if routing is None:
@@ -357,44 +304,16 @@ def routing_for(graph_class: type, current_device: Callable[[], int], pool_id: C
         return routing
 
 
-# -- the process's routers: every capture of every backend and device ------------------------------
-
-#: ``router(backend, device, graph, requested_pool) -> Route | None``: asked for every capture no router of
-#: its device takes, whatever the backend (by name) and device
-ProcessRouter = Callable[[str, int, Any, Any], "Route | None"]
-_process_routers: list[ProcessRouter] = []
-
-
-def process_route(backend: str, device: int, graph: Any, requested_pool: Any) -> Route | None:
-    """The route of the innermost process router that takes a capture of ``backend`` on ``device``."""
-    for router in reversed(list(_process_routers)):
-        route = router(backend, device, graph, requested_pool)
-        if route is None:
-            continue
-        if not isinstance(route, Route):
-            raise TypeError(f"a capture router must return a hal.types.Route or None, not {type(route).__name__}")
-        return route
-    return None
-
-
-def add_process_router(router: ProcessRouter) -> None:
-    """Ask ``router`` for every capture no router of its device takes (framework graph classes already known
-    to hal are patched now, later ones when hal first sees them)."""
+def _resync() -> None:
+    """The process's routers changed: patch or unpatch every graph class hal knows."""
     with _by_class_lock:
-        _process_routers.append(router)
         routings = list(_by_class.values())
     for routing in routings:
         with routing._lock:
             routing._sync_patch()
 
 
-def remove_process_router(router: ProcessRouter) -> None:
-    with _by_class_lock:
-        _process_routers.remove(router)
-        routings = list(_by_class.values())
-    for routing in routings:
-        with routing._lock:
-            routing._sync_patch()
+on_process_routers_change(_resync)
 
 
 def routable(graph_class: Any) -> bool:

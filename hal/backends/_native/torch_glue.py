@@ -65,6 +65,20 @@ class TorchExtension:
             caps.add("custom_pool")
         return frozenset(caps)
 
+    def class_routing(self, backend: str) -> GraphClassRouting | None:
+        """The routing of this extension's graph class for the process's routers, where the extension's module
+        is imported already (None otherwise, or where its graph class cannot be routed). Opens no device."""
+        ext = sys.modules.get(self.module)
+        torch = sys.modules.get("torch")
+        if ext is None or torch is None:
+            return None
+        ns = getattr(ext, self.device_type, None) or getattr(torch, self.device_type, None)
+        graph_class = getattr(ns, self.graph_class, None)
+        if ns is None or graph_class is None or not routable(graph_class):
+            return None
+        return routing_for(graph_class, ns.current_device, lambda pool: pool.id,
+                           prepare=stream_state(torch, ns, self.device_type).prepare_current, backend=backend)
+
 
 @dataclass(eq=False)
 class TorchPool:
@@ -330,21 +344,6 @@ class TorchGlue:
 
     def release_graph(self, graph: Any) -> None:
         graph.reset()
-
-
-def class_routing(extension: TorchExtension, backend: str) -> GraphClassRouting | None:
-    """The routing of ``extension``'s graph class for the process's routers, where the extension's module is
-    imported already (None otherwise, or where its graph class cannot be routed). Opens no device."""
-    ext = sys.modules.get(extension.module)
-    torch = sys.modules.get("torch")
-    if ext is None or torch is None:
-        return None
-    ns = getattr(ext, extension.device_type, None) or getattr(torch, extension.device_type, None)
-    graph_class = getattr(ns, extension.graph_class, None)
-    if ns is None or graph_class is None or not routable(graph_class):
-        return None
-    return routing_for(graph_class, ns.current_device, lambda pool: pool.id,
-                       prepare=stream_state(torch, ns, extension.device_type).prepare_current, backend=backend)
 
 
 #: the capabilities that depend on the extension giving a pool's segments to the pool's allocator

@@ -12,7 +12,7 @@ import ctypes
 from ctypes import POINTER, c_char, c_char_p, c_int, c_int32, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
 from typing import Any
 
-from hal.backends._native.library import LibraryCache, NativeInvalidArgumentError, NativeLibrary, native_error
+from hal.backends._native.library import LibraryCache, NativeLibrary, native_error
 from hal.errors import HalError
 
 NAME = "ascend"
@@ -145,10 +145,6 @@ OPTIONAL: dict[str, list[Any]] = {
     "aclrtMemSetAccess": [c_void_p, c_size_t, _P(AclrtMemAccessDesc), c_size_t],
     "aclsysGetCANNVersion": [c_int, _P(AclCANNPackageVersion)],
 }
-
-
-#: deprecated: the former name of the shared :class:`~hal.backends._native.library.NativeInvalidArgumentError`
-AclInvalidArgumentError = NativeInvalidArgumentError
 
 
 def error_for(code: int, call: str, native: str, detail: str = "") -> HalError:

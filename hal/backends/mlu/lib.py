@@ -15,7 +15,7 @@ import threading
 from ctypes import POINTER, c_int, c_int32, c_uint, c_uint8, c_uint32, c_uint64, c_void_p
 from typing import Any
 
-from hal.backends._native.library import LibraryCache, NativeInvalidArgumentError, NativeLibrary, native_error
+from hal.backends._native.library import LibraryCache, NativeLibrary, native_error
 from hal.errors import HalError
 
 NAME = "mlu"
@@ -138,10 +138,6 @@ PROTOTYPES: dict[str, list[Any]] = {
     "cnMemSetAccess": [c_uint64, c_uint64, _P(CNmemAccessDesc), c_uint64],
     "cnMemUnmap": [c_uint64, c_uint64],
 }
-
-
-#: deprecated: the former name of the shared :class:`~hal.backends._native.library.NativeInvalidArgumentError`
-CnInvalidArgumentError = NativeInvalidArgumentError
 
 
 def error_for(code: int, call: str, native: str) -> HalError:

@@ -1,0 +1,331 @@
+"""The graph, stream, pool and capture calls of :class:`hal.Backend`.
+
+:class:`GraphCalls` remembers each pool (paused, released) and the pool
+each graph was captured into, routed or not, so that :meth:`GraphCalls.replay`
+refuses a graph whose memory is gone or asleep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+from hal import api
+from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError, PluginValidationError
+from hal.hook_calls import ADDRESS_LIMIT, HookCalls
+from hal.types import CaptureRouter, GraphAddresses, Route
+
+
+class GraphCalls(HookCalls):
+    """Streams, pools, captures, routing and replays through the plugin; owns what a replay checks of the pool
+    a graph was captured into (:meth:`_init_graphs` makes it)."""
+
+    def _init_graphs(self) -> None:
+        self._local = threading.local()
+        self._pools = _ByIdentity()  # pool -> its _PoolState (paused, released)
+        self._graph_pool = _ByIdentity()  # graph -> the _PoolState of the pool it was captured into, or _RELEASED
+
+    # -- streams ----------------------------------------------------------
+
+    def torch_device(self) -> Any:
+        """The ``torch.device`` of this backend's device."""
+        return self._graph_call("torch_device")
+
+    def create_stream(self) -> Any:
+        """A new stream on the device."""
+        return self._graph_call("create_stream")
+
+    def current_stream(self) -> Any:
+        """The stream work is submitted to now."""
+        return self._graph_call("current_stream")
+
+    def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
+        """Context manager: ``stream`` is the current stream inside it."""
+        return self._graph_call("use_stream", stream=stream)
+
+    def synchronize(self, stream: Any = None) -> None:
+        """Wait for ``stream`` (the whole device when ``None``)."""
+        self._graph_call("synchronize", stream=stream)
+
+    # -- pools ------------------------------------------------------------
+
+    def create_pool(self, alloc: api.AllocFn | None = None, free: api.FreeFn | None = None, *,
+                    paused: Callable[[], bool] | None = None) -> Any:
+        """A memory pool for captures; with ``alloc``/``free``, its segments come from them.
+
+        :param paused: with callbacks: tells whether the memory behind them is
+            released for now (asleep); :meth:`replay` of a graph captured into
+            the pool raises :class:`InvalidStateError` while it says ``True``.
+        :raises UnsupportedError: callbacks given but the backend lacks ``"custom_pool"``.
+        """
+        if (alloc is None) != (free is None):
+            raise self._err(InvalidArgumentError, "create_pool", "give both alloc and free, or neither")
+        if paused is not None and (alloc is None or not callable(paused)):
+            raise self._err(InvalidArgumentError, "create_pool",
+                            f"paused={paused!r} must be a callable, given with alloc and free")
+        if alloc is not None:
+            self._refuse_without("custom_pool", "create_pool",
+                                 "no pools over custom allocator callbacks on this backend")
+        pool = self._graph_call("create_pool", alloc=alloc, free=free)
+        self._pools.put(pool, _PoolState(paused))
+        return pool
+
+    def use_pool(self, pool: Any) -> AbstractContextManager[None]:
+        """Context manager: the framework's allocations on this thread inside it come from ``pool``.
+
+        :raises UnsupportedError: the backend lacks ``"use_pool"``.
+        """
+        self._refuse_without("use_pool", "use_pool", "this backend cannot direct the framework's allocations to a pool")
+        return self._graph_call("use_pool", pool=backend_pool(pool))
+
+    def tensor_at(self, ptr: int, nbytes: int, owner: Any = None) -> Any:
+        """A ``torch.uint8`` tensor over ``nbytes`` of device memory at ``ptr`` (no copy, not owning it).
+
+        The tensor and its views keep ``owner`` alive.
+        """
+        self._check_ptr("tensor_at", ptr)
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes < ADDRESS_LIMIT - ptr:
+            raise self._err(InvalidArgumentError, "tensor_at",
+                            f"nbytes={nbytes!r} must be an int >= 0 that keeps ptr + nbytes below 2**64")
+        return self._graph_call("tensor_at", ptr=ptr, nbytes=nbytes, owner=owner)
+
+    def pool_paused(self, pool: Any) -> bool:
+        """Whether the memory behind ``pool`` is released for now (see ``create_pool(paused=...)``)."""
+        state = self._pools.get(backend_pool(pool))
+        return bool(state is not None and state.paused is not None and state.paused())
+
+    def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of every block of ``pool`` still in use."""
+        return list(self._graph_call("pool_active_blocks", pool=pool))
+
+    def release_pool(self, pool: Any) -> None:
+        """Drop a pool; its segments go back where they came from (once their tensors die).
+
+        A graph captured into it can no longer replay (:meth:`replay` raises).
+        """
+        self._graph_call("release_pool", pool=pool)
+        state = self._pools.get(pool)
+        if state is not None:
+            state.released = True  # the graphs captured into it hold the state
+            self._pools.pop(pool)
+
+    # -- graphs -----------------------------------------------------------
+
+    def create_graph(self) -> Any:
+        """A new, empty graph."""
+        return self._graph_call("create_graph")
+
+    def capture(self, graph: Any, pool: Any = None, stream: Any = None,
+                capture_error_mode: str | None = None, *, inspect: bool = False) -> AbstractContextManager[Any]:
+        """Context manager that captures the work done inside it into ``graph``.
+
+        ``capture_error_mode=None`` uses the backend's default mode.
+        ``inspect=True`` records what :meth:`graph_addresses` reports (needs
+        ``"graph_addresses"``).
+        """
+        if capture_error_mode not in (None, "global", "thread_local", "relaxed"):
+            raise self._err(InvalidArgumentError, "capture",
+                            f"capture_error_mode={capture_error_mode!r} must be global, thread_local or relaxed")
+        if inspect:
+            self._refuse_without("graph_addresses", "capture",
+                                 "inspect=True: this backend cannot tell which addresses a graph uses")
+        owner = getattr(pool, "__hal_backend__", None)  # a graphkit pool handle: the backend of its pools
+        if owner is not None and (owner.name, owner.device) != (self.name, self.device):
+            raise self._err(CaptureError, "capture", f"pool={pool!r} belongs to {owner.name}:{owner.device}, not "
+                            f"to this backend ({self.name}:{self.device}): capture through the backend of the pools")
+        pool = backend_pool(pool)
+        inner = self._graph_call("capture", graph=graph, pool=pool, stream=stream,
+                                 capture_error_mode=capture_error_mode, inspect=bool(inspect))
+        return self._tracking(graph, pool, inner)
+
+    @contextlib.contextmanager
+    def _tracking(self, graph: Any, pool: Any, inner: AbstractContextManager[Any]) -> Iterator[Any]:
+        """Run ``inner`` (a capture of ``graph``) and remember the pool it drew from, routed or not."""
+        stack = self._capturing()
+        stack.append([pool])  # a router that chooses another pool appends it
+        try:
+            with inner as captured:
+                yield captured
+        finally:
+            chosen = stack.pop()[-1]
+        state = None if chosen is None else self._pools.get(chosen)
+        if state is not None:
+            self._graph_pool.put(graph, state)
+        else:
+            self._graph_pool.pop(graph)
+
+    def _capturing(self) -> list[list[Any]]:
+        stack = getattr(self._local, "capturing", None)
+        if stack is None:
+            stack = self._local.capturing = []
+        return stack
+
+    def route_captures(self, router: CaptureRouter) -> AbstractContextManager[None]:
+        """Context manager: every capture started inside it takes the pool ``router`` chooses.
+
+        See :func:`hal.api.route_captures`.
+
+        :raises UnsupportedError: the backend lacks ``"capture_routing"``.
+        """
+        if not callable(router):
+            raise self._err(InvalidArgumentError, "route_captures", f"router={router!r} must be callable")
+        self._refuse_without("capture_routing", "route_captures", "this backend cannot route the framework's captures")
+
+        def noted(graph: Any, requested_pool: Any) -> Route | None:
+            route = router(graph, requested_pool)
+            stack = self._capturing()
+            if stack and isinstance(route, Route):  # a capture through this facade: replay checks this pool
+                stack[-1].append(route.pool)
+            return route
+
+        return self._graph_call("route_captures", router=noted)
+
+    def graph_addresses(self, graph: Any) -> GraphAddresses:
+        """The memory ``graph``'s replay reads or writes, read from the graph (see :func:`hal.api.graph_addresses`).
+
+        :raises UnsupportedError: the backend lacks ``"graph_addresses"``.
+        """
+        self._refuse_without("graph_addresses", "graph_addresses",
+                             "this backend cannot tell which addresses a graph uses")
+        found = self._graph_call("graph_addresses", graph=graph)
+        if not isinstance(found, GraphAddresses):
+            raise self._err(PluginValidationError, "graph_addresses",
+                            f"the backend returned {type(found).__name__}, not a hal.types.GraphAddresses")
+        return found
+
+    def default_capture_stream(self) -> Any:
+        """The stream the framework's own capture API uses when it is given none."""
+        if "default_capture_stream" not in self._implemented:
+            return self.current_stream()
+        return self._graph_call("default_capture_stream")
+
+    def current_device(self) -> int:
+        """The device the backend's framework calls current in this thread now (captures start there), as
+        :func:`hal.get_backend` means it by default; this backend's own device where the plugin cannot tell."""
+        ask = getattr(type(self.plugin), "current_device", None)
+        if ask is None:
+            return self.device
+        from hal.registry import current_device
+
+        return current_device(type(self.plugin))
+
+    def prepare_capture_stream(self, stream: Any = None) -> None:
+        """Make, outside any capture, the per-stream state the framework's libraries create lazily on ``stream``.
+
+        cuBLAS and cuBLASLt allocate a workspace per stream (and library handle, one per thread) at their
+        first GEMM there; inside a capture it would land in the capture's pool. hal does this itself before
+        every capture it starts or routes; call it for a capture it never sees. ``stream`` defaults to the
+        stream the framework's capture API uses when given none. Idempotent and cheap once done.
+
+        :raises InvalidStateError: ``stream`` is capturing now.
+        """
+        self._check_open("prepare_capture_stream")
+        if "prepare_capture_stream" not in self._implemented:
+            return
+        stream = stream if stream is not None else self.default_capture_stream()
+        self._graph_call("prepare_capture_stream", stream=stream)
+
+    def stream_state_sizes(self) -> dict[int, str]:
+        """``{bytes: what}`` of the per-stream state :meth:`prepare_capture_stream` makes (``{}`` where none)."""
+        if "stream_state_sizes" not in self._implemented:
+            return {}
+        return dict(self._graph_call("stream_state_sizes"))
+
+    def replay(self, graph: Any) -> None:
+        """Launch a captured graph.
+
+        :raises InvalidStateError: the graph was released, the pool it was
+            captured into was released, or that pool's memory is paused (see
+            ``create_pool(paused=...)``).
+        """
+        state = self._graph_pool.get(graph)
+        if state is not None and (state.released or (state.paused is not None and state.paused())):
+            raise self._err(InvalidStateError, "replay", state.why_not())
+        direct = self._direct_replay()
+        if direct is not None:
+            self._check_open("replay")
+            direct(graph)
+            return
+        self._graph_call("replay", graph=graph)
+
+    def release_graph(self, graph: Any) -> None:
+        """Destroy a graph (its pool's memory stays with the pool); a later :meth:`replay` of it raises."""
+        self._graph_call("release_graph", graph=graph)
+        self._graph_pool.put(graph, _RELEASED, weak_only=True)
+
+
+@dataclass(eq=False)
+class _PoolState:
+    """What :meth:`Backend.replay` checks of the pool a graph was captured into (shared with the graph)."""
+
+    paused: Callable[[], bool] | None = None
+    released: bool = False
+
+    def why_not(self) -> str:
+        if self is _RELEASED:
+            return "the graph was released (release_graph); capture a new graph to replay this work"
+        if self.released:
+            return ("the pool the graph was captured into was released (release_pool, or graphkit's "
+                    "pools.release(key) / close()), so the memory its replay reads and writes is gone; capture "
+                    "the graph again into a live pool (release graphs before their pools)")
+        return "the graph's memory is paused (released while asleep): resume it before replaying"
+
+
+#: the state of a released graph's pool: nothing replays it
+_RELEASED = _PoolState(released=True)
+
+
+class _ByIdentity:
+    """A map keyed by object identity that forgets an object when it dies (objects need not be hashable)."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[Callable[[], Any], Any]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, obj: Any, value: Any, *, weak_only: bool = False) -> None:
+        """Map ``obj`` to ``value``; ``weak_only``: forget ``obj`` instead where it cannot be weakly referred
+        to (a mark that must not keep it alive)."""
+        key = id(obj)
+        items = self._items
+
+        def forget(_: object) -> None:
+            items.pop(key, None)
+
+        try:
+            ref: Callable[[], Any] = weakref.ref(obj, forget)
+        except TypeError:  # not weakly referable: held until popped
+            if weak_only:
+                self.pop(obj)
+                return
+            ref = functools.partial(_same, obj)
+        with self._lock:
+            self._items[key] = (ref, value)
+
+    def get(self, obj: Any) -> Any:
+        item = self._items.get(id(obj))
+        return item[1] if item is not None and item[0]() is obj else None
+
+    def pop(self, obj: Any) -> None:
+        with self._lock:
+            item = self._items.get(id(obj))
+            if item is not None and item[0]() is obj:
+                del self._items[id(obj)]
+
+
+def _same(obj: Any) -> Any:
+    return obj
+
+
+def backend_pool(pool: Any) -> Any:
+    """The backend pool behind ``pool``: objects that stand for one (a graphkit pool handle) say so
+    through a ``__hal_pool__`` attribute, which raises a :class:`hal.HalError` once that pool is gone."""
+    unwrap = getattr(type(pool), "__hal_pool__", None)
+    return pool if unwrap is None else pool.__hal_pool__
+
+

@@ -1,0 +1,204 @@
+"""The calls into one backend plugin, with the conventions of :mod:`hal.api`.
+
+:class:`HookCalls` is the part of :class:`hal.Backend` that owns the plugin
+manager: the backend plugin registered next to hal's accounting and fault
+injector (and the tracer, with ``HAL_TRACE``), which hooks it implements, the
+capabilities it keeps, and how a hook's result or failure is checked: a
+missing hook or an absent capability raises :class:`hal.UnsupportedError`
+naming the backend, the call and the capability, and a ``None`` from a hook
+that must return a value is a broken plugin (:class:`hal.PluginValidationError`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pluggy
+
+from hal import api
+from hal.errors import HalError, InvalidArgumentError, InvalidStateError, PluginValidationError, UnsupportedError
+from hal.types import MemInfo
+from hal.wrappers import Accounting, FaultInjector, LiveCounts, install_tracing
+
+log = logging.getLogger("hal")
+
+#: sizes and addresses are 64-bit in every driver: larger ones would wrap
+ADDRESS_LIMIT = 1 << 64
+
+
+class HookCalls:
+    """One backend plugin behind a pluggy manager of its own, called by the contract's conventions.
+
+    Owns the manager and its wrapper plugins (``accounting``, ``faults``,
+    tracing), the set of hooks the plugin implements, the capabilities it
+    keeps, and whether the backend is closed.
+    """
+
+    def __init__(self, name: str, plugin: Any, *, device: int = 0, origin: str = "built-in") -> None:
+        self.name = name
+        self.device = device
+        self.origin = origin
+        self.plugin = plugin
+        self._pm = pluggy.PluginManager("hal")
+        self._pm.add_hookspecs(api)
+        self.accounting = Accounting()
+        self.faults = FaultInjector(name)
+        self._pm.register(self.accounting, name="hal-accounting")
+        self._pm.register(self.faults, name="hal-faults")
+        try:
+            self._pm.register(plugin, name=name)
+            self._pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise PluginValidationError(f"plugin does not fit the hal contract: {exc}", backend=name) from exc
+        self._untrace = install_tracing(self._pm, name) if os.environ.get("HAL_TRACE") else None
+        self._hook = self._pm.hook
+        self._replay_cache: tuple[int, Callable[[Any], Any] | None] | None = None
+        self._implemented = frozenset(
+            caller.name for caller in self._pm.get_hookcallers(plugin) or () if caller.name in api.ALL_HOOKS
+        )
+        self._lock = threading.RLock()  # the bookkeeping of the calls, and close()
+        self._closed = False
+        self._granularity: int | None = None
+        self._capabilities: frozenset[str] | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- helpers ----------------------------------------------------------
+
+    def _err(self, cls: type[HalError], call: str, message: str) -> HalError:
+        return cls(message, backend=self.name, call=call)
+
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise self._err(InvalidStateError, call, "the backend is closed")
+
+    def _check_ptr(self, call: str, ptr: Any) -> None:
+        if not isinstance(ptr, int) or isinstance(ptr, bool) or not 0 <= ptr < ADDRESS_LIMIT:
+            raise self._err(InvalidArgumentError, call, f"ptr={ptr!r} must be an int address in [0, 2**64)")
+
+    def _require(self, hook: str) -> None:
+        if hook not in self._implemented:
+            capability = api.HOOK_CAPABILITY.get(hook)
+            needs = f"; it is part of the {capability!r} capability" if capability else ""
+            has = ", ".join(sorted(self.capabilities)) or "none"
+            raise self._err(UnsupportedError, hook,
+                            f"this backend does not implement it{needs} (the backend's capabilities: {has})")
+
+    def _result(self, hook: str, value: Any) -> Any:
+        """``value``, unless a hook that must return something returned ``None`` (a broken plugin)."""
+        if value is None and hook in api.RESULT_HOOKS:
+            raise self._err(PluginValidationError, hook,
+                            "the backend returned None; a hook it cannot serve must be left out or raise "
+                            "hal.UnsupportedError (see hal.api)")
+        return value
+
+    @contextlib.contextmanager
+    def _plugin_faults(self, hook: str) -> Iterator[None]:
+        """What else than a hal error the plugin's ``hook`` raises leaves as :class:`PluginValidationError`
+        (a hook raises hal errors only): callers that pass a broken plugin over catch hal errors."""
+        try:
+            yield
+        except HalError:
+            raise
+        except Exception as exc:
+            raise self._err(PluginValidationError, hook, f"the plugin's {hook}() raised {type(exc).__name__}: "
+                                                         f"{exc} (a hook raises hal errors only)") from exc
+
+    def _refuse_without(self, capability: str, call: str, what: str) -> None:
+        if capability not in self.capabilities:
+            raise self._err(UnsupportedError, call, f"{what} (capability {capability!r} is absent)")
+
+    # -- queries ----------------------------------------------------------
+
+    @property
+    def granularity(self) -> int:
+        """Minimum physical granularity in bytes; every vmm size is a multiple of it."""
+        if self._granularity is None:
+            g = self._result("granularity", self._hook.granularity(recommended=False))
+            if not isinstance(g, int) or g <= 0:
+                raise self._err(HalError, "granularity", f"backend returned {g!r}")
+            self._granularity = g
+        return self._granularity
+
+    @property
+    def recommended_granularity(self) -> int:
+        """The granularity the driver recommends (a multiple of :attr:`granularity`)."""
+        return int(self._result("granularity", self._hook.granularity(recommended=True)))
+
+    def device_count(self) -> int:
+        """How many devices this backend sees."""
+        return int(self._result("device_count", self._hook.device_count()))
+
+    def mem_info(self) -> MemInfo:
+        """Free and total device memory, as the driver sees it."""
+        return self._result("mem_info", self._hook.mem_info())
+
+    @property
+    def live(self) -> LiveCounts:
+        """What is live now (ranges, chunks, mappings, pools, graphs), per the accounting wrapper."""
+        return self.accounting.snapshot()
+
+    # -- capabilities ---------------------------------------------------
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """What the backend can do beyond vmm (names of :data:`hal.api.CAPABILITIES`).
+
+        What the backend declares, less any capability whose hooks it does not
+        all implement (logged once: that is a bug in the plugin).
+        """
+        if self._capabilities is None:
+            declared: frozenset[str] = frozenset()
+            if "capabilities" in self._implemented:
+                with self._plugin_faults("capabilities"):
+                    declared = frozenset(self._result("capabilities", self._hook.capabilities()))
+            kept = set()
+            for capability in declared:
+                missing = [h for h in api.CAPABILITY_HOOKS.get(capability, ()) if h not in self._implemented]
+                if missing:
+                    log.warning("%s: declares capability %r but does not implement %s; ignored", self.name,
+                                capability, ", ".join(missing))
+                else:
+                    kept.add(capability)
+            self._capabilities = frozenset(kept)
+        return self._capabilities
+
+    def supports(self, capability: str) -> bool:
+        """Whether ``capability`` is in :attr:`capabilities`."""
+        return capability in self.capabilities
+
+    def implements(self, hook: str) -> bool:
+        """Whether the backend implements ``hook`` (a name of :data:`hal.api.ALL_HOOKS`)."""
+        if hook not in api.ALL_HOOKS:
+            raise self._err(InvalidArgumentError, "implements", f"hook={hook!r} is not a hook of the hal contract")
+        return hook in self._implemented
+
+    # -- calling hooks ----------------------------------------------------
+
+    def _graph_call(self, hook: str, **kwargs: Any) -> Any:
+        self._check_open(hook)
+        self._require(hook)
+        return self._result(hook, getattr(self._hook, hook)(**kwargs))
+
+    def _direct_replay(self) -> Callable[[Any], Any] | None:
+        """The plugin's own ``replay`` where nothing else would see the call (replay is a hot path): no fault
+        is armed for it, no tracing, and no plugin but the backend and hal's fault injector implements it."""
+        if self._untrace is not None or self.faults.armed("replay"):
+            return None
+        plugins = len(self._pm.get_plugins())  # the answer holds until a plugin is registered or unregistered
+        cached = self._replay_cache
+        if cached is not None and cached[0] == plugins:
+            return cached[1]
+        impls = self._hook.replay.get_hookimpls()
+        direct = None
+        if len(impls) == 2 and {impl.plugin for impl in impls} == {self.plugin, self.faults}:
+            direct = next(impl.function for impl in impls if impl.plugin is self.plugin)
+        self._replay_cache = (plugins, direct)
+        return direct

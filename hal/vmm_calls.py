@@ -1,0 +1,197 @@
+"""The vmm calls of :class:`hal.Backend`, each checked before the driver sees it.
+
+:class:`VmmCalls` keeps the reserved ranges, live chunks and mappings the
+backend handed out, refuses a call that does not fit them (sizes, alignment,
+reserved ranges, live handles, double release) with an error naming the
+argument, and changes its bookkeeping only when the driver's call succeeded.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+from hal.errors import InvalidArgumentError, InvalidStateError, PluginValidationError
+from hal.hook_calls import ADDRESS_LIMIT, HookCalls
+from hal.types import MappedRange, fmt_bytes
+
+
+class VmmCalls(HookCalls):
+    """Reserve, allocate, map, unmap and release device memory through the plugin, with the checks of
+    :mod:`hal.api`; owns the live ranges, chunks and mappings (:meth:`_init_vmm` makes them)."""
+
+    def _init_vmm(self) -> None:
+        self._ranges: dict[int, int] = {}
+        self._range_starts: list[int] = []
+        self._handles: dict[Any, int] = {}
+        self._handle_maps: dict[Any, int] = {}
+        self._mappings: dict[int, MappedRange] = {}
+        self._map_starts: list[int] = []
+
+    def _check_size(self, call: str, size: Any, arg: str = "size") -> None:
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise self._err(InvalidArgumentError, call, f"{arg}={size!r} must be a positive int")
+        if size >= ADDRESS_LIMIT:  # would wrap in the driver's size_t
+            raise self._err(InvalidArgumentError, call, f"{arg}={size} is not below 2**64")
+        g = self.granularity
+        if size % g:
+            raise self._err(
+                InvalidArgumentError, call,
+                f"{arg}={size} is not a multiple of the granularity {g} ({fmt_bytes(g)})",
+            )
+
+    def create_vir_ptr(self, size: int) -> int:
+        """Reserve ``size`` bytes of virtual address space; return the start address."""
+        with self._lock:
+            self._check_open("create_vir_ptr")
+            self._check_size("create_vir_ptr", size)
+            ptr = int(self._result("create_vir_ptr", self._hook.create_vir_ptr(size=size)))
+            self._ranges[ptr] = size
+            bisect.insort(self._range_starts, ptr)
+            return ptr
+
+    def release_vir_ptr(self, ptr: int, size: int) -> None:
+        """Free a reserved range; nothing may be mapped in it."""
+        call = "release_vir_ptr"
+        with self._lock:
+            self._check_open(call)
+            self._check_ptr(call, ptr)
+            if ptr not in self._ranges:
+                raise self._err(InvalidStateError, call,
+                                f"ptr={ptr:#x} is not a live reservation (released twice?)")
+            if self._ranges[ptr] != size:
+                raise self._err(InvalidArgumentError, call,
+                                f"size={size} differs from the reserved size {self._ranges[ptr]}")
+            inside = self._mappings_in(ptr, ptr + size)
+            if inside:
+                raise self._err(InvalidStateError, call,
+                                f"{len(inside)} mapping(s) still live in the range at {ptr:#x}; unmap first")
+            self._hook.release_vir_ptr(ptr=ptr, size=size)
+            del self._ranges[ptr]
+            self._range_starts.remove(ptr)
+
+    def create_phy_mem_handle(self, size: int) -> Any:
+        """Allocate one physical chunk of ``size`` bytes; return its handle."""
+        with self._lock:
+            self._check_open("create_phy_mem_handle")
+            self._check_size("create_phy_mem_handle", size)
+            handle = self._result("create_phy_mem_handle", self._hook.create_phy_mem_handle(size=size))
+            self._handles[handle] = size
+            self._handle_maps[handle] = 0
+            return handle
+
+    def release_phy_mem_handle(self, handle: Any) -> None:
+        """Free a chunk; it must be mapped nowhere."""
+        call = "release_phy_mem_handle"
+        with self._lock:
+            self._check_open(call)
+            if handle not in self._handles:
+                raise self._err(InvalidStateError, call,
+                                f"handle={handle!r} is not live (released twice?)")
+            if self._handle_maps[handle]:
+                raise self._err(InvalidStateError, call,
+                                f"handle={handle!r} is still mapped {self._handle_maps[handle]} time(s)")
+            self._hook.release_phy_mem_handle(handle=handle)
+            del self._handles[handle]
+            del self._handle_maps[handle]
+
+    def map(self, ptr: int, size: int, handle: Any) -> None:
+        """Map the whole chunk ``handle`` (of ``size`` bytes) at ``ptr``, read-write."""
+        call = "map"
+        with self._lock:
+            self._check_open(call)
+            if handle not in self._handles:
+                raise self._err(InvalidStateError, call, f"handle={handle!r} is not live")
+            if size != self._handles[handle]:
+                raise self._err(InvalidArgumentError, call,
+                                f"size={size} must equal the chunk's size {self._handles[handle]} "
+                                "(maps are whole handles)")
+            if not isinstance(ptr, int) or ptr % self.granularity:
+                raise self._err(InvalidArgumentError, call,
+                                f"ptr={ptr:#x} is not aligned to the granularity {self.granularity}"
+                                if isinstance(ptr, int) else f"ptr={ptr!r} must be an int address")
+            self._check_in_range(call, ptr, size)
+            clash = self._mappings_in(ptr, ptr + size)
+            if clash:
+                raise self._err(InvalidStateError, call,
+                                f"[{ptr:#x}, {ptr + size:#x}) overlaps the mapping at {clash[0].ptr:#x}")
+            self._hook.map(ptr=ptr, size=size, handle=handle)
+            self._mappings[ptr] = MappedRange(ptr, size, handle)
+            bisect.insort(self._map_starts, ptr)
+            self._handle_maps[handle] += 1
+
+    def unmap(self, ptr: int, size: int) -> None:
+        """Undo exactly one earlier ``map(ptr, size, ...)``."""
+        call = "unmap"
+        with self._lock:
+            self._check_open(call)
+            self._check_ptr(call, ptr)
+            m = self._mappings.get(ptr)
+            if m is None:
+                raise self._err(InvalidStateError, call, f"nothing is mapped at ptr={ptr:#x}")
+            if m.size != size:
+                raise self._err(InvalidArgumentError, call,
+                                f"size={size} differs from the mapping's size {m.size} (partial unmap)")
+            self._hook.unmap(ptr=ptr, size=size)
+            del self._mappings[ptr]
+            self._map_starts.remove(ptr)
+            self._handle_maps[m.handle] -= 1
+
+    def export_phy_mem_handle(self, handle: Any) -> int:
+        """A new file descriptor through which another process imports the chunk ``handle`` (yours to close).
+
+        See :func:`hal.api.export_phy_mem_handle`.
+
+        :raises UnsupportedError: the backend cannot export chunks (the hook is absent, or says why not).
+        """
+        call = "export_phy_mem_handle"
+        with self._lock:
+            self._check_open(call)
+            self._require(call)
+            if handle not in self._handles:
+                raise self._err(InvalidStateError, call, f"handle={handle!r} is not live")
+            fd = self._result(call, self._hook.export_phy_mem_handle(handle=handle))
+            if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
+                raise self._err(PluginValidationError, call, f"the backend returned {fd!r}, not a file descriptor")
+            return fd
+
+    def import_phy_mem_handle(self, fd: int, size: int) -> Any:
+        """A handle to the chunk of ``size`` bytes another process exported as ``fd``; map and release it as
+        one from :meth:`create_phy_mem_handle` (``fd`` stays yours to close).
+
+        See :func:`hal.api.import_phy_mem_handle`.
+
+        :raises UnsupportedError: the backend cannot import chunks.
+        """
+        call = "import_phy_mem_handle"
+        with self._lock:
+            self._check_open(call)
+            self._require(call)
+            if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
+                raise self._err(InvalidArgumentError, call, f"fd={fd!r} must be a file descriptor (an int >= 0)")
+            self._check_size(call, size)
+            handle = self._result(call, self._hook.import_phy_mem_handle(fd=fd, size=size))
+            self._handles[handle] = size
+            self._handle_maps[handle] = 0
+            return handle
+
+    def _check_in_range(self, call: str, ptr: int, size: int) -> None:
+        i = bisect.bisect_right(self._range_starts, ptr) - 1
+        if i >= 0:
+            start = self._range_starts[i]
+            if ptr + size <= start + self._ranges[start]:
+                return
+        raise self._err(InvalidArgumentError, call,
+                        f"[{ptr:#x}, {ptr + size:#x}) is not inside a reserved range")
+
+    def _mappings_in(self, lo: int, hi: int) -> list[MappedRange]:
+        i = max(bisect.bisect_right(self._map_starts, lo) - 1, 0)
+        found = []
+        for start in self._map_starts[i:]:
+            if start >= hi:
+                break
+            m = self._mappings[start]
+            if m.ptr + m.size > lo:
+                found.append(m)
+        return found
+
