@@ -10,13 +10,19 @@ capture outside any group.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
+from collections import deque
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import hal
 from graphkit.graphs.strategies import Lease, PoolStrategy
+from graphkit.memory.allocator import SharedVMMAllocator
+from graphkit.memory.closing import close_step
+
+log = logging.getLogger("graphkit.graphs.pools")
 
 _serial = itertools.count(1)  # made-up pool ids, unique in the process
 
@@ -132,9 +138,12 @@ class PoolKeys:
     def __init__(self, backend: hal.Backend, strategy: PoolStrategy, owner: Any, name: str) -> None:
         """:param owner: the GraphPools, which every handle keeps alive; ``name`` names it in errors."""
         self.backend, self.strategy, self.owner, self.name = backend, strategy, owner, name
+        self.allocator: SharedVMMAllocator | None = getattr(strategy, "allocator", None)
         self.entries: dict[Hashable, KeyPool] = {}
         self.lock = threading.RLock()
         self.closed = False
+        self.dead: deque[KeyPool] = deque()  # routed graphs destroyed: accounted for at the next safe point
+        self._undropped: list[KeyPool] = []  # automatic keys whose release failed: dropped again at the next one
 
     def check_open(self, call: str) -> None:
         if self.closed:
@@ -148,6 +157,13 @@ class PoolKeys:
         except Exception as exc:  # noqa: BLE001 - whatever the key's __hash__ or __eq__ raises
             raise hal.InvalidArgumentError(f"key={key!r} must be hashable and comparable ({type(exc).__name__}: "
                                            f"{exc})", backend=self.backend.name, call=f"{self.name}.{call}") from None
+
+    def lease(self, key: Hashable, call: str) -> KeyPool:
+        """``key``'s entry, made on first use, after the safe point; ``call`` names the caller in errors."""
+        with self.lock:
+            self.check_open(call)
+            self.settle()
+            return self.lookup(key, call) or self.new(key, auto=False)
 
     def new(self, key: Hashable, auto: bool) -> KeyPool:
         """A lease from the strategy for ``key``; ``auto``: made by graph_memory, released with its graph."""
@@ -192,7 +208,7 @@ class PoolKeys:
 
     def check_awake(self, entry: KeyPool, call: str) -> None:
         """Refuse a capture into ``entry`` while its memory sleeps: its pool would hand out unmapped memory."""
-        allocator = getattr(self.strategy, "allocator", None)
+        allocator = self.allocator
         if allocator is not None and allocator.paused and not allocator.closed:
             raise hal.InvalidStateError(f"key {entry.key!r}: the graph memory of the {self.name} is paused: resume "
                                         "it (MemorySaver.resume('graphs')) before capturing into it",
@@ -211,3 +227,45 @@ class PoolKeys:
         if pool is None or isinstance(pool, tuple):
             return None
         return next((e for e in list(self.entries.values()) if e.pool is pool and e.space_id is not None), None)
+
+    # -- the safe point --------------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Release what routed graphs that died left behind (a safe point: no allocator call is running)."""
+        self._release_dead()
+        try:
+            self.strategy.settle()
+        except hal.HalError as exc:
+            log.error("a released key's space could not be released yet (retried): %s", str(exc))
+        if self.allocator is not None and not self.allocator.closed:
+            self.allocator.reap()
+
+    def _release_dead(self) -> None:
+        """Count the routed graphs that died; release the automatic keys left without one."""
+        retry, self._undropped = self._undropped, []
+        for entry in retry:
+            if self.entries.get(entry.key) is entry:
+                self._try_drop(entry)
+        while self.dead:
+            entry = self.dead.popleft()
+            entry.graphs -= 1
+            if entry.auto and entry.graphs <= 0 and self.entries.get(entry.key) is entry:
+                self._try_drop(entry)
+
+    def _try_drop(self, entry: KeyPool) -> None:
+        """Drop a key whose graphs are gone; one that fails is kept and dropped again at the next safe point."""
+        try:
+            self.drop(entry)
+        except hal.HalError as exc:
+            log.error("key %r: its pool could not be released yet (retried at the next call): %s", entry.key,
+                      str(exc))
+            if self.entries.get(entry.key) is entry:
+                self._undropped.append(entry)
+
+    def close(self, errors: list[BaseException]) -> None:
+        """Drop every key (the pools close; the routed graphs that died go with the others); a key whose pool
+        would not go stays, its error in ``errors``."""
+        for entry in list(self.entries.values()):
+            close_step(errors, self.drop, entry)
+        self.dead.clear()
+        self._undropped.clear()
