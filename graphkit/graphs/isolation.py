@@ -10,10 +10,9 @@ own capture's intermediates overwrite at replay: wrong results, silently.
 The backend reads the addresses from the captured graph itself
 (:meth:`hal.Backend.graph_addresses`); :func:`foreign_uses` matches them
 against the live spaces and :func:`check` turns a match into an
-:class:`IsolationError` that names both keys and the fix. A :class:`Verifier`
-does it for the keys of one pools' table: it decides before each capture
-whether its graph must be read (:class:`KeyCheck`) and gathers the
-:class:`Context` of the check at its end.
+:class:`IsolationError` that names both keys and the fix, from the
+:class:`Context` that the pools' verifier
+(:class:`graphkit.graphs.keys.Verifier`) gathers at the capture's end.
 """
 
 from __future__ import annotations
@@ -26,17 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import hal
-from graphkit.graphs.keys import KeyPool, PoolKeys
 from graphkit.memory.ranges import VirtualSpace
 from hal.types import GraphAddresses, fmt_bytes
 
 log = logging.getLogger("graphkit.graphs.isolation")
-
-#: what an isolation error advises, for a capture graph_memory routed and for one into pools.pool(key)
-FIX_ROUTED = ("Put the captures that pass tensors to each other (the pieces of one batch) in one space: "
-              "`with pools.group(key):` around them")
-FIX_KEYED = ("Use one key for the captures that pass tensors to each other (the pieces of one batch): "
-             "the same pools.pool(key), or `with pools.group(key):` around them")
 
 
 class IsolationError(hal.CaptureError):
@@ -222,94 +214,6 @@ def _explain(use: ForeignUse, owner: str, state_sizes: Mapping[int, str]) -> tup
     return f"{text} -- the size of {named[0]} for one stream", fix
 
 
-class KeyCheck:
-    """The isolation check of the captures of one key, decided before they begin (by :meth:`Verifier.check`).
-
-    A graph can only misuse memory that another key holds alive; when no other key holds any
-    (``read`` is False), the graph needs no reading and is counted as proven without it. Nothing
-    allocates in a key's space outside its captures, so a key found holding nothing holds nothing
-    until its next capture.
-
-    :param verifier: the pools' verifier (the other keys, the figures).
-    :param entry: the key the captures go to.
-    :param fix: what the caller should do when the graph reads another capture's output, for the message.
-    :param read: whether the graph must be read.
-    """
-
-    def __init__(self, verifier: Verifier, entry: KeyPool, fix: str, read: bool) -> None:
-        self.verifier, self.entry, self.fix, self.read = verifier, entry, fix, read
-
-    def __call__(self, graph: Any) -> None:
-        """Check ``graph`` (captured with its addresses recorded); raises :class:`IsolationError`."""
-        verify(self.verifier.context(self.entry, self.fix), graph, self.verifier.stats)
-
-    def accepted(self, graph: Any) -> None:
-        """The capture of ``graph`` ended well: check it where it must be read, then note it (:meth:`done`)."""
-        if self.read:
-            self(graph)
-        self.done()
-
-    def done(self) -> None:
-        """The captures into the key ended well (each checked where it had to be read): note what it holds."""
-        if not self.read:
-            self.verifier.stats.skip()
-        self.verifier.note_live(self.entry)
-
-
-class Verifier:
-    """The isolation check of the keys of one :class:`graphkit.GraphPools` and what it did (:attr:`stats`).
-
-    :param keys: the pools' key table, read under its lock.
-    :param enabled: check at all; it is on only where keys have spaces of their own (``vmm``) and the
-        backend can say which addresses a graph uses.
-    """
-
-    def __init__(self, keys: PoolKeys, enabled: bool) -> None:
-        self.keys = keys
-        self.stats = VerifyStats()
-        self.enabled = bool(enabled) and keys.allocator is not None and readable(keys.backend, [])
-
-    def check(self, entry: KeyPool, fix: str | None = None) -> KeyCheck | None:
-        """The check of a capture into ``entry`` starting now (None where there is nothing to check or no way
-        to); it reads the graph only where another key holds memory that may still be alive. Under the lock.
-
-        :param fix: what the caller should do, for the message (default: the advice for pools' keys).
-        """
-        if not self.enabled or entry.space_id is None:
-            return None
-        read = any(self.note_live(other) for other in reversed(list(self.keys.entries.values()))
-                   if other is not entry and other.space_id is not None and other.live != ())
-        return KeyCheck(self, entry, fix or (FIX_ROUTED if entry.auto else FIX_KEYED), read)
-
-    def context(self, entry: KeyPool, fix: str) -> Context:
-        """What checking a graph of ``entry`` against the other keys needs (read under the lock)."""
-        keys, alloc = self.keys, self.keys.allocator
-        assert alloc is not None and entry.space_id is not None
-        with keys.lock:
-            owners = {e.space_id: e for e in keys.entries.values() if e.space_id is not None}
-
-        def key_of(space_id: int) -> Hashable | None:
-            owner = owners.get(space_id)
-            return None if owner is None else owner.key
-
-        def live_blocks(space_id: int) -> list[tuple[int, int]] | None:
-            owner = owners.get(space_id)
-            return None if owner is None else keys.backend.pool_active_blocks(owner.pool)
-
-        return Context(keys.backend, alloc.spaces, own=entry.space_id, key=entry.key, key_of=key_of, fix=fix,
-                       live_blocks=live_blocks, state_sizes=keys.backend.stream_state_sizes())
-
-    def note_live(self, entry: KeyPool) -> bool:
-        """Note what ``entry``'s pool holds now (after its capture, or again before another key's, since
-        outputs die after their capture ends); whether it may hold anything (unknown where it cannot be read)."""
-        try:
-            entry.live = tuple(self.keys.backend.pool_active_blocks(entry.pool))
-        except hal.HalError as exc:
-            log.debug("key %r: its live blocks could not be read (%s): later captures are read", entry.key, exc)
-            entry.live = None
-        return entry.live != ()
-
-
 def readable(backend: hal.Backend, logged: list[bool]) -> bool:
     """Whether ``backend`` can say which addresses a graph uses; logs once (per ``logged``) when not."""
     if backend.supports("graph_addresses"):
@@ -321,5 +225,4 @@ def readable(backend: hal.Backend, logged: list[bool]) -> bool:
     return False
 
 
-__all__ = ["Context", "ForeignUse", "IsolationError", "KeyCheck", "Verifier", "VerifyStats", "check",
-           "foreign_uses", "verify"]
+__all__ = ["Context", "ForeignUse", "IsolationError", "VerifyStats", "check", "foreign_uses", "verify"]
