@@ -6,9 +6,12 @@ with the variable set (an engine's workers, ranks and schedulers among them),
 and calls :func:`install`. That registers an import hook and returns: nothing
 of graphkit is imported yet (graphkit imports torch) and no device is touched.
 When ``torch`` has finished importing -- and again when ``torch_npu`` or
-``torch_mlu`` has, to route their graph classes too --
-:func:`graphkit.switch.plugin` starts the switch. The hook waits while
-``hal`` or ``graphkit`` is half imported (they import torch themselves).
+``torch_mlu`` has, to route their graph classes too -- it calls the
+switch's entry point, :data:`SWITCH` (:func:`graphkit.switch.plugin`), by
+name, as a ``.pth`` file or a console script names its target: this module
+depends on nothing of graphkit, and ``graphkit.switch`` reads the variable's
+name and values here. The hook waits while ``hal`` or ``graphkit`` is half
+imported (they import torch themselves).
 
 Written by hand rather than with a post-import hook library: it runs in every
 process of the environment while the interpreter starts, so it may import the
@@ -19,6 +22,7 @@ carries on without the switch.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import threading
@@ -26,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 
-#: the variable that turns the switch on (the same as ``graphkit.switch.ENV``)
+#: the variable that turns the switch on (``graphkit.switch`` reads it from here)
 ENV = "GRAPHKIT_GRAPH_MEMORY"
 #: the values that leave it off, and those that turn it on with the default options
 OFF = ("", "0", "false", "off", "no")
@@ -35,6 +39,8 @@ ON = ("1", "true", "on", "yes")
 TRIGGERS = ("torch", "torch_npu", "torch_mlu")
 #: ... and not while one of these is half imported: starting the switch imports them
 IMPORTERS = ("hal", "graphkit")
+#: the switch's entry point, ``module:function``, imported and called once a trigger has finished importing
+SWITCH = "graphkit.switch:plugin"
 _LOGGER = "graphkit.switch"
 
 
@@ -159,10 +165,10 @@ def _warn_once(message: str, *, exc_info: bool = False) -> None:
 
 
 def start_switch() -> None:
-    """Start the switch (torch is imported by now); errors are logged once by the switch, never raised."""
-    from graphkit import switch
-
-    switch.plugin()
+    """Start the switch through its entry point :data:`SWITCH` (torch is imported by now); errors are logged
+    once by the switch, never raised."""
+    module, _, function = SWITCH.partition(":")
+    getattr(importlib.import_module(module), function)()
 
 
 def install(on_ready: Callable[[], None] = start_switch) -> StartupHook | None:

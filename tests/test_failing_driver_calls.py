@@ -91,7 +91,7 @@ def scope_scenario(be: hal.Backend) -> None:
             assert be.faults.fired, exc
             gc.collect()
             holds_exactly(be, pools, len(graphs))
-            assert len(pools.keys) == len(graphs) + len(pools._routing._undropped), pools.keys
+            assert len(pools.keys) == len(graphs) + len(pools._keys._undropped), pools.keys
         be.faults.clear()
         for n, (graph, x, out) in graphs.items():  # what was captured replays right
             x.copy_(torch.randn(n, 64))

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map
 import hal
 from graphkit.graphs import capture as cap
 from graphkit.graphs.buffers import StaticInputs
-from graphkit.graphs.outputs import Outputs
+from graphkit.graphs.outputs import Layout, Outputs
 from graphkit.graphs.report import SizeReport
 from graphkit.graphs.strategies import Lease
 
@@ -36,7 +36,13 @@ class Bucket:
     outputs: list[Any] = field(default_factory=list)  # per piece
     piece_inputs: list[list[torch.Tensor]] = field(default_factory=list)  # static inputs of pieces 1..
     report: SizeReport | None = None
-    layout: Any = None  # the runner's reading of the last piece's outputs, made at its first delivery
+    layout: Layout | None = None  # the runner's reading of the last piece's outputs, made at its first call
+
+    def read_layout(self) -> Layout:
+        """The reading of the last piece's outputs, made once (dropped with the outputs)."""
+        if self.layout is None:
+            self.layout = Layout(self.outputs[-1], self.size)
+        return self.layout
 
 
 def _spread(piece: Callable[..., Any]) -> Callable[..., Any]:
@@ -141,14 +147,16 @@ class Pieces:
 
 class CallPlan:
     """What a runner call at one batch does, made at its first call: the size and bucket that serve the batch, the
-    static buffers' views its inputs are copied into, and for a one-graph bucket whose one tensor output is handed
-    out as a view, that graph and that output (a call then only copies, replays and slices)."""
+    static buffers' views its inputs are copied into, the reading of the bucket's outputs, and for a one-graph
+    bucket whose one tensor output is handed out as a view, that graph and that output (a call then only copies,
+    replays and slices)."""
 
-    __slots__ = ("batch", "bucket", "graph", "rows", "single", "size", "sliced")
+    __slots__ = ("batch", "bucket", "graph", "layout", "rows", "single", "size", "sliced")
 
     def __init__(self, batch: int, size: int, bucket: Bucket, rows: list[tuple[str, tuple[Any, Any, Any]]],
                  single: torch.Tensor | None) -> None:
         self.batch, self.size, self.bucket, self.rows = batch, size, bucket, rows
+        self.layout = bucket.read_layout()
         self.graph = bucket.graphs[0]
         self.single = single
         self.sliced = single is not None and single.dim() > 0 and single.shape[0] == size
@@ -164,7 +172,7 @@ class CallPlan:
             step.backend.replay(self.graph)
             return self.single[:self.batch] if self.sliced else self.single
         step.replay(self.bucket, views)
-        return outputs.deliver(self.bucket, self.batch)
+        return outputs.deliver(self.layout, self.batch)
 
 
 class CallPlans:
@@ -187,8 +195,9 @@ class CallPlans:
         """The plan of ``batch``, served by ``bucket`` of ``size``, kept for the next calls."""
         if len(self._plans) >= self.LIMIT:  # a stream of ever new batches
             self._plans.clear()
-        single = self.outputs.single(bucket) if self.outputs.mode == "view" and len(bucket.graphs) == 1 else None
-        plan = self._plans[batch] = CallPlan(batch, size, bucket, list(static._rows_for(batch, size).items()), single)
+        one_view = self.outputs.mode == "view" and len(bucket.graphs) == 1
+        single = bucket.read_layout().single if one_view else None
+        plan = self._plans[batch] = CallPlan(batch, size, bucket, list(static.rows_for(batch, size).items()), single)
         return plan
 
 

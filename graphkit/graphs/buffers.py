@@ -109,14 +109,14 @@ class StaticInputs:
         """Copy ``batch`` rows of every input into the prefix; fill rows ``batch:padded_to``."""
         rows = self._rows.get((batch, padded_to))
         if rows is None:
-            rows = self._rows_for(batch, padded_to)
+            rows = self.rows_for(batch, padded_to)
         for name, t in inputs.items():
             prefix, padding, fill = rows[name]
             prefix.copy_(t, True)  # non_blocking
             if padding is not None:
                 padding.fill_(fill)
 
-    def _rows_for(self, batch: int, padded_to: int) -> dict[str, tuple[torch.Tensor, torch.Tensor | None, Any]]:
+    def rows_for(self, batch: int, padded_to: int) -> dict[str, tuple[torch.Tensor, torch.Tensor | None, Any]]:
         """The views :meth:`update` writes for ``batch`` rows padded to ``padded_to``, made once and kept."""
         if padded_to > self.max_batch:
             raise hal.InvalidArgumentError(

@@ -10,7 +10,9 @@ own capture's intermediates overwrite at replay: wrong results, silently.
 The backend reads the addresses from the captured graph itself
 (:meth:`hal.Backend.graph_addresses`); :func:`foreign_uses` matches them
 against the live spaces and :func:`check` turns a match into an
-:class:`IsolationError` that names both keys and the fix.
+:class:`IsolationError` that names both keys and the fix, from the
+:class:`Context` that the pools' verifier
+(:class:`graphkit.graphs.keys.Verifier`) gathers at the capture's end.
 """
 
 from __future__ import annotations
@@ -212,40 +214,6 @@ def _explain(use: ForeignUse, owner: str, state_sizes: Mapping[int, str]) -> tup
     return f"{text} -- the size of {named[0]} for one stream", fix
 
 
-class KeyCheck:
-    """The isolation check of the captures of one key, decided before they begin.
-
-    A graph can only misuse memory that another key holds alive; when no other key holds any
-    (``read`` is False), the graph needs no reading and is counted as proven without it. Nothing
-    allocates in a key's space outside its captures, so a key found holding nothing holds nothing
-    until its next capture.
-
-    :param context: makes the :class:`Context` of the check (at the capture's end, when it is read).
-    :param read: whether the graph must be read.
-    :param captured: called once the capture was accepted (the pools note what the key now holds).
-    """
-
-    def __init__(self, context: Callable[[], Context], stats: VerifyStats, read: bool,
-                 captured: Callable[[], object]) -> None:
-        self.context, self.stats, self.read, self.captured = context, stats, read, captured
-
-    def __call__(self, graph: Any) -> None:
-        """Check ``graph`` (captured with its addresses recorded); raises :class:`IsolationError`."""
-        verify(self.context(), graph, self.stats)
-
-    def accepted(self, graph: Any) -> None:
-        """The capture of ``graph`` ended well: check it where it must be read, then note it (:meth:`done`)."""
-        if self.read:
-            self(graph)
-        self.done()
-
-    def done(self) -> None:
-        """The captures into the key ended well (each checked where it had to be read): note it."""
-        if not self.read:
-            self.stats.skip()
-        self.captured()
-
-
 def readable(backend: hal.Backend, logged: list[bool]) -> bool:
     """Whether ``backend`` can say which addresses a graph uses; logs once (per ``logged``) when not."""
     if backend.supports("graph_addresses"):
@@ -257,5 +225,4 @@ def readable(backend: hal.Backend, logged: list[bool]) -> bool:
     return False
 
 
-__all__ = ["Context", "ForeignUse", "IsolationError", "KeyCheck", "VerifyStats", "check", "foreign_uses",
-           "verify"]
+__all__ = ["Context", "ForeignUse", "IsolationError", "VerifyStats", "check", "foreign_uses", "verify"]

@@ -1,4 +1,4 @@
-"""The keys of a :class:`graphkit.GraphPools` and the handles capture APIs take for them.
+"""The keys of a :class:`graphkit.GraphPools`, the handles capture APIs take for them, and their isolation check.
 
 :class:`PoolKeys` is the table: each key's :class:`KeyPool` (the key, the
 lease its pool strategy gave -- the backend pool, and for ``vmm`` its virtual
@@ -10,13 +10,26 @@ capture outside any group.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
+from collections import deque
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import hal
+from graphkit.graphs.isolation import Context, VerifyStats, readable, verify
 from graphkit.graphs.strategies import Lease, PoolStrategy
+from graphkit.memory.allocator import SharedVMMAllocator
+from graphkit.memory.closing import close_step
+
+log = logging.getLogger("graphkit.graphs.pools")
+
+#: what an isolation error advises, for a capture graph_memory routed and for one into pools.pool(key)
+FIX_ROUTED = ("Put the captures that pass tensors to each other (the pieces of one batch) in one space: "
+              "`with pools.group(key):` around them")
+FIX_KEYED = ("Use one key for the captures that pass tensors to each other (the pieces of one batch): "
+             "the same pools.pool(key), or `with pools.group(key):` around them")
 
 _serial = itertools.count(1)  # made-up pool ids, unique in the process
 
@@ -132,9 +145,12 @@ class PoolKeys:
     def __init__(self, backend: hal.Backend, strategy: PoolStrategy, owner: Any, name: str) -> None:
         """:param owner: the GraphPools, which every handle keeps alive; ``name`` names it in errors."""
         self.backend, self.strategy, self.owner, self.name = backend, strategy, owner, name
+        self.allocator: SharedVMMAllocator | None = getattr(strategy, "allocator", None)
         self.entries: dict[Hashable, KeyPool] = {}
         self.lock = threading.RLock()
         self.closed = False
+        self.dead: deque[KeyPool] = deque()  # routed graphs destroyed: accounted for at the next safe point
+        self._undropped: list[KeyPool] = []  # automatic keys whose release failed: dropped again at the next one
 
     def check_open(self, call: str) -> None:
         if self.closed:
@@ -148,6 +164,13 @@ class PoolKeys:
         except Exception as exc:  # noqa: BLE001 - whatever the key's __hash__ or __eq__ raises
             raise hal.InvalidArgumentError(f"key={key!r} must be hashable and comparable ({type(exc).__name__}: "
                                            f"{exc})", backend=self.backend.name, call=f"{self.name}.{call}") from None
+
+    def lease(self, key: Hashable, call: str) -> KeyPool:
+        """``key``'s entry, made on first use, after the safe point; ``call`` names the caller in errors."""
+        with self.lock:
+            self.check_open(call)
+            self.settle()
+            return self.lookup(key, call) or self.new(key, auto=False)
 
     def new(self, key: Hashable, auto: bool) -> KeyPool:
         """A lease from the strategy for ``key``; ``auto``: made by graph_memory, released with its graph."""
@@ -192,7 +215,7 @@ class PoolKeys:
 
     def check_awake(self, entry: KeyPool, call: str) -> None:
         """Refuse a capture into ``entry`` while its memory sleeps: its pool would hand out unmapped memory."""
-        allocator = getattr(self.strategy, "allocator", None)
+        allocator = self.allocator
         if allocator is not None and allocator.paused and not allocator.closed:
             raise hal.InvalidStateError(f"key {entry.key!r}: the graph memory of the {self.name} is paused: resume "
                                         "it (MemorySaver.resume('graphs')) before capturing into it",
@@ -211,3 +234,133 @@ class PoolKeys:
         if pool is None or isinstance(pool, tuple):
             return None
         return next((e for e in list(self.entries.values()) if e.pool is pool and e.space_id is not None), None)
+
+    # -- the safe point --------------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Release what routed graphs that died left behind (a safe point: no allocator call is running)."""
+        self._release_dead()
+        try:
+            self.strategy.settle()
+        except hal.HalError as exc:
+            log.error("a released key's space could not be released yet (retried): %s", str(exc))
+        if self.allocator is not None and not self.allocator.closed:
+            self.allocator.reap()
+
+    def _release_dead(self) -> None:
+        """Count the routed graphs that died; release the automatic keys left without one."""
+        retry, self._undropped = self._undropped, []
+        for entry in retry:
+            if self.entries.get(entry.key) is entry:
+                self._try_drop(entry)
+        while self.dead:
+            entry = self.dead.popleft()
+            entry.graphs -= 1
+            if entry.auto and entry.graphs <= 0 and self.entries.get(entry.key) is entry:
+                self._try_drop(entry)
+
+    def _try_drop(self, entry: KeyPool) -> None:
+        """Drop a key whose graphs are gone; one that fails is kept and dropped again at the next safe point."""
+        try:
+            self.drop(entry)
+        except hal.HalError as exc:
+            log.error("key %r: its pool could not be released yet (retried at the next call): %s", entry.key,
+                      str(exc))
+            if self.entries.get(entry.key) is entry:
+                self._undropped.append(entry)
+
+    def close(self, errors: list[BaseException]) -> None:
+        """Drop every key (the pools close; the routed graphs that died go with the others); a key whose pool
+        would not go stays, its error in ``errors``."""
+        for entry in list(self.entries.values()):
+            close_step(errors, self.drop, entry)
+        self.dead.clear()
+        self._undropped.clear()
+
+
+class KeyCheck:
+    """The isolation check of the captures of one key, decided before they begin (by :meth:`Verifier.check`).
+
+    A graph can only misuse memory that another key holds alive; when no other key holds any
+    (``read`` is False), the graph needs no reading and is counted as proven without it. Nothing
+    allocates in a key's space outside its captures, so a key found holding nothing holds nothing
+    until its next capture.
+
+    :param verifier: the pools' verifier (the other keys, the figures).
+    :param entry: the key the captures go to.
+    :param fix: what the caller should do when the graph reads another capture's output, for the message.
+    :param read: whether the graph must be read.
+    """
+
+    def __init__(self, verifier: Verifier, entry: KeyPool, fix: str, read: bool) -> None:
+        self.verifier, self.entry, self.fix, self.read = verifier, entry, fix, read
+
+    def __call__(self, graph: Any) -> None:
+        """Check ``graph`` (captured with its addresses recorded); raises :class:`IsolationError`."""
+        verify(self.verifier.context(self.entry, self.fix), graph, self.verifier.stats)
+
+    def accepted(self, graph: Any) -> None:
+        """The capture of ``graph`` ended well: check it where it must be read, then note it (:meth:`done`)."""
+        if self.read:
+            self(graph)
+        self.done()
+
+    def done(self) -> None:
+        """The captures into the key ended well (each checked where it had to be read): note what it holds."""
+        if not self.read:
+            self.verifier.stats.skip()
+        self.verifier.note_live(self.entry)
+
+
+class Verifier:
+    """The isolation check of the keys of one :class:`graphkit.GraphPools` and what it did (:attr:`stats`).
+
+    :param keys: the pools' key table, read under its lock.
+    :param enabled: check at all; it is on only where keys have spaces of their own (``vmm``) and the
+        backend can say which addresses a graph uses.
+    """
+
+    def __init__(self, keys: PoolKeys, enabled: bool) -> None:
+        self.keys = keys
+        self.stats = VerifyStats()
+        self.enabled = bool(enabled) and keys.allocator is not None and readable(keys.backend, [])
+
+    def check(self, entry: KeyPool, fix: str | None = None) -> KeyCheck | None:
+        """The check of a capture into ``entry`` starting now (None where there is nothing to check or no way
+        to); it reads the graph only where another key holds memory that may still be alive. Under the lock.
+
+        :param fix: what the caller should do, for the message (default: the advice for pools' keys).
+        """
+        if not self.enabled or entry.space_id is None:
+            return None
+        read = any(self.note_live(other) for other in reversed(list(self.keys.entries.values()))
+                   if other is not entry and other.space_id is not None and other.live != ())
+        return KeyCheck(self, entry, fix or (FIX_ROUTED if entry.auto else FIX_KEYED), read)
+
+    def context(self, entry: KeyPool, fix: str) -> Context:
+        """What checking a graph of ``entry`` against the other keys needs (read under the lock)."""
+        keys, alloc = self.keys, self.keys.allocator
+        assert alloc is not None and entry.space_id is not None
+        with keys.lock:
+            owners = {e.space_id: e for e in keys.entries.values() if e.space_id is not None}
+
+        def key_of(space_id: int) -> Hashable | None:
+            owner = owners.get(space_id)
+            return None if owner is None else owner.key
+
+        def live_blocks(space_id: int) -> list[tuple[int, int]] | None:
+            owner = owners.get(space_id)
+            return None if owner is None else keys.backend.pool_active_blocks(owner.pool)
+
+        return Context(keys.backend, alloc.spaces, own=entry.space_id, key=entry.key, key_of=key_of, fix=fix,
+                       live_blocks=live_blocks, state_sizes=keys.backend.stream_state_sizes())
+
+    def note_live(self, entry: KeyPool) -> bool:
+        """Note what ``entry``'s pool holds now (after its capture, or again before another key's, since
+        outputs die after their capture ends); whether it may hold anything (unknown where it cannot be read)."""
+        try:
+            entry.live = tuple(self.keys.backend.pool_active_blocks(entry.pool))
+        except hal.HalError as exc:
+            log.debug("key %r: its live blocks could not be read (%s): later captures are read", entry.key, exc)
+            entry.live = None
+        return entry.live != ()

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
-
-if TYPE_CHECKING:
-    from graphkit.graphs.buckets import Bucket
 
 OutputMode = Literal["copy", "static", "view"]
 
 
 class Layout:
-    """The leaves of one bucket's outputs, read once after its capture: a call only slices them.
+    """The leaves of one bucket's outputs (those of its last piece), read once: a call only slices them.
 
     :attr:`single` is the output itself when it is one tensor (the common case, handled without pytree).
     """
@@ -42,22 +39,13 @@ class Outputs:
         self.max_size = max_size
         self._static: list[torch.Tensor | None] | None = None  # None: a leaf that is no batched tensor
 
-    def single(self, bucket: Bucket) -> torch.Tensor | None:
-        """The bucket's output when it is one tensor, else None."""
-        if bucket.layout is None:
-            bucket.layout = Layout(bucket.outputs[-1], bucket.size)
-        return bucket.layout.single
-
-    def deliver(self, bucket: Bucket, batch: int) -> Any:
-        """The first ``batch`` rows of every leaf of the bucket's outputs that has ``bucket.size`` rows; other
-        leaves as they are."""
-        layout = bucket.layout
-        if layout is None:
-            layout = bucket.layout = Layout(bucket.outputs[-1], bucket.size)
+    def deliver(self, layout: Layout, batch: int) -> Any:
+        """The first ``batch`` rows of every leaf of a bucket's outputs (read as ``layout``) that has the
+        bucket's size in rows; other leaves as they are."""
         single = layout.single
         if single is not None and self.mode != "static":  # one tensor: no pytree on the way
-            rows = single[:batch] if layout.batched[0] else single
-            return rows if self.mode == "view" else rows.clone()
+            view = single[:batch] if layout.batched[0] else single
+            return view if self.mode == "view" else view.clone()
         rows = [t[:batch] if sliced else t for t, sliced in zip(layout.leaves, layout.batched, strict=True)]
         if self.mode == "view":
             return tree_unflatten(rows, layout.spec)

@@ -25,13 +25,12 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Literal
 
 import hal
-from graphkit.graphs import isolation
 from graphkit.graphs.capture import CaptureHygieneError, leftover_blocks, report_leftovers, warm_up_checked
-from graphkit.graphs.isolation import IsolationError
-from graphkit.graphs.keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
+from graphkit.graphs.isolation import IsolationError, VerifyStats
+from graphkit.graphs.keys import CaptureKey, KeyCheck, KeyPool, PoolHandle, PoolKeys, Verifier
 from graphkit.graphs.report import KeyReport, PoolsReport, pools_report
 from graphkit.graphs.routing import CaptureRouting
-from graphkit.graphs.strategies import POOL_KINDS, PoolStrategy, make_pool_strategy
+from graphkit.graphs.strategies import POOL_KINDS, Lease, PoolStrategy, make_pool_strategy
 from graphkit.memory.allocator import SharedVMMAllocator
 from graphkit.memory.closing import Closable, after_backend, close_step, raise_first_failure
 from graphkit.saver import GRAPHS, MemorySaver
@@ -41,11 +40,6 @@ log = logging.getLogger("graphkit.graphs.pools")
 
 Kind = Literal["vmm", "shared", "private"]
 _ALLOCATOR_OPTIONS = frozenset({"reserve_bytes", "max_physical_bytes", "arena_bytes"})
-#: what an isolation error advises, for a capture graph_memory routed and for one into pools.pool(key)
-_FIX_ROUTED = ("Put the captures that pass tensors to each other (the pieces of one batch) in one space: "
-               "`with pools.group(key):` around them")
-_FIX_KEYED = ("Use one key for the captures that pass tensors to each other (the pieces of one batch): "
-              "the same pools.pool(key), or `with pools.group(key):` around them")
 
 
 def _check_arguments(backend: object, kind: object, saver: object, allocator_options: dict[str, Any],
@@ -122,19 +116,39 @@ class GraphPools(Closable):
     """
 
     def __init__(self, backend: hal.Backend | None = None, kind: Kind = "vmm", *, hygiene: bool = False,
-                 saver: MemorySaver | None = None, verify: bool = True, _strategy: PoolStrategy | None = None,
-                 _runner: bool = False, **allocator_options: Any) -> None:
-        """``_strategy`` and ``_runner`` are :class:`graphkit.GraphRunner`'s: a ready strategy instead of
-        ``kind``, and pools that capture into their keys directly (no watcher; parked at close; errors name
-        the runner)."""
-        self._caller = caller = "GraphRunner" if _runner else "GraphPools"
-        _check_arguments(backend, kind if _strategy is None else None, saver, allocator_options, caller)
+                 saver: MemorySaver | None = None, verify: bool = True, **allocator_options: Any) -> None:
+        self._open(backend, kind, None, hygiene=hygiene, saver=saver, verify=verify,
+                   allocator_options=allocator_options, runner=False)
+
+    @classmethod
+    def for_runner(cls, backend: hal.Backend, kind: Kind = "vmm", *, strategy: PoolStrategy | None = None,
+                   saver: MemorySaver | None = None, verify: bool = True, **allocator_options: Any) -> GraphPools:
+        """Pools whose keys a :class:`graphkit.GraphRunner` captures into itself, through :meth:`lease`.
+
+        As ``GraphPools(backend, kind, ...)``, except that captures into handles are not watched (the runner
+        checks its captures with :meth:`isolation_check`), errors name ``GraphRunner``, the runner closes
+        them (no warning when they are garbage-collected), a vmm strategy settles with a garbage collection
+        and parks the spaces live tensors still use at close.
+
+        :param strategy: a ready :class:`graphkit.graphs.strategies.PoolStrategy` (overrides ``kind`` and
+            the allocator options).
+        """
+        pools = cls.__new__(cls)
+        pools._open(backend, kind, strategy, hygiene=False, saver=saver, verify=verify,
+                    allocator_options=allocator_options, runner=True)
+        return pools
+
+    def _open(self, backend: hal.Backend | None, kind: Kind, strategy: PoolStrategy | None, *, hygiene: bool,
+              saver: MemorySaver | None, verify: bool, allocator_options: dict[str, Any], runner: bool) -> None:
+        """Set the pools up (see :meth:`for_runner` for what ``runner`` changes)."""
+        self._caller = caller = "GraphRunner" if runner else "GraphPools"
+        _check_arguments(backend, kind if strategy is None else None, saver, allocator_options, caller)
         self._owns_backend = backend is None
         self.backend = be = backend if backend is not None else hal.get_backend(requires=("graphs",))
         be.synchronize()
         self._used_at_start = be.mem_info().used
-        self.strategy = _strategy or make_pool_strategy(kind, be, caller, park_live=_runner, collect=_runner,
-                                                         **allocator_options)
+        self.strategy = strategy or make_pool_strategy(kind, be, caller, park_live=runner, collect=runner,
+                                                       **allocator_options)
         self.kind: str = self.strategy.kind
         self.allocator: SharedVMMAllocator | None = getattr(self.strategy, "allocator", None)
         self.hygiene = hygiene
@@ -144,13 +158,9 @@ class GraphPools(Closable):
         self._keys = keys = PoolKeys(be, self.strategy, self, caller)
         self._entries, self._lock = keys.entries, keys.lock
         self._close_done = False
-        self.verify_stats = isolation.VerifyStats()
-        self._verifying = bool(verify) and self.allocator is not None and isolation.readable(be, [])
-        self._routing = CaptureRouting(keys, settle=self._settle, handle=self._handle, hygiene=hygiene,
-                                       isolation=self._isolation if self._verifying else None,
-                                       allocator=self.allocator)
-        self._watches = not _runner  # a runner captures into its keys itself: nothing to watch
-        self._finalizer = weakref.finalize(self, _abandoned, be.name, self._entries if not _runner else {})
+        self._verifier = Verifier(keys, verify)
+        self._routing = CaptureRouting(keys, self._verifier, hygiene=hygiene, watch=not runner)
+        self._finalizer = weakref.finalize(self, _abandoned, be.name, self._entries if not runner else {})
 
     # -- keys -----------------------------------------------------------------------
 
@@ -164,23 +174,47 @@ class GraphPools(Closable):
         until the key is released: handles may be asked for in any order,
         and captures into several keys may run in several threads at once.
         """
-        return self._handle(key)
+        return self._routing.handle(key)
 
-    def _handle(self, key: Hashable) -> PoolHandle:
-        """``key``'s handle (for :meth:`pool` and :meth:`group`): from the first one on, captures into handles
-        are watched."""
-        with self._lock:
-            handle = self._key_pool(key).handle
-            if self._watches:
-                self._routing.watch_handles()
-            return handle
+    def lease(self, key: Hashable) -> Lease:
+        """``key``'s lease -- its backend pool and, for ``vmm``, its virtual space -- made on first use.
 
-    def _key_pool(self, key: Hashable) -> KeyPool:
-        """``key``'s pool, made on first use (a :class:`GraphRunner` captures into its lease directly)."""
+        For an owner that captures into the backend pool itself (a
+        :class:`graphkit.GraphRunner`); such captures are not watched: check
+        them with :meth:`isolation_check` and :meth:`seal` the key when they
+        are done.
+        """
+        return self._keys.lease(key, "pool").lease
+
+    def isolation_check(self, key: Hashable, fix: str | None = None) -> KeyCheck | None:
+        """The isolation check of a capture into ``key``'s :meth:`lease` that starts now; None where nothing
+        is checked (``verify=False``, no vmm spaces, a backend that cannot read graphs).
+
+        Where ``check.read``, pass ``check`` as the capture's ``verify`` (it reads the graph before the
+        capture is accepted and raises :class:`IsolationError`); then call ``check.done()``.
+
+        :param fix: what the caller should do when a graph reads another key's memory, for the message.
+        """
         with self._lock:
-            self._check_open("pool")
-            self._settle()
-            return self._keys.lookup(key, "pool") or self._keys.new(key, auto=False)
+            return self._verifier.check(self._entry(key, "isolation_check"), fix)
+
+    def seal(self, key: Hashable, why: str = "when pools.seal(key) was called") -> None:
+        """No more captures go to ``key``'s space: it keeps the address space its captures used, no more.
+
+        :meth:`group` does it when its block ends; an owner that captures into :meth:`lease` does it once
+        the key's captures are done. ``why`` is logged with the trimmed space.
+        """
+        with self._lock:
+            self._routing.seal(self._entry(key, "seal"), why)
+
+    def _entry(self, key: Hashable, call: str) -> KeyPool:
+        """``key``'s entry; closed pools or a key without a pool are hal errors naming ``call``."""
+        self._keys.check_open(call)
+        entry = self._keys.lookup(key, call)
+        if entry is None:
+            raise hal.InvalidStateError(f"key={key!r} has no pool", backend=self.backend.name,
+                                        call=f"{self._caller}.{call}")
+        return entry
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
@@ -203,23 +237,13 @@ class GraphPools(Closable):
                                             call="GraphPools.release")
             self._keys.drop(entry)
             self.strategy.settle()  # a space that would not go is kept by the strategy, to release again
-            self._settle()
-
-    def _settle(self) -> None:
-        """Release what routed graphs that died left behind (a safe point: no allocator call is running)."""
-        self._routing.release_dead()
-        try:
-            self.strategy.settle()
-        except hal.HalError as exc:
-            log.error("a released key's space could not be released yet (retried): %s", str(exc))
-        if self.allocator is not None and not self.allocator.closed:
-            self.allocator.reap()
+            self._keys.settle()
 
     def collect(self) -> None:
         """Release now what graphs that were garbage-collected left behind (done at every call anyway)."""
         with self._lock:
             if not self.closed:
-                self._settle()
+                self._keys.settle()
 
     # -- routing ----------------------------------------------------------------------
 
@@ -245,46 +269,10 @@ class GraphPools(Closable):
         """
         return self._routing.route(graph, requested_pool)
 
-    # -- verification -------------------------------------------------------------------
-
-    def _isolation(self, entry: KeyPool, fix: str | None = None) -> isolation.KeyCheck | None:
-        """The isolation check of a capture into ``entry`` starting now (None where there is nothing to check
-        or no way to); it reads the graph only where another key holds memory that may still be alive.
-
-        :param fix: what the caller should do, for the message (default: the advice for pools' keys).
-        """
-        if not self._verifying or entry.space_id is None:
-            return None
-        read = any(self._note_live(other) for other in reversed(list(self._entries.values()))
-                   if other is not entry and other.space_id is not None and other.live != ())
-        return isolation.KeyCheck(lambda: self._context(entry, fix), self.verify_stats, read,
-                                  lambda: self._note_live(entry))
-
-    def _context(self, entry: KeyPool, fix: str | None) -> isolation.Context:
-        """What checking a graph of ``entry`` against the other keys needs (read under the lock)."""
-        alloc = self.allocator
-        assert alloc is not None and entry.space_id is not None
-        with self._lock:
-            owners = {e.space_id: e for e in self._entries.values() if e.space_id is not None}
-
-        def live_blocks(space_id: int) -> list[tuple[int, int]] | None:
-            owner = owners.get(space_id)
-            return None if owner is None else self.backend.pool_active_blocks(owner.pool)
-
-        return isolation.Context(self.backend, alloc.spaces, entry.space_id, entry.key,
-                                 lambda space_id: owners[space_id].key if space_id in owners else None,
-                                 fix or (_FIX_ROUTED if entry.auto else _FIX_KEYED), live_blocks,
-                                 self.backend.stream_state_sizes())
-
-    def _note_live(self, entry: KeyPool) -> bool:
-        """Note what ``entry``'s pool holds now (after its capture, or again before another key's, since
-        outputs die after their capture ends); whether it may hold anything (unknown where it cannot be read)."""
-        try:
-            entry.live = tuple(self.backend.pool_active_blocks(entry.pool))
-        except hal.HalError as exc:
-            log.debug("key %r: its live blocks could not be read (%s): later captures are read", entry.key, exc)
-            entry.live = None
-        return entry.live != ()
+    @property
+    def verify_stats(self) -> VerifyStats:
+        """What the isolation check of the captures into these pools did so far."""
+        return self._verifier.stats
 
     # -- hygiene helpers ----------------------------------------------------------------
 
@@ -322,7 +310,7 @@ class GraphPools(Closable):
         """
         with self._lock:
             self._check_open("report")
-            self._settle()
+            self._keys.settle()
             keys = [(entry.key, entry.space_id, entry.graphs) for entry in self._entries.values()]
             device_bytes = None
             if measure:
@@ -360,9 +348,7 @@ class GraphPools(Closable):
             else:
                 close_step(errors, self.backend.synchronize)
             gc.collect()  # framework tensors of these pools caught in reference cycles go while the pools exist
-            for entry in list(self._entries.values()):
-                close_step(errors, self._keys.drop, entry)
-            self._routing.forget_dead()  # dropped above with every other key
+            self._keys.close(errors)
             if self.saver is not None and self.allocator is not None:
                 self.saver.forget(self.allocator)  # a pause must not reach an allocator being closed
             if not self._entries:  # a key whose pool would not go keeps its space for the retry

@@ -4,9 +4,9 @@ The router gives every capture started inside ``graph_memory()`` a fresh key
 (or the key of the current ``pools.group(key)``) and releases an automatic
 key with its graph. The watcher sees captures into ``pools.pool(key)``
 handles, so that they are verified too. Both work on the key table of one
-:class:`graphkit.GraphPools` (:class:`PoolKeys`), under its lock, and call
-back into the pools only through what they are given: the safe point, the
-isolation check and the handle of a key.
+:class:`graphkit.GraphPools` (:class:`PoolKeys`, which leases from the pools'
+strategy and holds the safe point), under its lock, and check captures with
+the pools' :class:`Verifier`.
 """
 
 from __future__ import annotations
@@ -16,15 +16,11 @@ import itertools
 import logging
 import threading
 import weakref
-from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
-import hal
 from graphkit.graphs.capture import framework_capturer
-from graphkit.graphs.isolation import KeyCheck
-from graphkit.graphs.keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
-from graphkit.memory.allocator import SharedVMMAllocator
+from graphkit.graphs.keys import CaptureKey, KeyCheck, KeyPool, PoolHandle, PoolKeys, Verifier
 from graphkit.memory.phases import CAPTURE_TIMES
 from hal.types import Route, fmt_bytes
 
@@ -32,57 +28,31 @@ log = logging.getLogger("graphkit.graphs.pools")
 
 
 class CaptureRouting:
-    """The routing of one :class:`GraphPools`: groups, graph_memory's router, the watcher of handles.
+    """The routing of one :class:`GraphPools`: handles, groups, graph_memory's router, the watcher of handles.
 
-    :param keys: the pools' key table.
-    :param settle: the pools' safe point (releases what dead graphs left), called under the lock.
-    :param handle: the handle of a key, made on first use.
-    :param isolation: the isolation check of a capture into a key, made as it begins; None: no check.
+    :param keys: the pools' key table (it leases from the pools' strategy).
+    :param verifier: the isolation check of the captures into the keys.
     :param hygiene: log what a routed capture left allocated.
+    :param watch: see the captures into handles from the first handle on (off where the owner captures into
+        its keys itself: a :class:`graphkit.GraphRunner`).
     """
 
-    def __init__(self, keys: PoolKeys, *, settle: Callable[[], None], handle: Callable[[Hashable], PoolHandle],
-                 isolation: Callable[[KeyPool], KeyCheck | None] | None, hygiene: bool,
-                 allocator: SharedVMMAllocator | None) -> None:
-        self.keys = keys
-        self._settle, self._handle, self._isolation = settle, handle, isolation
-        self.hygiene, self.allocator = hygiene, allocator
+    def __init__(self, keys: PoolKeys, verifier: Verifier, *, hygiene: bool, watch: bool) -> None:
+        self.keys, self.verifier = keys, verifier
+        self.hygiene, self.watches = hygiene, watch
         self._groups = threading.local()
         self._auto = itertools.count(1)
         self._watching: contextlib.ExitStack | None = None
         self._trees_logged = False
-        self.dead: deque[KeyPool] = deque()  # routed graphs destroyed: accounted for at the next safe point
-        self._undropped: list[KeyPool] = []  # automatic keys whose release failed: retried
 
-    # -- routed graphs that died -----------------------------------------------------------
-
-    def release_dead(self) -> None:
-        """Count the routed graphs that died; release the automatic keys left without one (under the lock)."""
-        entries = self.keys.entries
-        retry, self._undropped = self._undropped, []
-        for entry in retry:
-            if entries.get(entry.key) is entry:
-                self._try_drop(entry)
-        while self.dead:
-            entry = self.dead.popleft()
-            entry.graphs -= 1
-            if entry.auto and entry.graphs <= 0 and entries.get(entry.key) is entry:
-                self._try_drop(entry)
-
-    def _try_drop(self, entry: KeyPool) -> None:
-        """Drop a key whose graphs are gone; one that fails is kept and dropped again at the next safe point."""
-        try:
-            self.keys.drop(entry)
-        except hal.HalError as exc:
-            log.error("key %r: its pool could not be released yet (retried at the next call): %s", entry.key,
-                      str(exc))
-            if self.keys.entries.get(entry.key) is entry:
-                self._undropped.append(entry)
-
-    def forget_dead(self) -> None:
-        """The pools close: every key is dropped with the others."""
-        self.dead.clear()
-        self._undropped.clear()
+    def handle(self, key: Hashable) -> PoolHandle:
+        """``key``'s handle, its pool made on first use (see :meth:`GraphPools.pool`); from the first one on,
+        captures into handles are watched."""
+        with self.keys.lock:
+            handle = self.keys.lease(key, "pool").handle
+            if self.watches:
+                self.watch_handles()
+            return handle
 
     # -- the watcher ---------------------------------------------------------------------
 
@@ -101,13 +71,13 @@ class CaptureRouting:
 
     def watch(self, graph: Any, requested_pool: Any) -> Route | None:
         """The router of captures outside :func:`graph_memory`: verify those into one of these pools."""
-        keys, isolation = self.keys, self._isolation
+        keys = self.keys
         entry = keys.entry_of(requested_pool)
         if entry is None or keys.closed:
             return None
         keys.check_awake(entry, "capture")
         with keys.lock:
-            check = isolation(entry) if isolation is not None else None
+            check = self.verifier.check(entry)
 
         def on_end(ok: bool) -> None:
             if ok and check is not None:
@@ -121,7 +91,7 @@ class CaptureRouting:
     @contextlib.contextmanager
     def group(self, key: Hashable) -> Iterator[PoolHandle]:
         """See :meth:`GraphPools.group`."""
-        handle = self._handle(key)
+        handle = self.handle(key)
         stack = self._group_stack()
         stack.append(key)
         try:
@@ -154,13 +124,13 @@ class CaptureRouting:
         counted = CAPTURE_TIMES.start("routing")
         with self.keys.lock:
             self.keys.check_open("graph_memory")
-            self._settle()
+            self.keys.settle()
             entry, grouped = self._entry_for(capturer, requested_pool)
             self.keys.check_awake(entry, "graph_memory")
             entry.graphs += 1
             try:
                 before = self._blocks(entry) if self.hygiene else set()
-                check = self._isolation(entry) if self._isolation is not None else None
+                check = self.verifier.check(entry)
             except BaseException:  # the capture does not start: its key goes as after a failed one
                 self._gone(entry)
                 raise
@@ -207,18 +177,18 @@ class CaptureRouting:
 
     def _gone(self, entry: KeyPool) -> None:
         """A routed capture into ``entry`` failed or was refused: no graph of it will be released (under the lock)."""
-        self.dead.append(entry)
-        self._settle()
+        self.keys.dead.append(entry)
+        self.keys.settle()
 
     def _on_release(self, entry: KeyPool) -> Callable[[bool], None]:
         keys = self.keys
 
         def on_release(collected: bool) -> None:
-            self.dead.append(entry)  # deque.append is atomic: safe from the garbage collector
+            keys.dead.append(entry)  # deque.append is atomic: safe from the garbage collector
             if not collected and keys.lock.acquire(blocking=False):
                 try:
                     if not keys.closed:
-                        self._settle()
+                        keys.settle()
                 finally:
                     keys.lock.release()
 
@@ -226,7 +196,7 @@ class CaptureRouting:
 
     def seal(self, entry: KeyPool, why: str) -> None:
         """No more captures go to ``entry``'s space: it takes the address space it used, no more."""
-        alloc = self.allocator
+        alloc = self.keys.allocator
         if entry.space_id is not None and alloc is not None and not alloc.closed and entry.space_id in alloc.spaces:
             alloc.seal(entry.space_id, why)
 
@@ -239,7 +209,7 @@ class CaptureRouting:
         new = sorted(self._blocks(entry) - before)
         if not new:
             return
-        alloc = self.allocator
+        alloc = self.keys.allocator
         space = alloc.spaces.get(entry.space_id) if alloc and entry.space_id else None
         outside = [b for b in new if space is not None and not space.contains(b[0])]
         if outside:

@@ -204,8 +204,8 @@ def _kept_outputs(opts: RunnerOptions, kind: str) -> str:
 def _runner_pools(be: hal.Backend, opts: RunnerOptions, kind: str, saver: MemorySaver | None) -> GraphPools | None:
     """A runner's pools, keyed by size (None for ``mode="none"``); ``saver`` adopts their allocator."""
     if opts.mode != "none":
-        return GraphPools(be, cast("Kind", kind), saver=saver, verify=opts.verify, _strategy=opts.pool_strategy,
-                          _runner=True, **dict(opts.allocator_options or {}))
+        return GraphPools.for_runner(be, cast("Kind", kind), strategy=opts.pool_strategy, saver=saver,
+                                     verify=opts.verify, **dict(opts.allocator_options or {}))
     if saver is not None and not isinstance(saver, MemorySaver):
         raise hal.InvalidArgumentError(f"saver={saver!r} must be a graphkit.MemorySaver", backend=be.name,
                                        call="GraphRunner")
@@ -337,11 +337,10 @@ class GraphRunner(Closable):
         if opts.measure_memory:
             cap.release_cached_memory(be)
         used0 = be.mem_info().used
-        key = pools._key_pool(size)
-        bucket = Bucket(size, key.lease)
+        bucket = Bucket(size, pools.lease(size))
         t0 = time.perf_counter()
         try:
-            check = pools._isolation(key, _ISOLATION_FIX)
+            check = pools.isolation_check(size, _ISOLATION_FIX)
             self.step.capture(bucket, views, self._stream, capture_error_mode=opts.capture_error_mode,
                               strict_hygiene=opts.strict_hygiene,
                               verify=check if check is not None and check.read else None)
@@ -353,7 +352,7 @@ class GraphRunner(Closable):
                 cap.release_cached_memory(be)
             bucket.report = SizeReport(size, seconds, be.mem_info().used - used0,
                                        pools.strategy.figures().get("chunk_bytes"))
-            pools._routing.seal(key, "when the capture of its size ended")  # a size is captured once
+            pools.seal(size, "when the capture of its size ended")  # a size is captured once
         except BaseException:
             try:
                 self._release_bucket(bucket)
