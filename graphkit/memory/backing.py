@@ -57,17 +57,6 @@ class Place:
         return self.chunk.size
 
 
-def spans(places: Iterable[Place]) -> list[tuple[int, int]]:
-    """``(ptr, size)`` of the places, neighbours joined: what a host backup copies."""
-    out: list[tuple[int, int]] = []
-    for place in places:
-        if out and out[-1][0] + out[-1][1] == place.ptr:
-            out[-1] = (out[-1][0], out[-1][1] + place.size)
-        else:
-            out.append((place.ptr, place.size))
-    return out
-
-
 class Backing:
     """The driver steps over chunks and places, each recorded the moment it succeeded, and what failed.
 

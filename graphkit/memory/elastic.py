@@ -306,13 +306,13 @@ class ElasticBuffer(Closable):
                  tag: str = "kv_cache", backup: bool = False) -> None:
         be = _buffer_backend(backend, reservation, "reservation", saver, tag)
         _positive(max_bytes, "max_bytes", "ElasticBuffer", be.name)
+        self._backup = HostBackup(backup and be.torch_device().type != "cpu", grow=True, name="graphkit-elastic-backup")
         self._own_reservation = reservation is None
         self.reservation = reservation if reservation is not None else ElasticReservation(
             be, max_bytes, owns_backend=backend is None)
         self.backend = be
         self.granularity = be.granularity
         self.max_bytes = round_up(max_bytes, self.granularity)
-        self._backup = HostBackup(backup and be.torch_device().type != "cpu", grow=True, name="graphkit-elastic-backup")
         try:
             self._chunks = self.reservation.carve(self.max_bytes, self._backup)
         except BaseException:
