@@ -33,7 +33,7 @@ import hal
 from graphkit.memory.closing import Closable, after_backend, close_step, raise_first_failure
 from graphkit.memory.elastic_chunks import FreeChunks, RangeChunks
 from graphkit.memory.elastic_views import LiveViews, ViewToken
-from graphkit.memory.host_backup import HostBackup
+from graphkit.memory.host_backup import HostBacked, HostBackup
 from graphkit.memory.ranges import Arena
 from graphkit.saver import MemorySaver
 from hal.types import fmt_bytes, round_up
@@ -283,7 +283,7 @@ def _view_end(backend: hal.Backend, dtype: Any, shape: Any, offset: Any) -> int:
     return offset + count * itemsize
 
 
-class ElasticBuffer(Closable):
+class ElasticBuffer(Closable, HostBacked):
     """A virtual range of ``max_bytes`` whose prefix is backed by physical memory as it grows.
 
     :param backend: a :class:`hal.Backend` (default ``hal.get_backend()``, then owned).
@@ -346,16 +346,6 @@ class ElasticBuffer(Closable):
     def footprint_bytes(self) -> int:
         """Bytes it holds while awake (what a pause releases)."""
         return self._chunks.footprint_bytes
-
-    @property
-    def host_bytes(self) -> int:
-        """Host bytes made for the backup (``backup=True``): made as it grows, before any pause."""
-        return self._backup.host_bytes
-
-    @property
-    def pin_seconds(self) -> float:
-        """Time spent making (pinning) the backup's host buffers, off the pause path or on it."""
-        return self._backup.pin_seconds
 
     @property
     def paused(self) -> bool:

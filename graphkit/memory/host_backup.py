@@ -158,3 +158,19 @@ class HostBackup:
                 n = min(piece.numel(), size - offset)
                 backend.tensor_at(ptr + offset, n).copy_(piece[:n], non_blocking=True)
         backend.synchronize()
+
+
+class HostBacked:
+    """The host backup figures of memory whose :class:`HostBackup` is ``_backup``."""
+
+    _backup: HostBackup
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes made for the backup: made ahead of the pauses (as memory grows, or as a region ends)."""
+        return self._backup.host_bytes
+
+    @property
+    def pin_seconds(self) -> float:
+        """Time spent making (pinning) the backup's host buffers, off the pause path or on it."""
+        return self._backup.pin_seconds

@@ -20,14 +20,14 @@ import torch
 import hal
 from graphkit.memory.backing import Backing, Chunk, Place
 from graphkit.memory.closing import close_step
-from graphkit.memory.host_backup import HostBackup
+from graphkit.memory.host_backup import HostBacked, HostBackup
 from graphkit.memory.transaction import Transaction
 from hal.types import round_up
 
 log = logging.getLogger("graphkit.saver")
 
 
-class Region:
+class Region(HostBacked):
     """The memory of one tag made through :meth:`graphkit.MemorySaver.region`: a :class:`graphkit.Sleeper`.
 
     :param lock: its :class:`RegionMemory`'s lock: an allocation never overlaps a pause.
@@ -43,7 +43,8 @@ class Region:
         self.blocks = 0  # region() blocks open on it (any thread)
         host = HostBackup(pin and backend.torch_device().type != "cpu", name=f"graphkit-backup-{tag}")
         self.backing = Backing(backend, host)
-        self._host = host
+        self._backup = host
+        self.host: dict[int, torch.Tensor] = host.pieces  # segment address -> its host buffer, reused every pause
 
     @property
     def paused(self) -> bool:
@@ -53,33 +54,19 @@ class Region:
     def footprint_bytes(self) -> int:
         return sum(s.size for s in self.segments.values())
 
-    @property
-    def host(self) -> dict[int, torch.Tensor]:
-        """Segment address -> its host backup buffer, reused every pause."""
-        return self._host.pieces
-
-    @property
-    def host_bytes(self) -> int:
-        return self._host.host_bytes
-
-    @property
-    def pin_seconds(self) -> float:
-        """Time spent making (pinning) backup buffers, off the pause path or on it."""
-        return self._host.pin_seconds
+    def prepare_in_background(self) -> None:
+        """Make the host buffer of every segment that has none, on a thread of its own (pinning is slow: about
+        0.5 s per GB), so that the first pause only copies; a pause that finds buffers missing makes them."""
+        self._backup.prepare_in_background([(s.ptr, s.size) for s in self.segments.values()])
 
     @property
     def preparing(self) -> threading.Thread | None:
         """The thread that made (or makes) the backup buffers in the background."""
-        return self._host.thread
-
-    def prepare_in_background(self) -> None:
-        """Make the host buffer of every segment that has none, on a thread of its own (pinning is slow: about
-        0.5 s per GB), so that the first pause only copies; a pause that finds buffers missing makes them."""
-        self._host.prepare_in_background([(s.ptr, s.size) for s in self.segments.values()])
+        return self._backup.thread
 
     def forget(self, segment: Place) -> None:
         """``segment`` was freed by the framework: its backup buffer goes."""
-        self._host.forget(segment.ptr, segment.size)
+        self._backup.forget(segment.ptr, segment.size)
 
     def _backup_spans(self) -> list[tuple[int, int]] | None:
         return [(s.ptr, s.size) for s in self.segments.values()] if self.backup else None
