@@ -50,7 +50,6 @@ from graphkit.memory.closing import Closable, raise_first_failure
 from graphkit.memory.ranges import Arena as Arena  # re-exported: its home before the arenas had a module
 from graphkit.memory.ranges import SpaceTable, VirtualSpace
 from graphkit.memory.sharing import ExportedRange
-from graphkit.memory.transaction import Transaction
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.memory.allocator")
@@ -289,9 +288,7 @@ class SharedVMMAllocator(Closable):
         with self._lock:
             self._check_open("release_virtual_space")
             space = self._table.get(space_id, "release_virtual_space")
-            with Transaction() as tx:
-                self._chunks.unmap_space(space, tx)
-                tx.commit()
+            self._chunks.unmap_space(space)
             self._table.remove(space)
             if self.current == space_id:
                 self.current = None
@@ -319,9 +316,7 @@ class SharedVMMAllocator(Closable):
             _check_allocation(self.backend, nbytes, alignment)
             start, end = space.next_block(nbytes, alignment, self.backend)
             if end > space.mapped * self.granularity:
-                with Transaction() as tx:
-                    self._chunks.map_up_to(space, -(-end // self.granularity), self.max_physical_bytes, tx)
-                    tx.commit()
+                self._chunks.map_up_to(space, -(-end // self.granularity), self.max_physical_bytes)
             space.offset = end
             space.live_allocations += 1
             return space.base + start

@@ -60,15 +60,18 @@ class SharedChunks:
 
     # -- mapping steps ------------------------------------------------------------
 
-    def map_up_to(self, space: VirtualSpace, count: int, limit: int | None, tx: Transaction) -> None:
-        """Map chunks ``space.mapped .. count-1`` into ``space``, creating those missing within ``limit`` bytes."""
+    def map_up_to(self, space: VirtualSpace, count: int, limit: int | None) -> None:
+        """Map chunks ``space.mapped .. count-1`` into ``space``, creating those missing within ``limit`` bytes
+        (all or nothing)."""
         self.check_limit(max(count - len(self.chunks), 0), limit, "allocate")
-        for index in range(space.mapped, count):
-            self.ensure(index, tx)
-            place = Place(space.base + index * self.granularity, self.chunks[index])
-            self.backing.map(place)
-            space.places.append(place)
-            tx.append(functools.partial(self._ungrow, space, place))
+        with Transaction() as tx:
+            for index in range(space.mapped, count):
+                self.ensure(index, tx)
+                place = Place(space.base + index * self.granularity, self.chunks[index])
+                self.backing.map(place)
+                space.places.append(place)
+                tx.append(functools.partial(self._ungrow, space, place))
+            tx.commit()
 
     def _ungrow(self, space: VirtualSpace, place: Place) -> None:
         if space.places[-1] is not place:  # a later granule would not unmap: this one stays mapped below it
@@ -76,11 +79,13 @@ class SharedChunks:
         self.backing.unmap(place)
         space.places.pop()
 
-    def unmap_space(self, space: VirtualSpace, tx: Transaction) -> None:
-        """Unmap every granule mapped in ``space`` (each becomes a hole), last first; mapped back on rollback."""
-        for place in reversed(space.places):
-            if place.mapped:
-                self.backing.unmap(place, tx)
+    def unmap_space(self, space: VirtualSpace) -> None:
+        """Unmap every granule mapped in ``space`` (each becomes a hole), last first (all or nothing)."""
+        with Transaction() as tx:
+            for place in reversed(space.places):
+                if place.mapped:
+                    self.backing.unmap(place, tx)
+            tx.commit()
 
     # -- sharing ------------------------------------------------------------------
 
