@@ -191,7 +191,7 @@ def test_a_backed_up_buffer_makes_its_host_copy_as_it_grows_and_a_pause_only_cop
         kv.resize(granules * G)
     kv._backup.wait()
     assert kv.host_bytes >= kv.footprint_bytes == 40 * G  # before any pause
-    assert len(kv._backup._pieces) <= 12  # a few pieces, not one per granule
+    assert len(kv._backup.pieces) <= 12  # a few pieces, not one per granule
     report = next(r for r in saver.report() if r.tag == "kv")
     assert report.host_bytes == kv.host_bytes and report.pin_s > 0
     data = torch.randint(0, 1 << 30, (40 * G // 8,))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import hal
-from graphkit.memory.transaction import Transaction, map_run, release_or_keep, unmap_run
+from graphkit.memory.backing import Backing, Chunk, Place
+from graphkit.memory.transaction import Transaction
 from tests.conftest import G
 
 
@@ -44,31 +45,70 @@ def test_a_failing_undo_is_tried_again_then_recorded_and_the_rest_still_run() ->
     assert not tx.clean and len(tx.rollback_errors) == 1
 
 
-def test_map_and_unmap_runs_roll_back_and_keep_the_record_exact() -> None:
+def test_backing_steps_roll_back_and_keep_the_record_exact() -> None:
     be = hal.get_backend("fake", granularity=G)
     base = be.create_vir_ptr(4 * G)
-    handles = [be.create_phy_mem_handle(G) for _ in range(4)]
-    mapped: set[int] = set()
+    backing = Backing(be)
+    chunks = [Chunk(G) for _ in range(4)]
+    for chunk in chunks:
+        backing.create(chunk)
+    places = [Place(base + i * G, chunk) for i, chunk in enumerate(chunks)]
     be.faults.fail("map", nth=3)
     with pytest.raises(hal.DriverError), Transaction() as tx:
-        map_run(be, base, G, handles, tx, on_map=mapped.add, on_unmap=mapped.discard)
-    assert mapped == set() and be.live.mappings == 0
+        for place in places:
+            backing.map(place, tx)
+    assert not any(p.mapped for p in places) and be.live.mappings == 0
     with Transaction() as tx:
-        map_run(be, base, G, handles, tx, on_map=mapped.add, on_unmap=mapped.discard)
+        for place in places:
+            backing.map(place, tx)
         tx.commit()
-    assert mapped == {0, 1, 2, 3}
+    assert all(p.mapped for p in places) and [c.maps for c in chunks] == [1, 1, 1, 1]
     be.faults.fail("unmap", nth=2)
     with pytest.raises(hal.DriverError), Transaction() as tx:
-        unmap_run(be, base, G, handles, tx, on_unmap=mapped.discard, on_map=mapped.add)
-    assert mapped == {0, 1, 2, 3} and be.live.mappings == 4
+        for place in reversed(places):
+            backing.unmap(place, tx)
+    assert all(p.mapped for p in places) and be.live.mappings == 4 and not backing.paused
     with Transaction() as tx:
-        unmap_run(be, base, G, handles, tx, on_unmap=mapped.discard, on_map=mapped.add)
+        for place in reversed(places):
+            backing.unmap(place, tx)
         tx.commit()
-    keep: list[object] = []
     be.faults.fail("release_phy_mem_handle", nth=1)
     be.faults.fail("release_phy_mem_handle", nth=1)
-    assert [release_or_keep(be, h, keep) for h in handles] == [False, True, True, True]
-    assert keep == handles[:1] and release_or_keep(be, keep.pop(), keep)
+    handles = [c.handle for c in chunks]
+    assert [backing.release(c) for c in chunks] == [False, True, True, True]
+    assert backing.pending == handles[:1] and all(c.handle is None for c in chunks)
+    backing.retry()
+    assert backing.pending == []
     be.release_vir_ptr(base, 4 * G)
+    assert be.live.zero
+    be.close()
+
+
+def test_a_pause_that_cannot_map_back_leaves_a_hole_and_reads_paused_until_a_resume() -> None:
+    be = hal.get_backend("fake", granularity=G)
+    base = be.create_vir_ptr(2 * G)
+    backing = Backing(be)
+    chunks = [Chunk(G) for _ in range(2)]
+    places = [Place(base + i * G, c) for i, c in enumerate(chunks)]
+    with Transaction() as tx:
+        for place in places:
+            backing.create(place.chunk, tx)
+            backing.map(place, tx)
+        tx.commit()
+    be.faults.fail("unmap", nth=2)  # the second unmap fails; mapping the first back fails twice
+    be.faults.fail("map", nth=1)
+    be.faults.fail("map", nth=1)
+    with pytest.raises(hal.DriverError):
+        backing.pause(places, chunks)
+    assert backing.paused and not backing.sleeping and not places[1].mapped and places[0].mapped
+    backing.resume(places, chunks)
+    assert not backing.paused and all(p.mapped for p in places)
+    assert backing.pause(places, chunks) == 2 * G and backing.paused
+    backing.resume(places, chunks)
+    backing.unmap_all(places, errors := [])
+    for chunk in chunks:
+        backing.release(chunk)
+    assert not errors
+    be.release_vir_ptr(base, 2 * G)
     assert be.live.zero
     be.close()

@@ -28,19 +28,16 @@ stays exact (a granule that would not map back is a *hole* of its space, and
 the allocator reads :attr:`~SharedVMMAllocator.paused` until
 :meth:`~SharedVMMAllocator.restore_physical` maps it).
 
-The allocator keeps the spaces, their bump pointers and the lazy mapping;
-each other concept is a small private collaborator it composes:
-``graphkit.memory.ranges`` (the reservations spaces are carved from),
-``graphkit.memory.chunks`` (the shared chunks, the driver steps that map them, and
-the chunks whose release failed), ``graphkit.memory.sleep`` (pause and resume),
-``graphkit.memory.deferred`` (a space released after its last free),
-``graphkit.memory.parking`` (spaces a tensor still uses, kept at close) and
-``graphkit.memory.pool_callbacks`` (what a backend's pool calls).
+The allocator owns two things: its spaces (``graphkit.memory.ranges.SpaceTable``:
+the spaces, the reservations they are carved from, and the frees counted
+against them until a space released while in use can go) and its chunks
+(``graphkit.memory.chunks.SharedChunks``: the shared chunks, the driver steps
+that map them into the spaces, their pause and resume through the one
+release/restore machine of ``graphkit.memory.backing``, and parking at close).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -50,13 +47,9 @@ from typing import Any
 import hal
 from graphkit.memory.chunks import SharedChunks
 from graphkit.memory.closing import Closable, raise_first_failure
-from graphkit.memory.deferred import DeferredRelease
-from graphkit.memory.parking import Parking
-from graphkit.memory.pool_callbacks import PoolCallbacks
 from graphkit.memory.ranges import Arena as Arena  # re-exported: its home before the arenas had a module
-from graphkit.memory.ranges import SpaceArenas, VirtualSpace
+from graphkit.memory.ranges import SpaceTable, VirtualSpace
 from graphkit.memory.sharing import ExportedRange
-from graphkit.memory.sleep import SpacesSleep
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.memory.allocator")
@@ -93,6 +86,20 @@ def _check_allocation(backend: hal.Backend, nbytes: int, alignment: int) -> None
                                        backend=backend.name, call="allocate")
 
 
+def _exported_space(table: SpaceTable, ptr: int, nbytes: int) -> VirtualSpace:
+    """``export()``'s arguments checked: the live space of ``table`` that holds ``ptr``."""
+    name = table.backend.name
+    if (not isinstance(ptr, int) or isinstance(ptr, bool) or not isinstance(nbytes, int)
+            or isinstance(nbytes, bool) or nbytes <= 0):
+        raise hal.InvalidArgumentError(f"ptr={ptr!r}, nbytes={nbytes!r}: need an int address and nbytes > 0",
+                                       backend=name, call="export")
+    space = table.containing(ptr)
+    if space is None:
+        raise hal.InvalidArgumentError(f"ptr={ptr:#x} is in no live space of this allocator", backend=name,
+                                       call="export")
+    return space
+
+
 @dataclass
 class AllocatorStats:
     """A snapshot of :class:`SharedVMMAllocator` figures."""
@@ -110,8 +117,9 @@ class AllocatorStats:
 class SharedVMMAllocator(Closable):
     """Bump allocator over virtual spaces that all map the same physical chunks.
 
-    It keeps the spaces, their bump pointers and the lazy mapping of chunks
-    into them, and composes the rest: arenas, chunks, sleep, deferred release, parking, pool callbacks.
+    It owns its spaces (a :class:`~graphkit.memory.ranges.SpaceTable`) and its
+    chunks (:class:`~graphkit.memory.chunks.SharedChunks`), and bump-allocates
+    in the spaces for itself and for the pools of a backend (:meth:`pool_callbacks`).
 
     :param backend: a :class:`hal.Backend` (any vendor); the allocator only uses its vmm methods.
     :param reserve_bytes: how far one space can grow while it is open;
@@ -131,16 +139,11 @@ class SharedVMMAllocator(Closable):
         self.reserve_bytes, self.arena_bytes = _address_sizes(backend, reserve_bytes, arena_bytes, max_physical_bytes)
         self.max_physical_bytes = max_physical_bytes
         self._lock = threading.RLock()
-        self._spaces: dict[int, VirtualSpace] = {}
-        self._arenas = SpaceArenas(backend, self.arena_bytes)
-        self._chunks = SharedChunks(backend, self._spaces)
-        self._sleep = SpacesSleep(self._chunks, self._spaces)
-        self._deferred = DeferredRelease(self._spaces, self.release_virtual_space)
-        self._parking = Parking(backend)
-        self._pool_callbacks = PoolCallbacks(self.allocate, self.deallocate)
-        self._ids = itertools.count(1)
+        self._table = SpaceTable(backend, self.arena_bytes)
+        self._chunks = SharedChunks(backend)
         self.current: int | None = None
         self._closed = False
+        self.last_error: str | None = None  # why the last allocation a pool callback asked for failed (logged too)
         self.backup = False  # graph memory needs no backup: every replay writes it afresh
 
     @property
@@ -151,7 +154,7 @@ class SharedVMMAllocator(Closable):
     @property
     def footprint_bytes(self) -> int:
         """Physical bytes it holds while awake (what a pause releases)."""
-        return len(self._chunks.handles) * self.granularity
+        return len(self._chunks.chunks) * self.granularity
 
     @property
     def chunks(self) -> list[Any]:
@@ -161,51 +164,51 @@ class SharedVMMAllocator(Closable):
     @property
     def pending_release(self) -> int:
         """Chunks mapped nowhere whose release failed and will be retried."""
-        return len(self._chunks.pending)
+        return len(self._chunks.backing.pending)
 
     @property
     def parked_bytes(self) -> int:
         """Address space left over a scratch chunk at close (tensors still used it)."""
-        return self._parking.bytes
+        return self._chunks.parked_bytes
 
     @property
     def reserved_bytes(self) -> int:
         """Virtual address space held by the live spaces."""
-        return sum(s.size for s in self._spaces.values())
+        return self._table.reserved_bytes
 
     @property
     def arena_reserved_bytes(self) -> int:
         """Virtual address space reserved from the driver (the arenas spaces are carved from)."""
-        return self._arenas.reserved_bytes
+        return self._table.arena_reserved_bytes
 
     @property
     def num_virtual_spaces(self) -> int:
-        return len(self._spaces)
+        return len(self._table.spaces)
 
     @property
     def num_arenas(self) -> int:
-        return len(self._arenas)
+        return len(self._table.arenas)
 
     @property
     def spaces(self) -> dict[int, VirtualSpace]:
         """Live spaces by id (read only)."""
-        return dict(self._spaces)
+        return dict(self._table.spaces)
 
     @property
     def map_calls(self) -> int:
         """Map calls made so far (each maps one chunk into one space)."""
-        return self._chunks.map_calls
+        return self._chunks.backing.map_calls
 
     @property
     def map_seconds(self) -> float:
         """Wall time those map calls took."""
-        return self._chunks.map_seconds
+        return self._chunks.backing.map_seconds
 
     def stats(self) -> AllocatorStats:
         with self._lock:
             return AllocatorStats(self.physical_bytes, self.reserved_bytes, self.num_virtual_spaces,
                                   self.map_calls, self.map_seconds,
-                                  {i: s.offset for i, s in self._spaces.items()}, self.arena_reserved_bytes)
+                                  {i: s.offset for i, s in self._table.spaces.items()}, self.arena_reserved_bytes)
 
     def __repr__(self) -> str:
         return (f"<SharedVMMAllocator {self.backend.name} spaces={self.num_virtual_spaces} "
@@ -214,13 +217,15 @@ class SharedVMMAllocator(Closable):
     def _check_open(self, call: str, awake: bool = False) -> None:
         if self._closed:
             raise hal.InvalidStateError("the allocator is closed", backend=self.backend.name, call=call)
-        if awake:
-            self._sleep.check_awake(call)
+        if awake and self._chunks.backing.paused:
+            raise hal.InvalidStateError("the allocator's physical memory is released (paused): resume its "
+                                        "MemorySaver tag, or call restore_physical(), first",
+                                        backend=self.backend.name, call=call)
 
     @property
     def paused(self) -> bool:
         """Whether any of its memory is released or unmapped (or a failed pause left a hole): nothing may run on it."""
-        return self._sleep.paused
+        return self._chunks.backing.paused
 
     def release_physical(self, *, keep_backup: bool = False) -> int:
         """Unmap every chunk from every space and release them all; spaces keep their addresses (no backup to keep).
@@ -231,7 +236,7 @@ class SharedVMMAllocator(Closable):
         """
         with self._lock:
             self._check_open("release_physical")
-            return self._sleep.release()
+            return self._chunks.pause(list(self._table.places()))
 
     def restore_physical(self, restore: bool = True) -> None:
         """Create the chunks again and map them where they were: every space at the same addresses.
@@ -241,7 +246,8 @@ class SharedVMMAllocator(Closable):
         """
         with self._lock:
             self._check_open("restore_physical")
-            self._sleep.restore()
+            if self.paused:
+                self._chunks.resume(self._table.places())
 
     def open_virtual_space(self) -> int:
         """Open a new space that can grow to ``reserve_bytes``; return its id. No chunk is mapped yet.
@@ -251,11 +257,9 @@ class SharedVMMAllocator(Closable):
         """
         with self._lock:
             self._check_open("open_virtual_space", awake=True)
-            self._deferred.reap()
-            self._chunks.retry()
-            opened = sum(not s.sealed for s in self._spaces.values())
-            space = self._arenas.open_space(next(self._ids), self.reserve_bytes, opened)
-            self._spaces[space.id] = space
+            self._reap()
+            self._chunks.backing.retry()
+            space = self._table.open(self.reserve_bytes)
             log.debug("space %d at %#x", space.id, space.base)
             return space.id
 
@@ -272,16 +276,9 @@ class SharedVMMAllocator(Closable):
     def seal(self, space_id: int, why: str = "on request") -> None:
         """Trim a space to its use once no more captures go into it (``why``: named by a later out-of-memory error)."""
         with self._lock:
-            self._live_space(space_id, "seal").seal(self.granularity, why)
+            self._table.get(space_id, "seal").seal(self.granularity, why)
             if self.current == space_id:
                 self.current = None
-
-    def _live_space(self, space_id: int, call: str) -> VirtualSpace:
-        space = self._spaces.get(space_id)
-        if space is None:
-            raise hal.InvalidStateError(f"space_id={space_id!r} is not a live virtual space",
-                                        backend=self.backend.name, call=call)
-        return space
 
     def release_virtual_space(self, space_id: int) -> None:
         """Unmap and free one space; chunks no remaining space needs are released too.
@@ -290,14 +287,12 @@ class SharedVMMAllocator(Closable):
         """
         with self._lock:
             self._check_open("release_virtual_space")
-            space = self._live_space(space_id, "release_virtual_space")
-            with self._sleep.transaction() as tx:
-                self._chunks.unmap_space(space, tx)
-            del self._spaces[space_id]
+            space = self._table.get(space_id, "release_virtual_space")
+            self._chunks.unmap_space(space)
+            self._table.remove(space)
             if self.current == space_id:
                 self.current = None
-            self._arenas.give_back(space.arena, space.base, space.size)
-            self._chunks.trim(max((s.mapped for s in self._spaces.values()), default=0))
+            self._chunks.trim(self._table.reach())
 
     def precreate(self, nbytes: int) -> None:
         """Create chunks for ``nbytes`` more physical memory (all or nothing), mapped nowhere yet.
@@ -317,12 +312,11 @@ class SharedVMMAllocator(Closable):
             if sid is None:
                 raise hal.InvalidStateError("no live virtual space to allocate in; call switch_to_new_virtual_space() "
                                             "first", backend=self.backend.name, call="allocate")
-            space = self._live_space(sid, "allocate")
+            space = self._table.get(sid, "allocate")
             _check_allocation(self.backend, nbytes, alignment)
             start, end = space.next_block(nbytes, alignment, self.backend)
             if end > space.mapped * self.granularity:
-                with self._sleep.transaction() as tx:
-                    self._chunks.map_up_to(space, -(-end // self.granularity), self.max_physical_bytes, tx)
+                self._chunks.map_up_to(space, -(-end // self.granularity), self.max_physical_bytes)
             space.offset = end
             space.live_allocations += 1
             return space.base + start
@@ -330,13 +324,20 @@ class SharedVMMAllocator(Closable):
     def deallocate(self, ptr: int) -> None:
         """Accept a free: it only counts (a bump region's memory goes with its space), so it may come at any moment."""
         with self._lock:
-            self._deferred.free(ptr)
+            self._table.free(ptr)
 
     def reap(self) -> None:
         """Release the spaces whose release waited for their last block to be freed."""
         with self._lock:
             if not self._closed:
-                self._deferred.reap()
+                self._reap()
+
+    def _reap(self) -> None:
+        for space in self._table.idle_dying():
+            try:
+                self.release_virtual_space(space.id)
+            except hal.HalError as exc:
+                log.error("deferred release of space %d failed (will retry): %s", space.id, str(exc))
 
     def release_when_idle(self, space_id: int) -> bool:
         """Release a space now if nothing allocated in it is live, else when its last block is freed.
@@ -345,23 +346,39 @@ class SharedVMMAllocator(Closable):
         unmapped: the next space would reuse the addresses under that tensor.
         """
         with self._lock:
-            return self._deferred.release_when_idle(self._live_space(space_id, "release_when_idle"))
+            if not self._table.mark_dying(self._table.get(space_id, "release_when_idle")):
+                return False
+            self.release_virtual_space(space_id)
+            self._reap()
+            return True
 
     def pool_callbacks(self, space_id: int) -> tuple[Callable[[int], int], Callable[[int, int], None]]:
-        """``(alloc, free)`` for :meth:`hal.Backend.create_pool`, bound to one space (see :attr:`last_error`)."""
-        return self._pool_callbacks.bound_to(space_id)
+        """``(alloc, free)`` for :meth:`hal.Backend.create_pool`, bound to one space. ``free`` never raises;
+        ``alloc`` raises the allocator's error after keeping it in :attr:`last_error` (the backend's glue turns
+        it into the framework's out-of-memory error, this reason attached, never letting it reach native code)."""
+
+        def alloc(nbytes: int) -> int:
+            try:
+                return self.allocate(nbytes, hal.ALLOCATION_ALIGNMENT, space_id)
+            except Exception as exc:
+                self.last_error = str(exc)
+                log.error("graph pool allocation of %s failed: %s", fmt_bytes(nbytes), str(exc))
+                raise
+
+        def free(ptr: int, nbytes: int) -> None:
+            try:
+                self.deallocate(ptr)
+            except Exception as exc:  # noqa: BLE001  # pragma: no cover - deallocate does not raise; a free must not raise into torch
+                log.error("graph pool free failed: %s", str(exc))
+
+        return alloc, free
 
     def export(self, ptr: int, nbytes: int) -> ExportedRange:
         """The chunks behind ``[ptr, ptr + nbytes)`` of a live space, for another process
         (:mod:`graphkit.memory.sharing`)."""
         with self._lock:
             self._check_open("export", awake=True)
-            return self._chunks.export(ptr, nbytes)
-
-    @property
-    def last_error(self) -> str | None:
-        """Why the last allocation a pool callback asked for failed (logged too); None until one fails."""
-        return self._pool_callbacks.last_error
+            return self._chunks.export(_exported_space(self._table, ptr, nbytes), ptr, nbytes)
 
     @property
     def closed(self) -> bool:
@@ -383,14 +400,12 @@ class SharedVMMAllocator(Closable):
                 return
             errors: list[BaseException] = []
             if not self.backend.closed:  # else the backend's close released every mapping, range and chunk
-                if not self._sleep.paused:  # a paused allocator has nothing mapped for a tensor to read
-                    self._parking.park_busy(self._spaces.values(), park_live, errors)
-                self._chunks.unmap_spaces([s for s in self._spaces.values() if s not in self._parking], errors)
-                self._arenas.release_all(self._parking.arena_ids, errors)
-                self._chunks.release_unmapped(errors)
-            self._sleep.paused = True  # nothing of it may run any more
+                parked = self._chunks.unmap_at_close(list(self._table.spaces.values()), park_live, errors)
+                self._table.release_all(parked, errors)
+                self._chunks.release_at_close(errors)
+            self._chunks.backing.sleeping = True  # nothing of it may run any more
             raise_first_failure(log, errors, "allocator close")
-            self._spaces.clear()
-            self._chunks.handles.clear()
+            self._table.spaces.clear()
+            self._chunks.chunks.clear()
             self.current = None
             self._closed = True

@@ -12,7 +12,11 @@ copies nothing.
 
 Many ranges, vAttention style: an :class:`ElasticReservation` carves ranges out of
 one reservation and keeps a free list of pre-created chunks, so growth costs
-a map call, not a driver allocation.
+a map call, not a driver allocation. A buffer garbage-collected without
+``close()`` leaves its range to the reservation: the garbage collector may run
+the finalizer in the middle of any call of the reservation, so the finalizer
+only queues the range, and the reservation gives queued ranges back at its
+next safe point (its lock held, nothing half done).
 """
 
 from __future__ import annotations
@@ -20,18 +24,17 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections import deque
 from typing import Any
 
 import torch
 
 import hal
 from graphkit.memory.closing import Closable, after_backend, close_step, raise_first_failure
-from graphkit.memory.elastic_backup import HostBackup
 from graphkit.memory.elastic_chunks import FreeChunks, RangeChunks
-from graphkit.memory.elastic_orphans import Orphans
 from graphkit.memory.elastic_views import LiveViews, ViewToken
+from graphkit.memory.host_backup import HostBacked, HostBackup
 from graphkit.memory.ranges import Arena
-from graphkit.memory.transaction import Transaction
 from graphkit.saver import MemorySaver
 from hal.types import fmt_bytes, round_up
 
@@ -54,21 +57,22 @@ class ElasticReservation(Closable):
     :param precreate_bytes: physical memory created up front into the free
         list (growth then costs a map call); more can be added with
         :meth:`precreate`, and :meth:`trim` releases what is free.
+    :param owns_backend: close ``backend`` with the reservation.
     """
 
     def __init__(self, backend: hal.Backend | None = None, reserve_bytes: int = 0, *,
-                 precreate_bytes: int = 0) -> None:
+                 precreate_bytes: int = 0, owns_backend: bool = False) -> None:
         if backend is not None and not isinstance(backend, hal.Backend):
             raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend", call="ElasticReservation")
-        self._owns_backend = backend is None
+        self._owns_backend = backend is None or owns_backend
         self.backend = be = backend if backend is not None else hal.get_backend(requires=("graphs",))
         _positive(reserve_bytes, "reserve_bytes", "ElasticReservation", be.name)
         _positive(precreate_bytes, "precreate_bytes", "ElasticReservation", be.name, zero=True)
         self.granularity = g = be.granularity
         self.reserve_bytes = round_up(reserve_bytes, g)
-        self._chunks = FreeChunks(be)
-        self._lock = self._chunks.lock  # one lock for the free list, the ranges and the buffers
-        self._orphans = Orphans()  # ranges of buffers dropped without close(): given back at a safe point
+        self._free = FreeChunks(be)
+        self._lock = self._free.lock  # one lock for the free list, the ranges and the buffers
+        self._dropped: deque[RangeChunks] = deque()  # ranges of buffers dropped without close(): given back later
         self._buffers: weakref.WeakSet[ElasticBuffer] = weakref.WeakSet()
         self._closed = False
         self._closing = False
@@ -78,24 +82,24 @@ class ElasticReservation(Closable):
         try:
             self.precreate(precreate_bytes)
         except BaseException:
-            self._chunks.retry_releases()
+            self._free.backing.retry()
             be.release_vir_ptr(self.base, self.reserve_bytes)
             raise
 
     @property
     def free_bytes(self) -> int:
         """Physical bytes pre-created and not mapped anywhere."""
-        return self._chunks.free_bytes
+        return self._free.free_bytes
 
     @property
     def created(self) -> int:
         """Chunks created over the reservation's life (growth that paid a driver allocation included)."""
-        return self._chunks.created
+        return self._free.created
 
     @property
     def pending_release(self) -> int:
         """Chunks whose release failed and will be retried (at :meth:`trim` and :meth:`close`)."""
-        return len(self._chunks.zombies)
+        return len(self._free.pending)
 
     @property
     def closed(self) -> bool:
@@ -112,7 +116,7 @@ class ElasticReservation(Closable):
                 raise hal.DeviceOutOfMemoryError(f"nbytes={nbytes} is more than the reservation of "
                                                  f"{fmt_bytes(self.reserve_bytes)} can ever map",
                                                  backend=self.backend.name, call="ElasticReservation.precreate")
-            self._chunks.create(count)
+            self._free.create(count)
 
     def trim(self) -> int:
         """Release the free list's chunks; return the bytes released.
@@ -123,14 +127,16 @@ class ElasticReservation(Closable):
         with self._lock:
             if not self._closed:
                 self._settle()
-            return self._chunks.trim()
+            return self._free.trim()
 
     def buffer(self, max_bytes: int, **options: Any) -> ElasticBuffer:
         """A new elastic range of up to ``max_bytes`` out of this reservation."""
         return ElasticBuffer(self.backend, max_bytes, reservation=self, **options)
 
-    def _carve(self, size: int) -> RangeChunks:
-        """A range of ``size`` bytes out of the reservation, nothing mapped yet."""
+    # -- what a buffer uses -------------------------------------------------------------------
+
+    def carve(self, size: int, host: HostBackup | None = None) -> RangeChunks:
+        """A range of ``size`` bytes out of the reservation, nothing mapped yet (``host``: its backup)."""
         with self._lock:
             self._check_open("buffer")
             self._settle()
@@ -139,26 +145,48 @@ class ElasticReservation(Closable):
                 raise hal.DeviceOutOfMemoryError(
                     f"no {fmt_bytes(size)} range left in the reservation of {fmt_bytes(self.reserve_bytes)}",
                     backend=self.backend.name, call="ElasticReservation.buffer")
-            return RangeChunks(self._chunks, start, size)
+            return RangeChunks(self._free, start, size, host)
 
-    def _give_back(self, buffer: ElasticBuffer, chunks: RangeChunks) -> None:
+    def track(self, buffer: ElasticBuffer, chunks: RangeChunks, own: bool) -> weakref.finalize:
+        """Close ``buffer`` with the reservation, and take its range back if it is garbage-collected without
+        ``close()`` (``detach()`` the result when it closes). ``own``: the reservation is the buffer's own
+        (nothing else can reach it: it closes then too)."""
+        with self._lock:
+            self._buffers.add(buffer)
+        finalizer = weakref.finalize(buffer, self._dropped_buffer, chunks, own)
+        finalizer.atexit = False  # at exit the process gives everything back anyway
+        return finalizer
+
+    def give_back(self, buffer: ElasticBuffer, chunks: RangeChunks) -> None:
         """The range of a buffer closed with nothing mapped in it goes back to the reservation."""
         with self._lock:
             self._arena.give(chunks.ptr, chunks.size)
             self._buffers.discard(buffer)
 
-    def _settle(self) -> None:
-        """Give back what buffers dropped without close() left (a safe point: the reservation's lock is held)."""
-        self._orphans.settle(self._reclaim)
+    def _dropped_buffer(self, chunks: RangeChunks, own: bool) -> None:
+        log.warning("an ElasticBuffer on %s at %#x was garbage-collected without close(): its %s go back to its "
+                    "reservation (call close() when done with it)", chunks.backend.name, chunks.ptr,
+                    fmt_bytes(chunks.held * chunks.granularity))
+        self._dropped.append(chunks)  # deque.append is atomic: safe from the garbage collector
+        if not own:
+            return  # given back at the reservation's next call (this may run inside one of them)
+        try:  # a reservation of its own: nothing else can reach it, close it now
+            self.close()
+        except hal.HalError as exc:
+            log.error("closing a dropped ElasticBuffer's own reservation failed: %s", str(exc))
 
-    def _reclaim(self, chunks: RangeChunks) -> bool:
-        errors = chunks.unmap_all()
-        for exc in errors:
-            log.error("a dropped buffer's chunk at %#x would not unmap (retried later): %s", chunks.ptr, str(exc))
-        if errors or chunks.stray:
-            return False
-        self._arena.give(chunks.ptr, chunks.size)
-        return True
+    def _settle(self) -> None:
+        """Give back what buffers dropped without close() left (a safe point: the reservation's lock is held);
+        those that cannot be finished yet stay queued."""
+        for _ in range(len(self._dropped)):
+            chunks = self._dropped.popleft()
+            errors = chunks.unmap_all()
+            for exc in errors:
+                log.error("a dropped buffer's chunk at %#x would not unmap (retried later): %s", chunks.ptr, str(exc))
+            if errors or chunks.pending:
+                self._dropped.append(chunks)
+            else:
+                self._arena.give(chunks.ptr, chunks.size)
 
     def _check_open(self, call: str) -> None:
         if self._closed or self._closing:
@@ -194,9 +222,9 @@ class ElasticReservation(Closable):
     def _leftovers(self, errors: list[BaseException]) -> list[BaseException]:
         """Release the reservation (once) if no buffer holds memory in it; else what is left, as one error."""
         left = [b for b in self._buffers if not b.closed]
-        if left or self._orphans:
+        if left or self._dropped:
             return [] if errors else [hal.InvalidStateError(
-                f"{len(left) + len(self._orphans)} buffer(s) still hold mapped memory in the reservation",
+                f"{len(left) + len(self._dropped)} buffer(s) still hold mapped memory in the reservation",
                 backend=self.backend.name, call="ElasticReservation.close")]
         if self._reserved:
             try:
@@ -204,8 +232,8 @@ class ElasticReservation(Closable):
             except hal.HalError as exc:
                 return [exc]
             self._reserved = False  # a close() again after a chunk that would not release must not free it twice
-        if not errors and self._chunks.zombies:
-            return [hal.InvalidStateError(f"{len(self._chunks.zombies)} chunk(s) could not be released yet",
+        if not errors and self._free.pending:
+            return [hal.InvalidStateError(f"{len(self._free.pending)} chunk(s) could not be released yet",
                                           backend=self.backend.name, call="ElasticReservation.close")]
         return []
 
@@ -255,7 +283,7 @@ def _view_end(backend: hal.Backend, dtype: Any, shape: Any, offset: Any) -> int:
     return offset + count * itemsize
 
 
-class ElasticBuffer(Closable):
+class ElasticBuffer(Closable, HostBacked):
     """A virtual range of ``max_bytes`` whose prefix is backed by physical memory as it grows.
 
     :param backend: a :class:`hal.Backend` (default ``hal.get_backend()``, then owned).
@@ -278,15 +306,15 @@ class ElasticBuffer(Closable):
                  tag: str = "kv_cache", backup: bool = False) -> None:
         be = _buffer_backend(backend, reservation, "reservation", saver, tag)
         _positive(max_bytes, "max_bytes", "ElasticBuffer", be.name)
+        self._backup = HostBackup(backup and be.torch_device().type != "cpu", grow=True, name="graphkit-elastic-backup")
         self._own_reservation = reservation is None
-        self.reservation = reservation if reservation is not None else ElasticReservation(be, max_bytes)
-        if self._own_reservation and backend is None:
-            self.reservation._owns_backend = True
+        self.reservation = reservation if reservation is not None else ElasticReservation(
+            be, max_bytes, owns_backend=backend is None)
         self.backend = be
         self.granularity = be.granularity
         self.max_bytes = round_up(max_bytes, self.granularity)
         try:
-            self._chunks = self.reservation._carve(self.max_bytes)
+            self._chunks = self.reservation.carve(self.max_bytes, self._backup)
         except BaseException:
             if self._own_reservation:
                 self.reservation.close()
@@ -294,15 +322,11 @@ class ElasticBuffer(Closable):
         self.ptr = self._chunks.ptr
         self._lock = threading.RLock()
         self._views = LiveViews()
-        self._sleeping = False  # released by a pause: nothing may touch it until restore_physical()
-        self._backup = HostBackup()
         self.backup = backup
         self.saver = saver
         self.tag = tag
         self._closed = False
-        self._finalizer = self.reservation._orphans.watch(
-            self, self._chunks, self.reservation.close if self._own_reservation else None)
-        self.reservation._buffers.add(self)
+        self._finalizer = self.reservation.track(self, self._chunks, self._own_reservation)
         if saver is not None:
             try:
                 saver.adopt(self, tag)
@@ -324,19 +348,9 @@ class ElasticBuffer(Closable):
         return self._chunks.footprint_bytes
 
     @property
-    def host_bytes(self) -> int:
-        """Host bytes made for the backup (``backup=True``): made as it grows, before any pause."""
-        return self._backup.host_bytes
-
-    @property
-    def pin_seconds(self) -> float:
-        """Time spent making (pinning) the backup's host buffers, off the pause path or on it."""
-        return self._backup.pin_seconds
-
-    @property
     def paused(self) -> bool:
         """Whether part of its prefix is released or unmapped (nothing may read it until it is restored)."""
-        return self._sleeping or bool(self._chunks.holes)
+        return self._chunks.backing.paused
 
     def __repr__(self) -> str:
         return (f"<graphkit.ElasticBuffer {self.backend.name} at {self.ptr:#x} mapped {fmt_bytes(self.mapped_bytes)} "
@@ -365,23 +379,23 @@ class ElasticBuffer(Closable):
         with self._lock:
             chunks = self._chunks
             if (type(nbytes) is int and 0 <= nbytes <= self.max_bytes and -(-nbytes // self.granularity)
-                    == len(chunks.chunks) and not (self._closed or self._sleeping or chunks.holes or chunks.stray)):
+                    == len(chunks.places) and not (self._closed or chunks.backing.paused or chunks.pending)):
                 return  # the size it has, nothing to heal: a decode loop asks this every step
             self._check("resize", awake=False)
-            if self._sleeping:
+            sleeping = chunks.backing.sleeping
+            if sleeping:
                 self._check("resize")
             _positive(nbytes, "nbytes", "ElasticBuffer.resize", be.name, zero=True)
             if nbytes > self.max_bytes:
                 raise hal.InvalidArgumentError(f"nbytes={nbytes} exceeds the buffer's max_bytes {self.max_bytes}",
                                                backend=be.name, call="ElasticBuffer.resize")
-            self._chunks.heal("resize", self._sleeping)
+            chunks.heal("resize", sleeping)
             target = -(-nbytes // self.granularity)
-            if target > len(self._chunks.chunks):
-                self._chunks.grow(target)
+            if target > len(chunks.places):
+                chunks.grow(target)
                 if self.backup:  # the host copy's buffers, made now in the background: a pause then only copies
-                    self._backup.prepare_in_background(self._chunks.footprint_bytes,
-                                                       be.torch_device().type != "cpu")
-            elif target < len(self._chunks.chunks):
+                    self._backup.prepare_in_background([(self.ptr, chunks.footprint_bytes)])
+            elif target < len(chunks.places):
                 self._shrink(target)
 
     def _shrink(self, target: int) -> None:
@@ -442,51 +456,21 @@ class ElasticBuffer(Closable):
         :param keep_backup: the rollback of a failed resume: the backup of the
             last pause stays the one a resume restores (nothing is copied).
         """
-        chunks = self._chunks
         with self._lock:
             self._check("pause", awake=False)
-            if self._sleeping and chunks.released:
+            if self._chunks.backing.sleeping and self._chunks.released:
                 return 0
-            if keep_backup:
-                self._backup.sleep_again()
-            elif self.backup and chunks.footprint_bytes and not self._backup.held:
-                if chunks.holes:
-                    raise hal.InvalidStateError("part of the buffer is unmapped (a failed rollback): "
-                                                "restore_physical() it before a pause can back it up",
-                                                backend=self.backend.name, call="ElasticBuffer.pause")
-                self._backup.save(self.backend, self.ptr, chunks.footprint_bytes)
-            was = self._sleeping
-            self._sleeping = True
-            try:
-                with Transaction() as tx:
-                    chunks.unmap_from(0, tx)
-                    tx.commit()
-            except BaseException:
-                self._sleeping = was
-                if not was and not chunks.holes:
-                    self._backup.held = False  # awake again as it was
-                raise
-            return chunks.release_chunks()
+            return self._chunks.pause(self.backup, keep_backup)
 
     def restore_physical(self, restore: bool = True) -> None:
         """Map fresh chunks at the same addresses and restore the backup (all or nothing). Idempotent.
 
         ``restore=False`` leaves the fresh memory as it is (the caller overwrites it).
         """
-        chunks = self._chunks
         with self._lock:
             self._check("resume", awake=False)
-            if not self.paused:
-                return
-            chunks.retry_strays()
-            with Transaction() as tx:
-                chunks.recreate_chunks(tx)
-                chunks.fill_holes(tx)
-                if restore and self.backup and self._backup.held and chunks.chunks:
-                    self._backup.restore(self.backend, self.ptr, chunks.footprint_bytes)
-                tx.commit()
-            self._sleeping = False
-            self._backup.wake()
+            if self.paused:
+                self._chunks.resume(restore and self.backup)
 
     # -- teardown ---------------------------------------------------------------------------
 
@@ -514,15 +498,15 @@ class ElasticBuffer(Closable):
                                             "before closing", backend=be.name, call="ElasticBuffer.close")
             self._backup.wait()  # no thread of its own outlives it
             errors = [] if gone else self._chunks.unmap_all()
-            if self._chunks.stray and not errors and not gone:
-                errors.append(hal.InvalidStateError(f"{len(self._chunks.stray)} mapping(s) would not unmap",
+            if self._chunks.pending and not errors and not gone:
+                errors.append(hal.InvalidStateError(f"{len(self._chunks.pending)} mapping(s) would not unmap",
                                                     backend=be.name, call="ElasticBuffer.close"))
             raise_first_failure(log, errors, "ElasticBuffer.close")
             self._finalizer.detach()
             if self.saver is not None:
                 self.saver.forget(self)
             self._closed = True
-            self.reservation._give_back(self, self._chunks)
+            self.reservation.give_back(self, self._chunks)
             log.debug("elastic buffer at %#x closed", self.ptr)
             if self._own_reservation:
                 self.reservation.close()

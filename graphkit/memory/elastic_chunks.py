@@ -2,7 +2,8 @@
 
 A range's prefix grows and shrinks at its end, one granule and one chunk at
 a time; chunks it gives back go to the free list, and growth takes them from
-there before it pays a driver allocation.
+there before it pays a driver allocation. Its sleep runs on the one
+release/restore machine, :class:`graphkit.memory.backing.Backing`.
 """
 
 from __future__ import annotations
@@ -10,17 +11,22 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import hal
+from graphkit.memory.backing import Backing, Chunk, Place
 from graphkit.memory.closing import close_step
-from graphkit.memory.transaction import Transaction, map_run, release_or_keep, retry_releases, unmap_run
+from graphkit.memory.host_backup import HostBackup
+from graphkit.memory.transaction import Transaction
 
 log = logging.getLogger("graphkit.memory.elastic")
 
+_UNMAPPED = "part of the buffer is unmapped (a failed rollback): restore_physical() it before a pause can back it up"
+
 
 class FreeChunks:
-    """Chunks mapped nowhere: pre-created ones to grow from, and ones whose release failed (released later).
+    """Chunks mapped nowhere: pre-created ones to grow from, and pending ones whose release failed (released later).
 
     :attr:`lock` guards it and is the reservation's lock too: a buffer takes
     its own lock first, then this one.
@@ -31,27 +37,27 @@ class FreeChunks:
         self.granularity = backend.granularity
         self.lock = threading.RLock()
         self.free: list[Any] = []  # pre-created chunks, mapped nowhere
-        self.zombies: list[Any] = []  # chunks mapped nowhere whose release failed: released later
+        self.backing = Backing(backend)  # its pending chunks: mapped nowhere, release failed, released later
         self.created = 0  # chunks created over its life (growth that paid a driver allocation)
 
     @property
     def free_bytes(self) -> int:
         return len(self.free) * self.granularity
 
+    @property
+    def pending(self) -> list[Any]:
+        """Chunks mapped nowhere whose release failed: released at the next :meth:`trim`."""
+        return self.backing.pending
+
     def create(self, count: int) -> None:
         """Create ``count`` chunks into the free list (all or nothing)."""
-        made: list[Any] = []
+        made = [Chunk(self.granularity) for _ in range(count)]
         with Transaction() as tx:
-            for _ in range(count):
-                handle = self.backend.create_phy_mem_handle(self.granularity)
-                made.append(handle)
-                tx.append(functools.partial(self._undo_create, handle))
+            for chunk in made:
+                self.backing.create(chunk, tx)
             tx.commit()
-        self.free.extend(made)
+        self.free.extend(c.handle for c in made)
         self.created += len(made)
-
-    def _undo_create(self, handle: Any) -> None:
-        self.release(handle)
 
     def take(self) -> Any:
         """A chunk for growth: from the free list, else a new one (the caller puts it back on failure)."""
@@ -61,188 +67,162 @@ class FreeChunks:
         self.created += 1
         return handle
 
-    def put(self, handle: Any) -> None:
-        """A chunk mapped nowhere goes back to the free list."""
+    def put(self, handles: Iterable[Any]) -> None:
+        """Chunks mapped nowhere go back to the free list (reused by the next growth)."""
         with self.lock:
-            self.free.append(handle)
+            self.free.extend(handles)
 
-    def release(self, handle: Any) -> bool:
-        """Release a chunk mapped nowhere; one that will not go is kept and released later."""
-        return release_or_keep(self.backend, handle, self.zombies)
-
-    def retry_releases(self) -> None:
-        retry_releases(self.backend, self.zombies)
+    def keep(self, handles: list[Any]) -> None:
+        """Chunks whose release failed elsewhere: pending here, released at the next :meth:`trim`."""
+        with self.lock:
+            self.backing.pending.extend(handles)
 
     def trim(self) -> int:
-        """Release the free list's chunks (and those kept from failed releases); return the bytes released."""
+        """Release the free list's chunks (and the pending ones); return the bytes released."""
         with self.lock:
-            self.retry_releases()
+            self.backing.retry()
             free, self.free = self.free, []
-            released = 0
-            for handle in reversed(free):
-                if self.release(handle):
-                    released += self.granularity
-            return released
+            return sum(self.granularity for handle in reversed(free) if self.backing.release_handle(handle))
 
 
 class RangeChunks:
-    """The chunk behind each granule of one range's prefix, the granules unmapped now, and stray mappings.
+    """The place (granule and chunk) of each granule of one range's prefix, and its pending mappings.
 
-    ``chunks[i]`` backs granule ``i`` (``None``: released while paused);
-    ``holes`` are the granules of the prefix not mapped now (paused, or a
-    failed rollback); ``stray`` are mappings past the prefix that a failed
-    rollback could not undo yet. All three are changed in place, never
-    rebound, and the object refers to no buffer: a buffer dropped without
-    ``close()`` leaves it to its reservation, which unmaps what it records.
+    ``places[i]`` maps granule ``i``; a place that is not mapped is a hole (paused, or a failed
+    rollback), its chunk None while a pause released it. ``pending`` are mappings past the prefix
+    that a failed rollback could not undo yet. The object refers to no buffer: a buffer dropped
+    without ``close()`` leaves it to its reservation, which unmaps what it records.
     """
 
-    __slots__ = ("backend", "chunks", "granularity", "holes", "ptr", "size", "store", "stray")
+    __slots__ = ("backend", "backing", "granularity", "pending", "places", "ptr", "size", "store")
 
-    def __init__(self, store: FreeChunks, ptr: int, size: int) -> None:
+    def __init__(self, store: FreeChunks, ptr: int, size: int, host: HostBackup | None = None) -> None:
         self.store = store
         self.backend = store.backend
         self.granularity = store.granularity
         self.ptr, self.size = ptr, size
-        self.chunks: list[Any] = []
-        self.holes: set[int] = set()
-        self.stray: list[tuple[int, Any]] = []
+        self.backing = Backing(store.backend, host)
+        self.places: list[Place] = []
+        self.pending: list[Place] = []  # mappings past the prefix whose unmap failed: unmapped later
 
     @property
     def mapped_bytes(self) -> int:
-        return (len(self.chunks) - len(self.holes)) * self.granularity
+        if not self.backing.paused:
+            return len(self.places) * self.granularity
+        return sum(p.mapped for p in self.places) * self.granularity
 
     @property
     def footprint_bytes(self) -> int:
-        return len(self.chunks) * self.granularity
+        return len(self.places) * self.granularity
 
     @property
     def released(self) -> bool:
         """Nothing mapped and no chunk held (a finished pause)."""
-        return not self.mapped_bytes and all(h is None for h in self.chunks)
+        return all(not p.mapped and p.chunk.handle is None for p in self.places)
+
+    @property
+    def held(self) -> int:
+        """Chunks held by the prefix."""
+        return sum(p.chunk.handle is not None for p in self.places)
 
     # -- growing and shrinking ----------------------------------------------------------
 
     def grow(self, target: int) -> None:
-        """Map chunks at granules ``len(chunks) .. target``, from the free list first (all or nothing)."""
-        g = self.granularity
-        made: list[Any] = []
+        """Map chunks at granules ``len(places) .. target``, from the free list first (all or nothing)."""
+        made: list[Place] = []
         with self.store.lock, Transaction() as tx:
-            for index in range(len(self.chunks), target):
-                ptr = self.ptr + index * g
-                handle = self.store.take()
+            for index in range(len(self.places), target):
+                place = Place(self.ptr + index * self.granularity, Chunk(self.granularity, self.store.take()))
                 try:
-                    self.backend.map(ptr, g, handle)
+                    self.backing.map(place)
                 except BaseException:
-                    self.store.put(handle)  # mapped nowhere: back to the free list
+                    self.store.put([place.chunk.handle])  # mapped nowhere: back to the free list
                     raise
-                made.append(handle)
-                tx.append(functools.partial(self._unmap_to_free, ptr, handle))
+                made.append(place)
+                tx.append(functools.partial(self._unmap_to_free, place))
             tx.commit()
-        self.chunks.extend(made)
+        self.places.extend(made)
 
-    def _unmap_to_free(self, ptr: int, handle: Any) -> None:
-        """Undo of a growth step: unmap, chunk back to the free list; a mapping that will not go is kept and retried."""
-        stray = (ptr, handle)
+    def _unmap_to_free(self, place: Place) -> None:
+        """Undo of a growth step: unmap, chunk back to the free list; a mapping that will not go is pending."""
         try:
-            self.backend.unmap(ptr, self.granularity)
+            self.backing.unmap(place)
         except hal.HalError:
-            if stray not in self.stray:
-                self.stray.append(stray)
+            if place not in self.pending:
+                self.pending.append(place)
             raise
-        if stray in self.stray:  # an earlier try recorded it
-            self.stray.remove(stray)
-        self.store.put(handle)
+        if place in self.pending:  # an earlier try recorded it
+            self.pending.remove(place)
+        self.store.put([place.chunk.handle])
 
     def shrink(self, target: int) -> None:
         """Unmap granules ``target ..`` (all or nothing); their chunks go to the free list."""
         with Transaction() as tx:
-            self.unmap_from(target, tx)
+            for place in reversed(self.places[target:]):
+                if place.mapped:
+                    self.backing.unmap(place, tx)
             tx.commit()
-        freed = self.chunks[target:]
-        del self.chunks[target:]
-        self.holes.difference_update(range(target, target + len(freed)))
-        with self.store.lock:
-            self.store.free.extend(reversed(freed))  # reused by the next growth
-
-    def unmap_from(self, first: int, tx: Transaction) -> None:
-        """Unmap granules ``first ..`` of the prefix, last first; each is mapped back on rollback."""
-        unmap_run(self.backend, self.ptr, self.granularity, self.chunks, tx,
-                  indices=[i for i in range(first, len(self.chunks)) if i not in self.holes],
-                  on_unmap=self.holes.add, on_map=self.holes.discard)
-
-    def fill_holes(self, tx: Transaction) -> None:
-        """Map the granules of the prefix that are unmapped; each is unmapped again on rollback."""
-        map_run(self.backend, self.ptr, self.granularity, self.chunks, tx, indices=list(self.holes),
-                on_map=self.holes.discard, on_unmap=self.holes.add)
+        freed = self.places[target:]
+        del self.places[target:]
+        self.store.put(p.chunk.handle for p in reversed(freed) if p.chunk.handle is not None)
 
     # -- what failed steps left -----------------------------------------------------------
 
-    def retry_strays(self) -> None:
-        """Unmap the stray mappings a failed rollback left; those that fail again stay recorded."""
-        for ptr, handle in list(self.stray):
+    def retry_pending(self) -> None:
+        """Unmap the pending mappings a failed rollback left; those that fail again stay pending."""
+        for place in list(self.pending):
             try:
-                self.backend.unmap(ptr, self.granularity)
+                self.backing.unmap(place)
             except hal.HalError as exc:
-                log.error("elastic range: unmap at %#x failed (retried later): %s", ptr, str(exc))
+                log.error("elastic range: unmap at %#x failed (retried later): %s", place.ptr, str(exc))
                 continue
-            self.stray.remove((ptr, handle))
-            self.store.put(handle)
+            self.pending.remove(place)
+            self.store.put([place.chunk.handle])
 
     def heal(self, call: str, sleeping: bool) -> None:
-        """Unmap stray mappings and (unless ``sleeping``) map holes back; raises if a stray mapping stays."""
-        self.retry_strays()
-        if self.holes and not sleeping:
-            with Transaction() as tx:
-                self.fill_holes(tx)
-                tx.commit()
-        if self.stray:
-            raise hal.InvalidStateError(f"{len(self.stray)} mapping(s) of a failed resize still cannot be "
+        """Unmap pending mappings and (unless ``sleeping``) map holes back; raises if a pending mapping stays."""
+        self.retry_pending()
+        if self.backing.holes and not sleeping:
+            self.backing.fill(self.places)
+        if self.pending:
+            raise hal.InvalidStateError(f"{len(self.pending)} mapping(s) of a failed resize still cannot be "
                                         "undone", backend=self.backend.name, call=f"ElasticBuffer.{call}")
 
     # -- sleep and teardown -----------------------------------------------------------------
 
-    def release_chunks(self) -> int:
-        """Release every chunk of the (unmapped) prefix; the bytes released (one that will not go is kept)."""
-        released = 0
-        for index, handle in enumerate(self.chunks):
-            if handle is not None:
-                self.chunks[index] = None
-                if self.store.release(handle):
-                    released += self.granularity
-        return released
+    def pause(self, backup: bool, keep_backup: bool) -> int:
+        """Back up the prefix (``backup``), unmap it and release its chunks (see :meth:`Backing.pause`)."""
+        spans = [(self.ptr, self.footprint_bytes)] if backup and self.places else None
+        try:
+            return self.backing.pause(self.places, [p.chunk for p in self.places], backup=spans,
+                                      keep_backup=keep_backup,
+                                      refuse=(_UNMAPPED, "ElasticBuffer.pause"))
+        finally:
+            self.store.keep(self.backing.take_pending())
 
-    def recreate_chunks(self, tx: Transaction) -> None:
-        """A fresh chunk for every granule whose chunk a pause released; each is released on rollback."""
-        for index, handle in enumerate(self.chunks):
-            if handle is None:
-                self.chunks[index] = self.backend.create_phy_mem_handle(self.granularity)
-                tx.append(functools.partial(self._drop_chunk, index))
-
-    def _drop_chunk(self, index: int) -> None:
-        """Undo of a chunk made by a restore: released, unless a mapping that would not go still uses it."""
-        if index not in self.holes:
-            return
-        handle, self.chunks[index] = self.chunks[index], None
-        self.store.release(handle)
+    def resume(self, restore: bool) -> None:
+        """Fresh chunks mapped at the same addresses, the backup copied back where ``restore`` (all or nothing)."""
+        self.retry_pending()
+        spans = [(self.ptr, self.footprint_bytes)] if restore and self.places else None
+        try:
+            self.backing.resume(self.places, [p.chunk for p in self.places], backup=spans)
+        finally:
+            self.store.keep(self.backing.take_pending())
 
     def unmap_all(self) -> list[BaseException]:
         """Unmap the whole prefix, last first, and put its chunks on the free list; the unmaps that failed.
 
-        Goes on past failures; once nothing is left mapped (strays
+        Goes on past failures; once nothing is left mapped (pending mappings
         included) the record is empty. Calling it again finishes.
         """
         errors: list[BaseException] = []
-        self.retry_strays()
-        for index in reversed(range(len(self.chunks))):
-            handle = self.chunks[index]
-            if index not in self.holes:
-                if not close_step(errors, self.backend.unmap, self.ptr + index * self.granularity, self.granularity):
-                    continue
-                self.holes.add(index)
-            if handle is not None:
-                self.chunks[index] = None
-                self.store.put(handle)
-        if not errors and not self.stray:
-            del self.chunks[:]
-            self.holes.clear()
+        self.retry_pending()
+        for place in reversed(self.places):
+            if place.mapped and not close_step(errors, self.backing.unmap, place):
+                continue
+            if place.chunk.handle is not None:
+                self.store.put([place.chunk.handle])
+                place.chunk.handle = None
+        if not errors and not self.pending:
+            del self.places[:]
         return errors

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import hal
+from graphkit.memory.backing import Place
 from graphkit.memory.transaction import Transaction
 from hal.types import fmt_bytes, round_up
 
@@ -47,19 +50,28 @@ class Arena:
 
 @dataclass
 class VirtualSpace:
-    """One range of an arena, its bump pointer and how many chunks are mapped into it."""
+    """One range of an arena, its bump pointer and the chunks mapped into it."""
 
     id: int
     base: int
     size: int
     arena: Arena = field(repr=False)
     offset: int = 0  # bump pointer: bytes handed out so far
-    mapped: int = 0  # chunks 0 .. mapped-1 are mapped at base + i * granularity
     live_allocations: int = 0
     dying: bool = False  # release requested while allocations were still live
     sealed: bool = False  # trimmed to its use: it cannot grow any more
     sealed_why: str = ""  # when and why it was sealed, for the out-of-memory error of a capture that outgrows it
-    holes: set[int] = field(default_factory=set, repr=False)  # granules < mapped that are not mapped now
+    places: list[Place] = field(default_factory=list, repr=False)  # place i: chunk i at base + i * granularity
+
+    @property
+    def mapped(self) -> int:
+        """How many chunks it reaches: chunks 0 .. mapped-1 are mapped at ``base + i * granularity`` (or holes)."""
+        return len(self.places)
+
+    @property
+    def holes(self) -> set[int]:
+        """Granules below :attr:`mapped` that are not mapped now (released by a pause, or a failed rollback)."""
+        return {i for i, place in enumerate(self.places) if not place.mapped}
 
     def contains(self, ptr: int) -> bool:
         return self.base <= ptr < self.base + self.size
@@ -89,47 +101,69 @@ class VirtualSpace:
         self.sealed, self.sealed_why = True, why
 
 
-class SpaceArenas:
-    """The arenas of one allocator: ranges carved first fit, a new arena only when none has room.
+class SpaceTable:
+    """The spaces of one allocator and the arenas they are carved from, first fit, a new arena only when none has room.
 
     An arena whose last range comes back is given back to the driver (or
-    kept for reuse when that fails).
+    kept for reuse when that fails). It counts frees against each space's
+    live allocations: a space released while a tensor still used it waits,
+    ``dying``, until the allocator's next operation finds it idle.
     """
 
     def __init__(self, backend: hal.Backend, arena_bytes: int) -> None:
         self.backend = backend
         self.arena_bytes = arena_bytes
         self.arenas: list[Arena] = []
-
-    def __len__(self) -> int:
-        return len(self.arenas)
+        self.spaces: dict[int, VirtualSpace] = {}
+        self._ids = itertools.count(1)
 
     @property
     def reserved_bytes(self) -> int:
+        """Virtual address space held by the live spaces."""
+        return sum(s.size for s in self.spaces.values())
+
+    @property
+    def arena_reserved_bytes(self) -> int:
         """Virtual address space reserved from the driver."""
         return sum(a.size for a in self.arenas)
 
-    def carve(self, size: int) -> tuple[Arena, int]:
-        """A range of ``size`` bytes from an arena, reserving a new arena when none has room (all or nothing)."""
-        with Transaction() as tx:
-            arena, start = self._carve(size, tx)
-            tx.commit()
-        return arena, start
+    def get(self, space_id: int, call: str) -> VirtualSpace:
+        """The live space ``space_id``; :class:`hal.InvalidStateError` for ``call`` if there is none."""
+        space = self.spaces.get(space_id)
+        if space is None:
+            raise hal.InvalidStateError(f"space_id={space_id!r} is not a live virtual space",
+                                        backend=self.backend.name, call=call)
+        return space
 
-    def open_space(self, space_id: int, size: int, open_spaces: int) -> VirtualSpace:
-        """A new space of ``size`` bytes; out of memory, saying why, when the address space ran out.
+    def containing(self, ptr: int) -> VirtualSpace | None:
+        """The live space whose range holds ``ptr``."""
+        return next((s for s in self.spaces.values() if s.contains(ptr)), None)
 
-        :param open_spaces: how many spaces are open (each keeping room to grow to ``size``), for that error.
-        """
+    def places(self) -> Iterator[Place]:
+        """Every place of every live space."""
+        for space in self.spaces.values():
+            yield from space.places
+
+    def reach(self) -> int:
+        """How many chunks the live spaces reach."""
+        return max((s.mapped for s in self.spaces.values()), default=0)
+
+    def open(self, size: int) -> VirtualSpace:
+        """A new space of ``size`` bytes; out of memory, saying why, when the address space ran out."""
         try:
-            arena, base = self.carve(size)
+            with Transaction() as tx:
+                arena, base = self._carve(size, tx)
+                tx.commit()
         except hal.DeviceOutOfMemoryError as exc:
+            opened = sum(not s.sealed for s in self.spaces.values())
             raise hal.DeviceOutOfMemoryError(
-                f"no address space left for a new space: {open_spaces} space(s) are open, each keeping room to grow "
+                f"no address space left for a new space: {opened} space(s) are open, each keeping room to grow "
                 f"to reserve_bytes={fmt_bytes(size)} until its owner seals it (a GraphPools key's space stays open "
                 f"until the key is released): release the keys whose graphs are gone, or make reserve_bytes "
                 f"smaller ({exc})", backend=self.backend.name, call="open_virtual_space") from exc
-        return VirtualSpace(space_id, base, size, arena)
+        space = VirtualSpace(next(self._ids), base, size, arena)
+        self.spaces[space.id] = space
+        return space
 
     def _carve(self, size: int, tx: Transaction) -> tuple[Arena, int]:
         for arena in self.arenas:
@@ -152,9 +186,11 @@ class SpaceArenas:
         log.debug("arena of %s at %#x", fmt_bytes(nbytes), base)
         return arena, start
 
-    def give_back(self, arena: Arena, start: int, size: int) -> None:
-        """Return a range to its arena; an arena left empty goes back to the driver."""
-        arena.give(start, size)
+    def remove(self, space: VirtualSpace) -> None:
+        """Forget ``space`` (unmapped) and return its range to its arena; an arena left empty goes to the driver."""
+        del self.spaces[space.id]
+        arena = space.arena
+        arena.give(space.base, space.size)
         if not arena.empty:
             return
         try:
@@ -163,6 +199,33 @@ class SpaceArenas:
             log.warning("could not release an empty arena (kept for reuse): %s", str(exc))
             return
         self.arenas.remove(arena)
+
+    # -- deferred release -------------------------------------------------------------------
+
+    def free(self, ptr: int) -> None:
+        """Count one free in the space holding ``ptr`` (none: it went with its space).
+
+        A free may come from a framework's destructor at any moment (even the
+        garbage collector in the middle of another operation), so it only counts.
+        """
+        space = self.containing(ptr)
+        if space is None:
+            log.debug("deallocate(%#x): not in a live space (already released with its space)", ptr)
+        else:
+            space.live_allocations = max(space.live_allocations - 1, 0)
+
+    def mark_dying(self, space: VirtualSpace) -> bool:
+        """Whether ``space`` is idle (nothing allocated in it is live); else mark it, to release once it is."""
+        if space.live_allocations == 0:
+            return True
+        space.dying = True
+        log.info("space %d still has %d live allocation(s): released when they are freed",
+                 space.id, space.live_allocations)
+        return False
+
+    def idle_dying(self) -> list[VirtualSpace]:
+        """The spaces marked by :meth:`mark_dying` that nothing uses any more."""
+        return [s for s in self.spaces.values() if s.dying and s.live_allocations == 0]
 
     def release_all(self, keep: set[int], errors: list[BaseException]) -> None:
         """At close: give back every arena but those in ``keep`` (their ids); failures go to ``errors``."""

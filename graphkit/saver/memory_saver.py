@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -33,6 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import hal
 from graphkit.memory.closing import Closable, after_backend, raise_first_failure
+from graphkit.memory.transaction import Transaction
 from graphkit.saver.nccl import warn_graph_register
 from graphkit.saver.regions import Region, RegionMemory
 from hal.types import fmt_bytes
@@ -91,16 +93,13 @@ class Sleeper(Protocol):
         ...
 
 
-def _roll_back(done: list[Sleeper], undo: Callable[[Sleeper], object], failure: str) -> None:
-    """Undo a tag's step on the sleepers it was done to, last first; an undo that fails is logged, the rest still run.
-
-    What a failed undo leaves stays as it is: the tag then reads paused.
-    """
-    for sleeper in reversed(done):
-        try:
-            undo(sleeper)
-        except Exception as exc:  # noqa: BLE001 - one sleeper's failure must not stop the others' undo
-            log.error("%s: %s", failure, str(exc))
+def _back_to_sleep(sleeper: Sleeper) -> None:
+    """Undo of a sleeper's resume: released again, with the backup of the pause it woke from (the fresh memory
+    holds nothing of value)."""
+    if sleeper.backup:
+        sleeper.release_physical(keep_backup=True)
+    else:
+        sleeper.release_physical()
 
 
 class _AwakeGuard:
@@ -181,8 +180,7 @@ class MemorySaver(Closable):
         self.pin_backups = pin_backups
         self._lock = threading.RLock()
         self._paused: set[str] = set()
-        self._memory = RegionMemory(self.backend, self._lock, self._paused, pin_backups)  # what region() hands out
-        self._regions: dict[str, Region] = self._memory.regions  # tag -> its region (the same dict)
+        self._memory = RegionMemory(self.backend, pin_backups)  # what region() hands out
         self._sleepers: dict[str, list[Sleeper]] = {}  # tag -> graphkit objects that sleep (allocators, buffers)
         self._times: dict[str, tuple[float | None, float | None]] = {}
         self._guard = _AwakeGuard()
@@ -201,6 +199,11 @@ class MemorySaver(Closable):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def _regions(self) -> dict[str, Region]:
+        """Tag -> its region (read only)."""
+        return self._memory.regions
 
     @contextlib.contextmanager
     def region(self, tag: str, backup: bool = False) -> Iterator[None]:
@@ -364,15 +367,14 @@ class MemorySaver(Closable):
     def _pause_tag(self, tag: str) -> int:
         """Release every sleeper of ``tag``, or none: a failure restores those released by this call."""
         members = self._members(tag)
-        done: list[Sleeper] = []
         released = 0
         try:
-            for sleeper in members:
-                released += sleeper.release_physical()
-                done.append(sleeper)
+            with Transaction() as tx:  # a failure restores those released by this call
+                for sleeper in members:
+                    released += sleeper.release_physical()
+                    tx.append(sleeper.restore_physical)
+                tx.commit()
         except BaseException:
-            _roll_back(done, lambda s: s.restore_physical(),
-                       f"pause {tag!r} failed and could not be rolled back fully (the tag stays paused; resume it)")
             if any(s.paused for s in members):
                 self._paused.add(tag)  # part of it is released: nothing may use it before a resume
             raise
@@ -404,17 +406,13 @@ class MemorySaver(Closable):
 
     def _resume_tag(self, tag: str, restore: bool) -> None:
         """Restore every paused sleeper of ``tag``, or none: a failure releases those restored by this call."""
-        done: list[Sleeper] = []
-        try:
+        with Transaction() as tx:  # a failure puts those restored by this call back to sleep
             for sleeper in self._members(tag):
                 if sleeper.paused:
                     sleeper.restore_physical(restore=restore)
-                    done.append(sleeper)
+                    tx.append(functools.partial(_back_to_sleep, sleeper))
             self.backend.synchronize()  # the tag reads awake once its memory is: a failure here rolls it back too
-        except BaseException:  # back to sleep with the backups of the pause: the fresh memory holds nothing of value
-            _roll_back(done, lambda s: s.release_physical(keep_backup=True) if s.backup else s.release_physical(),
-                       f"resume {tag!r} failed and could not be rolled back fully")
-            raise
+            tx.commit()
         self._paused.discard(tag)
 
     # -- figures and teardown -----------------------------------------------------------------

@@ -1,0 +1,221 @@
+"""One release/restore machine: physical chunks, the places they are mapped at, and a host backup.
+
+The allocator's sleep, elastic buffers and the saver's regions all keep
+device memory whose physical chunks go away while their virtual addresses
+stay, and come back at the same addresses. Each keeps its own list of
+:class:`Place` (a chunk mapped at an address) and hands it to a
+:class:`Backing`, which does the driver steps and keeps what failed:
+
+* :meth:`Backing.pause` copies the bytes to the host where asked, unmaps every
+  place (all or nothing) and releases every chunk;
+* :meth:`Backing.resume` creates the chunks again, maps every place that is a
+  hole and copies the backup back (all or nothing);
+* a rollback that could not map a place back leaves a *hole*: the owner reads
+  :attr:`Backing.paused` until a resume maps it;
+* a chunk whose release fails is *pending*: kept in :attr:`Backing.pending`
+  and released by a later :meth:`Backing.retry`, never lost.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import hal
+from graphkit.memory.phases import CAPTURE_TIMES
+from graphkit.memory.transaction import Transaction
+
+if TYPE_CHECKING:
+    from graphkit.memory.host_backup import HostBackup
+
+log = logging.getLogger("graphkit.memory.backing")
+
+
+@dataclass(eq=False)
+class Chunk:
+    """One physical allocation of ``size`` bytes: its handle (None while released) and how many places map it."""
+
+    size: int
+    handle: Any = None
+    maps: int = 0
+
+
+@dataclass(eq=False)
+class Place:
+    """``chunk`` mapped at ``ptr`` (``mapped`` false: a hole, released by a pause or left by a failed rollback)."""
+
+    ptr: int
+    chunk: Chunk
+    mapped: bool = False
+
+    @property
+    def size(self) -> int:
+        return self.chunk.size
+
+
+class Backing:
+    """The driver steps over chunks and places, each recorded the moment it succeeded, and what failed.
+
+    :param host: where a pause copies the bytes it is asked to back up (None: it never backs up).
+    :param counted: count every map call in :attr:`map_calls`, :attr:`map_seconds` and the ``"maps"``
+        part of :data:`graphkit.memory.phases.CAPTURE_TIMES`.
+    """
+
+    def __init__(self, backend: hal.Backend, host: HostBackup | None = None, counted: bool = False) -> None:
+        self.backend = backend
+        self.host = host
+        self.counted = counted
+        self.pending: list[Any] = []  # chunk handles mapped nowhere whose release failed: released later
+        self.sleeping = False  # released by a pause
+        self.holes = False  # a rollback left a place unmapped
+        self.map_calls = 0
+        self.map_seconds = 0.0
+
+    @property
+    def paused(self) -> bool:
+        """Whether some memory is released or unmapped: nothing may use the places until :meth:`resume`."""
+        return self.sleeping or self.holes
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def create(self, chunk: Chunk, tx: Transaction | None = None) -> None:
+        """Create ``chunk``'s handle; released again on rollback of ``tx`` (see :meth:`drop`)."""
+        chunk.handle = self.backend.create_phy_mem_handle(chunk.size)
+        if tx is not None:
+            tx.append(functools.partial(self.drop, chunk))
+
+    def drop(self, chunk: Chunk) -> None:
+        """Undo of a creation: release the chunk unless a mapping that would not go still uses it."""
+        if chunk.maps:
+            log.error("a chunk is still mapped (an unmap failed): kept until it can be unmapped")
+            return
+        self.release(chunk)
+
+    def release(self, chunk: Chunk) -> bool:
+        """Release ``chunk`` (mapped nowhere); one that will not go is pending. Whether it went; never raises."""
+        handle, chunk.handle = chunk.handle, None
+        return handle is not None and self.release_handle(handle)
+
+    def release_handle(self, handle: Any) -> bool:
+        """Release a handle mapped nowhere; one whose release fails twice is pending (released later)."""
+        for attempt in (1, 2):
+            try:
+                self.backend.release_phy_mem_handle(handle)
+                return True
+            except hal.HalError as exc:
+                if attempt == 2:
+                    log.warning("a chunk could not be released yet (kept, released later): %s", str(exc))
+        self.pending.append(handle)
+        return False
+
+    def take_pending(self) -> list[Any]:
+        """Hand the pending chunks to whoever releases them later (they are no longer kept here)."""
+        pending, self.pending = self.pending, []
+        return pending
+
+    def retry(self) -> None:
+        """Release the pending chunks; those that fail again stay pending."""
+        pending, self.pending = self.pending, []
+        for handle in pending:
+            self.release_handle(handle)
+
+    def map(self, place: Place, tx: Transaction | None = None) -> None:
+        """Map ``place``; unmapped again on rollback of ``tx``."""
+        counted = CAPTURE_TIMES.start("maps") if self.counted else None
+        t0 = time.perf_counter()
+        self.backend.map(place.ptr, place.size, place.chunk.handle)
+        if self.counted:
+            self.map_seconds += time.perf_counter() - t0
+            self.map_calls += 1
+            CAPTURE_TIMES.stop(counted)
+        place.mapped = True
+        place.chunk.maps += 1
+        if tx is not None:
+            tx.append(functools.partial(self.unmap, place))
+
+    def unmap(self, place: Place, tx: Transaction | None = None) -> None:
+        """Unmap ``place`` (a hole from now on); mapped back on rollback of ``tx``."""
+        self.backend.unmap(place.ptr, place.size)
+        place.mapped = False
+        place.chunk.maps -= 1
+        if tx is not None:
+            tx.append(functools.partial(self._remap, place))
+
+    def _remap(self, place: Place) -> None:
+        """Undo of an unmap; one that fails leaves a hole (the owner reads paused until a resume maps it)."""
+        try:
+            self.map(place)
+        except BaseException:
+            self.holes = True
+            raise
+
+    # -- the machine --------------------------------------------------------------------------
+
+    def pause(self, places: Sequence[Place], chunks: Iterable[Chunk], *, backup: list[tuple[int, int]] | None = None,
+              keep_backup: bool = False, refuse: tuple[str, str] = ("", "")) -> int:
+        """Back up ``backup`` spans (unless held), unmap every place, last first (all or nothing), release ``chunks``.
+
+        Returns the bytes released. ``keep_backup``: the rollback of a failed resume, whose backup is
+        still what the memory must wake with (nothing is copied). ``refuse``: the message and call of the
+        error raised when a backup is asked of places that are holes already.
+        """
+        host = self.host
+        if host is not None and keep_backup:
+            host.sleep_again()
+        elif host is not None and backup and not host.held:
+            if self.holes:
+                raise hal.InvalidStateError(refuse[0], backend=self.backend.name, call=refuse[1])
+            host.save(self.backend, backup)
+        was, self.sleeping = self.sleeping, True  # from the first unmap on, nothing may use the places
+        try:
+            with Transaction() as tx:
+                for place in reversed(places):
+                    if place.mapped:
+                        self.unmap(place, tx)
+                tx.commit()
+        except BaseException:
+            self.sleeping = was
+            if host is not None and not self.paused:
+                host.held = False  # awake again, as it was
+            raise
+        return sum(chunk.size for chunk in chunks if self.release(chunk))
+
+    def resume(self, places: Iterable[Place], chunks: Iterable[Chunk], *,
+               backup: list[tuple[int, int]] | None = None) -> None:
+        """Create the released chunks, map every hole and copy ``backup`` spans back when held (all or nothing)."""
+        self.retry()
+        with Transaction() as tx:
+            for chunk in chunks:
+                if chunk.handle is None:
+                    self.create(chunk, tx)
+            for place in places:
+                if not place.mapped:
+                    self.map(place, tx)
+            if backup and self.host is not None and self.host.held:
+                self.host.restore(self.backend, backup)
+            tx.commit()
+        self.sleeping = self.holes = False
+        if self.host is not None:
+            self.host.wake()
+
+    def fill(self, places: Iterable[Place]) -> None:
+        """Map the holes of ``places`` back (all or nothing), outside a sleep."""
+        with Transaction() as tx:
+            for place in places:
+                if not place.mapped:
+                    self.map(place, tx)
+            tx.commit()
+        self.holes = False
+
+    def unmap_all(self, places: Iterable[Place], errors: list[BaseException]) -> None:
+        """At close: unmap every mapped place, going on past failures (collected in ``errors``)."""
+        for place in places:
+            if place.mapped:
+                try:
+                    self.unmap(place)
+                except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after the rest
+                    errors.append(exc)
