@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 
 import hal
-from graphkit.__main__ import main
-from graphkit.bench.run import Bench, BenchConfig
+from graphkit_bench.cli import main
+from graphkit_bench.run import Bench, BenchConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the smallest decoder the CLI takes, so a run that should not happen ends fast if it does
@@ -191,7 +191,7 @@ def test_out_dir_is_created_with_its_parents(tmp_path: Path, capsys: pytest.Capt
     rejected(["bench", *TINY, "--iters", "0", "--out-dir", str(out)], capsys, "--iters")  # the flags come first
     rejected(["bench", *TINY, "--backend", "nope", "--out-dir", str(out)], capsys, "--backend")
     assert not out.exists()  # a bad flag leaves nothing behind
-    from graphkit.__main__ import out_dir_error
+    from graphkit_bench.cli import out_dir_error
 
     assert out_dir_error(out) is None and out.is_dir() and not list(out.iterdir())
 
@@ -212,7 +212,7 @@ def test_hal_listing_refuses_an_unavailable_hal_backend(monkeypatch: pytest.Monk
 
 def test_a_backend_without_graphs_is_named_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """A VMM-only plugin chosen by name ends in one line naming the missing capability."""
-    from graphkit.__main__ import backend_error
+    from graphkit_bench.cli import backend_error
 
     def refuse(name, *, requires=(), device=0):  # what hal says of a backend that lacks 'graphs'
         raise hal.UnsupportedError("lacks capability 'graphs'", backend=name, call="get_backend")

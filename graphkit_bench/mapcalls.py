@@ -1,13 +1,13 @@
 """Map calls of the vmm strategy on fake: lazy per-space mapping against mapping every chunk into every space.
 
-``python -m graphkit.bench.mapcalls``: a 4-layer decoder, 11 sizes, 64 KiB granules; counts, not times.
+``python -m graphkit_bench.mapcalls``: a 4-layer decoder, 11 sizes, 64 KiB granules; counts, not times.
 """
 import torch
 
 import graphkit
 import hal
-from graphkit.bench.model import Decoder, DecoderConfig
 from graphkit.graphs.strategies import VmmPools
+from graphkit_bench.model import Decoder, DecoderConfig
 
 torch.set_num_threads(1)
 sizes = [1, 2, 4, *range(8, 65, 8)]

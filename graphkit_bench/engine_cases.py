@@ -23,10 +23,10 @@ import torch
 
 import graphkit
 import hal
-from graphkit.bench.engines import PARTS
-from graphkit.bench.timing import median_ms
 from graphkit.graphs.capture import release_cached_memory
 from graphkit.memory.phases import CAPTURE_TIMES, PartTimes
+from graphkit_bench.engines import PARTS
+from graphkit_bench.timing import median_ms
 
 log = logging.getLogger("graphkit.bench.engine")
 

@@ -29,7 +29,7 @@ import torch
 
 import graphkit
 import hal
-from graphkit.bench.fair import fmt_spread, rotated, spread
+from graphkit_bench.fair import fmt_spread, rotated, spread
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.bench")
