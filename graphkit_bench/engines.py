@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import hal
+from graphkit_bench.case_figures import PARTS
 from graphkit_bench.fair import fmt_spread, interleaved, judge_ratio, spread
 from hal.types import fmt_bytes
 
@@ -42,8 +43,6 @@ GRAPHKIT = ("graph_memory", "graph_pools")
 BASELINE = ("own-weakref", "descending")
 CAPTURE_TIME_LIMIT = 1.1
 ENGINE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
-#: graphkit's parts of capture time, as the bench reports them
-PARTS = ("routing", "spaces", "maps", "verify")
 
 
 def case_runner(workload: str) -> Callable[..., dict]:

@@ -54,9 +54,10 @@ import torch
 import graphkit
 import hal
 from graphkit.graphs.capture import release_cached_memory, weak_alias
-from graphkit.graphs.runner import Order, ordered_sizes
+from graphkit.graphs.runner import ordered_sizes
 from graphkit.memory.phases import CAPTURE_TIMES
-from graphkit_bench.engine_cases import graphkit_share, verify_figures
+from graphkit_bench.case_figures import graphkit_share, verify_figures
+from graphkit_bench.strategies import Order
 from graphkit_bench.timing import median_ms
 from hal.gcguard import gc_disabled
 
