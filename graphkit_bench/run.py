@@ -26,10 +26,9 @@ from tqdm.auto import tqdm
 import graphkit
 import hal
 from graphkit.graphs.capture import release_cached_memory
-from graphkit.graphs.runner import Order
 from graphkit_bench.fair import interleaved
 from graphkit_bench.model import Decoder, DecoderConfig
-from graphkit_bench.strategies import COMPILE, ORDERS, STRATEGIES
+from graphkit_bench.strategies import COMPILE, ORDERS, STRATEGIES, Order
 from graphkit_bench.targets import check_targets
 from graphkit_bench.timing import interleaved_ms, ms_per_call, rel_error, round_ratios
 
