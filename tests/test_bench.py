@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from graphkit.__main__ import main, parse_sizes
-from graphkit.bench.strategies import COMPILE, ORDERS, STRATEGIES
+from graphkit_bench.cli import main, parse_sizes
+from graphkit_bench.strategies import COMPILE, ORDERS, STRATEGIES
 
 
 def test_bench_json_has_every_strategy_order_and_correctness(tmp_path: Path) -> None:
@@ -63,7 +63,7 @@ def test_demo_runs_and_writes_the_plot(tmp_path: Path) -> None:
 
 def test_without_matplotlib_the_plot_is_skipped_with_the_extra_to_install(tmp_path: Path, monkeypatch,
                                                                           caplog) -> None:
-    from graphkit.bench import output
+    from graphkit_bench import output
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     assert output.plot({"results": [], "largest_alone_bytes": 0}, tmp_path / "demo.png") is False
@@ -72,7 +72,7 @@ def test_without_matplotlib_the_plot_is_skipped_with_the_extra_to_install(tmp_pa
 
 def test_the_overhead_bench_times_the_runner_the_hand_loop_and_hal_in_turns(tmp_path: Path,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    from graphkit.bench import overhead
+    from graphkit_bench import overhead
 
     assert overhead.main(["--backend", "fake", "--workload", "trivial", "--processes", "0", "--rounds", "6",
                           "--out-dir", str(tmp_path)]) == 0
@@ -85,7 +85,7 @@ def test_the_overhead_bench_times_the_runner_the_hand_loop_and_hal_in_turns(tmp_
 
 
 def _target_1(vmm: int, alone: int, floor: float | None, sizes: int = 5) -> dict:
-    from graphkit.bench.targets import check_targets
+    from graphkit_bench.targets import check_targets
 
     rows = [{"strategy": s, "order": "descending", "graph_memory_bytes": vmm, "capture_seconds": 1.0}
             for s in ("vmm", "shared-weakref")]
@@ -114,8 +114,8 @@ def test_an_isolated_bench_measures_the_floor_in_a_process_of_its_own(tmp_path: 
 @pytest.mark.cuda
 def test_the_drivers_memory_per_graph_is_measured_on_cuda() -> None:
     """Graphs instantiated by the driver keep memory no pool shares: the floor is positive on a GPU."""
-    from graphkit.bench.model import DecoderConfig
-    from graphkit.bench.run import Bench, BenchConfig
+    from graphkit_bench.model import DecoderConfig
+    from graphkit_bench.run import Bench, BenchConfig
 
     bench = Bench(BenchConfig(workload=DecoderConfig.tiny(), sizes=[1, 2, 4, 8], backend="cuda", progress=False))
     try:

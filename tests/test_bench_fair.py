@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from graphkit.bench import engines
-from graphkit.bench.fair import fmt_spread, interleaved, rotated, spread
+from graphkit_bench import engines
+from graphkit_bench.fair import fmt_spread, interleaved, rotated, spread
 
 
 def test_every_run_visits_every_strategy_and_the_first_rotates() -> None:
@@ -61,7 +61,7 @@ def test_the_engine_bench_interleaves_its_cases_and_reports_the_spread(monkeypat
 def test_the_sleep_bench_alternates_graphkit_and_torch_memory_saver(monkeypatch: pytest.MonkeyPatch,
                                                                    tmp_path: Path) -> None:
     """Round by round the one that goes first swaps; figures are medians of every cycle, first pauses apart."""
-    from graphkit.bench import sleep
+    from graphkit_bench import sleep
 
     calls: list[tuple[str, bool]] = []
     real = sleep.graphkit_case
@@ -106,7 +106,7 @@ def test_the_sleep_bench_alternates_graphkit_and_torch_memory_saver(monkeypatch:
 
 def test_the_elastic_bench_alternates_regrowth_and_elastic_growth(monkeypatch: pytest.MonkeyPatch) -> None:
     import hal
-    from graphkit.bench import elastic
+    from graphkit_bench import elastic
 
     order: list[str] = []
     device_timed, host_timed = elastic._device_timed, elastic._host_timed
@@ -122,7 +122,7 @@ def test_the_elastic_bench_alternates_regrowth_and_elastic_growth(monkeypatch: p
 
 
 def test_the_interval_of_a_median_is_two_order_statistics_and_needs_six_values() -> None:
-    from graphkit.bench.fair import median_interval
+    from graphkit_bench.fair import median_interval
 
     assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None
     assert median_interval([6.0, 1.0, 5.0, 2.0, 4.0, 3.0]) == (1.0, 6.0)  # 96.9% for the extremes of six
@@ -130,7 +130,7 @@ def test_the_interval_of_a_median_is_two_order_statistics_and_needs_six_values()
 
 
 def _target_4(ratios: list[float]) -> dict:
-    from graphkit.bench.targets import check_targets
+    from graphkit_bench.targets import check_targets
 
     vmm = {"strategy": "vmm", "order": "descending", "graph_memory_bytes": 1, "capture_seconds": 1.0,
            "replay_ms": {"1": 1.0}, "runner_ms_batch1": 1.0, "hand_loop_ms_batch1": 1.0, "hand_loop_ratios": ratios}
@@ -139,7 +139,7 @@ def _target_4(ratios: list[float]) -> dict:
 
 
 def test_a_ratio_target_is_judged_on_the_rounds_and_a_noisy_machine_gets_not_judged_never_missed() -> None:
-    from graphkit.bench.output import summary_table
+    from graphkit_bench.output import summary_table
 
     assert _target_4([1.01, 1.02, 1.0, 1.03, 1.02, 1.01, 1.0, 1.02])["met"] is True
     assert _target_4([1.2, 1.3, 1.25, 1.22, 1.28, 1.21, 1.24, 1.27])["met"] is False

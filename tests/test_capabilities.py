@@ -259,8 +259,8 @@ def test_graph_pools_graph_memory_and_saver_without_a_backend(vmm_only: Any) -> 
 
 
 def test_the_demo_path_chooses_a_graph_backend(vmm_only: Any) -> None:
-    from graphkit.bench.model import DecoderConfig
-    from graphkit.bench.run import Bench, BenchConfig
+    from graphkit_bench.model import DecoderConfig
+    from graphkit_bench.run import Bench, BenchConfig
 
     assert hal.registry.select_backend_name(None, requires=("graphs",)) == "fake"  # what the demo asks
     cfg = BenchConfig(workload=DecoderConfig.tiny(), sizes=[1, 2, 4], strategies=["vmm"], orders=["descending"],

@@ -10,14 +10,15 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 import hal
-from graphkit.__main__ import main
-from graphkit.bench.run import Bench, BenchConfig
+from graphkit_bench.cli import main
+from graphkit_bench.run import Bench, BenchConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the smallest decoder the CLI takes, so a run that should not happen ends fast if it does
@@ -73,6 +74,32 @@ def test_iters_zero_exits_2_before_running(tmp_path: Path) -> None:
 def test_unknown_backend_lists_the_known_ones(tmp_path: Path) -> None:
     proc = cli("graphkit", "bench", *TINY, "--backend", "nope", "--out-dir", str(tmp_path))
     assert_one_line(proc, "--backend", "nope", *(i.name for i in hal.list_backends()))
+
+
+def test_python_m_graphkit_without_the_bench_names_the_extra() -> None:
+    """The library alone (no graphkit_bench): ``python -m graphkit demo`` says which extra to install."""
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "HAL_BACKEND": "fake"}
+    launch = textwrap.dedent("""
+        import runpy, sys
+
+        class NoBench:  # the import system as it answers where graphkit_bench is not installed
+            def find_spec(self, name, path=None, target=None):
+                if name.partition(".")[0] == "graphkit_bench":
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+        sys.meta_path.insert(0, NoBench())
+        sys.argv = ["graphkit", "demo"]
+        runpy.run_module("graphkit", run_name="__main__")
+    """)
+    proc = subprocess.run([sys.executable, "-c", launch], capture_output=True, text=True, env=full, cwd=ROOT,
+                          timeout=120, check=False)
+    assert_one_line(proc, "python -m graphkit", "graphkit_bench", "hal-graphkit[bench]")
+    assert proc.stdout == ""
+
+
+def test_python_m_graphkit_bench_is_the_same_command_line(tmp_path: Path) -> None:
+    proc = cli("graphkit_bench", "bench", *TINY, "--iters", "0", "--out-dir", str(tmp_path / "out"))
+    assert_one_line(proc, "python -m graphkit bench", "--iters", "0")
 
 
 def test_python_m_hal_with_an_unknown_hal_backend_exits_2() -> None:
@@ -191,7 +218,7 @@ def test_out_dir_is_created_with_its_parents(tmp_path: Path, capsys: pytest.Capt
     rejected(["bench", *TINY, "--iters", "0", "--out-dir", str(out)], capsys, "--iters")  # the flags come first
     rejected(["bench", *TINY, "--backend", "nope", "--out-dir", str(out)], capsys, "--backend")
     assert not out.exists()  # a bad flag leaves nothing behind
-    from graphkit.__main__ import out_dir_error
+    from graphkit_bench.cli import out_dir_error
 
     assert out_dir_error(out) is None and out.is_dir() and not list(out.iterdir())
 
@@ -212,7 +239,7 @@ def test_hal_listing_refuses_an_unavailable_hal_backend(monkeypatch: pytest.Monk
 
 def test_a_backend_without_graphs_is_named_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """A VMM-only plugin chosen by name ends in one line naming the missing capability."""
-    from graphkit.__main__ import backend_error
+    from graphkit_bench.cli import backend_error
 
     def refuse(name, *, requires=(), device=0):  # what hal says of a backend that lacks 'graphs'
         raise hal.UnsupportedError("lacks capability 'graphs'", backend=name, call="get_backend")

@@ -14,7 +14,7 @@ import torch
 
 import graphkit
 import hal
-from graphkit.bench.engine_cases import run_engine_case
+from graphkit_bench.engine_cases import run_engine_case
 
 ENGINE_PATH = Path(__file__).resolve().parents[1] / "examples" / "engine-decode" / "engine.py"
 SIZES = [1, 2, 4, 8]
@@ -233,7 +233,7 @@ def test_piecewise_pair_on_cuda(backend_name: str, use_torch_api: bool) -> None:
 
 
 def test_an_interrupted_bench_keeps_the_cases_it_measured(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from graphkit.bench import engines
+    from graphkit_bench import engines
 
     done: list[str] = []
 
@@ -308,7 +308,7 @@ def test_the_elastic_kv_cache_refuses_what_it_cannot_do(be: hal.Backend) -> None
 def test_the_kv_sizing_bench_reports_both_approaches_and_an_estimate_that_runs_out(tmp_path: Path) -> None:
     """After capture: the memory left less the margin, no OOM. Before, from an estimate: less KV when the
     estimate is high; out of memory at capture when it misses the graphs and the margin cannot take them."""
-    from graphkit.bench import kv_sizing
+    from graphkit_bench import kv_sizing
 
     rc = kv_sizing.run_kv_sizing_bench("fake", 0, "tiny", [1, 2, 4, 8], 1, 1 << 20, 2 << 20, 0, False, tmp_path,
                                        "test")

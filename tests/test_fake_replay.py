@@ -23,9 +23,9 @@ from torch.utils._pytree import tree_flatten
 
 import graphkit
 import hal
-from graphkit.bench.fakereplay import SmallOpModel
-from graphkit.bench.model import Decoder, DecoderConfig
 from graphkit.graphs.capture import weak_alias
+from graphkit_bench.fakereplay import SmallOpModel
+from graphkit_bench.model import Decoder, DecoderConfig
 from tests import op_families
 
 

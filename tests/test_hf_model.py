@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 import graphkit
 import hal
-from graphkit.bench.hf import ORDERS, STRATEGIES, TOLERANCE, build_hf_decoder, run_hf_case
+from graphkit_bench.hf import ORDERS, STRATEGIES, TOLERANCE, build_hf_decoder, run_hf_case
 
 SIZES = [1, 2, 3, 4, 6, 8, 12, 16]
 MiB = 1 << 20

@@ -47,9 +47,9 @@ import torch.nn.functional as F
 
 import graphkit
 import hal
-from graphkit.bench.elastic import CopyCounter, device_empty
-from graphkit.bench.fair import fmt_spread, rotated, spread
 from graphkit.graphs.capture import release_cached_memory
+from graphkit_bench.elastic import CopyCounter, device_empty
+from graphkit_bench.fair import fmt_spread, rotated, spread
 from hal.registry import select_backend_name
 from hal.types import fmt_bytes, round_up
 

@@ -47,9 +47,9 @@ import torch
 
 import graphkit
 import hal
-from graphkit.bench.elastic import device_empty
-from graphkit.bench.fair import fmt_spread, interleaved, spread
 from graphkit.graphs.capture import release_cached_memory
+from graphkit_bench.elastic import device_empty
+from graphkit_bench.fair import fmt_spread, interleaved, spread
 from hal.registry import select_backend_name
 from hal.types import fmt_bytes, round_up
 
@@ -149,7 +149,7 @@ class TmsSleeper(Sleeper):
     def __init__(self, be: hal.Backend, kv_backup: bool = False) -> None:
         from torch_memory_saver import torch_memory_saver as tms
 
-        from graphkit.bench.sleep import _tms_in_process
+        from graphkit_bench.sleep import _tms_in_process
 
         _tms_in_process(tms)
         self.tms = tms

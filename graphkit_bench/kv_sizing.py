@@ -36,9 +36,9 @@ import torch
 
 import graphkit
 import hal
-from graphkit.bench.engine_cases import MAX_MODEL_LEN, load_engine_module
-from graphkit.bench.fair import interleaved, spread
 from graphkit.graphs.capture import release_cached_memory
+from graphkit_bench.engine_cases import MAX_MODEL_LEN, load_engine_module
+from graphkit_bench.fair import interleaved, spread
 from hal.types import fmt_bytes
 
 log = logging.getLogger("graphkit.bench")
@@ -142,7 +142,7 @@ def run_one(approach: str, backend: str | None, device: int, config: str, sizes:
 
 
 def _run_isolated(args: list[str]) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-m", "graphkit.bench.kv_sizing", *args], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "graphkit_bench.kv_sizing", *args], capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"kv-sizing case {' '.join(args)} failed (exit code {proc.returncode}):\n"
                          f"{proc.stderr[-4000:]}")

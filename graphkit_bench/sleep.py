@@ -29,7 +29,7 @@ import torch
 
 import graphkit
 import hal
-from graphkit.bench.fair import fmt_spread, rotated, spread
+from graphkit_bench.fair import fmt_spread, rotated, spread
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.bench")
@@ -81,6 +81,21 @@ def _touch(data: torch.Tensor, backup: bool) -> None:
         data.fill_(1)
 
 
+def _cycle_tag(be: hal.Backend, saver: graphkit.MemorySaver, data: torch.Tensor, expected: torch.Tensor | None,
+               backup: bool, cycles: int, used0: int) -> dict[str, Any]:
+    """Pause and resume the saver's tag ``bench`` ``cycles`` times: median pause and resume, the memory used above
+    ``used0`` while asleep, and whether ``data`` (bytes) woke equal to ``expected``, every 4096th of it, when kept."""
+    pauses, resumes, asleep = [], [], []
+    for _ in range(cycles):
+        pauses.append(_timed(be, lambda: saver.pause("bench")))
+        asleep.append(be.mem_info().used - used0)
+        resumes.append(_timed(be, lambda: saver.resume("bench")))
+        _touch(data, backup)
+    exact = expected is None or torch.equal(data[:: max(data.numel() // 4096, 1)], expected)
+    return {"pause_s": statistics.median(pauses), "resume_s": statistics.median(resumes), "asleep_bytes": max(asleep),
+            "asleep_each": asleep, "pauses": pauses, "resumes": resumes, "exact": exact}
+
+
 def graphkit_case(be: hal.Backend, nbytes: int, backup: bool, cycles: int) -> dict[str, Any]:
     """Pause and resume one tag of ``nbytes`` through graphkit."""
     gc.collect()
@@ -93,21 +108,13 @@ def graphkit_case(be: hal.Backend, nbytes: int, backup: bool, cycles: int) -> di
     preparing = saver._regions["bench"].preparing  # the backup's buffers, made in the background: let it finish,
     if preparing is not None:                       # as the work between a region and a pause lets it in an engine
         preparing.join()
-    pauses, resumes, asleep = [], [], []
-    for _ in range(cycles):
-        pauses.append(_timed(be, lambda: saver.pause("bench")))
-        asleep.append(be.mem_info().used - used0)
-        resumes.append(_timed(be, lambda: saver.resume("bench")))
-        _touch(data, backup)
-    exact = expected is None or torch.equal(data[:: max(nbytes // 4096, 1)], expected)
+    cycled = _cycle_tag(be, saver, data, expected, backup, cycles, used0)
     del data, expected
     saver.close()
     gc.collect()
     if be.torch_device().type != "cpu":
         getattr(torch, be.torch_device().type).empty_cache()
-    return {"impl": "graphkit", "bytes": nbytes, "backup": backup, "pause_s": statistics.median(pauses),
-            "resume_s": statistics.median(resumes), "asleep_bytes": max(asleep), "asleep_each": asleep,
-            "pauses": pauses, "resumes": resumes, "exact": exact}
+    return {"impl": "graphkit", "bytes": nbytes, "backup": backup, **cycled}
 
 
 def elastic_case(be: hal.Backend, nbytes: int, backup: bool, cycles: int) -> dict[str, Any]:
@@ -127,19 +134,11 @@ def elastic_case(be: hal.Backend, nbytes: int, backup: bool, cycles: int) -> dic
     data.random_(0, 255)
     expected = data[:: max(nbytes // 4096, 1)].clone() if backup else None
     buf._backup.wait()
-    pauses, resumes, asleep = [], [], []
-    for _ in range(cycles):
-        pauses.append(_timed(be, lambda: saver.pause("bench")))
-        asleep.append(be.mem_info().used - used0)
-        resumes.append(_timed(be, lambda: saver.resume("bench")))
-        _touch(data, backup)
-    exact = expected is None or torch.equal(data[:: max(nbytes // 4096, 1)], expected)
+    cycled = _cycle_tag(be, saver, data, expected, backup, cycles, used0)
     del data, expected
     buf.close()
     saver.close()
-    return {"impl": "graphkit-elastic", "bytes": nbytes, "backup": backup, "pause_s": statistics.median(pauses),
-            "resume_s": statistics.median(resumes), "asleep_bytes": max(asleep), "asleep_each": asleep,
-            "pauses": pauses, "resumes": resumes, "exact": exact, "pin_s": buf.pin_seconds}
+    return {"impl": "graphkit-elastic", "bytes": nbytes, "backup": backup, **cycled, "pin_s": buf.pin_seconds}
 
 
 def hal_case(be: hal.Backend, nbytes: int, backup: bool, cycles: int) -> dict[str, Any] | None:

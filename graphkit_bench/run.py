@@ -25,13 +25,12 @@ from tqdm.auto import tqdm
 
 import graphkit
 import hal
-from graphkit.bench.fair import interleaved
-from graphkit.bench.model import Decoder, DecoderConfig
-from graphkit.bench.strategies import COMPILE, ORDERS, STRATEGIES
-from graphkit.bench.targets import check_targets
-from graphkit.bench.timing import interleaved_ms, ms_per_call, rel_error, round_ratios
 from graphkit.graphs.capture import release_cached_memory
-from graphkit.graphs.runner import Order
+from graphkit_bench.fair import interleaved
+from graphkit_bench.model import Decoder, DecoderConfig
+from graphkit_bench.strategies import COMPILE, ORDERS, STRATEGIES, Order
+from graphkit_bench.targets import check_targets
+from graphkit_bench.timing import interleaved_ms, ms_per_call, rel_error, round_ratios
 
 log = logging.getLogger("graphkit.bench")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 #: name -> GraphRunner options
 STRATEGIES: dict[str, dict[str, Any]] = {
@@ -17,6 +17,8 @@ STRATEGIES: dict[str, dict[str, Any]] = {
 }
 
 ORDERS = ("descending", "ascending", "random", "on-demand")
+#: the orders GraphRunner captures in (``on-demand`` is the bench's own: a size when a batch first needs it)
+Order = Literal["descending", "ascending", "random"]
 
 COMPILE = "torch.compile"
 """torch.compile(mode="reduce-overhead"): torch's own graph trees, measured where it fits in time."""

@@ -23,10 +23,10 @@ import torch
 
 import graphkit
 import hal
-from graphkit.bench.engines import PARTS
-from graphkit.bench.timing import median_ms
 from graphkit.graphs.capture import release_cached_memory
-from graphkit.memory.phases import CAPTURE_TIMES, PartTimes
+from graphkit.memory.phases import CAPTURE_TIMES
+from graphkit_bench.case_figures import graphkit_share, verify_figures
+from graphkit_bench.timing import median_ms
 
 log = logging.getLogger("graphkit.bench.engine")
 
@@ -177,27 +177,6 @@ def run_engine_case(strategy: str, order: str, sizes: list[int], backend: hal.Ba
             "capture_wall_seconds": wall, "replay_ms": replay_ms, "eager_ms": eager_ms,
             "replay_ms_1": replay_ms["1"], "replay_ms_max": replay_ms[str(max(sizes))],
             "max_abs_error": error, "tokens_equal": tokens_equal}
-
-
-def verify_figures(report: graphkit.PoolsReport | None) -> dict[str, Any]:
-    """The isolation check's share of a case: graphs verified, nodes read and missed, seconds."""
-    if report is None:
-        return {"verified_graphs": None, "inspected_nodes": None, "missed_nodes": None, "verify_seconds": None}
-    return {"verified_graphs": report.verified_graphs, "inspected_nodes": report.inspected_nodes,
-            "missed_nodes": report.missed_nodes, "verify_seconds": report.verify_seconds}
-
-
-def graphkit_share(parts: PartTimes, report: graphkit.PoolsReport | None, capture_seconds: float) -> dict[str, Any]:
-    """graphkit's parts of the capture time: seconds of routing (its own, verification left out), setting up
-    spaces, mapping chunks and verifying, and their sum as a share of the capture time."""
-    seconds = dict(parts.seconds)
-    verify = (report.verify_seconds or 0.0) if report is not None else 0.0
-    if "routing" in seconds:  # graph_memory's router verifies inside its end of capture
-        seconds["routing"] = max(seconds["routing"] - verify, 0.0)
-    seconds["verify"] = verify
-    total = sum(seconds.values())
-    return {"graphkit_seconds": {part: seconds.get(part, 0.0) for part in PARTS}, "graphkit_total_seconds": total,
-            "graphkit_share": total / capture_seconds if capture_seconds else None}
 
 
 def _teardown(be: hal.Backend, engine: Any, pools: graphkit.GraphPools | None) -> list[BaseException]:

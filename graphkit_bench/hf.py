@@ -53,11 +53,12 @@ import torch
 
 import graphkit
 import hal
-from graphkit.bench.engine_cases import graphkit_share, verify_figures
-from graphkit.bench.timing import median_ms
 from graphkit.graphs.capture import release_cached_memory, weak_alias
-from graphkit.graphs.runner import Order, ordered_sizes
+from graphkit.graphs.runner import ordered_sizes
 from graphkit.memory.phases import CAPTURE_TIMES
+from graphkit_bench.case_figures import graphkit_share, verify_figures
+from graphkit_bench.strategies import Order
+from graphkit_bench.timing import median_ms
 from hal.gcguard import gc_disabled
 
 Size = Literal["tiny", "reference"]
@@ -83,7 +84,7 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("graphkit.bench.hf needs transformers (pip install 'transformers>=4.51')") from exc
+        raise ImportError("graphkit_bench.hf needs transformers (pip install 'transformers>=4.51')") from exc
     return transformers
 
 

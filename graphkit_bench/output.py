@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from graphkit.bench.strategies import DESCRIPTIONS
+from graphkit_bench.strategies import DESCRIPTIONS
 from hal.types import fmt_bytes
 
 log = logging.getLogger("graphkit.bench")

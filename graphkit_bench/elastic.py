@@ -40,9 +40,9 @@ from torch.overrides import TorchFunctionMode
 
 import graphkit
 import hal
-from graphkit.bench.fair import fmt_spread, rotated, spread
-from graphkit.bench.timing import Thunk
 from graphkit.graphs.capture import release_cached_memory
+from graphkit_bench.fair import fmt_spread, rotated, spread
+from graphkit_bench.timing import Thunk
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.bench")

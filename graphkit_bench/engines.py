@@ -29,7 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import hal
-from graphkit.bench.fair import fmt_spread, interleaved, judge_ratio, spread
+from graphkit_bench.case_figures import PARTS
+from graphkit_bench.fair import fmt_spread, interleaved, judge_ratio, spread
 from hal.types import fmt_bytes
 
 log = logging.getLogger("graphkit.bench")
@@ -42,19 +43,17 @@ GRAPHKIT = ("graph_memory", "graph_pools")
 BASELINE = ("own-weakref", "descending")
 CAPTURE_TIME_LIMIT = 1.1
 ENGINE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
-#: graphkit's parts of capture time, as the bench reports them
-PARTS = ("routing", "spaces", "maps", "verify")
 
 
 def case_runner(workload: str) -> Callable[..., dict]:
     """``run_case(strategy, order, sizes, backend, config, seed, iters) -> dict`` of a workload."""
     if workload == "engine":
-        from graphkit.bench.engine_cases import run_engine_case
+        from graphkit_bench.engine_cases import run_engine_case
 
         return lambda strategy, order, sizes, be, config, seed, iters: run_engine_case(
             strategy, order, sizes, be, config=config, seed=seed, iters=iters)
     if workload == "hf":
-        from graphkit.bench.hf import run_hf_case
+        from graphkit_bench.hf import run_hf_case
 
         return lambda strategy, order, sizes, be, config, seed, iters: run_hf_case(
             strategy, order, sizes, be, size=config, seed=seed, iters=iters)
@@ -75,8 +74,8 @@ def run_one(workload: str, strategy: str, order: str, sizes: list[int], backend:
 
 
 def run_isolated(args: list[str]) -> dict:
-    """One case in a fresh process: ``python -m graphkit.bench.engines ARGS`` prints its JSON last."""
-    proc = subprocess.run([sys.executable, "-m", "graphkit.bench.engines", *args], capture_output=True, text=True)
+    """One case in a fresh process: ``python -m graphkit_bench.engines ARGS`` prints its JSON last."""
+    proc = subprocess.run([sys.executable, "-m", "graphkit_bench.engines", *args], capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"bench case {' '.join(args)} failed (exit code {proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -198,7 +197,7 @@ def share_table(rows: list[dict]) -> str:
 def run_engine_bench(workload: str, config: str, sizes: list[int], strategies: list[str], orders: list[str],
                      runs: int, backend: str | None, device: int, seed: int, iters: int, isolate: bool,
                      out_dir: Path, command: str, progress: bool = True) -> int:
-    """Every strategy x order, ``runs`` times each, interleaved (:func:`graphkit.bench.fair.interleaved`);
+    """Every strategy x order, ``runs`` times each, interleaved (:func:`graphkit_bench.fair.interleaved`);
     writes ``bench-<workload>.json`` and prints the table."""
     from tqdm.auto import tqdm
 

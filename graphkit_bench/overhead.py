@@ -1,9 +1,9 @@
-"""``python -m graphkit.bench.overhead``: a :class:`graphkit.GraphRunner` call against the hand-written loop.
+"""``python -m graphkit_bench.overhead``: a :class:`graphkit.GraphRunner` call against the hand-written loop.
 
 Target 4 of the bench: the runner's step at batch 1 within 5% of the loop an
 engine writes by hand on the same graph (copy the inputs into the static
 buffers, replay the graph natively, slice the output). The two are timed in
-turns (:func:`graphkit.bench.timing.interleaved_ms`), in ``--processes``
+turns (:func:`graphkit_bench.timing.interleaved_ms`), in ``--processes``
 fresh processes, so that neither the order nor one process's luck decides.
 Each process gives the ratio round by round; the target is judged on every
 round of every process, through a confidence interval of the median ratio:
@@ -15,8 +15,8 @@ demo`` judges), ``reference`` (the reference decoder, 35 sizes; a GPU), and
 ``trivial`` (one small elementwise op: the runner's own cost per call is then
 most of the step, shown in microseconds).
 
-    python -m graphkit.bench.overhead --backend fake --processes 5
-    python -m graphkit.bench.overhead --backend cuda --workload reference --processes 3
+    python -m graphkit_bench.overhead --backend fake --processes 5
+    python -m graphkit_bench.overhead --backend cuda --workload reference --processes 3
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ import torch
 
 import graphkit
 import hal
-from graphkit.bench.fair import fmt_spread, judge_ratio, spread
-from graphkit.bench.model import DecoderConfig
-from graphkit.bench.run import HAND_LOOP_CALLS, REFERENCE_SIZES, Bench, BenchConfig
-from graphkit.bench.targets import HAND_LOOP_LIMIT
-from graphkit.bench.timing import interleaved_ms, round_ratios
+from graphkit_bench.fair import fmt_spread, judge_ratio, spread
+from graphkit_bench.model import DecoderConfig
+from graphkit_bench.run import HAND_LOOP_CALLS, REFERENCE_SIZES, Bench, BenchConfig
+from graphkit_bench.targets import HAND_LOOP_LIMIT
+from graphkit_bench.timing import interleaved_ms, round_ratios
 
 WORKLOADS = ("demo", "reference", "trivial")
 DEMO_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
@@ -142,7 +142,7 @@ def print_summary(out: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m graphkit.bench.overhead", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m graphkit_bench.overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=WORKLOADS, default="demo")
     parser.add_argument("--backend", default=None, help="hal backend (default: the best available)")
     parser.add_argument("--processes", type=int, default=5, help="fresh processes (0: this one)")
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         runs = [run]
     else:
-        child = [sys.executable, "-m", "graphkit.bench.overhead", "--child", "--workload", args.workload,
+        child = [sys.executable, "-m", "graphkit_bench.overhead", "--child", "--workload", args.workload,
                  "--rounds", str(args.rounds), *(["--backend", args.backend] if args.backend else []),
                  *(["--threads", str(args.threads)] if args.threads else [])]
         runs = []
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(proc.stderr[-4000:], file=sys.stderr)
                 return 2
             runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    out = summarise(runs, args.workload, "python -m graphkit.bench.overhead " + " ".join(argv or sys.argv[1:]))
+    out = summarise(runs, args.workload, "python -m graphkit_bench.overhead " + " ".join(argv or sys.argv[1:]))
     print_summary(out)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / "bench-overhead.json"

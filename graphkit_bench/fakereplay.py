@@ -1,17 +1,17 @@
-"""``python -m graphkit.bench.fakereplay``: what replaying a fake graph costs against eager, on the CPU.
+"""``python -m graphkit_bench.fakereplay``: what replaying a fake graph costs against eager, on the CPU.
 
 Two workloads, each captured on the ``fake`` backend:
 
 * ``mlp16``: a 16-layer small-op model (``Linear(64, 64)``, GELU, a
   hand-written layer norm of elementwise ops and a residual add per layer);
-* ``demo``: the demo's batch-1 decode step (:class:`graphkit.bench.model.Decoder`
+* ``demo``: the demo's batch-1 decode step (:class:`graphkit_bench.model.Decoder`
   with :meth:`DecoderConfig.tiny`, a cache for the demo's largest batch).
 
 For each: eager milliseconds (``torch.no_grad``), the replay of the graph
 alone (``Backend.replay``) and a call through :class:`graphkit.GraphRunner`
 (inputs copied into its static buffers, replay, output views), as medians
 of ``--iters`` calls, and their ratios to eager. The three are timed in
-turns (one call of each per round, as :func:`graphkit.bench.timing.median_ms`
+turns (one call of each per round, as :func:`graphkit_bench.timing.median_ms`
 times one), so that load from other processes on a shared machine weighs on
 all three alike. ``--profile`` prints where replay time goes (cProfile, top
 functions by total time).
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 import graphkit
 import hal
-from graphkit.bench.model import Decoder, DecoderConfig
+from graphkit_bench.model import Decoder, DecoderConfig
 
 log = logging.getLogger("graphkit.bench.fakereplay")
 
@@ -193,7 +193,7 @@ def cpu_model() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m graphkit.bench.fakereplay", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m graphkit_bench.fakereplay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=200, help="timed calls per figure (median)")
     parser.add_argument("--batch", type=int, default=4, help="batch of the 16-layer model")

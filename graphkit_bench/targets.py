@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from graphkit.bench.fair import judge_ratio
+from graphkit_bench.fair import judge_ratio
 
 #: target 4: the runner's step at batch 1 against the hand-written loop
 HAND_LOOP_LIMIT = 1.05

@@ -1,1 +1,0 @@
-"""The bench and demo: every memory strategy side by side."""
