@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.paths import ROOT
+
 PACKAGES = ("hal", "graphkit")
 #: the package of the bench and the command line, beside the library
 BENCH = "graphkit_bench"

@@ -15,8 +15,9 @@ import os
 import sys
 from pathlib import Path
 
+from tests.graphkit.graphs.test_collectives_cuda import SCRIPT, findings
+
 from tests.ranks import rank_env, run_ranks
-from tests.test_collectives_cuda import SCRIPT, findings
 
 
 def main() -> None:

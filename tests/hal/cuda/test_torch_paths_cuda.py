@@ -7,17 +7,17 @@ import logging
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import graphkit
 import hal
+from tests.paths import SCRIPTS
 
 pytestmark = pytest.mark.cuda
 
-SCRIPTS = Path(__file__).resolve().parent / "cuda_scripts"
+SCRIPTS = SCRIPTS
 
 
 @pytest.fixture

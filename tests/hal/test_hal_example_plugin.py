@@ -21,8 +21,8 @@ import hal
 from hal.registry import THIRD_PARTY_PRIORITY
 from hal.testing.distributions import importable
 from hal.testing.runner import run_pytest, run_suite
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "hal-hostmem"
 
 

@@ -25,10 +25,10 @@ import hal
 from _graphkit_startup import StartupHook
 from graphkit import switch
 from graphkit.switch import ENV, Options
+from tests.paths import ROOT, TESTS
 
-ROOT = Path(__file__).resolve().parents[1]
 HOOK_FILE = ROOT / "graphkit-startup.pth"
-ENGINE = ROOT / "tests" / "switch_engine.py"
+ENGINE = TESTS / "graphkit" / "switch_engine.py"
 
 
 def _env(value: str | None, **extra: str) -> dict[str, str]:

@@ -11,14 +11,14 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.paths import ROOT, SCRIPTS
+
 pytestmark = pytest.mark.cuda
 
-SCRIPT = Path(__file__).parent / "cuda_scripts" / "decoder_capture.py"
-ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = SCRIPTS / "decoder_capture.py"
 TIMEOUT_S = 240
 
 

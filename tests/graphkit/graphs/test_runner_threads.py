@@ -12,7 +12,7 @@ import torch
 
 import graphkit
 import hal
-from tests.test_runner import close_to, mlp
+from tests.graphkit.graphs.test_runner import close_to, mlp
 
 
 def test_two_threads_get_correct_outputs(graph_backend: hal.Backend) -> None:

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.paths import ROOT, SCRIPTS
+
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
-RUN = Path(__file__).parent / "cuda_scripts" / "nanovllm" / "run.py"
-ROOT = Path(__file__).resolve().parent.parent
+RUN = SCRIPTS / "nanovllm" / "run.py"
 MISSING = [name for name in ("nanovllm", "transformers", "xxhash") if importlib.util.find_spec(name) is None]
 needs_engine = pytest.mark.skipif(bool(MISSING), reason=f"nano-vllm's test needs {', '.join(MISSING)}")
 

@@ -23,13 +23,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.paths import SCRIPTS
 from tests.ranks import RankResult, explain, rank_env, run_ranks
 
 pytestmark = [pytest.mark.cuda, pytest.mark.multi_gpu]
 
 log = logging.getLogger("tests.collectives")
 
-SCRIPT = Path(__file__).resolve().parent / "cuda_scripts" / "nccl_aliasing.py"
+SCRIPT = SCRIPTS / "nccl_aliasing.py"
 
 #: what NCCL prints (INFO, subsystem REG) when it registers graph buffers, by outcome
 REGISTRATION_LINES = {

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import hal
+from tests.paths import ROOT
 
-EXAMPLE_PATH = Path(__file__).resolve().parents[1] / "examples" / "rl-sleep" / "rl_sleep.py"
+EXAMPLE_PATH = ROOT / "examples" / "rl-sleep" / "rl_sleep.py"
 
 
 def _load() -> ModuleType:

@@ -3,7 +3,7 @@
 Chunks are created with a POSIX file descriptor handle type where the device
 supports one (and ``shareable`` is left on); export and import go through the
 driver's calls for it; anything else is a clear ``UnsupportedError``. What the
-GPU does with them is in ``tests/test_collectives_cuda.py``.
+GPU does with them is in ``tests/graphkit/graphs/test_collectives_cuda.py``.
 """
 
 from __future__ import annotations

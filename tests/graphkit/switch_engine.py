@@ -1,6 +1,6 @@
 """An engine that never calls graphkit: its ranks capture a step on ``fake`` through hal, in processes it starts.
 
-    python tests/switch_engine.py [spawn|fork|none]...
+    python tests/graphkit/switch_engine.py [spawn|fork|none]...
 
 Run with ``GRAPHKIT_GRAPH_MEMORY`` set, the start-up hook installed with the
 package has to reach every rank by itself. Each rank (``none``: this process)

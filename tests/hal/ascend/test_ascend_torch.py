@@ -17,6 +17,7 @@ from hal.backends._native import torch_compat as compat
 from hal.backends._native.callbacks import ALLOC_FN, FREE_FN, KEEP_ALIVE
 from hal.backends.ascend import locate, torch_glue
 from tests.conftest import G
+from tests.paths import ROOT
 from tests.sim import compiler_reason, home, sim_env, simulated_backend
 from tests.sim.torch_stub import extension_stub, generation
 
@@ -222,7 +223,7 @@ def test_builds_without_mempool_report_no_custom_pool(monkeypatch: pytest.Monkey
 
 @needs_gcc
 def test_python_m_hal_prints_the_torch_npu_version_and_why_each_capability_is_off(tmp_path: Path) -> None:
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     (tmp_path / "torch_npu.py").write_text(  # the stand-in, importable in the child as torch_npu
         "import sys\nfrom tests.sim.torch_stub import generation\n"
         "sys.modules[__name__] = generation('torch_npu 2.12.0', capture_api=True)\n")

@@ -6,9 +6,9 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT
+
 LINE = re.compile(r"^  (?P<name>\S+)\s+(?P<state>available|unavailable)\s+\[(?P<origin>[^\]]*)\]$")
 
 

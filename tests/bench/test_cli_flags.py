@@ -19,8 +19,8 @@ import pytest
 import hal
 from graphkit_bench.cli import main
 from graphkit_bench.run import Bench, BenchConfig
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 #: the smallest decoder the CLI takes, so a run that should not happen ends fast if it does
 TINY = ["--workload", "tiny", "--hidden", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1",
         "--head-dim", "8", "--mlp", "16", "--vocab", "32", "--context", "4", "--iters", "1", "--no-progress",

@@ -18,8 +18,8 @@ import hal
 from hal.backends.fake import FakeBackend
 from hal.registry import THIRD_PARTY_PRIORITY, dropped_capabilities, expected_signature, validate_plugin_class
 from hal.testing.distributions import importable, write_distribution
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 SUB = "import threading\nimport hal\nfrom hal.backends.fake import FakeBackend\n"
 
 MODULES = {

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import hal
+from tests.paths import ROOT
 
-EXAMPLE_PATH = Path(__file__).resolve().parents[1] / "examples" / "elastic-kv" / "elastic_kv.py"
+EXAMPLE_PATH = ROOT / "examples" / "elastic-kv" / "elastic_kv.py"
 
 
 def _load() -> ModuleType:

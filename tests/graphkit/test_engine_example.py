@@ -15,8 +15,9 @@ import torch
 import graphkit
 import hal
 from graphkit_bench.engine_cases import run_engine_case
+from tests.paths import ROOT
 
-ENGINE_PATH = Path(__file__).resolve().parents[1] / "examples" / "engine-decode" / "engine.py"
+ENGINE_PATH = ROOT / "examples" / "engine-decode" / "engine.py"
 SIZES = [1, 2, 4, 8]
 MAX_BATCH = 12  # above the largest captured size: larger batches run eagerly
 MODES = ("own", "scope", "pools")
