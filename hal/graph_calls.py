@@ -19,6 +19,7 @@ from typing import Any
 from hal import api
 from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError, PluginValidationError
 from hal.hook_calls import ADDRESS_LIMIT, HookCalls
+from hal.plugin_class import current_device
 from hal.types import CaptureRouter, GraphAddresses, Route
 
 
@@ -211,8 +212,6 @@ class GraphCalls(HookCalls):
         ask = getattr(type(self.plugin), "current_device", None)
         if ask is None:
             return self.device
-        from hal.registry import current_device
-
         return current_device(type(self.plugin))
 
     def prepare_capture_stream(self, stream: Any = None) -> None:

@@ -52,6 +52,8 @@ from hal.errors import (
     PluginValidationError,
     UnsupportedError,
 )
+from hal.plugin_class import current_device
+from hal.plugin_class import raised as _raised
 from hal.types import BackendInfo
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -154,13 +156,6 @@ def _all(refresh: bool = False) -> dict[str, _Entry]:
         if _entries is None or refresh:
             _entries = _discover()
         return _entries
-
-
-def _raised(exc: BaseException) -> str:
-    """``Type: message`` of what a plugin raised, saying what ``SystemExit`` means."""
-    if isinstance(exc, SystemExit):
-        return f"SystemExit({exc.code!r}): it called sys.exit(); a plugin must raise or return a reason instead"
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _contract_manager() -> pluggy.PluginManager:
@@ -603,19 +598,6 @@ def _check_capabilities(be: Backend, needed: frozenset[str], *, by_env: bool) ->
     raise UnsupportedError(
         f"lacks the required capabilit{'y' if len(missing) == 1 else 'ies'} {', '.join(sorted(missing))} "
         f"(it has: {has}); {advice} to let hal choose one that has them", backend=be.name, call="get_backend")
-
-
-def current_device(cls: Any) -> int:
-    """The device a backend class calls current (its ``current_device()`` classmethod; 0 without one)."""
-    ask = getattr(cls, "current_device", None)
-    if ask is None:
-        return 0
-    try:
-        device = ask()
-    except Exception as exc:  # noqa: BLE001 - a plugin's query must not break selection: its first device then
-        log.warning("%s.current_device() raised %s: using device 0", getattr(cls, "__name__", cls), _raised(exc))
-        return 0
-    return device if isinstance(device, int) and not isinstance(device, bool) and device >= 0 else 0
 
 
 def _open(chosen: str, device: int | None, options: dict[str, Any]) -> Backend:

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 from tests.graphkit.graphs.test_collectives_cuda import SCRIPT, findings
-
 from tests.ranks import rank_env, run_ranks
 
 
