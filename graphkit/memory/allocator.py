@@ -42,11 +42,11 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import hal
 from graphkit.memory.chunks import SharedChunks
 from graphkit.memory.closing import Closable, raise_first_failure
+from graphkit.memory.figures import figure
 from graphkit.memory.ranges import Arena as Arena  # re-exported: its home before the arenas had a module
 from graphkit.memory.ranges import SpaceTable, VirtualSpace
 from graphkit.memory.sharing import ExportedRange
@@ -146,40 +146,29 @@ class SharedVMMAllocator(Closable):
         self.last_error: str | None = None  # why the last allocation a pool callback asked for failed (logged too)
         self.backup = False  # graph memory needs no backup: every replay writes it afresh
 
-    @property
-    def physical_bytes(self) -> int:
-        """Bytes of physical chunks held (mapped into the spaces that reach them)."""
-        return self._chunks.physical_bytes
+    physical_bytes = figure("_chunks.physical_bytes",
+                            "Bytes of physical chunks held (mapped into the spaces that reach them).")
 
     @property
     def footprint_bytes(self) -> int:
         """Physical bytes it holds while awake (what a pause releases)."""
         return len(self._chunks.chunks) * self.granularity
 
-    @property
-    def chunks(self) -> list[Any]:
-        """Physical handles held, chunk ``i`` at offset ``i * granularity`` of every space that reaches it."""
-        return self._chunks.held
+    chunks = figure("_chunks.held",
+                    "Physical handles held, chunk ``i`` at offset ``i * granularity`` of every space that reaches it.")
 
     @property
     def pending_release(self) -> int:
         """Chunks mapped nowhere whose release failed and will be retried."""
         return len(self._chunks.backing.pending)
 
-    @property
-    def parked_bytes(self) -> int:
-        """Address space left over a scratch chunk at close (tensors still used it)."""
-        return self._chunks.parked_bytes
+    parked_bytes = figure("_chunks.parked_bytes",
+                          "Address space left over a scratch chunk at close (tensors still used it).")
 
-    @property
-    def reserved_bytes(self) -> int:
-        """Virtual address space held by the live spaces."""
-        return self._table.reserved_bytes
+    reserved_bytes = figure("_table.reserved_bytes", "Virtual address space held by the live spaces.")
 
-    @property
-    def arena_reserved_bytes(self) -> int:
-        """Virtual address space reserved from the driver (the arenas spaces are carved from)."""
-        return self._table.arena_reserved_bytes
+    arena_reserved_bytes = figure("_table.arena_reserved_bytes",
+                                  "Virtual address space reserved from the driver (the arenas spaces are carved from).")
 
     @property
     def num_virtual_spaces(self) -> int:
@@ -194,15 +183,9 @@ class SharedVMMAllocator(Closable):
         """Live spaces by id (read only)."""
         return dict(self._table.spaces)
 
-    @property
-    def map_calls(self) -> int:
-        """Map calls made so far (each maps one chunk into one space)."""
-        return self._chunks.backing.map_calls
+    map_calls = figure("_chunks.backing.map_calls", "Map calls made so far (each maps one chunk into one space).")
 
-    @property
-    def map_seconds(self) -> float:
-        """Wall time those map calls took."""
-        return self._chunks.backing.map_seconds
+    map_seconds = figure("_chunks.backing.map_seconds", "Wall time those map calls took.")
 
     def stats(self) -> AllocatorStats:
         with self._lock:
@@ -222,10 +205,9 @@ class SharedVMMAllocator(Closable):
                                         "MemorySaver tag, or call restore_physical(), first",
                                         backend=self.backend.name, call=call)
 
-    @property
-    def paused(self) -> bool:
-        """Whether any of its memory is released or unmapped (or a failed pause left a hole): nothing may run on it."""
-        return self._chunks.backing.paused
+    paused = figure("_chunks.backing.paused",
+                    "Whether any of its memory is released or unmapped (or a failed pause left a hole): nothing may "
+                    "run on it.")
 
     def release_physical(self, *, keep_backup: bool = False) -> int:
         """Unmap every chunk from every space and release them all; spaces keep their addresses (no backup to keep).

@@ -33,6 +33,7 @@ import hal
 from graphkit.memory.closing import Closable, after_backend, close_step, raise_first_failure
 from graphkit.memory.elastic_chunks import FreeChunks, RangeChunks
 from graphkit.memory.elastic_views import LiveViews, ViewToken
+from graphkit.memory.figures import figure
 from graphkit.memory.host_backup import HostBacked, HostBackup
 from graphkit.memory.ranges import Arena
 from graphkit.saver import MemorySaver
@@ -86,15 +87,10 @@ class ElasticReservation(Closable):
             be.release_vir_ptr(self.base, self.reserve_bytes)
             raise
 
-    @property
-    def free_bytes(self) -> int:
-        """Physical bytes pre-created and not mapped anywhere."""
-        return self._free.free_bytes
+    free_bytes = figure("_free.free_bytes", "Physical bytes pre-created and not mapped anywhere.")
 
-    @property
-    def created(self) -> int:
-        """Chunks created over the reservation's life (growth that paid a driver allocation included)."""
-        return self._free.created
+    created = figure("_free.created",
+                     "Chunks created over the reservation's life (growth that paid a driver allocation included).")
 
     @property
     def pending_release(self) -> int:
@@ -337,20 +333,12 @@ class ElasticBuffer(Closable, HostBacked):
 
     # -- figures ------------------------------------------------------------------------
 
-    @property
-    def mapped_bytes(self) -> int:
-        """Bytes backed by physical memory now (a prefix of the range)."""
-        return self._chunks.mapped_bytes
+    mapped_bytes = figure("_chunks.mapped_bytes", "Bytes backed by physical memory now (a prefix of the range).")
 
-    @property
-    def footprint_bytes(self) -> int:
-        """Bytes it holds while awake (what a pause releases)."""
-        return self._chunks.footprint_bytes
+    footprint_bytes = figure("_chunks.footprint_bytes", "Bytes it holds while awake (what a pause releases).")
 
-    @property
-    def paused(self) -> bool:
-        """Whether part of its prefix is released or unmapped (nothing may read it until it is restored)."""
-        return self._chunks.backing.paused
+    paused = figure("_chunks.backing.paused",
+                    "Whether part of its prefix is released or unmapped (nothing may read it until it is restored).")
 
     def __repr__(self) -> str:
         return (f"<graphkit.ElasticBuffer {self.backend.name} at {self.ptr:#x} mapped {fmt_bytes(self.mapped_bytes)} "

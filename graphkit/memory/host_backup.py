@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 import hal
+from graphkit.memory.figures import figure
 
 log = logging.getLogger("graphkit.memory.backing")
 
@@ -165,12 +166,9 @@ class HostBacked:
 
     _backup: HostBackup
 
-    @property
-    def host_bytes(self) -> int:
-        """Host bytes made for the backup: made ahead of the pauses (as memory grows, or as a region ends)."""
-        return self._backup.host_bytes
+    host_bytes = figure("_backup.host_bytes",
+                        "Host bytes made for the backup: made ahead of the pauses (as memory grows, or as a region "
+                        "ends).")
 
-    @property
-    def pin_seconds(self) -> float:
-        """Time spent making (pinning) the backup's host buffers, off the pause path or on it."""
-        return self._backup.pin_seconds
+    pin_seconds = figure("_backup.pin_seconds",
+                         "Time spent making (pinning) the backup's host buffers, off the pause path or on it.")

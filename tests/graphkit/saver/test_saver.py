@@ -368,7 +368,7 @@ def test_pausing_graphs_under_nccl_with_graph_register_on_warns_once(monkeypatch
 
     import torch.distributed as dist
 
-    from graphkit import _nccl
+    from graphkit.saver import nccl as _nccl
 
     monkeypatch.setattr(_nccl, "_warned", False)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
