@@ -157,10 +157,8 @@ class SharedVMMAllocator(Closable):
     chunks = figure("_chunks.held",
                     "Physical handles held, chunk ``i`` at offset ``i * granularity`` of every space that reaches it.")
 
-    @property
-    def pending_release(self) -> int:
-        """Chunks mapped nowhere whose release failed and will be retried."""
-        return len(self._chunks.backing.pending)
+    pending_release = figure("_chunks.backing.pending",
+                             "Chunks mapped nowhere whose release failed and will be retried.", count=True)
 
     parked_bytes = figure("_chunks.parked_bytes",
                           "Address space left over a scratch chunk at close (tensors still used it).")
@@ -170,13 +168,9 @@ class SharedVMMAllocator(Closable):
     arena_reserved_bytes = figure("_table.arena_reserved_bytes",
                                   "Virtual address space reserved from the driver (the arenas spaces are carved from).")
 
-    @property
-    def num_virtual_spaces(self) -> int:
-        return len(self._table.spaces)
+    num_virtual_spaces = figure("_table.spaces", "Live virtual spaces.", count=True)
 
-    @property
-    def num_arenas(self) -> int:
-        return len(self._table.arenas)
+    num_arenas = figure("_table.arenas", "Address reservations spaces are carved from.", count=True)
 
     @property
     def spaces(self) -> dict[int, VirtualSpace]:

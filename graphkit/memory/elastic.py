@@ -92,10 +92,9 @@ class ElasticReservation(Closable):
     created = figure("_free.created",
                      "Chunks created over the reservation's life (growth that paid a driver allocation included).")
 
-    @property
-    def pending_release(self) -> int:
-        """Chunks whose release failed and will be retried (at :meth:`trim` and :meth:`close`)."""
-        return len(self._free.pending)
+    pending_release = figure("_free.pending",
+                             "Chunks whose release failed and will be retried (at :meth:`trim` and :meth:`close`).",
+                             count=True)
 
     @property
     def closed(self) -> bool:
