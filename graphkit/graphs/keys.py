@@ -150,7 +150,7 @@ class PoolKeys:
         self.lock = threading.RLock()
         self.closed = False
         self.dead: deque[KeyPool] = deque()  # routed graphs destroyed: accounted for at the next safe point
-        self._undropped: list[KeyPool] = []  # automatic keys whose release failed: dropped again at the next one
+        self._pending: list[KeyPool] = []  # automatic keys whose release failed: dropped again at the next one
 
     def check_open(self, call: str) -> None:
         if self.closed:
@@ -249,7 +249,7 @@ class PoolKeys:
 
     def _release_dead(self) -> None:
         """Count the routed graphs that died; release the automatic keys left without one."""
-        retry, self._undropped = self._undropped, []
+        retry, self._pending = self._pending, []
         for entry in retry:
             if self.entries.get(entry.key) is entry:
                 self._try_drop(entry)
@@ -267,7 +267,7 @@ class PoolKeys:
             log.error("key %r: its pool could not be released yet (retried at the next call): %s", entry.key,
                       str(exc))
             if self.entries.get(entry.key) is entry:
-                self._undropped.append(entry)
+                self._pending.append(entry)
 
     def close(self, errors: list[BaseException]) -> None:
         """Drop every key (the pools close; the routed graphs that died go with the others); a key whose pool
@@ -275,7 +275,7 @@ class PoolKeys:
         for entry in list(self.entries.values()):
             close_step(errors, self.drop, entry)
         self.dead.clear()
-        self._undropped.clear()
+        self._pending.clear()
 
 
 class KeyCheck:

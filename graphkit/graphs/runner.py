@@ -263,7 +263,7 @@ class GraphRunner(Closable):
         self._stream = be.create_stream() if opts.mode != "none" else None
         self._lock = threading.RLock()  # graphs of one pool never run concurrently
         self._mem_before: int | None = None
-        self._leftover: list[Bucket] = []  # buckets whose release failed: finished by close()
+        self._pending: list[Bucket] = []  # buckets whose release failed: finished by close()
         self._closed = self._close_done = False
         self.pools = _runner_pools(be, opts, kind, saver)
         self.keep_outputs = _kept_outputs(opts, self.kind)
@@ -359,7 +359,7 @@ class GraphRunner(Closable):
             except hal.HalError as exc:  # kept for close() to finish; the capture's own error is the one raised
                 log.error("batch %d: cleaning up the failed capture failed (close() finishes it): %s", size,
                           str(exc))
-                self._leftover.append(bucket)
+                self._pending.append(bucket)
             raise
         self._buckets[size] = bucket
         bisect.insort(self._captured, size)
@@ -469,7 +469,7 @@ class GraphRunner(Closable):
             try:
                 self._release_bucket(bucket)
             except hal.HalError:
-                self._leftover.append(bucket)  # what would not go is finished by close()
+                self._pending.append(bucket)  # what would not go is finished by close()
                 raise
 
     def _check_open(self) -> None:
@@ -488,17 +488,17 @@ class GraphRunner(Closable):
                 return
             self._closed = True  # from here on every call raises InvalidStateError
             errors: list[BaseException] = []
-            self._leftover.extend(self._forget(size) for size in list(self._captured))
+            self._pending.extend(self._forget(size) for size in list(self._captured))
             if self.backend.closed:  # its close released every graph (the pools' close below says so)
-                self._leftover.clear()
+                self._pending.clear()
             else:
                 close_step(errors, self.backend.synchronize)  # what follows waits for the device where it must
                 gc.collect()  # tensors of the pools caught in reference cycles go while the pools exist
             left = []
-            for bucket in self._leftover:  # past failures: release what can be released
+            for bucket in self._pending:  # past failures: release what can be released
                 if not close_step(errors, self._release_bucket, bucket):
                     left.append(bucket)
-            self._leftover = left
+            self._pending = left
             if self.pools is not None and not left:  # a graph that would not go keeps its pool for the retry
                 close_step(errors, self.pools.close)
             raise_first_failure(log, errors, "GraphRunner.close")

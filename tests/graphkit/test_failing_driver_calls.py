@@ -91,7 +91,7 @@ def scope_scenario(be: hal.Backend) -> None:
             assert be.faults.fired, exc
             gc.collect()
             holds_exactly(be, pools, len(graphs))
-            assert len(pools.keys) == len(graphs) + len(pools._keys._undropped), pools.keys
+            assert len(pools.keys) == len(graphs) + len(pools._keys._pending), pools.keys
         be.faults.clear()
         for n, (graph, x, out) in graphs.items():  # what was captured replays right
             x.copy_(torch.randn(n, 64))
@@ -156,7 +156,7 @@ def elastic_scenario(be: hal.Backend) -> None:
 
 def runner_graphs(runner: graphkit.GraphRunner) -> int:
     """The graphs a runner holds (those of buckets whose release failed included)."""
-    return sum(len(b.graphs) for b in [*runner._buckets.values(), *runner._leftover])
+    return sum(len(b.graphs) for b in [*runner._buckets.values(), *runner._pending])
 
 
 def runner_scenario(be: hal.Backend) -> None:
