@@ -24,7 +24,7 @@ log = logging.getLogger("hal.routing")
 
 #: ``router(backend, device, graph, requested_pool) -> Route | None``: asked for every capture no router of
 #: its device takes, whatever the backend (by name) and device
-ProcessRouter = Callable[[str, int, Any, Any], "Route | None"]
+ProcessRouter = Callable[[str, int, Any, Any], Route | None]
 
 _process_routers: list[ProcessRouter] = []
 _listeners: list[Callable[[], None]] = []
