@@ -17,8 +17,11 @@ its device -- for every device it captures on, with no engine line changed:
   captures end (no capture for ``report`` seconds) and again at exit.
 
 The value is ``1`` (``true``, ``on``, ``yes``) or a comma-separated list of
-options, which also turns it on: ``kind=vmm|shared|private``, ``verify=0|1``,
-``hygiene=0|1``, ``report=SECONDS`` (0: at exit only). ``0``, ``false``,
+options, which also turns it on: ``kind=vmm|shared|private``,
+``outputs=kept|replay`` (see :class:`graphkit.GraphPools`: ``replay`` when the
+engine reads its graphs' outputs only right after their own replay),
+``verify=0|1`` (the optional isolation verifier), ``hygiene=0|1``,
+``report=SECONDS`` (0: at exit only). ``0``, ``false``,
 ``off``, ``no`` or empty: off. A bad value raises
 :class:`hal.InvalidArgumentError` naming the variable from :func:`parse` and
 :func:`start_from_environment`; the start-up hook and :func:`plugin` log it
@@ -59,8 +62,9 @@ class Options:
     a device's report line is logged (0: at exit only)."""
 
     kind: str = "vmm"
-    verify: bool = True
+    verify: bool = False
     hygiene: bool = False
+    outputs: str = "kept"
     report: float = 2.0
 
 
@@ -83,13 +87,18 @@ def parse(value: str | None) -> Options | None:
             what = "is given twice" if key in fields else "is not an option"
             raise hal.InvalidArgumentError(
                 f"{item!r} {what} (the value is {value!r}); give 1, or a comma-separated list of "
-                f"kind={'|'.join(POOL_KINDS)}, verify=0|1, hygiene=0|1, report=SECONDS", call=ENV) from None
+                f"kind={'|'.join(POOL_KINDS)}, outputs=kept|replay, verify=0|1, hygiene=0|1, report=SECONDS",
+                call=ENV) from None
     return Options(**fields)
 
 
 def _option(key: str, raw: str) -> Any:
     if key == "kind":
         if raw not in POOL_KINDS:
+            raise ValueError(raw)
+        return raw
+    if key == "outputs":
+        if raw not in ("kept", "replay"):
             raise ValueError(raw)
         return raw
     if key in ("verify", "hygiene"):
@@ -146,7 +155,8 @@ class ProcessGraphMemory:
             opts = self.options
             try:
                 be = hal.get_backend(backend, device=device, requires=("graphs", "capture_routing"))
-                pools = GraphPools(be, opts.kind, hygiene=opts.hygiene, verify=opts.verify)  # type: ignore[arg-type]
+                pools = GraphPools(be, opts.kind, hygiene=opts.hygiene, verify=opts.verify,  # type: ignore[arg-type]
+                                   outputs=opts.outputs)  # type: ignore[arg-type]
             except hal.HalError as exc:
                 self._refused[where] = str(exc)
                 log.warning("%s=%s: the captures on %s:%d are not served (they take the framework's own memory): "

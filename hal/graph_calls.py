@@ -163,11 +163,9 @@ class GraphCalls(HookCalls):
             self._graph_pool.pop(graph)
 
     def capturing(self) -> bool:
-        """Whether this thread captures a graph on this backend now: through :meth:`capture`, or the framework's
-        own capture on the current stream (``torch.cuda.graph`` under a scope). Work queued now is recorded,
-        not run, and a device-wide wait would end the capture."""
-        if self._capturing():
-            return True
+        """Whether the current stream of this thread captures a graph on this backend's device now (through
+        :meth:`capture`, or the framework's own capture). Work queued now is recorded, not run, and a
+        device-wide wait would end the capture. False on devices without a capture state to ask (host)."""
         if self._closed or not self.supports("graphs"):
             return False
         device = self._graph_call("torch_device")

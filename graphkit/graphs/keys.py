@@ -13,7 +13,7 @@ import itertools
 import logging
 import threading
 from collections import deque
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +119,8 @@ class KeyPool:
     #: blocks of its pool allocated at the end of its last capture (None: unknown): a bound of what it holds
     #: later, since nothing allocates in a key's space outside its captures
     live: tuple[tuple[int, int], ...] | None = ()
+    #: blocks its owner reads only right after its own replay (replay-scoped outputs): they stay on shared memory
+    shared: frozenset[tuple[int, int]] = frozenset()
 
     @property
     def pool(self) -> Any:
@@ -142,9 +144,14 @@ class PoolKeys:
     several entries); the owner sets :attr:`closed` when it closes.
     """
 
-    def __init__(self, backend: hal.Backend, strategy: PoolStrategy, owner: Any, name: str) -> None:
-        """:param owner: the GraphPools, which every handle keeps alive; ``name`` names it in errors."""
+    def __init__(self, backend: hal.Backend, strategy: PoolStrategy, owner: Any, name: str,
+                 outputs: str = "kept") -> None:
+        """:param owner: the GraphPools, which every handle keeps alive; ``name`` names it in errors.
+        :param outputs: ``"kept"``: memory still allocated when a key's capture ends gets bytes of its own
+            (:meth:`capture_ended`); ``"replay"``: the owner reads what its graphs leave only right after their own
+            replay, so it stays on the shared chunks."""
         self.backend, self.strategy, self.owner, self.name = backend, strategy, owner, name
+        self.outputs = outputs
         self.allocator: SharedVMMAllocator | None = getattr(strategy, "allocator", None)
         self.entries: dict[Hashable, KeyPool] = {}
         self.lock = threading.RLock()
@@ -235,11 +242,46 @@ class PoolKeys:
             return None
         return next((e for e in list(self.entries.values()) if e.pool is pool and e.space_id is not None), None)
 
+    # -- survivors ------------------------------------------------------------------------
+
+    def capture_ended(self, entry: KeyPool, shared: Iterable[tuple[int, int]] = ()) -> None:
+        """A capture into ``entry`` ended well: the memory still allocated in its space (outputs kept, caches
+        made in the capture) gets physical memory of its own, so that no other key's replay overwrites it and
+        any graph may read it (under the lock).
+
+        :param shared: blocks the owner reads only right after this key's own replay (a runner's outputs,
+            copied out at each call): they stay on the shared chunks.
+        """
+        entry.shared = entry.shared | frozenset(shared)
+        self._keep_survivors(entry)
+
+    def _keep_survivors(self, entry: KeyPool) -> None:
+        alloc = self.allocator
+        if alloc is None or entry.space_id is None or self.outputs == "replay" or alloc.closed:
+            return
+        try:
+            blocks = [b for b in self.backend.pool_active_blocks(entry.pool) if b not in entry.shared]
+            alloc.keep_private(entry.space_id, blocks)
+        except hal.HalError as exc:
+            log.error("key %r: memory still allocated after its capture could not be given bytes of its own "
+                      "(retried at the next capture): %s", entry.key, str(exc))
+
+    def _share_back(self) -> None:
+        """Survivors that died since: their granules map the shared chunks again (a safe point)."""
+        alloc = self.allocator
+        if alloc is None or alloc.closed:
+            return
+        for entry in list(self.entries.values()):
+            if entry.space_id is not None and alloc.has_survivors(entry.space_id):
+                self._keep_survivors(entry)
+
     # -- the safe point --------------------------------------------------------------------
 
     def settle(self) -> None:
-        """Release what routed graphs that died left behind (a safe point: no allocator call is running)."""
+        """Release what routed graphs that died left behind, give the granules of survivors that died back to
+        the shared chunks (a safe point: no allocator call is running)."""
         self._release_dead()
+        self._share_back()
         try:
             self.strategy.settle()
         except hal.HalError as exc:
@@ -349,8 +391,11 @@ class Verifier:
             return None if owner is None else owner.key
 
         def live_blocks(space_id: int) -> list[tuple[int, int]] | None:
+            """The blocks of ``space_id`` another replay may overwrite: survivors with bytes of their own are not."""
             owner = owners.get(space_id)
-            return None if owner is None else keys.backend.pool_active_blocks(owner.pool)
+            if owner is None:
+                return None
+            return alloc.on_shared_chunks(space_id, keys.backend.pool_active_blocks(owner.pool))
 
         return Context(keys.backend, alloc.spaces, own=entry.space_id, key=entry.key, key_of=key_of, fix=fix,
                        live_blocks=live_blocks, state_sizes=keys.backend.stream_state_sizes())

@@ -21,7 +21,7 @@ import contextlib
 import gc
 import logging
 import weakref
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, Literal
 
 import hal
@@ -39,6 +39,8 @@ from hal.types import Route
 log = logging.getLogger("graphkit.graphs.pools")
 
 Kind = Literal["vmm", "shared", "private"]
+#: what an engine does with what its graphs leave allocated (see GraphPools(outputs=...))
+Outputs = Literal["kept", "replay"]
 _ALLOCATOR_OPTIONS = frozenset({"reserve_bytes", "max_physical_bytes", "arena_bytes"})
 
 
@@ -103,26 +105,35 @@ class GraphPools(Closable):
     :param saver: a :class:`graphkit.MemorySaver`: the pools' chunks sleep
         and wake with its tag ``"graphs"`` (graphs replay after a resume
         without recapture; nothing of theirs may run while paused).
-    :param verify: after every capture into a key's pool (routed by
-        :func:`graph_memory`, or passed ``pools.pool(key)``), read the
-        addresses the graph uses from the graph and refuse it with an
-        :class:`graphkit.IsolationError` when one lies in another key's
-        space (keys share physical memory: such a read gives wrong
-        results). Needs the backend's ``"graph_addresses"`` capability (the
-        check is skipped with one log line without it); ``pools.pool(key)``
-        captures are seen through ``"capture_routing"``.
+    :param outputs: ``"kept"`` (default): memory still allocated in a key's
+        space when its capture ends (outputs the engine keeps, a cache made
+        in the capture) is given physical memory of its own at the same
+        addresses, so no other key's replay overwrites it and any graph may
+        read it, however it got the address; freed, it returns to the shared
+        chunks. ``"replay"``: the engine reads what a graph leaves only right
+        after that graph's own replay (outputs valid until the next replay):
+        everything stays on the shared chunks.
+    :param verify: an optional verifier (off by default: isolation holds by
+        construction, see ``outputs``): after every capture into a key's pool
+        (routed by :func:`graph_memory`, or passed ``pools.pool(key)``), read
+        the addresses the graph uses from the graph and refuse it with an
+        :class:`graphkit.IsolationError` when one lies in memory another key
+        keeps on shared chunks. Needs the backend's ``"graph_addresses"``
+        capability (the check is skipped with one log line without it);
+        ``pools.pool(key)`` captures are seen through ``"capture_routing"``.
     :param allocator_options: options of :class:`SharedVMMAllocator`
         (``reserve_bytes``, ``max_physical_bytes``, ``arena_bytes``).
     """
 
     def __init__(self, backend: hal.Backend | None = None, kind: Kind = "vmm", *, hygiene: bool = False,
-                 saver: MemorySaver | None = None, verify: bool = True, **allocator_options: Any) -> None:
-        self._open(backend, kind, None, hygiene=hygiene, saver=saver, verify=verify,
+                 saver: MemorySaver | None = None, verify: bool = False, outputs: Outputs = "kept",
+                 **allocator_options: Any) -> None:
+        self._open(backend, kind, None, hygiene=hygiene, saver=saver, verify=verify, outputs=outputs,
                    allocator_options=allocator_options, runner=False)
 
     @classmethod
     def for_runner(cls, backend: hal.Backend, kind: Kind = "vmm", *, strategy: PoolStrategy | None = None,
-                   saver: MemorySaver | None = None, verify: bool = True, **allocator_options: Any) -> GraphPools:
+                   saver: MemorySaver | None = None, verify: bool = False, **allocator_options: Any) -> GraphPools:
         """Pools whose keys a :class:`graphkit.GraphRunner` captures into itself, through :meth:`lease`.
 
         As ``GraphPools(backend, kind, ...)``, except that captures into handles are not watched (the runner
@@ -134,14 +145,18 @@ class GraphPools(Closable):
             the allocator options).
         """
         pools = cls.__new__(cls)
-        pools._open(backend, kind, strategy, hygiene=False, saver=saver, verify=verify,
+        pools._open(backend, kind, strategy, hygiene=False, saver=saver, verify=verify, outputs="kept",
                     allocator_options=allocator_options, runner=True)
         return pools
 
     def _open(self, backend: hal.Backend | None, kind: Kind, strategy: PoolStrategy | None, *, hygiene: bool,
-              saver: MemorySaver | None, verify: bool, allocator_options: dict[str, Any], runner: bool) -> None:
+              saver: MemorySaver | None, verify: bool, outputs: Outputs, allocator_options: dict[str, Any],
+              runner: bool) -> None:
         """Set the pools up (see :meth:`for_runner` for what ``runner`` changes)."""
         self._caller = caller = "GraphRunner" if runner else "GraphPools"
+        if outputs not in ("kept", "replay"):
+            raise hal.InvalidArgumentError(f"outputs={outputs!r} must be 'kept' or 'replay'",
+                                           backend=getattr(backend, "name", ""), call=caller)
         _check_arguments(backend, kind if strategy is None else None, saver, allocator_options, caller)
         self._owns_backend = backend is None
         self.backend = be = backend if backend is not None else hal.get_backend(requires=("graphs",))
@@ -155,7 +170,7 @@ class GraphPools(Closable):
         self.saver = saver
         if saver is not None:
             _adopt(saver, self.strategy, caller, be)
-        self._keys = keys = PoolKeys(be, self.strategy, self, caller)
+        self._keys = keys = PoolKeys(be, self.strategy, self, caller, outputs)
         self._entries, self._lock = keys.entries, keys.lock
         self._close_done = False
         self._verifier = Verifier(keys, verify)
@@ -222,6 +237,17 @@ class GraphPools(Closable):
     @property
     def keys(self) -> list[Hashable]:
         return list(self._entries)
+
+    def capture_ended(self, key: Hashable, shared: Sequence[tuple[int, int]] = ()) -> None:
+        """For captures made into :meth:`lease` (routed and handle captures are seen without it): the captures
+        into ``key`` ended; what they left allocated gets memory of its own (see ``outputs``).
+
+        :param shared: ``(address, nbytes)`` blocks read only right after ``key``'s own replay (outputs copied out
+            at each call): they stay on the shared chunks.
+        """
+        with self._lock:
+            self._check_open("capture_ended")
+            self._keys.capture_ended(self._entry(key, "capture_ended"), shared)
 
     def release(self, key: Hashable) -> None:
         """Give the memory of ``key`` back; its handle raises from now on.
@@ -365,7 +391,8 @@ class GraphPools(Closable):
 
 @contextlib.contextmanager
 def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None = None, kind: Kind = "vmm",
-                 hygiene: bool = False, verify: bool = True, **allocator_options: Any) -> Iterator[GraphPools]:
+                 hygiene: bool = False, verify: bool = False, outputs: Outputs = "kept",
+                 **allocator_options: Any) -> Iterator[GraphPools]:
     """Every capture started inside the block draws from a fresh vmm space of the yielded :class:`GraphPools`.
 
     Whatever pool the engine passes -- none, its own shared pool, or
@@ -377,10 +404,12 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
     block restores the framework's capture API exactly, also on errors.
 
     :param pools: use these pools instead of new ones (then ``backend``,
-        ``kind``, ``hygiene``, ``verify`` and the allocator options are theirs).
-    :param verify: refuse a graph that uses another capture's space (see
-        :class:`GraphPools`): a piecewise forward captured without
-        ``pools.group(key)`` fails loudly instead of replaying wrong results.
+        ``kind``, ``hygiene``, ``verify``, ``outputs`` and the allocator options are theirs).
+    :param outputs: see :class:`GraphPools`: by default what a capture
+        leaves allocated (its outputs, a piece's output the next piece reads)
+        gets bytes of its own, so a piecewise forward captured without
+        ``pools.group(key)`` replays right.
+    :param verify: the optional verifier of :class:`GraphPools`.
     :raises hal.UnsupportedError: the backend cannot route the framework's captures.
     """
     if pools is not None and not isinstance(pools, GraphPools):
@@ -390,7 +419,7 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
                                        call="graph_memory")
     if pools is None:
         chosen = backend if backend is not None else hal.get_backend(requires=("graphs", "capture_routing"))
-        pools = GraphPools(chosen, kind, hygiene=hygiene, verify=verify, **allocator_options)
+        pools = GraphPools(chosen, kind, hygiene=hygiene, verify=verify, outputs=outputs, **allocator_options)
         pools._owns_backend = backend is None
     with pools.backend.route_captures(pools.route), hal.route_every_capture(_elsewhere(pools.backend)):
         yield pools

@@ -80,9 +80,13 @@ class CaptureRouting:
             check = self.verifier.check(entry)
 
         def on_end(ok: bool) -> None:
-            if ok and check is not None:
-                with keys.lock:
+            if not ok:
+                return
+            with keys.lock:
+                if check is not None:
                     check.accepted(graph)
+                if not keys.closed and keys.entries.get(entry.key) is entry:
+                    keys.capture_ended(entry)
 
         return Route(entry.pool, on_end, inspect=check is not None and check.read)
 
@@ -102,6 +106,7 @@ class CaptureRouting:
                 with self.keys.lock:
                     entry = self.keys.entries.get(key)
                     if entry is not None:
+                        self.keys.capture_ended(entry)
                         self.seal(entry, "when its pools.group() block ended")
 
     def _group_stack(self) -> list[Hashable]:
@@ -171,6 +176,7 @@ class CaptureRouting:
                     self._gone(entry)
                     raise
                 if not grouped:
+                    self.keys.capture_ended(entry)
                     self.seal(entry, "when its capture ended")
 
         return on_end

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import hal
@@ -146,13 +146,23 @@ class SharedVMMAllocator(Closable):
         self.last_error: str | None = None  # why the last allocation a pool callback asked for failed (logged too)
         self.backup = False  # graph memory needs no backup: every replay writes it afresh
 
-    physical_bytes = figure("_chunks.physical_bytes",
-                            "Bytes of physical chunks held (mapped into the spaces that reach them).")
+    @property
+    def physical_bytes(self) -> int:
+        """Bytes of physical chunks held: the shared ones (mapped into the spaces that reach them) and the
+        survivors' own."""
+        return self._chunks.physical_bytes + self._chunks.private_bytes
+
+    shared_bytes = figure("_chunks.physical_bytes",
+                          "Bytes of the shared chunks held (mapped into every space that reaches them).")
 
     @property
     def footprint_bytes(self) -> int:
         """Physical bytes it holds while awake (what a pause releases)."""
-        return len(self._chunks.chunks) * self.granularity
+        return sum(c.size for c in self._chunks.all_chunks())
+
+    survivor_bytes = figure("_chunks.private_bytes",
+                            "Bytes of the chunks of their own that memory outliving its capture holds (counted in "
+                            "physical_bytes too).")
 
     chunks = figure("_chunks.held",
                     "Physical handles held, chunk ``i`` at offset ``i * granularity`` of every space that reaches it.")
@@ -265,10 +275,47 @@ class SharedVMMAllocator(Closable):
             self._check_open("release_virtual_space")
             space = self._table.get(space_id, "release_virtual_space")
             self._chunks.unmap_space(space)
+            self._chunks.drop_private(space)
             self._table.remove(space)
             if self.current == space_id:
                 self.current = None
             self._chunks.trim(self._table.reach())
+
+    def keep_private(self, space_id: int, blocks: Iterable[tuple[int, int]]) -> None:
+        """Give the granules of a space that hold ``blocks`` (``(address, nbytes)`` still allocated after a
+        capture) physical memory of their own, at the same addresses; give those that no longer hold any back to
+        the shared chunks. No other space's replay can then overwrite those blocks, and any graph may read them.
+
+        A no-op for a space that is gone, or while the memory is paused or closed. All or nothing.
+        """
+        with self._lock:
+            if self._closed or self.paused:
+                return
+            space = self._table.spaces.get(space_id)
+            if space is None:
+                return
+            g, wanted = self.granularity, set[int]()
+            for address, nbytes in blocks:
+                if nbytes > 0 and space.contains(address):
+                    wanted.update(range((address - space.base) // g, (address + nbytes - 1 - space.base) // g + 1))
+            self._chunks.privatize(space, wanted)
+
+    def on_shared_chunks(self, space_id: int, blocks: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Those of ``blocks`` (in the space) that touch a granule mapped to the shared chunks: the memory
+        another space's replay can overwrite."""
+        with self._lock:
+            space = self._table.spaces.get(space_id)
+            own = self._chunks.private.get(space_id, {})
+            if space is None or not own:
+                return list(blocks)
+            g, base = self.granularity, space.base
+            return [(a, n) for a, n in blocks
+                    if any(i not in own for i in range((a - base) // g, (a + max(n, 1) - 1 - base) // g + 1))]
+
+    def has_survivors(self, space_id: int) -> bool:
+        """Whether granules of the space have memory of their own (see :meth:`keep_private`)."""
+        with self._lock:
+            return space_id in self._chunks.private
 
     def precreate(self, nbytes: int) -> None:
         """Create chunks for ``nbytes`` more physical memory (all or nothing), mapped nowhere yet.

@@ -67,7 +67,12 @@ def test_each_capture_in_the_scope_gets_its_own_space_over_shared_chunks(be: hal
     spaces = [pools.allocator.spaces[e.space_id] for e in pools._entries.values()]
     assert len({s.base for s in spaces}) == len(spaces)
     assert be.pool_active_blocks(engine_pool) == []  # nothing was drawn from the engine's pool
-    assert report.chunk_bytes == max(k.mapped_bytes for k in report.keys)  # N captures cost the largest one
+    # N captures cost the largest one, plus the outputs the engine keeps (bytes of their own, as in its own pool)
+    alloc = pools.allocator
+    assert alloc.shared_bytes == max(k.mapped_bytes for k in report.keys)
+    assert report.chunk_bytes == alloc.shared_bytes + alloc.survivor_bytes
+    kept = {out.data_ptr() // be.granularity for _, _, out in graphs.values()}
+    assert alloc.survivor_bytes == len(kept) * be.granularity
     # every space maps what it uses: at least one map call per space, counted with its time
     assert report.map_calls == pools.allocator.stats().map_calls >= len(SIZES) and report.map_seconds > 0
     assert f"{report.map_calls} map calls in" in str(report)
@@ -145,9 +150,12 @@ def test_a_group_keeps_the_pieces_of_one_batch_in_one_space(be: hal.Backend) -> 
     assert be.live.zero, be.live
 
 
-def test_without_a_group_the_pieces_would_alias(be: hal.Backend) -> None:
-    """Why groups exist: the same pieces in separate spaces over shared chunks overwrite each other
-    (what verification, switched off here, refuses at capture)."""
+@pytest.mark.parametrize("outputs", ["kept", "replay"])
+def test_without_a_group_the_pieces_replay_right_unless_declared_replay_scoped(be: hal.Backend, outputs: str) -> None:
+    """The same pieces in separate spaces over shared chunks: piece 1's output outlives its capture, so it gets
+    bytes of its own and piece 2 reads it right (construction, no verifier). Declared replay-scoped
+    (``outputs="replay"``), it stays on the shared chunks and piece 2's own memory overwrites it: why groups
+    exist for engines that declare so."""
     step = make_step()
     w = torch.randn(256, 256) / 16
 
@@ -155,16 +163,17 @@ def test_without_a_group_the_pieces_would_alias(be: hal.Backend) -> None:
         return torch.tanh(t @ w) + t
 
     wrong = 0
-    with graphkit.graph_memory(be, verify=False) as pools:
+    with graphkit.graph_memory(be, outputs=outputs) as pools:
         x = torch.zeros(16, 256)
         g0, mid = capture(be, step, x)
         g1, out = capture(be, residual, mid)
+    assert (pools.allocator.survivor_bytes > 0) == (outputs == "kept")
     for _ in range(3):
         x.copy_(torch.randn(16, 256))
         be.replay(g0)
         be.replay(g1)
         wrong += not torch.allclose(out, residual(step(x)), rtol=1e-4, atol=1e-4)
-    assert wrong
+    assert bool(wrong) == (outputs == "replay")
     be.release_graph(g0)
     be.release_graph(g1)
     del out, mid
@@ -256,7 +265,8 @@ def test_a_space_lives_as_long_as_its_graph(be: hal.Backend) -> None:
     del o16  # the output's block frees the space's last allocation
     be.release_graph(g16)  # released: its space goes at once
     assert pools.allocator.num_virtual_spaces == 1 and len(pools.keys) == 1
-    assert pools.allocator.physical_bytes == G  # the large graph's chunks went with it
+    assert pools.allocator.shared_bytes == G  # the large graph's chunks went with it
+    assert pools.allocator.survivor_bytes == G  # the small one's kept output has a granule of its own
     del g1, o1  # dropped without release: collected, released at the next safe point
     gc.collect()
     pools.collect()

@@ -42,7 +42,7 @@ def capture(be: hal.Backend, fn, x: torch.Tensor, pool=None):
 def test_a_piece_that_reads_another_captures_output_is_refused_in_the_scope(be: hal.Backend) -> None:
     first, second = pieces()
     x = torch.zeros(16, 256)
-    with graphkit.graph_memory(be) as pools:
+    with graphkit.graph_memory(be, verify=True, outputs="replay") as pools:
         g1, h = capture(be, first, x)
         graph = be.create_graph()
         with pytest.raises(graphkit.IsolationError) as info:
@@ -75,7 +75,7 @@ def test_a_piece_that_reads_another_captures_output_is_refused_in_the_scope(be: 
 
 def test_a_capture_into_a_pool_handle_is_verified_too(be: hal.Backend) -> None:
     first, second = pieces()
-    pools = graphkit.GraphPools(be)
+    pools = graphkit.GraphPools(be, verify=True, outputs="replay")
     x = torch.zeros(8, 256)
     g1, h = capture(be, first, x, pool=pools.pool(1))
     with pytest.raises(graphkit.IsolationError, match=r"key 2 .*space of key 1"):
@@ -97,7 +97,7 @@ def test_a_capture_into_a_group_handle_outside_the_scope_is_verified_too(be: hal
     """``pools.group(key)`` yields the key's handle: used outside graph_memory, captures into it are checked
     as those into ``pools.pool(key)`` (a key reading another key's live output replays wrong)."""
     first, second = pieces()
-    pools = graphkit.GraphPools(be)
+    pools = graphkit.GraphPools(be, verify=True, outputs="replay")
     x = torch.zeros(8, 256)
     with pools.group(1) as h1:
         g1, h = capture(be, first, x, pool=h1)
@@ -124,7 +124,7 @@ def test_verify_false_turns_the_check_off(be: hal.Backend) -> None:
 def test_inputs_and_weights_outside_the_pools_are_fine(be: hal.Backend) -> None:
     first, _ = pieces()
     static = torch.zeros(32, 256)  # an engine's static input buffer, made outside any capture
-    with graphkit.graph_memory(be) as pools:
+    with graphkit.graph_memory(be, verify=True, outputs="replay") as pools:
         graphs = [capture(be, first, static[:n])[0] for n in (32, 16, 8)]
     assert pools.report().verified_graphs == 3
     for g in graphs:
@@ -138,7 +138,7 @@ def test_a_backend_that_cannot_answer_skips_the_check_with_one_line(be: hal.Back
     monkeypatch.setattr(type(be), "capabilities", property(lambda self: frozenset(
         {"graphs", "custom_pool", "capture_routing", "use_pool"})))
     first, second = pieces()
-    with caplog.at_level(logging.INFO, logger="graphkit.graphs.isolation"), graphkit.graph_memory(be) as pools:
+    with caplog.at_level(logging.INFO, logger="graphkit.graphs.isolation"), graphkit.graph_memory(be, verify=True, outputs="replay") as pools:
         g1, h = capture(be, first, torch.zeros(4, 256))
         g2, _ = capture(be, second, h)
     lines = [r for r in caplog.records if "graph_addresses" in r.getMessage()]
@@ -191,7 +191,11 @@ def test_foreign_uses_counts_spans_and_pointers() -> None:
     assert [(u.space_id, u.addresses, u.nbytes, u.first) for u in uses] == [(1, 2, 0x100 + 0x10, 0x10000)]
 
 
-def test_a_runner_size_that_reads_another_sizes_memory_is_refused(be: hal.Backend) -> None:
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_cache_born_in_one_sizes_capture_gets_bytes_of_its_own_and_other_sizes_read_it_right(
+        be: hal.Backend, verify: bool) -> None:
+    """Hazard 1 by construction: a cache made inside the first capture outlives it; it gets physical memory no
+    other size maps, so the other sizes' replays cannot overwrite it and the verifier has nothing to refuse."""
     w = torch.randn(64, 64)
     cache: dict[str, torch.Tensor] = {}
 
@@ -200,10 +204,13 @@ def test_a_runner_size_that_reads_another_sizes_memory_is_refused(be: hal.Backen
             cache["scale"] = torch.ones(64) * 2
         return (x @ w) * cache["scale"]
 
-    runner = graphkit.GraphRunner(step, sizes=[4, 8], backend=be, warmup=0, progress=False)
-    with pytest.raises(graphkit.IsolationError, match=r"graph of key 4 .*space of key 8"):
-        runner.capture(x=torch.zeros(8, 64))
-    assert runner.captured_sizes == [8]
+    runner = graphkit.GraphRunner(step, sizes=[4, 8], backend=be, warmup=0, progress=False, verify=verify)
+    runner.capture(x=torch.zeros(8, 64))
+    assert runner.captured_sizes == [4, 8]
+    assert runner.pools.allocator.survivor_bytes == be.granularity  # the cache's granule, and only it
+    for n in (3, 8, 4, 2):
+        x = torch.randn(n, 64)
+        assert torch.allclose(runner(x=x), (x @ w) * 2, rtol=1e-5, atol=1e-5)
     cache.clear()
     runner.close()
 
@@ -211,7 +218,7 @@ def test_a_runner_size_that_reads_another_sizes_memory_is_refused(be: hal.Backen
 @pytest.mark.parametrize("keep", [None, "strong"])
 def test_a_runner_verifies_every_capture(be: hal.Backend, keep: str | None) -> None:
     w = torch.randn(64, 64)
-    runner = graphkit.GraphRunner(lambda x: torch.relu(x @ w), sizes=[1, 2, 4], backend=be, progress=False,
+    runner = graphkit.GraphRunner(lambda x: torch.relu(x @ w), sizes=[1, 2, 4], backend=be, progress=False, verify=True,
                                   keep_outputs=keep)
     runner.capture(x=torch.zeros(4, 64))
     stats = runner.verify_stats
@@ -227,7 +234,7 @@ def test_a_runner_verifies_every_capture(be: hal.Backend, keep: str | None) -> N
 def test_replaying_a_graph_whose_memory_sleeps_raises(be: hal.Backend) -> None:
     first, _ = pieces()
     saver = graphkit.MemorySaver(be)
-    pools = graphkit.GraphPools(be, saver=saver)
+    pools = graphkit.GraphPools(be, saver=saver, verify=True, outputs="replay")
     x = torch.zeros(4, 256)
     g_handle, _ = capture(be, first, x, pool=pools.pool(1))  # a handle passed by the caller
     with graphkit.graph_memory(be, pools=pools):
@@ -256,7 +263,7 @@ def test_graph_tree_captures_are_left_to_torch(be: hal.Backend, caplog: pytest.L
     own_pool = be.create_pool()
     trees_capture = _as_if_from("torch._inductor.cudagraph_trees", "_record", lambda x: capture(be, first, x,
                                                                                                  pool=own_pool))
-    with caplog.at_level(logging.INFO, logger="graphkit.graphs.pools"), graphkit.graph_memory(be) as pools:
+    with caplog.at_level(logging.INFO, logger="graphkit.graphs.pools"), graphkit.graph_memory(be, verify=True, outputs="replay") as pools:
         g1, out1 = trees_capture(torch.zeros(4, 256))
         g2, out2 = trees_capture(torch.zeros(2, 256))
     assert pools.keys == [] and be.pool_active_blocks(own_pool) != []  # torch's own pool, not graphkit's
@@ -282,7 +289,7 @@ def test_the_graphs_of_one_make_graphed_callables_call_share_a_space(be: hal.Bac
 
     graphed = _as_if_from("torch.cuda.graphs", "make_graphed_callables", forward_then_backward)
     x = torch.zeros(4, 256)
-    with graphkit.graph_memory(be) as pools:
+    with graphkit.graph_memory(be, verify=True, outputs="replay") as pools:
         graphs, h, out = graphed(x)
         other, h2, out2 = graphed(torch.zeros(2, 256))  # another call: another space
     assert len(pools.keys) == 2 and all(k[0] == "make_graphed_callables" for k in pools.keys)
@@ -325,7 +332,7 @@ def test_a_fallback_that_catches_runtime_error_survives_a_refusal(be: hal.Backen
         except RuntimeError:
             return None, fn(arg)
 
-    with graphkit.graph_memory(be) as pools:
+    with graphkit.graph_memory(be, verify=True, outputs="replay") as pools:
         g1, h = graphed_or_eager(first, x)
         g2, out = graphed_or_eager(second, h)  # refused: reads the first capture's output
     assert g1 is not None and g2 is None
@@ -366,7 +373,7 @@ def test_the_refusal_names_a_block_of_a_librarys_per_stream_state_and_its_fix(be
 def test_a_capture_is_read_only_when_another_key_holds_live_memory(be: hal.Backend) -> None:
     first, _ = pieces()
     x = torch.randn(16, 256)
-    with graphkit.graph_memory(be) as pools:
+    with graphkit.graph_memory(be, verify=True, outputs="replay") as pools:
         g1 = capture(be, first, x)[0]  # its output dies at once: nothing of key 1 stays alive
         g2, h = capture(be, first, x)  # nothing alive elsewhere: proven without reading
         g3, out = capture(be, torch.sigmoid, x)  # key 2's output lives: this one is read
@@ -378,7 +385,7 @@ def test_a_capture_is_read_only_when_another_key_holds_live_memory(be: hal.Backe
 
 
 def test_a_graph_that_takes_only_the_shape_of_another_keys_output_is_accepted(be: hal.Backend) -> None:
-    pools = graphkit.GraphPools(be)
+    pools = graphkit.GraphPools(be, verify=True, outputs="replay")
     x = torch.randn(8, 64)
     g1, o1 = capture(be, lambda x: x * 2, x, pool=pools.pool(1))
     g2, o2 = capture(be, lambda x, o=o1: torch.zeros_like(o) + o.new_ones(o.shape) + x + o.size(0), x,
