@@ -134,9 +134,10 @@ def test_the_scope_gives_each_capture_its_own_space_at_the_cost_of_the_largest(b
     assert all(k.graphs == 1 for k in report.keys)
     assert engine.graph_pool is not None and be.pool_active_blocks(engine.graph_pool) == []
     largest_alone, alone_pools = capture(be, "scope", order, sizes=[max(SIZES)])
-    alone = alone_pools.report().chunk_bytes
-    assert alone > 0 and report.chunk_bytes == alone
-    assert report.chunk_bytes == max(k.mapped_bytes for k in report.keys)
+    alone = alone_pools.allocator.shared_bytes
+    # the shared chunks cost the largest size alone; the outputs the engine keeps have bytes of their own
+    assert alone > 0 and pools.allocator.shared_bytes == alone == max(k.mapped_bytes for k in report.keys)
+    assert report.chunk_bytes == alone + pools.allocator.survivor_bytes
     assert_matches_eager(engine, 5)
     teardown(be, largest_alone, alone_pools, last=False)
     teardown(be, engine, pools)
@@ -146,7 +147,7 @@ def test_graph_pools_cost_the_largest_capture(be: hal.Backend) -> None:
     engine, pools = capture(be, "pools", "ascending")
     assert sorted(pools.keys) == SIZES
     alone, alone_pools = capture(be, "pools", "ascending", sizes=[max(SIZES)])
-    assert pools.report().chunk_bytes == alone_pools.report().chunk_bytes > 0
+    assert pools.allocator.shared_bytes == alone_pools.allocator.shared_bytes > 0
     teardown(be, alone, alone_pools, last=False)
     teardown(be, engine, pools)
 
@@ -166,8 +167,7 @@ def test_engine_case_of_the_bench(be: hal.Backend, strategy: str, order: str) ->
     assert (result["replay_ms_1"], result["replay_ms_max"]) == (result["replay_ms"]["1"], result["replay_ms"]["8"])
     if strategy == "graph_memory":
         assert result["chunk_bytes"] == result["graph_memory_bytes"]  # on fake, the chunks are all it adds
-        assert result["verified_graphs"] == 4 and result["inspected_nodes"] > 0 and result["missed_nodes"] == 0
-        assert 0 < result["verify_seconds"] < result["capture_seconds"]
+        assert result["verified_graphs"] == 0 and result["verify_seconds"] == 0  # the verifier is opt-in
     else:
         assert result["chunk_bytes"] is None
     assert be.live.zero, be.live
@@ -189,10 +189,21 @@ def test_the_framework_capture_api_is_intercepted_on_cuda(backend_name: str, mod
 
 
 def piecewise_pair(be: hal.Backend, use_torch_api: bool = False) -> None:
-    """Piecewise capture in the scope: refused without a group, equal to eager with the one group line."""
+    """Piecewise capture in the scope: equal to eager without a group (the first piece's output has bytes of its
+    own); declared replay-scoped with the verifier on, refused without a group; equal to eager with the one group
+    line."""
     engine = engine_decode.Engine(be, "tiny", max_batch=MAX_BATCH, max_model_len=32, pieces=2,
                                   use_torch_api=use_torch_api)
     with graphkit.graph_memory(be) as pools:
+        engine.capture_graphs(SIZES)
+    assert pools.allocator.survivor_bytes > 0
+    assert_matches_eager(engine, 3)
+    assert_matches_eager(engine, 8)
+    teardown(be, engine, pools, last=False)
+
+    engine = engine_decode.Engine(be, "tiny", max_batch=MAX_BATCH, max_model_len=32, pieces=2,
+                                  use_torch_api=use_torch_api)
+    with graphkit.graph_memory(be, verify=True, outputs="replay") as pools:
         with pytest.raises(graphkit.IsolationError, match=r"pools\.group\(key\)") as info:
             engine.capture_graphs(SIZES)
     assert "('capture', 2)" in str(info.value) and "('capture', 1)" in str(info.value)
@@ -201,7 +212,7 @@ def piecewise_pair(be: hal.Backend, use_torch_api: bool = False) -> None:
 
     engine = engine_decode.Engine(be, "tiny", max_batch=MAX_BATCH, max_model_len=32, pieces=2,
                                   use_torch_api=use_torch_api)
-    with graphkit.graph_memory(be) as pools:
+    with graphkit.graph_memory(be, verify=True, outputs="replay") as pools:
         engine.group = pools.group  # the one line: the pieces of one batch in one space
         engine.capture_graphs(SIZES)
     assert sorted(pools.keys) == SIZES and all(k.graphs == 2 for k in pools.report().keys)
@@ -215,10 +226,11 @@ def test_piecewise_graphs_fail_loudly_without_a_group_and_match_eager_with_one(b
     piecewise_pair(be)
 
 
-def test_piecewise_without_verification_replays_wrong_results(be: hal.Backend) -> None:
-    """What the check prevents: the same loop with verify=False replays garbage, silently."""
+def test_piecewise_declared_replay_scoped_without_group_or_verifier_replays_wrong_results(be: hal.Backend) -> None:
+    """What construction prevents: the same loop with its outputs declared replay-scoped (they stay on the shared
+    chunks) and no verifier replays garbage, silently."""
     engine = engine_decode.Engine(be, "tiny", max_batch=MAX_BATCH, max_model_len=32, pieces=2)
-    with graphkit.graph_memory(be, verify=False) as pools:
+    with graphkit.graph_memory(be, verify=False, outputs="replay") as pools:
         engine.capture_graphs([8])
     batch = prompts(8, engine.cfg.vocab)
     got, want = engine.generate(batch, 2), engine.generate(batch, 2, use_graphs=False)

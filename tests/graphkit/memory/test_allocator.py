@@ -452,3 +452,30 @@ if compiler_reason() is None:
 else:  # pragma: no cover - machines without a C compiler
     @pytest.mark.skip(reason=f"driver simulators cannot be built: {compiler_reason()}")
     def test_allocator_machine_over_simulators() -> None: ...
+
+
+def test_a_survivor_keeps_its_address_gets_bytes_no_other_space_maps_and_returns_to_the_shared_set() -> None:
+    """keep_private: the granule under a block that outlives its capture is backed by a chunk of its own (its
+    bytes copied), so another space's writes no longer reach it; freed, it maps the shared chunk again."""
+    with hal.get_backend("fake", granularity=1 << 16) as be:
+        g = be.granularity
+        alloc = graphkit.SharedVMMAllocator(be, reserve_bytes=8 * g)
+        a, b = alloc.open_virtual_space(), alloc.open_virtual_space()
+        pa, pb = alloc.allocate(2 * g, space_id=a), alloc.allocate(2 * g, space_id=b)
+        ta, tb = be.tensor_at(pa, 2 * g), be.tensor_at(pb, 2 * g)
+        ta.fill_(7)
+        assert int(tb[0]) == 7  # one set of chunks under both spaces
+        alloc.keep_private(a, [(pa + 16, 64)])  # a block in a's first granule outlives its capture
+        assert (alloc.shared_bytes, alloc.survivor_bytes, alloc.physical_bytes) == (2 * g, g, 3 * g)
+        assert be.tensor_at(pa, 1).data_ptr() == pa  # same address
+        tb.fill_(1)  # another space's replay writes the shared chunks
+        assert bool((ta[:g] == 7).all()) and bool((ta[g:] == 1).all())  # its own bytes kept (copied), the rest shared
+        alloc.keep_private(a, [])  # the block was freed
+        assert alloc.survivor_bytes == 0 and alloc.physical_bytes == 2 * g and not alloc.has_survivors(a)
+        assert bool((ta == 1).all())  # the shared chunk is mapped there again
+        alloc.keep_private(a, [(pa, 2 * g)])
+        alloc.release_virtual_space(a)  # a space released with survivors releases their chunks too
+        assert alloc.survivor_bytes == 0
+        del ta, tb
+        alloc.close()
+        assert be.live.chunks == 0
