@@ -19,21 +19,33 @@ def _reasons() -> dict[str, str]:
     return {i.name: ("" if i.available else i.reason) for i in hal.list_backends()}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpus(n): needs n GPUs (multi_gpu: 2); skipped with the count found")
+
+
+def gpus_needed(item: pytest.Item) -> int:
+    """The GPUs a test needs: ``@pytest.mark.gpus(n)``, 2 for ``multi_gpu``, else 0."""
+    marker = item.get_closest_marker("gpus")
+    return max(int(marker.args[0]) if marker is not None else 0, 2 if item.get_closest_marker("multi_gpu") else 0)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     reasons = _reasons()
+    found: tuple[int, str] | None = None  # the GPUs here, counted once
     for item in items:
         for marker in DEVICE_MARKERS:
             if item.get_closest_marker(marker) and reasons.get(marker, "not installed"):
                 item.add_marker(pytest.mark.skip(reason=f"{marker} unavailable: {reasons.get(marker)}"))
-        if item.get_closest_marker("multi_gpu") and not reasons.get("cuda"):
-            why = ""
-            try:
-                with hal.get_backend("cuda") as be:
-                    n = be.device_count()
-            except hal.HalError as exc:  # pragma: no cover - device machines only
-                n, why = 0, f" ({exc})"
-            if n < 2:
-                item.add_marker(pytest.mark.skip(reason=f"needs 2 GPUs, found {n}{why}"))
+        needed = gpus_needed(item)
+        if needed and not reasons.get("cuda"):
+            if found is None:
+                try:
+                    with hal.get_backend("cuda") as be:
+                        found = (be.device_count(), "")
+                except hal.HalError as exc:  # pragma: no cover - device machines only
+                    found = (0, f" ({exc})")
+            if found[0] < needed:
+                item.add_marker(pytest.mark.skip(reason=f"needs {needed} GPUs, found {found[0]}{found[1]}"))
 
 
 #: parametrize a test over every backend that can run graphs: fake always, cuda where present
