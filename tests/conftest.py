@@ -48,6 +48,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=f"needs {needed} GPUs, found {found[0]}{found[1]}"))
 
 
+#: a device test whose call takes longer than this and is not marked ``slow`` is named at the end of the run
+SLOW_S = 10.0
+_unmarked_slow: list[tuple[str, float]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if (report.when == "call" and report.duration > SLOW_S and "slow" not in report.keywords
+            and any(marker in report.keywords for marker in DEVICE_MARKERS)):
+        _unmarked_slow.append((report.nodeid, report.duration))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _unmarked_slow:
+        terminalreporter.section(f"slower than {SLOW_S:.0f} s and not marked slow (mark them)")
+        for nodeid, seconds in sorted(_unmarked_slow, key=lambda item: -item[1]):
+            terminalreporter.write_line(f"{seconds:7.1f} s  {nodeid}")
+
+
 #: parametrize a test over every backend that can run graphs: fake always, cuda where present
 GRAPH_BACKENDS = [pytest.param("fake", id="fake"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
 

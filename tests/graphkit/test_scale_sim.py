@@ -135,6 +135,7 @@ def rank_main(rank: int, order: str, folder: Path) -> dict[str, Any]:
             "pools_device": pools.backend.device if pools is not None else None, "alone_bytes": alone_bytes}
 
 
+@pytest.mark.slow  # four interpreters that import torch
 @pytest.mark.parametrize("order", ["descending", "ascending"])
 def test_ranks_each_under_the_switch_stay_on_their_device_and_pay_the_largest_size(tmp_path: Path,
                                                                                    order: str) -> None:
