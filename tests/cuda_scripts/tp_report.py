@@ -16,7 +16,8 @@ switch's line, the port's pools report): *shared* is those chunks, *fixed* the r
 memory (the first capture's driver cost, library workspaces, the driver's memory per graph), which every
 mode pays alike. Writes DIR/tp_report.json (every run, and per TP size, mode, order and rank the median,
 minimum, maximum and count) and DIR/tp_report.md (the table, with the ratios to the engine's own pool in the
-same order and smallest first, and to the largest size alone).
+same order and smallest first, and to the largest size alone). ``--append`` adds this call's runs to those
+of an earlier call into the same DIR (rounds split over several calls that each fit a time limit).
 """
 
 from __future__ import annotations
@@ -174,6 +175,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per engine start (all its ranks)")
     parser.add_argument("--base-port", type=int, default=30100)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--append", action="store_true",
+                        help="keep the runs of DIR/tp_report.json and add this call's (a report over several calls)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -186,21 +189,24 @@ def main() -> int:
     if skipped:
         print(f"skipping TP sizes {skipped}: {have} GPU(s) here", flush=True)
     ports = iter(range(args.base_port, args.base_port + 100_000, 7))
-    runs: list[dict[str, Any]] = []
+    previous = out / "tp_report.json"
+    runs: list[dict[str, Any]] = json.loads(previous.read_text())["runs"] if args.append and previous.exists() else []
+    stamp = time.strftime("%H%M%S")  # this call's folders, apart from an earlier call's
     for tp in tps:  # torch.compile's cache, for every later process of this size
-        run_one(args, "own", "descending", tp, out / f"warm-tp{tp}", next(ports))
+        run_one(args, "own", "descending", tp, out / f"warm-tp{tp}-{stamp}", next(ports))
     for r in range(args.rounds):
         for tp in tps:
             for order in orders:
                 for k in range(len(modes)):
                     mode = modes[(k + r) % len(modes)]
-                    runs.append(run_one(args, mode, order, tp, out / f"tp{tp}-{mode}-{order}-{r}", next(ports)))
-    alone: dict[int, dict[str, float]] = {}
+                    folder = out / f"tp{tp}-{mode}-{order}-{r}-{stamp}"
+                    runs.append(run_one(args, mode, order, tp, folder, next(ports)))
     for tp in tps:
-        run = run_one(args, "own", "descending", tp, out / f"alone-tp{tp}", next(ports), largest=True)
-        runs.append(run)
-        if "ranks" in run:
-            alone[tp] = {rank: f["graph_bytes"] / 2**20 for rank, f in run["ranks"].items()}
+        if not any(run["largest_alone"] and run["tp"] == tp and "ranks" in run for run in runs):
+            runs.append(run_one(args, "own", "descending", tp, out / f"alone-tp{tp}-{stamp}", next(ports),
+                                largest=True))
+    alone = {run["tp"]: {rank: f["graph_bytes"] / 2**20 for rank, f in run["ranks"].items()}
+             for run in runs if run["largest_alone"] and "ranks" in run}
     table = summarise(runs)
     meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "rounds": args.rounds,
             "device": subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
