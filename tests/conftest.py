@@ -19,21 +19,51 @@ def _reasons() -> dict[str, str]:
     return {i.name: ("" if i.available else i.reason) for i in hal.list_backends()}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpus(n): needs n GPUs (multi_gpu: 2); skipped with the count found")
+
+
+def gpus_needed(item: pytest.Item) -> int:
+    """The GPUs a test needs: ``@pytest.mark.gpus(n)``, 2 for ``multi_gpu``, else 0."""
+    marker = item.get_closest_marker("gpus")
+    return max(int(marker.args[0]) if marker is not None else 0, 2 if item.get_closest_marker("multi_gpu") else 0)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     reasons = _reasons()
+    found: tuple[int, str] | None = None  # the GPUs here, counted once
     for item in items:
         for marker in DEVICE_MARKERS:
             if item.get_closest_marker(marker) and reasons.get(marker, "not installed"):
                 item.add_marker(pytest.mark.skip(reason=f"{marker} unavailable: {reasons.get(marker)}"))
-        if item.get_closest_marker("multi_gpu") and not reasons.get("cuda"):
-            why = ""
-            try:
-                with hal.get_backend("cuda") as be:
-                    n = be.device_count()
-            except hal.HalError as exc:  # pragma: no cover - device machines only
-                n, why = 0, f" ({exc})"
-            if n < 2:
-                item.add_marker(pytest.mark.skip(reason=f"needs 2 GPUs, found {n}{why}"))
+        needed = gpus_needed(item)
+        if needed and not reasons.get("cuda"):
+            if found is None:
+                try:
+                    with hal.get_backend("cuda") as be:
+                        found = (be.device_count(), "")
+                except hal.HalError as exc:  # pragma: no cover - device machines only
+                    found = (0, f" ({exc})")
+            if found[0] < needed:
+                item.add_marker(pytest.mark.skip(reason=f"needs {needed} GPUs, found {found[0]}{found[1]}"))
+
+
+#: a device test whose call takes longer than this and is not marked ``slow`` is named at the end of the run
+SLOW_S = 10.0
+_unmarked_slow: list[tuple[str, float]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if (report.when == "call" and report.duration > SLOW_S and "slow" not in report.keywords
+            and any(marker in report.keywords for marker in DEVICE_MARKERS)):
+        _unmarked_slow.append((report.nodeid, report.duration))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _unmarked_slow:
+        terminalreporter.section(f"slower than {SLOW_S:.0f} s and not marked slow (mark them)")
+        for nodeid, seconds in sorted(_unmarked_slow, key=lambda item: -item[1]):
+            terminalreporter.write_line(f"{seconds:7.1f} s  {nodeid}")
 
 
 #: parametrize a test over every backend that can run graphs: fake always, cuda where present

@@ -178,6 +178,7 @@ CUDA_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 
 
 @pytest.mark.cuda
+@pytest.mark.slow  # the reference model in three strategies
 def test_reference_model_on_cuda():
     be = hal.get_backend("cuda")
     try:

@@ -1,10 +1,11 @@
-"""nano-vllm, its source untouched, starts and generates under graphkit (one NVIDIA GPU; two for TP=2).
+"""nano-vllm, its source untouched, starts and generates under graphkit (one NVIDIA GPU; two for TP=2, four for TP=4).
 
 Each case runs ``tests/cuda_scripts/nanovllm/run.py`` in processes of its own (a random-weight
 Qwen3-0.6B-shaped checkpoint, 8 decode batch sizes, the engine's own warm-up and capture loop): under
 ``graph_memory()``, with the README's one-line port, and with ``GRAPHKIT_GRAPH_MEMORY=1``; in both capture
-orders. Every rank replays each graph against its eager model; at TP=1 the engine generates. Needs the
-``nano-vllm-fork`` package and ``transformers``; skipped with the reason otherwise.
+orders. Every rank replays each graph against its eager model; at TP=1 the engine generates. Every rank holds
+a context on its own device only, and graphkit serves that device only. Needs the ``nano-vllm-fork`` package
+and ``transformers``; skipped with the reason otherwise.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ def check(result: dict, tp: int) -> None:
     assert len(result["ranks"]) == tp, result
     for rank, figures in result["ranks"].items():
         assert figures["device"] == int(rank), figures  # each rank's graphs on its own device
+        if figures.get("contexts") is not None:  # nothing of this rank on another device: not even a context
+            assert figures["contexts"] == [int(rank)], figures
+        if result["mode"] == "switch":
+            assert figures["served"] == [f"cuda:{rank}"], figures
+        if result["mode"] == "port":
+            assert figures["pools_device"] == int(rank), figures
         assert len(figures["sizes"]) == 8
         assert max(figures["check_relative_error"].values()) < 2e-2, figures
     if tp == 1:
@@ -87,3 +94,57 @@ def test_nanovllm_tensor_parallel_ranks_each_use_graphkit_on_their_device(tmp_pa
             assert any(f"cuda:{device}" in x and "8 key(s)" in x for x in lines), lines
     else:
         assert all("8 key(s)" in (f["pools_report"] or "") for f in result["ranks"].values()), result["ranks"]
+
+
+#: the engine's own figures per (tp, order), measured once per test session
+_OWN: dict[tuple[int, str], dict] = {}
+
+
+def own_pool(tmp_path: Path, order: str, tp: int, port: int) -> dict:
+    """The engine as it is (its one shared pool), the figures graphkit's are compared with."""
+    if (tp, order) not in _OWN:
+        _OWN[(tp, order)] = start(tmp_path, "own", order, tp=tp, port=port)
+    return _OWN[(tp, order)]
+
+
+def against_own(result: dict, own: dict) -> dict:
+    """Per rank: graph memory (MiB) and capture seconds, graphkit's and the engine's own, and their ratios."""
+    table = {}
+    for rank, figures in result["ranks"].items():
+        theirs = own["ranks"][rank]
+        table[rank] = {"mib": round(figures["graph_bytes"] / 2**20, 1),
+                       "own_mib": round(theirs["graph_bytes"] / 2**20, 1),
+                       "memory_ratio": round(figures["graph_bytes"] / max(theirs["graph_bytes"], 1), 3),
+                       "capture_s": round(figures["capture_s"], 2), "own_capture_s": round(theirs["capture_s"], 2),
+                       "capture_ratio": round(figures["capture_s"] / max(theirs["capture_s"], 1e-9), 2)}
+    return table
+
+
+@needs_engine
+@pytest.mark.gpus(4)
+@pytest.mark.parametrize("order", ["descending", "ascending"])
+@pytest.mark.parametrize("mode", ["switch", "port", "scope"])
+def test_nanovllm_four_ranks_each_use_graphkit_on_their_device(tmp_path: Path, mode: str, order: str) -> None:
+    """TP=4: ranks 1-3 are processes nano-vllm spawns. Under the switch and with the port every rank's graphs
+    come from graphkit on its own device; the scope around ``LLM(...)`` reaches rank 0 only (the launcher's
+    process: the others never run the block), which this test records. Each rank's graph memory and capture
+    time are printed next to the engine's own pool's, in the same order."""
+    port = 29700 + 10 * ("switch", "port", "scope").index(mode) + (order == "ascending")
+    result = start(tmp_path, mode, order, tp=4, port=port)
+    own = own_pool(tmp_path, order, tp=4, port=29690 + (order == "ascending"))
+    table = against_own(result, own)
+    print(json.dumps({"mode": mode, "order": order, "tp": 4, "ranks": table}))
+    check(result, tp=4)
+    check(own, tp=4)
+    if mode == "switch":
+        lines = [x for x in result["output"].splitlines() if x.startswith("graphkit: process")]
+        for device in range(4):
+            assert any(f"cuda:{device}" in x and "8 key(s)" in x for x in lines), lines
+    elif mode == "port":
+        assert all("8 key(s)" in (f["pools_report"] or "") for f in result["ranks"].values()), result["ranks"]
+    else:
+        assert "8 key(s)" in (result["scope_report"] or ""), result["scope_report"]
+        assert all(f["served"] is None and f["pools_device"] is None for f in result["ranks"].values())
+    served = ["0", "1", "2", "3"] if mode != "scope" else ["0"]
+    for rank in served:  # graphkit never pays more than the engine's own pool, in either order
+        assert table[rank]["mib"] <= table[rank]["own_mib"] + 32, table

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from typing import Any
 
@@ -18,6 +19,24 @@ NAME = "fake"
 FakeStream = HostStream
 
 _current = threading.local()
+
+#: the machine's device count where ``device_count`` is not given (every process started with it sees as many)
+DEVICES_ENV = "HAL_FAKE_DEVICE_COUNT"
+
+
+def _machine_devices() -> int:
+    """``$HAL_FAKE_DEVICE_COUNT``, else 1."""
+    raw = os.environ.get(DEVICES_ENV, "").strip()
+    if not raw:
+        return 1
+    try:
+        count = int(raw)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise InvalidArgumentError(f"{DEVICES_ENV}={raw!r} must be a positive int (the fake machine's device "
+                                   "count)", backend=NAME, call="get_backend")
+    return count
 
 
 def set_device(device: int) -> None:
@@ -40,7 +59,9 @@ class FakeBackend(HostGraphs):
       multiple of the page size);
     * ``capacity`` -- total physical bytes of the simulated device (default
       16 GiB); creating past it raises :class:`hal.DeviceOutOfMemoryError`;
-    * ``device_count`` -- how many simulated devices there are (default 1).
+    * ``device_count`` -- how many simulated devices there are (default:
+      ``$HAL_FAKE_DEVICE_COUNT``, else 1; the variable makes a machine of
+      several devices for every process that starts with it, as ranks do).
     """
 
     @classmethod
@@ -49,7 +70,7 @@ class FakeBackend(HostGraphs):
         return int(getattr(_current, "device", 0))
 
     def __init__(self, device: int = 0, *, granularity: int = 2 << 20,
-                 capacity: int = 16 << 30, device_count: int = 1) -> None:
+                 capacity: int = 16 << 30, device_count: int | None = None) -> None:
         def bad(arg: str, value: Any, why: str) -> InvalidArgumentError:
             return InvalidArgumentError(f"{arg}={value!r} {why}", backend=NAME, call="get_backend")
 
@@ -57,10 +78,13 @@ class FakeBackend(HostGraphs):
             raise bad("granularity", granularity, f"must be a positive multiple of the page size {vm.PAGE_SIZE}")
         if not isinstance(capacity, int) or capacity <= 0:
             raise bad("capacity", capacity, "must be a positive int of bytes")
+        if device_count is None:
+            device_count = _machine_devices()
         if not isinstance(device_count, int) or device_count < 1:
             raise bad("device_count", device_count, "must be >= 1")
         if device >= device_count:
-            raise bad("device", device, f"is out of range: this fake has {device_count} device(s)")
+            raise bad("device", device, f"is out of range: this fake has {device_count} device(s) (give "
+                      f"device_count=, or set {DEVICES_ENV} for every process)")
         self.device = device
         self._granularity = granularity
         self._capacity = capacity

@@ -4,7 +4,8 @@ Imported at interpreter start (this folder is on PYTHONPATH), so they reach the 
 ranks nano-vllm spawns too. They change nothing the engine computes:
 
 * ``ModelRunner.capture_cudagraph`` is timed and the device memory it takes is measured
-  (the driver's free memory before and after), per rank, into ``rank<N>.json``;
+  (the driver's free memory before and after), per rank, into ``rank<N>.json``, with the devices
+  the rank holds a context on and the devices graphkit serves in it;
 * ``NANOVLLM_ORDER=ascending`` makes the engine's capture loop run smallest first (the engine
   iterates ``reversed(graph_bs)``; the module-level name is replaced); ``NANOVLLM_LARGEST_ALONE=1``
   captures the largest size only (a measurement of one graph: nothing is replayed or generated);
@@ -57,6 +58,29 @@ if os.environ.get("NANOVLLM_HARNESS_OUT"):
 
     _qwen3.get_rope = _rope
 
+    def _contexts():
+        """The devices on which this process has a context (the driver's primary context is active); None
+        without cuda-python. Asking creates none."""
+        try:
+            from cuda.bindings import driver
+        except ImportError:
+            return None
+        active = []
+        for index in range(torch.cuda.device_count()):
+            err, device = driver.cuDeviceGet(index)
+            err2, _, on = driver.cuDevicePrimaryCtxGetState(device) if int(err) == 0 else (err, 0, 0)
+            if int(err2) == 0 and on:
+                active.append(index)
+        return active
+
+    def _served():
+        """The devices graphkit serves in this process (the switch's pools, the port's pools), or None."""
+        import sys
+
+        switch = sys.modules.get("graphkit.switch")
+        scope = switch.active() if switch is not None else None
+        return sorted(f"{b}:{d}" for b, d in scope.pools) if scope is not None else None
+
     _capture = _mr.ModelRunner.capture_cudagraph
 
     def _measured_capture(self):
@@ -80,7 +104,8 @@ if os.environ.get("NANOVLLM_HARNESS_OUT"):
         pools = getattr(self, "graphkit_pools", None)
         _write(self.rank, device=torch.cuda.current_device(), graph_bytes=free0 - free1, capture_s=seconds,
                sizes=sorted(self.graphs), order=os.environ.get("NANOVLLM_ORDER", "descending"),
-               pools_report=str(pools.report()) if pools is not None else None)
+               pools_report=str(pools.report()) if pools is not None else None, contexts=_contexts(),
+               served=_served(), pools_device=pools.backend.device if pools is not None else None)
         return result
 
     _mr.ModelRunner.capture_cudagraph = _measured_capture

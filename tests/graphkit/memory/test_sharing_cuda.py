@@ -9,6 +9,9 @@
 * rank 0 captures into graphkit memory and exports the chunks behind a graph's
   output; rank 1 receives the descriptors over a Unix socket, maps them on its
   own device and reads the output, writes into it, and sees the next replay (two GPUs).
+  Nothing orders one process's device work after another's but the messages: the
+  importer reads only after the exporter said its replay finished (it synchronizes
+  before it says so).
 """
 
 from __future__ import annotations
@@ -147,10 +150,16 @@ SHARE_SCRIPT = textwrap.dedent('''
         with receive_range(sock, be) as seen:
             t = seen.tensor().view(torch.float32).view(1536, 1024)
             assert t.device == torch.device("cuda", 1), t.device
-            assert checksum(t) == int(receive(32)), "rank 1 does not read rank 0's output"
+            expected = int(receive(32))                # rank 0's replay is done once its checksum arrives
+            assert checksum(t) == expected, "rank 1 does not read rank 0's output"
             t[0, 0], t[-1, -1] = 123.0, -7.0; torch.cuda.synchronize()
+            before = checksum(t)
             sock.sendall(b"written")
-            assert checksum(t) == int(receive(32)), "rank 1 does not see rank 0's next replay"
+            expected = int(receive(32))                # read only after rank 0 says its next replay is done
+            seen_now = checksum(t)
+            assert seen_now == expected, ("rank 1 does not see rank 0's next replay: "
+                                          + ("it reads the bytes from before it" if seen_now == before else
+                                             "it reads neither those bytes nor the ones from before it"))
             sock.sendall(b"ok")
             del t
         be.close()

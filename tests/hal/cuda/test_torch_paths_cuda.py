@@ -38,6 +38,7 @@ def _mlp(width: int = 1024, dtype: torch.dtype = torch.bfloat16):
     return f
 
 
+@pytest.mark.slow  # torch.compile: tens of seconds per case
 @pytest.mark.parametrize("order", ["descending", "ascending"])
 def test_torch_compile_reduce_overhead_inside_the_scope(be: hal.Backend, order: str,
                                                         caplog: pytest.LogCaptureFixture) -> None:
@@ -91,6 +92,7 @@ def test_make_graphed_callables_inside_the_scope(be: hal.Backend) -> None:
     pools.close()
 
 
+@pytest.mark.slow  # a model, and torch.compile
 def test_transformers_static_cache_generation_inside_the_scope(be: hal.Backend) -> None:
     transformers = pytest.importorskip("transformers")
     torch._dynamo.reset()

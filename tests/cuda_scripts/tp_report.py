@@ -1,0 +1,226 @@
+"""nano-vllm at several tensor-parallel sizes, with and without graphkit: graph memory and capture time per rank.
+
+    python tests/cuda_scripts/tp_report.py --tps 2,4 --modes own,switch,port \
+        --orders descending,ascending --rounds 3 --out DIR [--timeout 300]
+
+Every run is a fresh engine (``nanovllm/run.py --measure-only``: the engine starts, captures its 8 decode sizes
+in every rank, and exits), so the processes of different modes interleave: per round, for each TP size and
+order, the modes in a rotated order. A first throwaway run per TP size fills torch.compile's cache; a last one
+per TP size captures the largest size alone in the engine's own pool (the floor). Each run has its own
+rendezvous port and is killed at ``--timeout`` seconds (its ranks with it); a failed or killed run is recorded
+with the end of its output and the report goes on.
+
+Per rank, graph memory is the driver's free memory of the rank's device before and after the engine's
+``capture_cudagraph``. Where graphkit served the rank, its shared chunks are read from its report (the
+switch's line, the port's pools report): *shared* is those chunks, *fixed* the rest of the rank's graph
+memory (the first capture's driver cost, library workspaces, the driver's memory per graph), which every
+mode pays alike. Writes DIR/tp_report.json (every run, and per TP size, mode, order and rank the median,
+minimum, maximum and count) and DIR/tp_report.md (the table, with the ratios to the engine's own pool in the
+same order and smallest first, and to the largest size alone). ``--append`` adds this call's runs to those
+of an earlier call into the same DIR (rounds split over several calls that each fit a time limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RUN = Path(__file__).resolve().parent / "nanovllm" / "run.py"
+ROOT = Path(__file__).resolve().parents[2]
+#: the switch's report line (``graphkit: process N, cuda:R: graph pools on cuda (vmm): K key(s), X MiB of chunks``)
+SWITCH_LINE = re.compile(r"graphkit: process \d+, cuda:(\d+): graph pools on \w+ \(\w+\): (\d+) key\(s\), "
+                         r"([\d.]+) (B|KiB|MiB|GiB) of chunks")
+POOLS_REPORT = re.compile(r"(\d+) key\(s\), ([\d.]+) (B|KiB|MiB|GiB) of chunks")
+UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def gpus() -> int | None:
+    """GPUs on this machine, from nvidia-smi (the launcher makes no CUDA context); None where it cannot tell."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
+def run_one(args: argparse.Namespace, mode: str, order: str, tp: int, out: Path, port: int,
+            largest: bool = False) -> dict[str, Any]:
+    """One engine start in a process group of its own, killed at the deadline; its RESULT, or why none came."""
+    cmd = [sys.executable, str(RUN), "--mode", mode, "--order", order, "--tp", str(tp), "--out", str(out),
+           "--port", str(port), "--measure-only"] + (["--largest-alone"] if largest else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               NANOVLLM_TIMEOUT=str(args.timeout))
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)  # its ranks share its group: one kill takes them all
+    try:
+        output, _ = proc.communicate(timeout=args.timeout + 30)
+        killed = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        killed = True
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # a rank its launcher left behind (the launcher's own timeout)
+    record: dict[str, Any] = {"mode": mode, "order": order, "tp": tp, "largest_alone": largest,
+                              "wall_s": round(time.monotonic() - started, 1)}
+    line = next((x for x in output.splitlines() if x.startswith("RESULT ")), None)
+    if killed or proc.returncode or line is None:
+        why = "killed at the deadline" if killed else f"exit {proc.returncode}"
+        print(f"FAILED tp={tp} {mode} {order}: {why}\n{output[-1500:]}", flush=True)
+        return {**record, "failed": why, "tail": output[-4000:]}
+    result = json.loads(line[len("RESULT "):])
+    shared = shared_bytes(mode, result, output)
+    ranks = {rank: {"device": f["device"], "graph_bytes": f["graph_bytes"], "capture_s": f["capture_s"],
+                    "contexts": f.get("contexts"), "shared_bytes": shared.get(rank)}
+             for rank, f in result["ranks"].items()}
+    print(f"tp={tp} {mode:6s} {order:10s}", {r: (f["graph_bytes"] >> 20, round(f["capture_s"], 2))
+                                              for r, f in ranks.items()}, flush=True)
+    return {**record, "ranks": ranks}
+
+
+def shared_bytes(mode: str, result: dict[str, Any], output: str) -> dict[str, int]:
+    """Per rank, the bytes of graphkit's shared chunks (the last report line of each device), where it served."""
+    found: dict[str, int] = {}
+    if mode == "switch":
+        for match in SWITCH_LINE.finditer(output):
+            found[match.group(1)] = int(float(match.group(3)) * UNITS[match.group(4)])
+    for rank, figures in result["ranks"].items():
+        match = POOLS_REPORT.search(figures.get("pools_report") or "")
+        if match is not None:
+            found[rank] = int(float(match.group(2)) * UNITS[match.group(3)])
+    if mode == "scope" and result.get("scope_report"):
+        match = POOLS_REPORT.search(result["scope_report"])
+        if match is not None:
+            found["0"] = int(float(match.group(2)) * UNITS[match.group(3)])
+    return found
+
+
+def spread(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per (tp, mode, order, rank): the spread of graph MiB, capture seconds and shared MiB."""
+    cells: dict[str, dict[str, list[float]]] = {}
+    for run in runs:
+        if "ranks" not in run or run["largest_alone"]:
+            continue
+        for rank, f in run["ranks"].items():
+            cell = cells.setdefault(f"{run['tp']}|{run['mode']}|{run['order']}|{rank}",
+                                    {"mib": [], "s": [], "shared": []})
+            cell["mib"].append(f["graph_bytes"] / 2**20)
+            cell["s"].append(f["capture_s"])
+            if f["shared_bytes"] is not None:
+                cell["shared"].append(f["shared_bytes"] / 2**20)
+    return {key: {"graph_mib": spread(c["mib"]), "capture_s": spread(c["s"]), "shared_mib": spread(c["shared"])}
+            for key, c in cells.items()}
+
+
+def markdown(table: dict[str, Any], alone: dict[int, dict[str, float]], meta: dict[str, Any]) -> str:
+    """The table: per TP size, mode, order and rank, with the ratios the targets are stated in."""
+    def median(tp: int, mode: str, order: str, rank: str, what: str) -> float | None:
+        cell = table.get(f"{tp}|{mode}|{order}|{rank}")
+        return cell[what]["median"] if cell and cell[what] else None
+
+    intro = (f"nano-vllm, 8 decode sizes, {meta['rounds']} round(s) of interleaved processes; {meta['device']}; "
+             "medians [min-max] (n). *own* = the engine's own pool in the same order, *own asc* = its own pool "
+             "smallest first, *alone* = the largest size alone in its own pool.")
+    header = ("| TP | mode | order | rank | graph MiB | shared MiB | fixed MiB | x own | x own asc | x alone "
+              "| capture s | x own capture |")
+    rows = [intro, "", header, "|" + "---|" * 12]
+    for key in sorted(table, key=lambda k: (int(k.split("|")[0]), k)):
+        tp_text, mode, order, rank = key.split("|")
+        tp, cell = int(tp_text), table[key]
+        mib, s, shared = cell["graph_mib"], cell["capture_s"], cell["shared_mib"]
+
+        def ratio(value: float | None, base: float | None) -> str:
+            return f"{value / base:.2f}" if value is not None and base else "--"
+
+        own = median(tp, "own", order, rank, "graph_mib")
+        own_asc = median(tp, "own", "ascending", rank, "graph_mib")
+        own_s = median(tp, "own", order, rank, "capture_s")
+        shared_text = f"{shared['median']:.1f}" if shared else "--"
+        fixed = f"{mib['median'] - shared['median']:.1f}" if shared else "--"
+        rows.append(f"| {tp} | {mode} | {order} | {rank} | {mib['median']:.1f} [{mib['min']:.1f}-{mib['max']:.1f}] "
+                    f"({mib['n']}) | {shared_text} | {fixed} | {ratio(mib['median'], own)} | "
+                    f"{ratio(mib['median'], own_asc)} | {ratio(mib['median'], alone.get(tp, {}).get(rank))} | "
+                    f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}] | {ratio(s['median'], own_s)} |")
+    rows += ["", f"Largest size alone (MiB per rank): {json.dumps(alone)}", f"Command: `{meta['command']}`"]
+    return "\n".join(rows) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tps", default="2,4")
+    parser.add_argument("--modes", default="own,switch,port")
+    parser.add_argument("--orders", default="descending,ascending")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per engine start (all its ranks)")
+    parser.add_argument("--base-port", type=int, default=30100)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--append", action="store_true",
+                        help="keep the runs of DIR/tp_report.json and add this call's (a report over several calls)")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    modes, orders = args.modes.split(","), args.orders.split(",")
+    if "own" not in modes:
+        modes.insert(0, "own")  # the reference of every ratio
+    have = gpus()
+    tps = [tp for tp in map(int, args.tps.split(",")) if have is None or tp <= have]
+    skipped = sorted(set(map(int, args.tps.split(","))) - set(tps))
+    if skipped:
+        print(f"skipping TP sizes {skipped}: {have} GPU(s) here", flush=True)
+    ports = iter(range(args.base_port, args.base_port + 100_000, 7))
+    previous = out / "tp_report.json"
+    runs: list[dict[str, Any]] = json.loads(previous.read_text())["runs"] if args.append and previous.exists() else []
+    stamp = time.strftime("%H%M%S")  # this call's folders, apart from an earlier call's
+    for tp in tps:  # torch.compile's cache, for every later process of this size
+        run_one(args, "own", "descending", tp, out / f"warm-tp{tp}-{stamp}", next(ports))
+    for r in range(args.rounds):
+        for tp in tps:
+            for order in orders:
+                for k in range(len(modes)):
+                    mode = modes[(k + r) % len(modes)]
+                    folder = out / f"tp{tp}-{mode}-{order}-{r}-{stamp}"
+                    runs.append(run_one(args, mode, order, tp, folder, next(ports)))
+    for tp in tps:
+        if not any(run["largest_alone"] and run["tp"] == tp and "ranks" in run for run in runs):
+            runs.append(run_one(args, "own", "descending", tp, out / f"alone-tp{tp}-{stamp}", next(ports),
+                                largest=True))
+    alone = {run["tp"]: {rank: f["graph_bytes"] / 2**20 for rank, f in run["ranks"].items()}
+             for run in runs if run["largest_alone"] and "ranks" in run}
+    table = summarise(runs)
+    meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "rounds": args.rounds,
+            "device": subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                                     capture_output=True, text=True).stdout.strip().replace("\n", "; ")
+            if shutil.which("nvidia-smi") else "unknown device",
+            "failed": [{k: v for k, v in run.items() if k != "tail"} for run in runs if "failed" in run]}
+    (out / "tp_report.json").write_text(json.dumps({"meta": meta, "table": table, "largest_alone_mib": alone,
+                                                    "runs": runs}, indent=1))
+    text = markdown(table, alone, meta)
+    (out / "tp_report.md").write_text(text)
+    print(text, flush=True)
+    return 1 if meta["failed"] else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
