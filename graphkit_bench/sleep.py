@@ -290,14 +290,15 @@ def room_for(be: hal.Backend, nbytes: int, backup: bool) -> str | None:
         getattr(torch, be.torch_device().type).empty_cache()
     free = be.mem_info().free
     if nbytes > HEADROOM * free:
-        return f"needs {fmt_bytes(nbytes)} of device memory, {fmt_bytes(free)} free"
+        return f"needs {fmt_bytes(nbytes)} of device memory, more than {HEADROOM:.0%} of the {fmt_bytes(free)} free"
     if backup and be.torch_device().type != "cpu":
         try:
             host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (OSError, ValueError):
             return None
         if nbytes > HEADROOM * host:
-            return f"needs {fmt_bytes(nbytes)} of host memory for the backup, {fmt_bytes(host)} available"
+            return (f"needs {fmt_bytes(nbytes)} of host memory for the backup, more than {HEADROOM:.0%} of the "
+                    f"{fmt_bytes(host)} available")
     return None
 
 
