@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -160,6 +161,18 @@ class GraphCalls(HookCalls):
             self._graph_pool.put(graph, state)
         else:
             self._graph_pool.pop(graph)
+
+    def capturing(self) -> bool:
+        """Whether this thread captures a graph on this backend now: through :meth:`capture`, or the framework's
+        own capture on the current stream (``torch.cuda.graph`` under a scope). Work queued now is recorded,
+        not run, and a device-wide wait would end the capture."""
+        if self._capturing():
+            return True
+        if self._closed or not self.supports("graphs"):
+            return False
+        device = self._graph_call("torch_device")
+        probe = getattr(getattr(sys.modules.get("torch"), device.type, None), "is_current_stream_capturing", None)
+        return bool(probe()) if callable(probe) and device.type != "cpu" else False
 
     def _capturing(self) -> list[list[Any]]:
         stack = getattr(self._local, "capturing", None)

@@ -14,14 +14,24 @@ stay, and come back at the same addresses. Each keeps its own list of
   :attr:`Backing.paused` until a resume maps it;
 * a chunk whose release fails is *pending*: kept in :attr:`Backing.pending`
   and released by a later :meth:`Backing.retry`, never lost.
+
+The device runs behind the host: kernels queued before an unmap may still
+read or write the place (the driver does not promise that an unmap waits for
+them, and a device that lost a mapping under a kernel kills the process).
+So every :meth:`Backing.unmap` is ordered after all the work queued on the
+device so far (:func:`wait_for_device`); an operation that unmaps many places
+waits once, inside :meth:`Backing.ordered`. A chunk is released only once it
+is mapped nowhere, a range only once nothing is mapped in it: both come after
+such an unmap, so they wait through it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +43,21 @@ if TYPE_CHECKING:
     from graphkit.memory.host_backup import HostBackup
 
 log = logging.getLogger("graphkit.memory.backing")
+
+
+def wait_for_device(backend: hal.Backend) -> None:
+    """Wait until every piece of work queued on ``backend``'s device so far has finished (before an unmap).
+
+    The whole device, not one stream: graphkit does not know which streams the framework queued work on
+    over a place (eager kernels on any stream, a graph replayed on its capture stream, a collective on
+    its own). Nothing is waited for where the backend declares that its unmap waits already (capability
+    ``"unmap_waits"``), where it is closed (its close waited), where it has no runtime to queue work on
+    (no ``"graphs"``: a driver without its framework extension), or while this thread captures a graph (a
+    capture runs nothing, and a device-wide wait would end the capture).
+    """
+    if backend.closed or backend.supports("unmap_waits") or not backend.supports("graphs") or backend.capturing():
+        return
+    backend.synchronize()
 
 
 @dataclass(eq=False)
@@ -74,6 +99,7 @@ class Backing:
         self.holes = False  # a rollback left a place unmapped
         self.map_calls = 0
         self.map_seconds = 0.0
+        self._ordered = 0  # depth of ordered() blocks: their unmaps wait once, at the start
 
     @property
     def paused(self) -> bool:
@@ -137,8 +163,26 @@ class Backing:
         if tx is not None:
             tx.append(functools.partial(self.unmap, place))
 
+    @contextlib.contextmanager
+    def ordered(self) -> Iterator[None]:
+        """A block whose unmaps come after all the device work queued before it: one wait at its start.
+
+        Only the owner's own calls may run inside it (it holds its lock): work queued inside the block
+        over the places it unmaps would not be waited for.
+        """
+        if not self._ordered:
+            wait_for_device(self.backend)
+        self._ordered += 1
+        try:
+            yield
+        finally:
+            self._ordered -= 1
+
     def unmap(self, place: Place, tx: Transaction | None = None) -> None:
-        """Unmap ``place`` (a hole from now on); mapped back on rollback of ``tx``."""
+        """Unmap ``place`` (a hole from now on) once the device's queued work is done; mapped back on rollback
+        of ``tx``. Outside an :meth:`ordered` block each call waits for the device."""
+        if not self._ordered:
+            wait_for_device(self.backend)
         self.backend.unmap(place.ptr, place.size)
         place.mapped = False
         place.chunk.maps -= 1
@@ -172,7 +216,7 @@ class Backing:
             host.save(self.backend, backup)
         was, self.sleeping = self.sleeping, True  # from the first unmap on, nothing may use the places
         try:
-            with Transaction() as tx:
+            with self.ordered(), Transaction() as tx:
                 for place in reversed(places):
                     if place.mapped:
                         self.unmap(place, tx)
@@ -212,10 +256,12 @@ class Backing:
         self.holes = False
 
     def unmap_all(self, places: Iterable[Place], errors: list[BaseException]) -> None:
-        """At close: unmap every mapped place, going on past failures (collected in ``errors``)."""
-        for place in places:
-            if place.mapped:
-                try:
-                    self.unmap(place)
-                except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after the rest
-                    errors.append(exc)
+        """At close: unmap every mapped place (after one wait for the device), going on past failures (collected
+        in ``errors``)."""
+        with self.ordered():
+            for place in places:
+                if place.mapped:
+                    try:
+                        self.unmap(place)
+                    except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after the rest
+                        errors.append(exc)

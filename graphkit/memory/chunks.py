@@ -80,8 +80,9 @@ class SharedChunks:
         space.places.pop()
 
     def unmap_space(self, space: VirtualSpace) -> None:
-        """Unmap every granule mapped in ``space`` (each becomes a hole), last first (all or nothing)."""
-        with Transaction() as tx:
+        """Unmap every granule mapped in ``space`` (each becomes a hole), last first (all or nothing), after the
+        device's queued work."""
+        with self.backing.ordered(), Transaction() as tx:
             for place in reversed(space.places):
                 if place.mapped:
                     self.backing.unmap(place, tx)
@@ -200,14 +201,19 @@ class SharedChunks:
                         "tensors still using them must not be touched after this", [s.id for s in busy])
             errors.append(exc)
             return
-        for place in (p for s in busy for p in s.places):  # one scratch chunk over every granule, reads give garbage
+        with self.backing.ordered():
+            self._park(busy, scratch, errors)
+        self.parked, self.parked_bytes = busy, sum(s.size for s in busy)
+        log.warning("closing with allocations still live in space(s) %s: their %s stay reserved over a scratch "
+                    "chunk (reads give garbage) until the backend closes", [s.id for s in busy],
+                    fmt_bytes(self.parked_bytes))
+
+    def _park(self, busy: list[VirtualSpace], scratch: Any, errors: list[BaseException]) -> None:
+        """Map ``scratch`` over every granule of ``busy`` in place of its chunk (reads give garbage)."""
+        for place in (p for s in busy for p in s.places):
             try:
                 if place.mapped:
                     self.backing.unmap(place)
                 self.backend.map(place.ptr, self.granularity, scratch)
             except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after releasing the rest
                 errors.append(exc)
-        self.parked, self.parked_bytes = busy, sum(s.size for s in busy)
-        log.warning("closing with allocations still live in space(s) %s: their %s stay reserved over a scratch "
-                    "chunk (reads give garbage) until the backend closes", [s.id for s in busy],
-                    fmt_bytes(self.parked_bytes))

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import hal
+from graphkit.memory.backing import wait_for_device
 from graphkit.memory.closing import Closable, close_step, raise_first_failure
 from graphkit.memory.transaction import Transaction
 
@@ -131,10 +132,13 @@ class ImportedRange(Closable):
         return self.backend.tensor_at(self.ptr, self.nbytes, owner=self)
 
     def close(self) -> None:
-        """Unmap the chunks, release the imported handles, free the range; goes on past failures. Idempotent."""
+        """Unmap the chunks (after the device's queued work: kernels of this process may still read the range),
+        release the imported handles, free the range; goes on past failures. Idempotent."""
         if self._closed:
             return
         errors: list[BaseException] = []
+        if self._mapped and not close_step(errors, wait_for_device, self.backend):
+            raise_first_failure(log, errors, "ImportedRange.close")
         for i, handle in list(self._held.items()):
             if i in self._mapped:
                 if not close_step(errors, self.backend.unmap, self.base + i * self.chunk_bytes, self.chunk_bytes):
