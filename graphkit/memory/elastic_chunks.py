@@ -216,7 +216,7 @@ class RangeChunks:
         while end > keep:
             cut -= 1
             end -= self.places[cut].size // self.granularity
-        with Transaction() as tx:
+        with self.backing.ordered(), Transaction() as tx:  # one wait for the device, then every unmap
             for place in reversed(self.places[cut:]):
                 if place.mapped:
                     self.backing.unmap(place, tx)
@@ -230,14 +230,17 @@ class RangeChunks:
 
     def retry_pending(self) -> None:
         """Unmap the pending mappings a failed rollback left; those that fail again stay pending."""
-        for place in list(self.pending):
-            try:
-                self.backing.unmap(place)
-            except hal.HalError as exc:
-                log.error("elastic range: unmap at %#x failed (retried later): %s", place.ptr, str(exc))
-                continue
-            self.pending.remove(place)
-            self.store.put(self._unmapped([place.chunk]))
+        if not self.pending:
+            return
+        with self.backing.ordered():
+            for place in list(self.pending):
+                try:
+                    self.backing.unmap(place)
+                except hal.HalError as exc:
+                    log.error("elastic range: unmap at %#x failed (retried later): %s", place.ptr, str(exc))
+                    continue
+                self.pending.remove(place)
+                self.store.put(self._unmapped([place.chunk]))
 
     def heal(self, call: str, sleeping: bool) -> None:
         """Unmap pending mappings and (unless ``sleeping``) map holes back; raises if a pending mapping stays."""
@@ -279,12 +282,13 @@ class RangeChunks:
         """
         errors: list[BaseException] = []
         self.retry_pending()
-        for place in reversed(self.places):
-            if place.mapped and not close_step(errors, self.backing.unmap, place):
-                continue
-            if place.chunk.handle is not None:
-                self.store.put(self._unmapped([place.chunk]))
-                place.chunk.handle = None
+        with self.backing.ordered():  # one wait for the device, then every unmap
+            for place in reversed(self.places):
+                if place.mapped and not close_step(errors, self.backing.unmap, place):
+                    continue
+                if place.chunk.handle is not None:
+                    self.store.put(self._unmapped([place.chunk]))
+                    place.chunk.handle = None
         if not errors and not self.pending:
             del self.places[:]
             self.granules = 0

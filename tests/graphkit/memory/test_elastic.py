@@ -669,3 +669,16 @@ def test_bytes_below_the_size_survive_any_sequence_of_resizes_and_sleeps(be: hal
         saver.close()
         res.close()
     assert be.live.zero, be.live
+
+
+def test_a_shrink_and_a_close_wait_for_the_device_once_not_per_chunk(be: hal.Backend,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = graphkit.ElasticBuffer(be, max_bytes=16 * G, chunk_bytes=G)
+    kv.resize(16 * G)
+    waits: list[int] = []
+    real = be.synchronize
+    monkeypatch.setattr(be, "synchronize", lambda: (waits.append(1), real())[1])
+    kv.resize(8 * G)  # eight chunks unmapped after one wait
+    assert len(waits) == 1 and be.live.mappings == 8
+    kv.close()
+    assert len(waits) == 2 and be.live.zero, be.live
