@@ -2,8 +2,10 @@
 
 A KV cache that follows the load: one contiguous virtual range whose
 address never moves (kernels and captured graphs keep using it), mapped
-granule by granule at its end as it grows, unmapped as it shrinks. Growth
-copies nothing.
+at its end as it grows, unmapped as it shrinks. Growth copies nothing.
+Each growth step maps its new bytes as one physical chunk where it can (of
+at most ``chunk_bytes``), so a pause and a resume cost a driver call or two
+per chunk, not per granule; a shrink gives back whole chunks only.
 
 >>> kv = graphkit.ElasticBuffer(be, max_bytes=64 << 30)
 >>> kv.resize(2 << 30)                       # map 2 GiB at the start of the range
@@ -130,8 +132,9 @@ class ElasticReservation(Closable):
 
     # -- what a buffer uses -------------------------------------------------------------------
 
-    def carve(self, size: int, host: HostBackup | None = None) -> RangeChunks:
-        """A range of ``size`` bytes out of the reservation, nothing mapped yet (``host``: its backup)."""
+    def carve(self, size: int, host: HostBackup | None = None, chunk_bytes: int | None = None) -> RangeChunks:
+        """A range of ``size`` bytes out of the reservation, nothing mapped yet (``host``: its backup;
+        ``chunk_bytes``: the most a chunk made for its growth holds, default ``size``)."""
         with self._lock:
             self._check_open("buffer")
             self._settle()
@@ -140,7 +143,7 @@ class ElasticReservation(Closable):
                 raise hal.DeviceOutOfMemoryError(
                     f"no {fmt_bytes(size)} range left in the reservation of {fmt_bytes(self.reserve_bytes)}",
                     backend=self.backend.name, call="ElasticReservation.buffer")
-            return RangeChunks(self._free, start, size, host)
+            return RangeChunks(self._free, start, size, host, chunk_bytes)
 
     def track(self, buffer: ElasticBuffer, chunks: RangeChunks, own: bool) -> weakref.finalize:
         """Close ``buffer`` with the reservation, and take its range back if it is garbage-collected without
@@ -161,7 +164,7 @@ class ElasticReservation(Closable):
     def _dropped_buffer(self, chunks: RangeChunks, own: bool) -> None:
         log.warning("an ElasticBuffer on %s at %#x was garbage-collected without close(): its %s go back to its "
                     "reservation (call close() when done with it)", chunks.backend.name, chunks.ptr,
-                    fmt_bytes(chunks.held * chunks.granularity))
+                    fmt_bytes(chunks.held_bytes))
         self._dropped.append(chunks)  # deque.append is atomic: safe from the garbage collector
         if not own:
             return  # given back at the reservation's next call (this may run inside one of them)
@@ -287,6 +290,19 @@ class ElasticBuffer(Closable, HostBacked):
         and grow from its free list (default: a reservation of its own).
     :param saver: a :class:`graphkit.MemorySaver` to pause and resume with,
         under ``tag`` (default ``"kv_cache"``), with ``backup`` or not.
+    :param chunk_bytes: the most bytes one physical chunk made for growth
+        holds (rounded up to the granularity). A growth step maps its new
+        bytes as chunks of this size (one chunk for a step that fits), and
+        a pause or a resume costs a driver call or two per chunk. Default:
+        ``max_bytes`` for a buffer with a reservation of its own (each step
+        one chunk), the granularity for one carved from a shared
+        :class:`ElasticReservation` (chunks of one size circulate through
+        its free list). Pass the granularity to shrink granule by granule.
+
+    A shrink gives back whole chunks: a chunk that holds bytes below the
+    new size stays mapped whole, its bytes untouched (:attr:`mapped_bytes`
+    can stay up to one chunk less a granule above the size asked; a
+    later shrink below the chunk's start gives it back). Nothing is copied.
 
     Shrinking below a live view (or a slice of one) raises
     :class:`hal.InvalidStateError`: the view would read unmapped memory.
@@ -298,9 +314,11 @@ class ElasticBuffer(Closable, HostBacked):
 
     def __init__(self, backend: hal.Backend | None = None, max_bytes: int = 0, *,
                  reservation: ElasticReservation | None = None, saver: MemorySaver | None = None,
-                 tag: str = "kv_cache", backup: bool = False) -> None:
+                 tag: str = "kv_cache", backup: bool = False, chunk_bytes: int | None = None) -> None:
         be = _buffer_backend(backend, reservation, "reservation", saver, tag)
         _positive(max_bytes, "max_bytes", "ElasticBuffer", be.name)
+        if chunk_bytes is not None:
+            _positive(chunk_bytes, "chunk_bytes", "ElasticBuffer", be.name)
         self._backup = HostBackup(backup and be.torch_device().type != "cpu", grow=True, name="graphkit-elastic-backup")
         self._own_reservation = reservation is None
         self.reservation = reservation if reservation is not None else ElasticReservation(
@@ -308,8 +326,11 @@ class ElasticBuffer(Closable, HostBacked):
         self.backend = be
         self.granularity = be.granularity
         self.max_bytes = round_up(max_bytes, self.granularity)
+        if chunk_bytes is None:
+            chunk_bytes = self.max_bytes if self._own_reservation else self.granularity
+        self.chunk_bytes = min(round_up(chunk_bytes, self.granularity), self.max_bytes)
         try:
-            self._chunks = self.reservation.carve(self.max_bytes, self._backup)
+            self._chunks = self.reservation.carve(self.max_bytes, self._backup, self.chunk_bytes)
         except BaseException:
             if self._own_reservation:
                 self.reservation.close()
@@ -355,8 +376,10 @@ class ElasticBuffer(Closable, HostBacked):
     # -- growing and shrinking ---------------------------------------------------------
 
     def resize(self, nbytes: int) -> None:
-        """Map or unmap whole granules at the end so that ``nbytes`` are backed (rounded up).
+        """Map or unmap chunks at the end so that ``nbytes`` are backed (rounded up to whole granules).
 
+        Growth maps exactly up to ``nbytes``; a shrink unmaps the chunks that
+        lie wholly past it (the one holding its last bytes stays whole).
         All or nothing.
 
         :raises hal.InvalidArgumentError: ``nbytes`` is not an int in ``[0, max_bytes]``.
@@ -365,8 +388,8 @@ class ElasticBuffer(Closable, HostBacked):
         be = self.backend
         with self._lock:
             chunks = self._chunks
-            if (type(nbytes) is int and 0 <= nbytes <= self.max_bytes and -(-nbytes // self.granularity)
-                    == len(chunks.places) and not (self._closed or chunks.backing.paused or chunks.pending)):
+            if (type(nbytes) is int and 0 <= nbytes <= self.max_bytes and chunks.settled(-(-nbytes // self.granularity))
+                    and not (self._closed or chunks.backing.paused or chunks.pending)):
                 return  # the size it has, nothing to heal: a decode loop asks this every step
             self._check("resize", awake=False)
             sleeping = chunks.backing.sleeping
@@ -378,15 +401,15 @@ class ElasticBuffer(Closable, HostBacked):
                                                backend=be.name, call="ElasticBuffer.resize")
             chunks.heal("resize", sleeping)
             target = -(-nbytes // self.granularity)
-            if target > len(chunks.places):
+            if target > chunks.granules:
                 chunks.grow(target)
                 if self.backup:  # the host copy's buffers, made now in the background: a pause then only copies
                     self._backup.prepare_in_background([(self.ptr, chunks.footprint_bytes)])
-            elif target < len(chunks.places):
+            elif chunks.kept(target) < chunks.granules:
                 self._shrink(target)
 
     def _shrink(self, target: int) -> None:
-        limit = target * self.granularity
+        limit = self._chunks.kept(target) * self.granularity
         live = [end for end in self._views.ends() if end > limit]  # whole-range views count 0
         if live:
             raise hal.InvalidStateError(

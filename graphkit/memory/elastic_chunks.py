@@ -1,8 +1,16 @@
 """The physical chunks of elastic ranges: the free list a reservation's ranges share, and one range's prefix.
 
-A range's prefix grows and shrinks at its end, one granule and one chunk at
-a time; chunks it gives back go to the free list, and growth takes them from
-there before it pays a driver allocation. Its sleep runs on the one
+A range's prefix grows and shrinks at its end, in chunks of whole granules:
+a growth step maps what the free list holds that fits, then creates what is
+missing as chunks of at most ``chunk_bytes`` (one chunk, one map call, for a
+step of any size when that allows it). A chunk is mapped, unmapped, released
+and created again only whole, so a pause and a resume cost a driver call or
+two per chunk, not per granule, and a resume creates the same chunks again.
+A shrink gives back the chunks that lie wholly past the new size; a chunk that
+holds bytes below it stays mapped whole (nothing is copied, no byte below the
+new size moves), so the prefix can end up to one chunk less a granule past
+the size asked. Chunks given back go to the free list, and growth takes them
+from there before it pays a driver allocation. Its sleep runs on the one
 release/restore machine, :class:`graphkit.memory.backing.Backing`.
 """
 
@@ -36,13 +44,13 @@ class FreeChunks:
         self.backend = backend
         self.granularity = backend.granularity
         self.lock = threading.RLock()
-        self.free: list[Any] = []  # pre-created chunks, mapped nowhere
+        self.free: dict[int, list[Any]] = {}  # chunk bytes -> pre-created chunks of that size, mapped nowhere
         self.backing = Backing(backend)  # its pending chunks: mapped nowhere, release failed, released later
         self.created = 0  # chunks created over its life (growth that paid a driver allocation)
 
     @property
     def free_bytes(self) -> int:
-        return len(self.free) * self.granularity
+        return sum(size * len(handles) for size, handles in self.free.items())
 
     @property
     def pending(self) -> list[Any]:
@@ -50,27 +58,31 @@ class FreeChunks:
         return self.backing.pending
 
     def create(self, count: int) -> None:
-        """Create ``count`` chunks into the free list (all or nothing)."""
+        """Create ``count`` chunks of one granule into the free list (all or nothing)."""
         made = [Chunk(self.granularity) for _ in range(count)]
         with Transaction() as tx:
             for chunk in made:
                 self.backing.create(chunk, tx)
             tx.commit()
-        self.free.extend(c.handle for c in made)
+        self.put((c.handle, c.size) for c in made)
         self.created += len(made)
 
-    def take(self) -> Any:
-        """A chunk for growth: from the free list, else a new one (the caller puts it back on failure)."""
-        if self.free:
-            return self.free.pop()
-        handle = self.backend.create_phy_mem_handle(self.granularity)
+    def take(self, most: int) -> Chunk:
+        """A chunk of at most ``most`` bytes for growth: the largest free one that fits, else a new one of
+        ``most`` bytes (the caller puts it back on failure)."""
+        fits = [size for size, handles in self.free.items() if size <= most and handles]
+        if fits:
+            size = max(fits)
+            return Chunk(size, self.free[size].pop())
+        chunk = Chunk(most, self.backend.create_phy_mem_handle(most))
         self.created += 1
-        return handle
+        return chunk
 
-    def put(self, handles: Iterable[Any]) -> None:
-        """Chunks mapped nowhere go back to the free list (reused by the next growth)."""
+    def put(self, chunks: Iterable[tuple[Any, int]]) -> None:
+        """Chunks mapped nowhere, as ``(handle, bytes)``, go back to the free list (reused by the next growth)."""
         with self.lock:
-            self.free.extend(handles)
+            for handle, size in chunks:
+                self.free.setdefault(size, []).append(handle)
 
     def keep(self, handles: list[Any]) -> None:
         """Chunks whose release failed elsewhere: pending here, released at the next :meth:`trim`."""
@@ -81,39 +93,47 @@ class FreeChunks:
         """Release the free list's chunks (and the pending ones); return the bytes released."""
         with self.lock:
             self.backing.retry()
-            free, self.free = self.free, []
-            return sum(self.granularity for handle in reversed(free) if self.backing.release_handle(handle))
+            free, self.free = self.free, {}
+            return sum(size for size, handles in free.items() for handle in reversed(handles)
+                       if self.backing.release_handle(handle))
 
 
 class RangeChunks:
-    """The place (granule and chunk) of each granule of one range's prefix, and its pending mappings.
+    """The places (a chunk of whole granules each, end to end from the range's start) of one range's prefix,
+    and its pending mappings.
 
-    ``places[i]`` maps granule ``i``; a place that is not mapped is a hole (paused, or a failed
-    rollback), its chunk None while a pause released it. ``pending`` are mappings past the prefix
-    that a failed rollback could not undo yet. The object refers to no buffer: a buffer dropped
+    ``places`` cover granules ``0 .. granules`` in order; a place that is not mapped is a hole (paused, or a
+    failed rollback), its chunk's handle None while a pause released it. ``pending`` are mappings past the
+    prefix that a failed rollback could not undo yet. The object refers to no buffer: a buffer dropped
     without ``close()`` leaves it to its reservation, which unmaps what it records.
+
+    :param chunk_bytes: the most bytes a chunk made for growth holds (a multiple of the granularity).
     """
 
-    __slots__ = ("backend", "backing", "granularity", "pending", "places", "ptr", "size", "store")
+    __slots__ = ("backend", "backing", "chunk_bytes", "granularity", "granules", "pending", "places", "ptr", "size",
+                 "store")
 
-    def __init__(self, store: FreeChunks, ptr: int, size: int, host: HostBackup | None = None) -> None:
+    def __init__(self, store: FreeChunks, ptr: int, size: int, host: HostBackup | None = None,
+                 chunk_bytes: int | None = None) -> None:
         self.store = store
         self.backend = store.backend
         self.granularity = store.granularity
         self.ptr, self.size = ptr, size
+        self.chunk_bytes = chunk_bytes if chunk_bytes is not None else size
         self.backing = Backing(store.backend, host)
         self.places: list[Place] = []
+        self.granules = 0  # granules the places cover (the prefix, mapped or a hole)
         self.pending: list[Place] = []  # mappings past the prefix whose unmap failed: unmapped later
 
     @property
     def mapped_bytes(self) -> int:
         if not self.backing.paused:
-            return len(self.places) * self.granularity
-        return sum(p.mapped for p in self.places) * self.granularity
+            return self.granules * self.granularity
+        return sum(p.size for p in self.places if p.mapped)
 
     @property
     def footprint_bytes(self) -> int:
-        return len(self.places) * self.granularity
+        return self.granules * self.granularity
 
     @property
     def released(self) -> bool:
@@ -121,27 +141,58 @@ class RangeChunks:
         return all(not p.mapped and p.chunk.handle is None for p in self.places)
 
     @property
-    def held(self) -> int:
-        """Chunks held by the prefix."""
-        return sum(p.chunk.handle is not None for p in self.places)
+    def held_bytes(self) -> int:
+        """Bytes of the chunks the prefix holds."""
+        return sum(p.size for p in self.places if p.chunk.handle is not None)
+
+    def kept(self, target: int) -> int:
+        """The granules a shrink to ``target`` granules leaves: ``target``, or the end of the chunk that holds
+        granule ``target - 1`` (chunks go only whole); ``granules`` when ``target`` is not below it."""
+        if target >= self.granules:
+            return self.granules
+        end = self.granules
+        for place in reversed(self.places):
+            start = end - place.size // self.granularity
+            if start < target:
+                return end
+            end = start
+        return 0
+
+    def settled(self, target: int) -> bool:
+        """Whether a resize to ``target`` granules would change nothing (a decode loop asks this every step)."""
+        if target > self.granules:
+            return False
+        if target == self.granules:
+            return True
+        return self.granules - self.places[-1].size // self.granularity < target
 
     # -- growing and shrinking ----------------------------------------------------------
 
+    def _unmapped(self, chunks: Iterable[Chunk]) -> list[tuple[Any, int]]:
+        return [(c.handle, c.size) for c in chunks if c.handle is not None]
+
     def grow(self, target: int) -> None:
-        """Map chunks at granules ``len(places) .. target``, from the free list first (all or nothing)."""
+        """Map chunks at granules ``granules .. target``, from the free list first, then new ones of at most
+        ``chunk_bytes`` (all or nothing)."""
         made: list[Place] = []
+        g = self.granularity
+        at = self.granules * g
+        end = target * g
         with self.store.lock, Transaction() as tx:
-            for index in range(len(self.places), target):
-                place = Place(self.ptr + index * self.granularity, Chunk(self.granularity, self.store.take()))
+            while at < end:
+                chunk = self.store.take(min(end - at, self.chunk_bytes))
+                place = Place(self.ptr + at, chunk)
                 try:
                     self.backing.map(place)
                 except BaseException:
-                    self.store.put([place.chunk.handle])  # mapped nowhere: back to the free list
+                    self.store.put(self._unmapped([chunk]))  # mapped nowhere: back to the free list
                     raise
                 made.append(place)
                 tx.append(functools.partial(self._unmap_to_free, place))
+                at += chunk.size
             tx.commit()
         self.places.extend(made)
+        self.granules = target
 
     def _unmap_to_free(self, place: Place) -> None:
         """Undo of a growth step: unmap, chunk back to the free list; a mapping that will not go is pending."""
@@ -153,31 +204,43 @@ class RangeChunks:
             raise
         if place in self.pending:  # an earlier try recorded it
             self.pending.remove(place)
-        self.store.put([place.chunk.handle])
+        self.store.put(self._unmapped([place.chunk]))
 
     def shrink(self, target: int) -> None:
-        """Unmap granules ``target ..`` (all or nothing); their chunks go to the free list."""
-        with Transaction() as tx:
-            for place in reversed(self.places[target:]):
+        """Unmap the chunks that lie wholly at granules ``target ..`` (all or nothing); they go to the free list.
+
+        A chunk that holds granules on both sides of ``target`` stays whole (see :meth:`kept`).
+        """
+        keep = self.kept(target)
+        end, cut = self.granules, len(self.places)
+        while end > keep:
+            cut -= 1
+            end -= self.places[cut].size // self.granularity
+        with self.backing.ordered(), Transaction() as tx:  # one wait for the device, then every unmap
+            for place in reversed(self.places[cut:]):
                 if place.mapped:
                     self.backing.unmap(place, tx)
             tx.commit()
-        freed = self.places[target:]
-        del self.places[target:]
-        self.store.put(p.chunk.handle for p in reversed(freed) if p.chunk.handle is not None)
+        freed = self.places[cut:]
+        del self.places[cut:]
+        self.granules = keep
+        self.store.put(self._unmapped(p.chunk for p in reversed(freed)))
 
     # -- what failed steps left -----------------------------------------------------------
 
     def retry_pending(self) -> None:
         """Unmap the pending mappings a failed rollback left; those that fail again stay pending."""
-        for place in list(self.pending):
-            try:
-                self.backing.unmap(place)
-            except hal.HalError as exc:
-                log.error("elastic range: unmap at %#x failed (retried later): %s", place.ptr, str(exc))
-                continue
-            self.pending.remove(place)
-            self.store.put([place.chunk.handle])
+        if not self.pending:
+            return
+        with self.backing.ordered():
+            for place in list(self.pending):
+                try:
+                    self.backing.unmap(place)
+                except hal.HalError as exc:
+                    log.error("elastic range: unmap at %#x failed (retried later): %s", place.ptr, str(exc))
+                    continue
+                self.pending.remove(place)
+                self.store.put(self._unmapped([place.chunk]))
 
     def heal(self, call: str, sleeping: bool) -> None:
         """Unmap pending mappings and (unless ``sleeping``) map holes back; raises if a pending mapping stays."""
@@ -191,7 +254,8 @@ class RangeChunks:
     # -- sleep and teardown -----------------------------------------------------------------
 
     def pause(self, backup: bool, keep_backup: bool) -> int:
-        """Back up the prefix (``backup``), unmap it and release its chunks (see :meth:`Backing.pause`)."""
+        """Back up the prefix (``backup``), unmap it and release its chunks (see :meth:`Backing.pause`):
+        an unmap and a release per chunk."""
         spans = [(self.ptr, self.footprint_bytes)] if backup and self.places else None
         try:
             return self.backing.pause(self.places, [p.chunk for p in self.places], backup=spans,
@@ -201,7 +265,8 @@ class RangeChunks:
             self.store.keep(self.backing.take_pending())
 
     def resume(self, restore: bool) -> None:
-        """Fresh chunks mapped at the same addresses, the backup copied back where ``restore`` (all or nothing)."""
+        """Fresh chunks of the same sizes mapped at the same addresses (a creation and a map per chunk), the
+        backup copied back where ``restore`` (all or nothing)."""
         self.retry_pending()
         spans = [(self.ptr, self.footprint_bytes)] if restore and self.places else None
         try:
@@ -217,12 +282,14 @@ class RangeChunks:
         """
         errors: list[BaseException] = []
         self.retry_pending()
-        for place in reversed(self.places):
-            if place.mapped and not close_step(errors, self.backing.unmap, place):
-                continue
-            if place.chunk.handle is not None:
-                self.store.put([place.chunk.handle])
-                place.chunk.handle = None
+        with self.backing.ordered():  # one wait for the device, then every unmap
+            for place in reversed(self.places):
+                if place.mapped and not close_step(errors, self.backing.unmap, place):
+                    continue
+                if place.chunk.handle is not None:
+                    self.store.put(self._unmapped([place.chunk]))
+                    place.chunk.handle = None
         if not errors and not self.pending:
             del self.places[:]
+            self.granules = 0
         return errors

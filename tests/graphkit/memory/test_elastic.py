@@ -23,7 +23,7 @@ def test_data_survives_growth_in_place(be: hal.Backend) -> None:
     ptr = buf.ptr
     assert buf.max_bytes == 64 * G and buf.mapped_bytes == 0
     buf.resize(3 * G - 5)  # rounded up to whole granules
-    assert buf.mapped_bytes == 3 * G and be.live.chunks == 3
+    assert buf.mapped_bytes == 3 * G and be.live.chunks == 1  # one growth step, one chunk
     first = buf.view(torch.float32, (3 * G // 4,))
     first.copy_(torch.arange(3 * G // 4, dtype=torch.float32))
     buf.resize(10 * G)
@@ -161,7 +161,7 @@ def test_an_elastic_buffer_sleeps_with_a_memory_saver(be: hal.Backend) -> None:
 
 
 def test_a_surviving_slice_of_a_view_still_stops_a_shrink(be: hal.Backend) -> None:
-    buf = graphkit.ElasticBuffer(be, max_bytes=16 * G)
+    buf = graphkit.ElasticBuffer(be, max_bytes=16 * G, chunk_bytes=G)
     buf.resize(8 * G)
     tail = buf.view(torch.uint8, (8 * G,))[6 * G:]  # the view itself is dropped at once
     gc.collect()
@@ -220,7 +220,7 @@ def test_a_release_fault_in_a_pause_keeps_the_buffer_honest_and_the_chunk_for_la
     """The chunk that would not release is kept (released later); the buffer reads paused, refuses views,
     and a second pause, a resume with the backup, a resize and a close all work."""
     saver = graphkit.MemorySaver(be)
-    kv = graphkit.ElasticBuffer(be, max_bytes=8 * G, saver=saver, tag="kv", backup=True)
+    kv = graphkit.ElasticBuffer(be, max_bytes=8 * G, saver=saver, tag="kv", backup=True, chunk_bytes=G)
     kv.resize(3 * G)
     v = kv.view(torch.int64, (3 * G // 8,))
     v.copy_(torch.arange(v.numel()))
@@ -314,7 +314,7 @@ def test_pool_close_racing_resizes_in_other_threads_never_deadlocks(be: hal.Back
 
 
 def test_a_shrink_that_shrank_does_not_raise_and_the_chunk_is_released_later(be: hal.Backend) -> None:
-    kv = graphkit.ElasticBuffer(be, max_bytes=8 * G)
+    kv = graphkit.ElasticBuffer(be, max_bytes=8 * G, chunk_bytes=G)
     kv.resize(6 * G)
     be.faults.fail("release_phy_mem_handle", nth=1)
     be.faults.fail("release_phy_mem_handle", nth=1)  # the immediate retry fails too
@@ -358,7 +358,7 @@ def test_two_faults_in_a_rollback_keep_the_chunk_for_a_later_release(be: hal.Bac
         graphkit.ElasticReservation(be, reserve_bytes=8 * G, precreate_bytes=3 * G)
     assert be.live.zero, be.live  # the failed constructor kept nothing
     saver = graphkit.MemorySaver(be)
-    kv = graphkit.ElasticBuffer(be, max_bytes=4 * G, saver=saver, tag="kv")
+    kv = graphkit.ElasticBuffer(be, max_bytes=4 * G, saver=saver, tag="kv", chunk_bytes=G)
     kv.resize(3 * G)
     saver.pause()
     for hook in ("map", "release_phy_mem_handle", "release_phy_mem_handle"):
@@ -417,7 +417,7 @@ def test_a_bad_reservation_is_named_as_the_caller_spelled_it(be: hal.Backend) ->
 
 
 def test_a_mapping_a_failed_grow_could_not_undo_is_unmapped_by_the_next_resize(be: hal.Backend) -> None:
-    buf = graphkit.ElasticBuffer(be, max_bytes=8 * G)
+    buf = graphkit.ElasticBuffer(be, max_bytes=8 * G, chunk_bytes=G)
     be.faults.fail("map", nth=3)  # the third granule will not map ...
     be.faults.fail("unmap", nth=1)
     be.faults.fail("unmap", nth=1)  # ... and undoing the second fails twice: it stays mapped
@@ -435,7 +435,7 @@ def test_a_mapping_a_failed_grow_could_not_undo_is_unmapped_by_the_next_resize(b
 
 
 def test_a_granule_a_failed_shrink_could_not_map_back_is_mapped_by_the_next_resize(be: hal.Backend) -> None:
-    buf = graphkit.ElasticBuffer(be, max_bytes=8 * G)
+    buf = graphkit.ElasticBuffer(be, max_bytes=8 * G, chunk_bytes=G)
     buf.resize(4 * G)
     v = buf.view(torch.int32, (4 * G // 4,))
     v.copy_(torch.arange(v.numel(), dtype=torch.int32))
@@ -524,3 +524,161 @@ def test_close_after_the_backends_close_finishes(be: hal.Backend) -> None:
     res.close()
     assert own.closed and own.reservation.closed and kept.closed and res.closed
     del view
+
+
+# -- chunks: a growth step maps one chunk; pause and resume cost per chunk, not per granule ------------------------
+
+VMM_CALLS = ("create_phy_mem_handle", "map", "unmap", "release_phy_mem_handle")
+
+
+def _calls_of(be: hal.Backend, step) -> dict[str, int]:
+    """The driver calls ``step()`` made, per hook."""
+    before = {h: be.accounting.calls[h] for h in VMM_CALLS}
+    step()
+    return {h: be.accounting.calls[h] - before[h] for h in VMM_CALLS}
+
+
+@pytest.mark.parametrize(("steps", "chunk_bytes", "chunks"), [(1, None, 1), (4, None, 4), (1, 16 * G, 4),
+                                                              (1, G, 64)])
+def test_pause_and_resume_cost_a_driver_call_or_two_per_chunk_not_per_granule(be: hal.Backend, steps: int,
+                                                                             chunk_bytes: int | None,
+                                                                             chunks: int) -> None:
+    """64 granules grown in ``steps`` steps: a chunk per step (of at most ``chunk_bytes``); the pause unmaps and
+    releases each chunk once, the resume creates and maps each once, at the sizes they had."""
+    saver = graphkit.MemorySaver(be)
+    kv = graphkit.ElasticBuffer(be, max_bytes=64 * G, saver=saver, tag="kv", chunk_bytes=chunk_bytes)
+    grown = _calls_of(be, lambda: [kv.resize(64 * G * (i + 1) // steps) for i in range(steps)])
+    assert grown == {"create_phy_mem_handle": chunks, "map": chunks, "unmap": 0, "release_phy_mem_handle": 0}
+    sizes = sorted(be.accounting.chunks.values())
+    kv.view(torch.uint8, (64 * G,)).fill_(1)
+    assert _calls_of(be, saver.pause) == {"create_phy_mem_handle": 0, "map": 0, "unmap": chunks,
+                                          "release_phy_mem_handle": chunks}
+    assert be.live.chunk_bytes == 0
+    assert _calls_of(be, saver.resume) == {"create_phy_mem_handle": chunks, "map": chunks, "unmap": 0,
+                                           "release_phy_mem_handle": 0}
+    assert sorted(be.accounting.chunks.values()) == sizes  # the same chunk sizes again
+    assert kv.mapped_bytes == 64 * G and not kv.paused
+    kv.close()
+    saver.close()
+    assert be.live.zero, be.live
+
+
+def test_a_shrink_gives_back_whole_chunks_and_keeps_the_one_holding_bytes_below_the_new_size(be: hal.Backend) -> None:
+    """Chunks of 3 and 5 granules: a shrink into the second keeps it whole (no byte copied, none lost), one below
+    its start gives it back; asking again for the size inside the kept chunk costs no driver call."""
+    kv = graphkit.ElasticBuffer(be, max_bytes=16 * G)
+    kv.resize(3 * G)
+    kv.resize(8 * G)
+    assert be.live.chunks == 2
+    data = torch.randint(0, 1 << 30, (8 * G // 8,))
+    kv.view(torch.int64, (data.numel(),)).copy_(data)
+    tail = kv.view(torch.uint8, (8 * G,))[7 * G:]  # a view to the end of the second chunk
+    assert _calls_of(be, lambda: kv.resize(5 * G)) == dict.fromkeys(VMM_CALLS, 0)  # inside the second chunk
+    assert kv.mapped_bytes == 8 * G
+    assert _calls_of(be, lambda: kv.resize(5 * G)) == dict.fromkeys(VMM_CALLS, 0)  # asked every step: nothing
+    with pytest.raises(hal.InvalidStateError, match="live view"):
+        kv.resize(3 * G)  # would give the second chunk back under the view
+    del tail
+    assert _calls_of(be, lambda: kv.resize(3 * G))["unmap"] == 1
+    assert kv.mapped_bytes == 3 * G and be.live.chunks == 1
+    assert torch.equal(kv.view(torch.int64, (3 * G // 8,)), data[:3 * G // 8])
+    kv.resize(2 * G)  # inside the first chunk: it stays
+    assert kv.mapped_bytes == 3 * G
+    kv.resize(6 * G)  # growth maps what is missing past the end: one new chunk
+    assert be.live.chunks == 2 and kv.mapped_bytes == 6 * G
+    assert torch.equal(kv.view(torch.int64, (3 * G // 8,)), data[:3 * G // 8])
+    kv.resize(0)
+    assert kv.mapped_bytes == 0 and be.live.chunks == 0
+    kv.close()
+    assert be.live.zero, be.live
+
+
+def test_chunk_bytes_is_checked_and_rounded_to_the_granularity(be: hal.Backend) -> None:
+    for bad in (0, -G, 1.5, True, "G"):
+        with pytest.raises(hal.InvalidArgumentError, match="chunk_bytes"):
+            graphkit.ElasticBuffer(be, max_bytes=4 * G, chunk_bytes=bad)  # type: ignore[arg-type]
+    with graphkit.ElasticBuffer(be, max_bytes=4 * G, chunk_bytes=G + 1) as kv:
+        assert kv.chunk_bytes == 2 * G
+        kv.resize(3 * G)
+        assert sorted(be.accounting.chunks.values()) == [G, 2 * G]
+    with graphkit.ElasticReservation(be, reserve_bytes=8 * G) as res:
+        assert res.buffer(4 * G).chunk_bytes == G  # shared free list: one granule by default
+        assert res.buffer(4 * G, chunk_bytes=8 * G).chunk_bytes == 4 * G  # never more than the buffer
+    assert be.live.zero, be.live
+
+
+def test_mixed_chunks_share_a_reservations_free_list(be: hal.Backend) -> None:
+    """Pre-created granules and a buffer's large chunks in one free list: growth takes the largest free chunk
+    that fits before it creates one."""
+    res = graphkit.ElasticReservation(be, reserve_bytes=32 * G, precreate_bytes=2 * G)
+    big = res.buffer(16 * G, chunk_bytes=16 * G)
+    small = res.buffer(16 * G)
+    big.resize(2 * G)  # the two pre-created granules
+    big.resize(8 * G)  # one new chunk of 6
+    assert res.created == 3
+    big.resize(2 * G)
+    assert res.free_bytes == 6 * G
+    small.resize(3 * G)  # granule chunks: the 6-granule chunk does not fit, three granules are created
+    assert res.created == 6 and res.free_bytes == 6 * G
+    big.resize(9 * G)  # takes the free 6-granule chunk, creates one more granule
+    assert res.created == 7 and res.free_bytes == 0
+    res.close()
+    assert be.live.zero, be.live
+
+
+@BAD_VALUE_SETTINGS
+@given(chunk=st.sampled_from([None, 1, 2, 5]), precreate=st.integers(0, 4),
+       steps=st.lists(st.one_of(st.tuples(st.just("resize"), st.integers(0, 24)),
+                                st.tuples(st.just("sleep"), st.just(0))), max_size=16))
+def test_bytes_below_the_size_survive_any_sequence_of_resizes_and_sleeps(be: hal.Backend, chunk: int | None,
+                                                                         precreate: int, steps) -> None:
+    """Two buffers of one reservation (pre-created granules, one buffer of ``chunk`` granule chunks, one of
+    granule chunks), random resizes and sleeps: every granule below a buffer's mapped size keeps its stamp, the
+    mapped size is the size asked or past it by less than a chunk, and a sleep releases every chunk."""
+    saver = graphkit.MemorySaver(be)
+    res = graphkit.ElasticReservation(be, reserve_bytes=64 * G, precreate_bytes=precreate * G)
+    bufs = [res.buffer(24 * G, saver=saver, tag="kv", backup=True,
+                       chunk_bytes=None if chunk is None else chunk * G),
+            res.buffer(24 * G, saver=saver, tag="kv", backup=True)]
+    stamps: list[list[int]] = [[], []]  # per buffer: the stamp of each granule mapped
+    counter = itertools.count(1)
+    try:
+        for i, (op, arg) in enumerate(steps):
+            buf, model = bufs[i % 2], stamps[i % 2]
+            if op == "resize":
+                buf.resize(arg * G)
+                mapped = buf.mapped_bytes // G
+                limit = buf.chunk_bytes // G if chunk is not None or i % 2 else 24
+                assert arg <= mapped and (mapped == arg or mapped - arg < limit)
+                del model[mapped:]
+                whole = buf.view(torch.int64, (mapped * G // 8,)) if mapped else None
+                for granule in range(len(model), mapped):
+                    model.append(next(counter))
+                    assert whole is not None
+                    whole[granule * G // 8] = model[-1]
+                del whole
+            else:
+                saver.pause("kv")
+                assert be.live.chunk_bytes == res.free_bytes  # only the free list stays
+                saver.resume("kv")
+            for b, m in zip(bufs, stamps, strict=True):
+                assert b.mapped_bytes == len(m) * G
+                if m:  # no view outlives the check: a live view would stop the next shrink
+                    assert b.view(torch.int64, (len(m) * G // 8,))[:: G // 8].tolist() == m
+    finally:
+        saver.close()
+        res.close()
+    assert be.live.zero, be.live
+
+
+def test_a_shrink_and_a_close_wait_for_the_device_once_not_per_chunk(be: hal.Backend,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = graphkit.ElasticBuffer(be, max_bytes=16 * G, chunk_bytes=G)
+    kv.resize(16 * G)
+    waits: list[int] = []
+    real = be.synchronize
+    monkeypatch.setattr(be, "synchronize", lambda: (waits.append(1), real())[1])
+    kv.resize(8 * G)  # eight chunks unmapped after one wait
+    assert len(waits) == 1 and be.live.mappings == 8
+    kv.close()
+    assert len(waits) == 2 and be.live.zero, be.live

@@ -80,7 +80,8 @@ def test_a_failed_pause_and_a_failed_resume_roll_back_on_the_gpu(be: hal.Backend
     """Real driver calls: a pause that fails half-way maps the same chunks back (data intact); a resume
     whose backup copy fails releases what it made and stays paused; the retry brings the data back."""
     saver = graphkit.MemorySaver(be)
-    kv = graphkit.ElasticBuffer(be, max_bytes=64 * MIB, saver=saver, tag="kv", backup=True)
+    kv = graphkit.ElasticBuffer(be, max_bytes=64 * MIB, saver=saver, tag="kv", backup=True,
+                                chunk_bytes=be.granularity)  # a chunk per granule: the third unmap is mid-pause
     kv.resize(16 * MIB)
     n = 16 * MIB // 4
     view = kv.view(torch.int32, (n,))
