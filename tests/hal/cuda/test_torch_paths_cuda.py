@@ -73,7 +73,7 @@ def test_make_graphed_callables_inside_the_scope(be: hal.Backend) -> None:
     reference = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).cuda()
     reference.load_state_dict(model.state_dict())
     sample = torch.randn(32, 256, device="cuda", requires_grad=True)
-    with graphkit.graph_memory(be) as pools:
+    with graphkit.graph_memory(be, verify=True) as pools:
         graphed = torch.cuda.make_graphed_callables(model, (sample,))
     assert len(pools.keys) == 1 and pools.keys[0][0] == "make_graphed_callables"
     if be.supports("graph_addresses"):
