@@ -20,6 +20,7 @@ from hal import api
 from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError, PluginValidationError
 from hal.hook_calls import ADDRESS_LIMIT, HookCalls
 from hal.plugin_class import current_device
+from hal.routing import noting_routes
 from hal.types import CaptureRouter, GraphAddresses, Route
 
 
@@ -149,9 +150,10 @@ class GraphCalls(HookCalls):
     def _tracking(self, graph: Any, pool: Any, inner: AbstractContextManager[Any]) -> Iterator[Any]:
         """Run ``inner`` (a capture of ``graph``) and remember the pool it drew from, routed or not."""
         stack = self._capturing()
-        stack.append([pool])  # a router that chooses another pool appends it
+        chosen_pools = [pool]  # a router that chooses another pool appends it, a process router too
+        stack.append(chosen_pools)
         try:
-            with inner as captured:
+            with noting_routes(lambda route: chosen_pools.append(route.pool)), inner as captured:
                 yield captured
         finally:
             chosen = stack.pop()[-1]

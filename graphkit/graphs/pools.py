@@ -30,6 +30,7 @@ from graphkit.graphs.isolation import IsolationError, VerifyStats
 from graphkit.graphs.keys import CaptureKey, KeyCheck, KeyPool, PoolHandle, PoolKeys, Verifier
 from graphkit.graphs.report import KeyReport, PoolsReport, pools_report
 from graphkit.graphs.routing import CaptureRouting
+from graphkit.graphs.scope import ScopeRouter
 from graphkit.graphs.strategies import POOL_KINDS, Lease, PoolStrategy, make_pool_strategy
 from graphkit.memory.allocator import SharedVMMAllocator
 from graphkit.memory.closing import Closable, after_backend, close_step, raise_first_failure
@@ -392,23 +393,8 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
         chosen = backend if backend is not None else hal.get_backend(requires=("graphs", "capture_routing"))
         pools = GraphPools(chosen, kind, hygiene=hygiene, verify=verify, **allocator_options)
         pools._owns_backend = backend is None
-    with pools.backend.route_captures(pools.route), hal.route_every_capture(_elsewhere(pools.backend)):
+    with pools.backend.route_captures(pools.route), hal.route_every_capture(ScopeRouter(pools)):
         yield pools
-
-
-def _elsewhere(be: hal.Backend) -> Callable[[str, int, Any, Any], Route | None]:
-    """The process router of a :func:`graph_memory` block: a capture of its backend on another device, that no
-    block of that device takes, is refused (it would silently draw from the framework's own memory)."""
-    def refuse(backend: str, device: int, graph: Any, requested_pool: Any) -> Route | None:
-        if backend != be.name or device == be.device:
-            return None
-        raise hal.CaptureError(
-            f"graph_memory() serves the captures on {be.name}:{be.device}, and this one starts on device {device}: "
-            f"its memory would not come from graphkit. Enter graph_memory() with device {device} current (it "
-            "takes the current device), or pass backend=hal.get_backend(device=...) for the device that "
-            "captures; GRAPHKIT_GRAPH_MEMORY=1 serves every device of every process",
-            backend=backend, call="graph_memory")
-    return refuse
 
 
 __all__ = ["CaptureHygieneError", "CaptureKey", "GraphPools", "IsolationError", "KeyReport", "PoolHandle",
