@@ -41,8 +41,13 @@ class CaptureKey(tuple):
     an engine's own key ``('capture', 1)`` never meets it.
     """
 
+    automatic = True  # a key graphkit chose: reports print it as ``capture N``
+
     def __new__(cls, serial: int) -> CaptureKey:
         return super().__new__(cls, ("capture", serial))
+
+    def __str__(self) -> str:
+        return f"capture {self[1]}"
 
     def __eq__(self, other: object) -> bool:
         return type(other) is CaptureKey and tuple.__eq__(self, other)

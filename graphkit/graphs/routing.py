@@ -80,11 +80,13 @@ class CaptureRouting:
             check = self.verifier.check(entry)
 
         def on_end(ok: bool) -> None:
-            if ok and check is not None:
+            if ok:
                 with keys.lock:
-                    check.accepted(graph)
+                    if check is not None:
+                        check.accepted(graph)
+                    entry.graphs += 1  # the key's report counts it until it dies (see _on_release)
 
-        return Route(entry.pool, on_end, inspect=check is not None and check.read)
+        return Route(entry.pool, on_end, self._on_release(entry), inspect=check is not None and check.read)
 
     # -- groups ---------------------------------------------------------------------------
 

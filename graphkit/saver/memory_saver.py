@@ -57,6 +57,37 @@ class TagReport:
     last_resume_s: float | None = None
     pin_s: float = 0.0  # time spent making its backup buffers (pinned host memory), mostly off the pause path
 
+    def __str__(self) -> str:
+        def seconds(value: float | None) -> str:
+            return "-" if value is None else f"{value * 1e3:.1f} ms"
+
+        backup = (f"host backup {fmt_bytes(self.host_bytes)} (pinned in {self.pin_s:.2f} s)" if self.backup
+                  else "no backup")
+        return (f"{self.tag:>12}  {'paused' if self.paused else 'awake':<6}  {fmt_bytes(self.footprint_bytes):>10}  "
+                f"last pause {seconds(self.last_pause_s):>9}  resume {seconds(self.last_resume_s):>9}  {backup}")
+
+
+class SaverReport(list[TagReport]):
+    """What :meth:`MemorySaver.report` returns: the list of each tag's :class:`TagReport` (index it, iterate
+    it), printed as a table with a header line, as the pools' and the runners' reports print."""
+
+    def __init__(self, backend: str, tags: list[TagReport]) -> None:
+        super().__init__(tags)
+        self.backend = backend
+
+    @property
+    def footprint_bytes(self) -> int:
+        """Device memory the tags hold while awake (what a pause of every tag gives back)."""
+        return sum(r.footprint_bytes for r in self)
+
+    def __str__(self) -> str:
+        paused = sum(r.paused for r in self)
+        header = (f"memory saver on {self.backend}: {len(self)} tag(s), {paused} paused; "
+                  f"{fmt_bytes(self.footprint_bytes)} of device memory while awake, host backups "
+                  f"{fmt_bytes(sum(r.host_bytes for r in self))}")
+        lines = [header, *(f"  {r}" for r in self)]
+        return "\n".join(lines)
+
 
 @runtime_checkable
 class Sleeper(Protocol):
@@ -417,10 +448,13 @@ class MemorySaver(Closable):
 
     # -- figures and teardown -----------------------------------------------------------------
 
-    def report(self) -> list[TagReport]:
-        """Each tag: paused or not, its footprint, its host backup, the last pause and resume seconds."""
+    def report(self) -> SaverReport:
+        """Each tag: paused or not, its footprint, its host backup, the last pause and resume seconds.
+
+        A list of :class:`TagReport` that prints as a table.
+        """
         with self._lock:
-            out = []
+            out = SaverReport(self.backend.name, [])
             for tag in self.tags:
                 pause_s, resume_s = self._times.get(tag, (None, None))
                 members = self._members(tag)
