@@ -13,7 +13,7 @@ import torch
 import graphkit
 import hal
 from graphkit import switch
-from hal.routing import process_route
+from hal.backends.fake import FakeBackend
 from tests.conftest import G
 
 SIZES = (16, 8, 4)
@@ -105,12 +105,29 @@ def test_the_scope_and_the_switch_route_the_same_captures(engine: Engine) -> Non
     assert _keys_served(engine.capture) == in_scope == len(SIZES)
 
 
+class Other(FakeBackend):
+    """fake's memory under another backend's name: a plugin's device beside the scope's."""
+
+    def __init__(self, device: int = 0, **options: Any) -> None:
+        super().__init__(device, granularity=G, **options)
+        self.init_host_graphs("other", alloc=self.device_malloc, free=self.device_free, segment_size=G)
+
+
 def test_a_capture_of_another_backend_is_left_alone_and_said_once(be: hal.Backend, caplog) -> None:
+    other = hal.Backend("other", Other())
+    weight = torch.randn(64, 64)
+    graphs = []
     with caplog.at_level(logging.WARNING, "graphkit"), graphkit.graph_memory(be) as pools:
-        for _ in range(3):  # what another backend's capture asks of the process's routers
-            assert process_route("hostmem", 0, object(), None) is None
+        for n in (8, 4):
+            graph = other.create_graph()
+            with other.capture(graph):
+                torch.relu(torch.zeros(n, 64) @ weight)
+            graphs.append(graph)
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1, warned
-    assert repr(be) in warned[0] and "graph_memory(hal.get_backend('hostmem', device=0))" in warned[0]
+    assert repr(be) in warned[0] and "graph_memory(hal.get_backend('other', device=0))" in warned[0]
     assert pools.keys == []
+    for graph in graphs:
+        other.release_graph(graph)
+    other.close()
     pools.close()
