@@ -150,7 +150,7 @@ class PoolKeys:
     def __init__(self, backend: hal.Backend, strategy: PoolStrategy, owner: Any, name: str) -> None:
         """:param owner: the GraphPools, which every handle keeps alive; ``name`` names it in errors."""
         self.backend, self.strategy, self.owner, self.name = backend, strategy, owner, name
-        self.allocator: SharedVMMAllocator | None = getattr(strategy, "allocator", None)
+        self.allocator: SharedVMMAllocator | None = strategy.allocator
         self.entries: dict[Hashable, KeyPool] = {}
         self.lock = threading.RLock()
         self.closed = False

@@ -64,7 +64,7 @@ def _check_arguments(backend: object, kind: object, saver: object, allocator_opt
 def _adopt(saver: MemorySaver, strategy: PoolStrategy, caller: str, be: hal.Backend) -> None:
     """Hand a vmm strategy's allocator to ``saver`` (tag ``graphs``); closes the strategy when that fails."""
     try:
-        allocator = getattr(strategy, "allocator", None)
+        allocator = strategy.allocator
         if allocator is None:
             raise hal.UnsupportedError(f"kind={strategy.kind!r} draws from the framework's allocator and cannot "
                                        "sleep with a MemorySaver: use kind='vmm' on a backend with 'custom_pool'",
@@ -151,7 +151,7 @@ class GraphPools(Closable):
         self.strategy = strategy or make_pool_strategy(kind, be, caller, park_live=runner, collect=runner,
                                                        **allocator_options)
         self.kind: str = self.strategy.kind
-        self.allocator: SharedVMMAllocator | None = getattr(self.strategy, "allocator", None)
+        self.allocator: SharedVMMAllocator | None = self.strategy.allocator
         self.hygiene = hygiene
         self.saver = saver
         if saver is not None:
@@ -359,6 +359,16 @@ class GraphPools(Closable):
             if self._owns_backend:
                 self.backend.close()
 
+    def own_backend(self, *, for_the_process: bool = False) -> None:
+        """Close the backend with the pools: it was made for them alone (by :func:`graph_memory`, the switch).
+
+        :param for_the_process: the pools live as long as the process (the switch's): no warning when it
+            exits with them open.
+        """
+        self._owns_backend = True
+        if for_the_process:
+            self._finalizer.atexit = False
+
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{len(self._entries)} key(s)"
         return f"<graphkit.GraphPools {self.backend.name} {self.kind} {state}>"
@@ -392,7 +402,8 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
     if pools is None:
         chosen = backend if backend is not None else hal.get_backend(requires=("graphs", "capture_routing"))
         pools = GraphPools(chosen, kind, hygiene=hygiene, verify=verify, **allocator_options)
-        pools._owns_backend = backend is None
+        if backend is None:
+            pools.own_backend()
     with pools.backend.route_captures(pools.route), hal.route_every_capture(ScopeRouter(pools)):
         yield pools
 

@@ -418,6 +418,10 @@ class GraphRunner(Closable):
     def captured_sizes(self) -> list[int]:
         return list(self._captured)
 
+    def bucket(self, size: int) -> Bucket | None:
+        """What ``size`` captured, to read: its graphs and their outputs, one per piece (None: not captured)."""
+        return self._buckets.get(size)
+
 
     def graph_bytes(self) -> int:
         """Device memory used now beyond what was used before the first capture (bytes)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import hal
 from graphkit.memory.allocator import SharedVMMAllocator
@@ -31,10 +31,45 @@ class Lease:
     space_id: int | None = None
 
 
-class PoolStrategy:
-    """Base class: ``lease()`` before a capture, ``give_back()`` after its graph is gone."""
+@runtime_checkable
+class PoolStrategy(Protocol):
+    """Where the keys of a :class:`graphkit.GraphPools` draw from: ``lease()`` before a capture,
+    ``give_back()`` after its graph is gone (:class:`StrategyBase` gives the defaults)."""
+
+    kind: str  # "vmm", "shared", "private", or a name of its own
+    backend: hal.Backend
+
+    @property
+    def allocator(self) -> SharedVMMAllocator | None:
+        """The shared allocator of a vmm strategy (for the reports and a saver); None for the others."""
+        ...
+
+    def lease(self) -> Lease:
+        """The memory of a capture that starts (one lease per key)."""
+        ...
+
+    def give_back(self, lease: Lease) -> None:
+        """Called after the graph(s) of the lease were released."""
+        ...
+
+    def settle(self) -> None:
+        """Finish giving back: called once after a batch of ``give_back`` calls."""
+        ...
+
+    def close(self) -> None:
+        """Release whatever the strategy still holds; idempotent."""
+        ...
+
+    def figures(self) -> dict[str, int]:
+        """Memory figures specific to the strategy (bytes)."""
+        ...
+
+
+class StrategyBase:
+    """The defaults of a :class:`PoolStrategy`: nothing to give back, settle or close, no figures."""
 
     kind = "?"
+    allocator: SharedVMMAllocator | None = None
 
     def __init__(self, backend: hal.Backend) -> None:
         self.backend = backend
@@ -56,7 +91,7 @@ class PoolStrategy:
         return {}
 
 
-class PrivatePools(PoolStrategy):
+class PrivatePools(StrategyBase):
     """A pool per graph: torch's default, and the costliest.
 
     Each capture gets a fresh pool of the device's own allocator, which is
@@ -75,7 +110,7 @@ class PrivatePools(PoolStrategy):
             lease.pool = None
 
 
-class SharedPool(PoolStrategy):
+class SharedPool(StrategyBase):
     """One pool for every graph of the runner, drawn from the device's own allocator."""
 
     kind = "shared"
@@ -95,7 +130,7 @@ class SharedPool(PoolStrategy):
         self._pool = None
 
 
-class VmmPools(PoolStrategy):
+class VmmPools(StrategyBase):
     """A fresh pool over a fresh virtual space per capture; all spaces share one set of chunks."""
 
     kind = "vmm"
@@ -115,7 +150,7 @@ class VmmPools(PoolStrategy):
         self._own = allocator is None
         self._park_live = park_live
         self._collect = collect
-        self.allocator = allocator or SharedVMMAllocator(backend, **allocator_options)
+        self.allocator: SharedVMMAllocator = allocator or SharedVMMAllocator(backend, **allocator_options)
         self._returned: list[int] = []
 
     def lease(self) -> Lease:

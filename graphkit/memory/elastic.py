@@ -35,8 +35,8 @@ from graphkit.memory.elastic_chunks import FreeChunks, RangeChunks
 from graphkit.memory.elastic_views import LiveViews, ViewToken
 from graphkit.memory.figures import figure
 from graphkit.memory.host_backup import HostBacked, HostBackup
+from graphkit.memory.keeper import Keeper
 from graphkit.memory.ranges import Arena
-from graphkit.saver import MemorySaver
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.memory.elastic")
@@ -244,7 +244,7 @@ def _buffer_backend(backend: hal.Backend | None, reservation: Any, spelled: str,
     if reservation is not None and backend is not None and reservation.backend is not backend:
         raise hal.InvalidArgumentError(f"{spelled}= belongs to another backend", backend=backend.name,
                                        call="ElasticBuffer")
-    if saver is not None and not isinstance(saver, MemorySaver):
+    if saver is not None and not isinstance(saver, Keeper):
         raise hal.InvalidArgumentError(f"saver={saver!r} must be a graphkit.MemorySaver",
                                        backend=getattr(backend, "name", None), call="ElasticBuffer")
     if saver is not None:
@@ -297,7 +297,7 @@ class ElasticBuffer(Closable, HostBacked):
     """
 
     def __init__(self, backend: hal.Backend | None = None, max_bytes: int = 0, *,
-                 reservation: ElasticReservation | None = None, saver: MemorySaver | None = None,
+                 reservation: ElasticReservation | None = None, saver: Keeper | None = None,
                  tag: str = "kv_cache", backup: bool = False) -> None:
         be = _buffer_backend(backend, reservation, "reservation", saver, tag)
         _positive(max_bytes, "max_bytes", "ElasticBuffer", be.name)

@@ -172,3 +172,8 @@ class HostBacked:
 
     pin_seconds = figure("_backup.pin_seconds",
                          "Time spent making (pinning) the backup's host buffers, off the pause path or on it.")
+
+    def wait_for_backup(self) -> None:
+        """Wait until the backup's host buffers being made in the background are made (the next pause then
+        only copies)."""
+        self._backup.wait()

@@ -34,6 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import hal
 from graphkit.memory.closing import Closable, after_backend, raise_first_failure
+from graphkit.memory.host_backup import HostBacked
 from graphkit.memory.transaction import Transaction
 from graphkit.saver.nccl import warn_graph_register
 from graphkit.saver.regions import Region, RegionMemory
@@ -337,6 +338,16 @@ class MemorySaver(Closable):
         if unknown:
             raise self._bad(f"tags {unknown!r} are unknown (known: {known!r})", call)
         return list(dict.fromkeys(tags)) if tags else known
+
+    def wait_for_backups(self, *tags: str) -> None:
+        """Wait until the host backups of ``tags`` (every tag when none is named) being made in the background
+        are made: after a ``region(..., backup=True)`` block, as an elastic buffer grows. The first pause then
+        only copies, as it does in an engine where work runs between the two."""
+        with self._lock:
+            members = [s for tag in self._select(tags, "wait_for_backups") for s in self._members(tag)]
+        for sleeper in members:
+            if isinstance(sleeper, HostBacked):
+                sleeper.wait_for_backup()
 
     def _members(self, tag: str) -> list[Sleeper]:
         region = self._regions.get(tag)
