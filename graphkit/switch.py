@@ -50,7 +50,7 @@ from graphkit.graphs.strategies import POOL_KINDS
 from hal.process_routing import patch_imported
 from hal.types import Route
 
-log = logging.getLogger("graphkit.switch")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

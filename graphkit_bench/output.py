@@ -10,7 +10,7 @@ from typing import Any
 from graphkit_bench.strategies import DESCRIPTIONS
 from hal.types import fmt_bytes
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("graphkit.bench")
 
 #: what each column of the summary table means, printed under it
 COLUMNS = [

@@ -23,7 +23,7 @@ from graphkit.graphs.strategies import Lease, PoolStrategy
 from graphkit.memory.allocator import SharedVMMAllocator
 from graphkit.memory.closing import close_step
 
-log = logging.getLogger("graphkit.graphs.pools")
+log = logging.getLogger(__name__)
 
 #: what an isolation error advises, for a capture graph_memory routed and for one into pools.pool(key)
 FIX_ROUTED = ("Put the captures that pass tensors to each other (the pieces of one batch) in one space: "

@@ -37,7 +37,7 @@ from graphkit.memory.closing import Closable, after_backend, close_step, raise_f
 from graphkit.saver import GRAPHS, MemorySaver
 from hal.types import Route
 
-log = logging.getLogger("graphkit.graphs.pools")
+log = logging.getLogger(__name__)
 
 Kind = Literal["vmm", "shared", "private"]
 _ALLOCATOR_OPTIONS = frozenset({"reserve_bytes", "max_physical_bytes", "arena_bytes"})

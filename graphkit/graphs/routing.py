@@ -24,7 +24,7 @@ from graphkit.graphs.keys import CaptureKey, KeyCheck, KeyPool, PoolHandle, Pool
 from graphkit.memory.phases import CAPTURE_TIMES
 from hal.types import Route, fmt_bytes
 
-log = logging.getLogger("graphkit.graphs.pools")
+log = logging.getLogger(__name__)
 
 
 class CaptureRouting:

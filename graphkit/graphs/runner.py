@@ -40,7 +40,7 @@ from graphkit.memory.closing import Closable, close_step, raise_first_failure
 from graphkit.saver import GRAPHS, MemorySaver
 from hal.types import fmt_bytes
 
-log = logging.getLogger("graphkit.graphs.runner")
+log = logging.getLogger(__name__)
 
 Mode = Literal["full", "piecewise", "none"]
 MAX_BATCH = 1 << 31

@@ -18,7 +18,7 @@ from graphkit.memory.allocator import SharedVMMAllocator
 from graphkit.memory.closing import close_step
 from graphkit.memory.phases import CAPTURE_TIMES
 
-log = logging.getLogger("graphkit.graphs.strategies")
+log = logging.getLogger(__name__)
 
 POOL_KINDS = ("vmm", "shared", "private")
 

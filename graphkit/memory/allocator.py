@@ -52,7 +52,7 @@ from graphkit.memory.ranges import SpaceTable, VirtualSpace
 from graphkit.memory.sharing import ExportedRange
 from hal.types import fmt_bytes, round_up
 
-log = logging.getLogger("graphkit.memory.allocator")
+log = logging.getLogger(__name__)
 
 #: how many ``reserve_bytes`` one arena reservation holds by default
 ARENA_SPACES = 8

@@ -32,7 +32,7 @@ from graphkit.memory.transaction import Transaction
 if TYPE_CHECKING:
     from graphkit.memory.host_backup import HostBackup
 
-log = logging.getLogger("graphkit.memory.backing")
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)

@@ -16,7 +16,7 @@ from hal.types import fmt_bytes
 if TYPE_CHECKING:
     from graphkit.memory.ranges import VirtualSpace
 
-log = logging.getLogger("graphkit.memory.allocator")
+log = logging.getLogger(__name__)
 
 
 class SharedChunks:

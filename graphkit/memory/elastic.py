@@ -39,7 +39,7 @@ from graphkit.memory.keeper import Keeper
 from graphkit.memory.ranges import Arena
 from hal.types import fmt_bytes, round_up
 
-log = logging.getLogger("graphkit.memory.elastic")
+log = logging.getLogger(__name__)
 
 
 def _positive(value: Any, name: str, call: str, backend: str, zero: bool = False) -> int:

@@ -20,7 +20,7 @@ from graphkit.memory.closing import close_step
 from graphkit.memory.host_backup import HostBackup
 from graphkit.memory.transaction import Transaction
 
-log = logging.getLogger("graphkit.memory.elastic")
+log = logging.getLogger(__name__)
 
 _UNMAPPED = "part of the buffer is unmapped (a failed rollback): restore_physical() it before a pause can back it up"
 

@@ -24,7 +24,7 @@ import torch
 import hal
 from graphkit.memory.figures import figure
 
-log = logging.getLogger("graphkit.memory.backing")
+log = logging.getLogger(__name__)
 
 Spans = Sequence[tuple[int, int]]  # (device address, bytes)
 

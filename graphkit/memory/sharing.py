@@ -40,7 +40,7 @@ import hal
 from graphkit.memory.closing import Closable, close_step, raise_first_failure
 from graphkit.memory.transaction import Transaction
 
-log = logging.getLogger("graphkit.memory.sharing")
+log = logging.getLogger(__name__)
 
 #: the most descriptors one message carries (Linux's SCM_MAX_FD is 253)
 FDS_PER_MESSAGE = 253

@@ -40,7 +40,7 @@ from graphkit.saver.nccl import warn_graph_register
 from graphkit.saver.regions import Region, RegionMemory
 from hal.types import fmt_bytes
 
-log = logging.getLogger("graphkit.saver")
+log = logging.getLogger(__name__)
 
 GRAPHS = "graphs"
 
@@ -67,6 +67,14 @@ class TagReport:
         return (f"{self.tag:>12}  {'paused' if self.paused else 'awake':<6}  {fmt_bytes(self.footprint_bytes):>10}  "
                 f"last pause {seconds(self.last_pause_s):>9}  resume {seconds(self.last_resume_s):>9}  {backup}")
 
+
+
+def _tag_report(tag: str, members: list[Sleeper], paused: bool,
+                times: tuple[float | None, float | None]) -> TagReport:
+    """The report of ``tag`` over the sleepers it holds."""
+    return TagReport(tag, paused, any(s.backup for s in members), sum(s.footprint_bytes for s in members),
+                     sum(int(getattr(s, "host_bytes", 0)) for s in members), *times,
+                     sum(float(getattr(s, "pin_seconds", 0.0)) for s in members))
 
 class SaverReport(list[TagReport]):
     """What :meth:`MemorySaver.report` returns: the list of each tag's :class:`TagReport` (index it, iterate
@@ -340,9 +348,8 @@ class MemorySaver(Closable):
         return list(dict.fromkeys(tags)) if tags else known
 
     def wait_for_backups(self, *tags: str) -> None:
-        """Wait until the host backups of ``tags`` (every tag when none is named) being made in the background
-        are made: after a ``region(..., backup=True)`` block, as an elastic buffer grows. The first pause then
-        only copies, as it does in an engine where work runs between the two."""
+        """Wait for the host backups of ``tags`` (default: all) made in the background (after a ``region(...,
+        backup=True)`` block, as an elastic buffer grows): the first pause then only copies."""
         with self._lock:
             members = [s for tag in self._select(tags, "wait_for_backups") for s in self._members(tag)]
         for sleeper in members:
@@ -460,21 +467,12 @@ class MemorySaver(Closable):
     # -- figures and teardown -----------------------------------------------------------------
 
     def report(self) -> SaverReport:
-        """Each tag: paused or not, its footprint, its host backup, the last pause and resume seconds.
-
-        A list of :class:`TagReport` that prints as a table.
-        """
+        """Each tag: paused or not, its footprint, its host backup, the last pause and resume seconds (a list of
+        :class:`TagReport` that prints as a table)."""
         with self._lock:
-            out = SaverReport(self.backend.name, [])
-            for tag in self.tags:
-                pause_s, resume_s = self._times.get(tag, (None, None))
-                members = self._members(tag)
-                size = sum(s.footprint_bytes for s in members)
-                host = sum(int(getattr(s, "host_bytes", 0)) for s in members)
-                backup = any(s.backup for s in members)
-                pin_s = sum(float(getattr(s, "pin_seconds", 0.0)) for s in members)
-                out.append(TagReport(tag, tag in self._paused, backup, size, host, pause_s, resume_s, pin_s))
-            return out
+            return SaverReport(self.backend.name, [
+                _tag_report(tag, self._members(tag), tag in self._paused, self._times.get(tag, (None, None)))
+                for tag in self.tags])
 
     def _check_open(self, call: str) -> None:
         if self._closed:
