@@ -146,7 +146,10 @@ class SharedVMMAllocator(Closable):
         self.last_error: str | None = None  # why the last allocation a pool callback asked for failed (logged too)
         self.backup = False  # graph memory needs no backup: every replay writes it afresh
 
-    physical_bytes = figure("_chunks.physical_bytes",
+    _chunks: SharedChunks
+    _table: SpaceTable
+
+    physical_bytes = figure("_chunks", "physical_bytes",
                             "Bytes of physical chunks held (mapped into the spaces that reach them).")
 
     @property
@@ -154,32 +157,32 @@ class SharedVMMAllocator(Closable):
         """Physical bytes it holds while awake (what a pause releases)."""
         return len(self._chunks.chunks) * self.granularity
 
-    chunks = figure("_chunks.held",
+    chunks = figure("_chunks", "held",
                     "Physical handles held, chunk ``i`` at offset ``i * granularity`` of every space that reaches it.")
 
-    pending_release = figure("_chunks.backing.pending",
+    pending_release = figure("_chunks", "pending",
                              "Chunks mapped nowhere whose release failed and will be retried.", count=True)
 
-    parked_bytes = figure("_chunks.parked_bytes",
+    parked_bytes = figure("_chunks", "parked_bytes",
                           "Address space left over a scratch chunk at close (tensors still used it).")
 
-    reserved_bytes = figure("_table.reserved_bytes", "Virtual address space held by the live spaces.")
+    reserved_bytes = figure("_table", "reserved_bytes", "Virtual address space held by the live spaces.")
 
-    arena_reserved_bytes = figure("_table.arena_reserved_bytes",
+    arena_reserved_bytes = figure("_table", "arena_reserved_bytes",
                                   "Virtual address space reserved from the driver (the arenas spaces are carved from).")
 
-    num_virtual_spaces = figure("_table.spaces", "Live virtual spaces.", count=True)
+    num_virtual_spaces = figure("_table", "spaces", "Live virtual spaces.", count=True)
 
-    num_arenas = figure("_table.arenas", "Address reservations spaces are carved from.", count=True)
+    num_arenas = figure("_table", "arenas", "Address reservations spaces are carved from.", count=True)
 
     @property
     def spaces(self) -> dict[int, VirtualSpace]:
         """Live spaces by id (read only)."""
         return dict(self._table.spaces)
 
-    map_calls = figure("_chunks.backing.map_calls", "Map calls made so far (each maps one chunk into one space).")
+    map_calls = figure("_chunks", "map_calls", "Map calls made so far (each maps one chunk into one space).")
 
-    map_seconds = figure("_chunks.backing.map_seconds", "Wall time those map calls took.")
+    map_seconds = figure("_chunks", "map_seconds", "Wall time those map calls took.")
 
     def stats(self) -> AllocatorStats:
         with self._lock:
@@ -199,7 +202,7 @@ class SharedVMMAllocator(Closable):
                                         "MemorySaver tag, or call restore_physical(), first",
                                         backend=self.backend.name, call=call)
 
-    paused = figure("_chunks.backing.paused",
+    paused = figure("_chunks", "paused",
                     "Whether any of its memory is released or unmapped (or a failed pause left a hole): nothing may "
                     "run on it.")
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import hal
 from graphkit.memory.backing import Backing, Chunk, Place
+from graphkit.memory.figures import figure
 from graphkit.memory.sharing import ExportedRange, export_handles
 from graphkit.memory.transaction import Transaction
 from hal.types import fmt_bytes
@@ -39,6 +40,12 @@ class SharedChunks:
         self.parked_bytes = 0  # address space left over the scratch chunk
 
     # -- figures ------------------------------------------------------------------
+
+    backing: Backing
+    paused = figure("backing", "paused", "Whether any chunk is released or unmapped (or a rollback left a hole).")
+    pending = figure("backing", "pending", "Chunks mapped nowhere whose release failed, to release again.")
+    map_calls = figure("backing", "map_calls", "Map calls made so far (each maps one chunk into one space).")
+    map_seconds = figure("backing", "map_seconds", "Wall time those map calls took.")
 
     @property
     def physical_bytes(self) -> int:

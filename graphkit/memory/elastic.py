@@ -87,12 +87,14 @@ class ElasticReservation(Closable):
             be.release_vir_ptr(self.base, self.reserve_bytes)
             raise
 
-    free_bytes = figure("_free.free_bytes", "Physical bytes pre-created and not mapped anywhere.")
+    _free: FreeChunks
 
-    created = figure("_free.created",
+    free_bytes = figure("_free", "free_bytes", "Physical bytes pre-created and not mapped anywhere.")
+
+    created = figure("_free", "created",
                      "Chunks created over the reservation's life (growth that paid a driver allocation included).")
 
-    pending_release = figure("_free.pending",
+    pending_release = figure("_free", "pending",
                              "Chunks whose release failed and will be retried (at :meth:`trim` and :meth:`close`).",
                              count=True)
 
@@ -332,11 +334,13 @@ class ElasticBuffer(Closable, HostBacked):
 
     # -- figures ------------------------------------------------------------------------
 
-    mapped_bytes = figure("_chunks.mapped_bytes", "Bytes backed by physical memory now (a prefix of the range).")
+    _chunks: RangeChunks
 
-    footprint_bytes = figure("_chunks.footprint_bytes", "Bytes it holds while awake (what a pause releases).")
+    mapped_bytes = figure("_chunks", "mapped_bytes", "Bytes backed by physical memory now (a prefix of the range).")
 
-    paused = figure("_chunks.backing.paused",
+    footprint_bytes = figure("_chunks", "footprint_bytes", "Bytes it holds while awake (what a pause releases).")
+
+    paused = figure("_chunks", "paused",
                     "Whether part of its prefix is released or unmapped (nothing may read it until it is restored).")
 
     def __repr__(self) -> str:

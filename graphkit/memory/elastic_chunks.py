@@ -17,6 +17,7 @@ from typing import Any
 import hal
 from graphkit.memory.backing import Backing, Chunk, Place
 from graphkit.memory.closing import close_step
+from graphkit.memory.figures import figure
 from graphkit.memory.host_backup import HostBackup
 from graphkit.memory.transaction import Transaction
 
@@ -95,6 +96,8 @@ class RangeChunks:
     """
 
     __slots__ = ("backend", "backing", "granularity", "pending", "places", "ptr", "size", "store")
+    backing: Backing
+    paused = figure("backing", "paused", "Whether part of the prefix is released or unmapped.")
 
     def __init__(self, store: FreeChunks, ptr: int, size: int, host: HostBackup | None = None) -> None:
         self.store = store

@@ -166,11 +166,11 @@ class HostBacked:
 
     _backup: HostBackup
 
-    host_bytes = figure("_backup.host_bytes",
+    host_bytes = figure("_backup", "host_bytes",
                         "Host bytes made for the backup: made ahead of the pauses (as memory grows, or as a region "
                         "ends).")
 
-    pin_seconds = figure("_backup.pin_seconds",
+    pin_seconds = figure("_backup", "pin_seconds",
                          "Time spent making (pinning) the backup's host buffers, off the pause path or on it.")
 
     def wait_for_backup(self) -> None:
