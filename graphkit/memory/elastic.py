@@ -21,6 +21,7 @@ next safe point (its lock held, nothing half done).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
@@ -37,6 +38,7 @@ from graphkit.memory.figures import figure
 from graphkit.memory.host_backup import HostBacked, HostBackup
 from graphkit.memory.keeper import Keeper
 from graphkit.memory.ranges import Arena
+from graphkit.memory.transaction import Transaction
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger(__name__)
@@ -77,15 +79,14 @@ class ElasticReservation(Closable):
         self._buffers: weakref.WeakSet[ElasticBuffer] = weakref.WeakSet()
         self._closed = False
         self._closing = False
-        self.base = be.create_vir_ptr(self.reserve_bytes)
-        self._reserved = True  # the virtual range is still held
-        self._arena = Arena(self.base, self.reserve_bytes)
-        try:
+        with Transaction() as tx:  # chunks that would not precreate: the range goes, pending releases are retried
+            self.base = be.create_vir_ptr(self.reserve_bytes)
+            tx.append(functools.partial(be.release_vir_ptr, self.base, self.reserve_bytes))
+            tx.append(self._free.backing.retry)
+            self._reserved = True  # the virtual range is still held
+            self._arena = Arena(self.base, self.reserve_bytes)
             self.precreate(precreate_bytes)
-        except BaseException:
-            self._free.backing.retry()
-            be.release_vir_ptr(self.base, self.reserve_bytes)
-            raise
+            tx.commit()
 
     _free: FreeChunks
 
@@ -310,12 +311,11 @@ class ElasticBuffer(Closable, HostBacked):
         self.backend = be
         self.granularity = be.granularity
         self.max_bytes = round_up(max_bytes, self.granularity)
-        try:
-            self._chunks = self.reservation.carve(self.max_bytes, self._backup)
-        except BaseException:
+        with Transaction() as tx:  # a range that cannot be carved: a reservation of its own goes
             if self._own_reservation:
-                self.reservation.close()
-            raise
+                tx.append(self.reservation.close)
+            self._chunks = self.reservation.carve(self.max_bytes, self._backup)
+            tx.commit()
         self.ptr = self._chunks.ptr
         self._lock = threading.RLock()
         self._views = LiveViews()
@@ -325,12 +325,15 @@ class ElasticBuffer(Closable, HostBacked):
         self._closed = False
         self._finalizer = self.reservation.track(self, self._chunks, self._own_reservation)
         if saver is not None:
-            try:
+            with Transaction() as tx:  # a saver that refuses it: the buffer is closed at once
+                tx.append(self._close_refused)
                 saver.adopt(self, tag)
-            except BaseException:
-                self._finalizer.detach()
-                self.close()
-                raise
+                tx.commit()
+
+    def _close_refused(self) -> None:
+        """Close a buffer its saver refused to adopt (no warning at garbage collection: it never lived)."""
+        self._finalizer.detach()
+        self.close()
 
     # -- figures ------------------------------------------------------------------------
 

@@ -80,12 +80,11 @@ def export_handles(backend: hal.Backend, handles: Sequence[Any], chunk_bytes: in
                    nbytes: int) -> ExportedRange:
     """Export ``handles`` (chunks in address order) as a range of ``nbytes`` from ``offset``; all or nothing."""
     fds: list[int] = []
-    try:
+    with Transaction() as tx:  # the descriptors made so far are closed when one export fails
         for handle in handles:
             fds.append(backend.export_phy_mem_handle(handle))
-    except BaseException:
-        ExportedRange(tuple(fds), chunk_bytes, offset, nbytes).close()
-        raise
+            tx.append(functools.partial(os.close, fds[-1]))
+        tx.commit()
     return ExportedRange(tuple(fds), chunk_bytes, offset, nbytes)
 
 
