@@ -314,6 +314,20 @@ class GraphCalls(HookCalls):
             return
         self._graph_call("replay", graph=graph)
 
+    def _release_graphs(self, collect: Callable[[], AbstractContextManager[None]]) -> tuple[int, int]:
+        """Close's graph steps: release the graphs still live, then their pools (each inside ``collect()``,
+        which keeps a failure and goes on), and forget what was collected unreleased; how many of each."""
+        graphs, pools = self.accounting.graphs.alive(), self.accounting.pools.alive()
+        for graph in graphs:  # graphs first: they hold their pools' memory
+            with collect():
+                self.release_graph(graph)
+        for pool in pools:
+            with collect():
+                self.release_pool(pool)
+        self.accounting.graphs.clear()  # what was collected unreleased is gone with the backend
+        self.accounting.pools.clear()
+        return len(graphs), len(pools)
+
     def release_graph(self, graph: Any) -> None:
         """Destroy a graph (its pool's memory stays with the pool); a later :meth:`replay` of it raises.
 
