@@ -99,7 +99,8 @@ class PoolsReport:
         return sum(k.graphs for k in self.keys)
 
     def __str__(self) -> str:
-        memory = f"memory {fmt_bytes(self.chunk_bytes)} of chunks" if self.spaces else "no chunks of graphkit's"
+        memory = (f"memory {fmt_bytes(self.chunk_bytes)} of chunks" if self.kind == "vmm"
+                  else "memory from the device's own allocator")
         if self.device_bytes is not None:
             memory += f" (device +{fmt_bytes(self.device_bytes)})"
         lines = [f"graph pools on {self.backend} ({self.kind}): {len(self.keys)} key(s) holding {self.graphs} "

@@ -34,7 +34,7 @@ def test_every_figure_reads_a_public_figure_of_a_part_its_owner_annotates() -> N
                 hints = typing.get_type_hints(klass)
                 break
         part = hints.get(fig.part)
-        if not isinstance(part, type) or not hasattr(part, fig.name) and fig.name not in _instance_fields(part):
+        if not isinstance(part, type) or (not hasattr(part, fig.name) and fig.name not in _instance_fields(part)):
             wrong.append(f"{owner.__qualname__}.{attr} = figure({fig.part!r}, {fig.name!r}): the part is {part!r}")
     assert not wrong, wrong
 
