@@ -10,7 +10,7 @@ from graphkit.memory.allocator import SharedVMMAllocator
 from graphkit.memory.elastic import ElasticBuffer, ElasticReservation
 from graphkit.memory.sharing import ExportedRange, ImportedRange
 from graphkit.memory.transaction import Transaction
-from graphkit.saver import MemorySaver, Sleeper, TagReport
+from graphkit.saver import MemorySaver, SaverReport, Sleeper, TagReport
 from hal import __version__
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "PoolsReport",
     "RunnerOptions",
     "RunnerReport",
+    "SaverReport",
     "SharedVMMAllocator",
     "SizeReport",
     "Sleeper",

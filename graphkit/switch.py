@@ -53,7 +53,7 @@ from graphkit.graphs.strategies import POOL_KINDS
 from hal.process_routing import patch_imported
 from hal.types import Route
 
-log = logging.getLogger("graphkit.switch")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -162,8 +162,7 @@ class ProcessGraphMemory:
                 log.warning("%s=%s: the captures on %s:%d are not served (they take the framework's own memory): "
                             "%s", ENV, os.environ.get(ENV, "1"), backend, device, exc)
                 return None
-            pools._owns_backend = True
-            pools._finalizer.atexit = False  # the process's pools live as long as the process
+            pools.own_backend(for_the_process=True)
             self.pools[where] = pools
             log.debug("%s: graph pools on %s:%d", ENV, backend, device)
             return pools

@@ -62,7 +62,7 @@ def profile_peak(be: hal.Backend, engine: Any) -> int:
     0 where the framework has none for the device, e.g. ``fake``, whose activations live on the host)."""
     dev = be.torch_device()
     module = getattr(torch, dev.type, None)
-    inputs = engine._static(engine.max_batch)
+    inputs = engine.static_inputs(engine.max_batch)
     if dev.type == "cpu" or module is None or not hasattr(module, "max_memory_allocated"):
         return 0
     be.synchronize()

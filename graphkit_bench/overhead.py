@@ -57,7 +57,8 @@ def _trivial(backend: str | None, rounds: int) -> dict[str, list[float]]:
             device = be.torch_device()
             runner.capture(x=torch.zeros(8, 64, device=device))
             x = torch.ones(1, 64, device=device)
-            bucket = runner._buckets[1]
+            bucket = runner.bucket(1)
+            assert bucket is not None  # captured above
             graph, out, buf = bucket.graphs[0], bucket.outputs[0], runner.inputs.buffers["x"]  # type: ignore[union-attr]
             native = getattr(graph, "torch_graph", graph)
 
@@ -88,11 +89,11 @@ def one_process(workload: str, backend: str | None, rounds: int) -> dict[str, An
                           progress=False)
         bench = Bench(cfg)
         try:
-            runner = bench._runner("vmm", on_demand=False)
+            runner = bench.make_runner("vmm", on_demand=False)
             runner.capture(bench.inputs[max(cfg.sizes)])
             inputs = bench.inputs[1]
-            times = interleaved_ms(bench.be, {"runner": lambda: runner(**inputs), "hand": bench._hand_loop(runner, 1),
-                                              "hal": bench._hand_loop(runner, 1, through_hal=True)},
+            times = interleaved_ms(bench.be, {"runner": lambda: runner(**inputs), "hand": bench.hand_loop(runner, 1),
+                                              "hal": bench.hand_loop(runner, 1, through_hal=True)},
                                    rounds, HAND_LOOP_CALLS)
             runner.close()
         finally:

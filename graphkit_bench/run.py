@@ -137,7 +137,7 @@ class Bench:
         padded = 3 if largest >= 3 else min(self.cfg.sizes)
         return sorted({1, padded, min(8, largest), largest // 2 + 1, largest})
 
-    def _runner(self, strategy: str, on_demand: bool) -> graphkit.GraphRunner:
+    def make_runner(self, strategy: str, on_demand: bool) -> graphkit.GraphRunner:
         return graphkit.GraphRunner(self.model.step, self.cfg.sizes, backend=self.be, outputs="view",
                                     fill=self.model.padding(), on_demand=on_demand, measure_memory=True,
                                     progress=False, **STRATEGIES[strategy])
@@ -145,7 +145,7 @@ class Bench:
     def run_strategy(self, strategy: str, order: str) -> dict[str, Any]:
         be, cfg = self.be, self.cfg
         release_cached_memory(be)
-        runner = self._runner(strategy, on_demand=order == "on-demand")
+        runner = self.make_runner(strategy, on_demand=order == "on-demand")
         t0 = time.perf_counter()
         # ORDERS (checked by the CLI): GraphRunner's orders and on-demand
         capture_order = cast(Order, "descending" if order == "on-demand" else order)
@@ -191,8 +191,8 @@ class Bench:
         loop) is hal's share of the runner's cost, the rest is graphkit's.
         """
         inputs = self.inputs[1]
-        times = interleaved_ms(self.be, {"runner": lambda: runner(**inputs), "hand": self._hand_loop(runner, 1),
-                                         "hal": self._hand_loop(runner, 1, through_hal=True)},
+        times = interleaved_ms(self.be, {"runner": lambda: runner(**inputs), "hand": self.hand_loop(runner, 1),
+                                         "hal": self.hand_loop(runner, 1, through_hal=True)},
                                rounds=rounds, calls=HAND_LOOP_CALLS)
         return {"runner_ms_batch1": statistics.median(times["runner"]),
                 "hand_loop_ms_batch1": statistics.median(times["hand"]),
@@ -200,14 +200,14 @@ class Bench:
                 "hand_loop_ratios": round_ratios(times, "runner", "hand"),
                 "hal_loop_ratios": round_ratios(times, "hal", "hand")}
 
-    def _hand_loop(self, runner: graphkit.GraphRunner, n: int, through_hal: bool = False) -> Callable[[], Any]:
+    def hand_loop(self, runner: graphkit.GraphRunner, n: int, through_hal: bool = False) -> Callable[[], Any]:
         """Copy inputs into the static buffers, ``graph.replay()``, slice: on the runner's own graph.
 
         :param through_hal: replay with ``Backend.replay`` rather than the framework's own call.
         """
         size = runner.bucket_for(n)
-        assert size is not None and runner.inputs is not None  # n is a captured size
-        bucket = runner._buckets[size]
+        bucket = runner.bucket(size) if size is not None else None
+        assert bucket is not None and runner.inputs is not None  # n is a captured size
         graph, out = bucket.graphs[0], bucket.outputs[0]
         buffers = [(runner.inputs.buffers[k], v) for k, v in self.inputs[n].items()]
         native = getattr(graph, "torch_graph", graph)  # cuda: the torch.cuda.CUDAGraph itself

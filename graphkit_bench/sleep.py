@@ -122,9 +122,7 @@ def graphkit_case(be: hal.Backend, nbytes: int, backup: bool, cycles: int) -> di
         data = torch.empty(nbytes, dtype=torch.uint8, device=be.torch_device())
     data.random_(0, 255)
     expected = data[:: max(nbytes // 4096, 1)].clone() if backup else None
-    preparing = saver._regions["bench"].preparing  # the backup's buffers, made in the background: let it finish,
-    if preparing is not None:                       # as the work between a region and a pause lets it in an engine
-        preparing.join()
+    saver.wait_for_backups("bench")  # the buffers made in the background: done, as an engine's work between lets them
     cycled = _cycle_tag(be, saver, data, expected, backup, cycles, used0)
     del data, expected
     saver.close()
@@ -152,7 +150,7 @@ def elastic_case(be: hal.Backend, nbytes: int, backup: bool, cycles: int) -> dic
     data = buf.view(torch.uint8, (nbytes,))
     data.random_(0, 255)
     expected = data[:: max(nbytes // 4096, 1)].clone() if backup else None
-    buf._backup.wait()
+    buf.wait_for_backup()
     cycled = _cycle_tag(be, saver, data, expected, backup, cycles, used0)
     del data, expected
     buf.close()

@@ -11,12 +11,14 @@ into the plugin with those conventions, its capabilities, fault injection
 and tracing (:mod:`hal.hook_calls`); the checked vmm calls and their
 bookkeeping (:mod:`hal.vmm_calls`); the stream, pool, graph and capture
 calls and what a replay checks (:mod:`hal.graph_calls`). It adds the
-lifecycle: ``close()`` in teardown order.
+lifecycle: ``close()`` in teardown order, each part releasing what it owns
+(graphs and pools, then mappings, ranges and chunks, then the plugin).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -44,7 +46,7 @@ class Backend(VmmCalls, GraphCalls):
         self._init_graphs()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
+        state = "closed" if self.closed else "open"
         return f"<hal.Backend {self.name} device={self.device} {state}>"
 
     def __enter__(self) -> Backend:
@@ -61,40 +63,19 @@ class Backend(VmmCalls, GraphCalls):
         Idempotent. Leftovers are logged (they are a leak in the caller).
         """
         with self._lock:
-            if self._closed:
+            if self.closed:
                 return
-            leftovers = (len(self._mappings), len(self._ranges), len(self._handles))
+            leftovers = self._vmm_leftovers()
             if any(leftovers):
                 log.warning("%s: close() releases %d mapping(s), %d range(s), %d chunk(s) still live",
                             self.name, *leftovers)
             errors: list[BaseException] = []
-            graphs, pools = self.accounting.graphs.alive(), self.accounting.pools.alive()
+            collect = functools.partial(_collect, errors)
+            graphs, pools = self._release_graphs(collect)  # graphs first: they hold their pools' memory
             if graphs or pools:
-                log.warning("%s: close() releases %d graph(s) and %d pool(s) still live", self.name, len(graphs),
-                            len(pools))
-            for graph in graphs:  # graphs first: they hold their pools' memory
-                with _collect(errors):
-                    self.release_graph(graph)
-            for pool in pools:
-                with _collect(errors):
-                    self.release_pool(pool)
-            self.accounting.graphs.clear()  # what was collected unreleased is gone with the backend
-            self.accounting.pools.clear()
-            for m in list(self._mappings.values()):
-                with _collect(errors):
-                    self.unmap(m.ptr, m.size)
-            for ptr, size in list(self._ranges.items()):
-                with _collect(errors):
-                    self.release_vir_ptr(ptr, size)
-            for handle in list(self._handles):
-                with _collect(errors):
-                    self.release_phy_mem_handle(handle)
-            with _collect(errors), self._plugin_faults("shutdown"):
-                if "shutdown" in self._implemented:
-                    self._hook.shutdown()
-            self._closed = True
-            if self._untrace is not None:
-                self._untrace()
+                log.warning("%s: close() released %d graph(s) and %d pool(s) still live", self.name, graphs, pools)
+            self._release_vmm(collect)  # each part releases what it owns
+            self._shut_down(collect)
             if errors:
                 raise errors[0]
 

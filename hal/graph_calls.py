@@ -1,5 +1,20 @@
 """The graph, stream, pool and capture calls of :class:`hal.Backend`.
 
+An engine loop on any backend is written with them (``fake`` on a CPU, ``cuda`` on a GPU)::
+
+    be = hal.get_backend()
+    stream = be.create_stream()
+    graphs, inputs, outputs = {}, {}, {}
+    for n in (64, 32, 16, 8):                          # largest first
+        inputs[n] = torch.zeros(n, 256, device=be.torch_device())
+        graphs[n] = be.create_graph()
+        with be.capture(graphs[n], stream=stream):     # memory from a pool of its own (pool=None)
+            outputs[n] = model(inputs[n])
+    inputs[8][:5].copy_(batch)                         # a batch of 5 in the graph of size 8
+    be.replay(graphs[8])                               # outputs[8][:5] holds its result
+    for graph in graphs.values():
+        be.release_graph(graph)
+
 :class:`GraphCalls` remembers each pool (paused, released) and the pool
 each graph was captured into, routed or not, so that :meth:`GraphCalls.replay`
 refuses a graph whose memory is gone or asleep.
@@ -21,6 +36,7 @@ from hal import api
 from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError, PluginValidationError
 from hal.hook_calls import ADDRESS_LIMIT, HookCalls
 from hal.plugin_class import current_device
+from hal.routing import noting_routes
 from hal.types import CaptureRouter, GraphAddresses, Route
 
 
@@ -40,7 +56,13 @@ class GraphCalls(HookCalls):
         return self._graph_call("torch_device")
 
     def create_stream(self) -> Any:
-        """A new stream on the device."""
+        """A new stream on the device.
+
+        >>> stream = be.create_stream()
+        >>> with be.use_stream(stream):
+        ...     y = x @ w                    # queued on ``stream``
+        >>> be.synchronize(stream)
+        """
         return self._graph_call("create_stream")
 
     def current_stream(self) -> Any:
@@ -48,11 +70,19 @@ class GraphCalls(HookCalls):
         return self._graph_call("current_stream")
 
     def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
-        """Context manager: ``stream`` is the current stream inside it."""
+        """Context manager: ``stream`` is the current stream inside it.
+
+        >>> with be.use_stream(be.create_stream()):
+        ...     warm_up(model)               # work queued on that stream, not the current one
+        """
         return self._graph_call("use_stream", stream=stream)
 
     def synchronize(self, stream: Any = None) -> None:
-        """Wait for ``stream`` (the whole device when ``None``)."""
+        """Wait for ``stream`` (the whole device when ``None``).
+
+        >>> be.replay(graph)
+        >>> be.synchronize()                 # the replay's results are on the device now
+        """
         self._graph_call("synchronize", stream=stream)
 
     # -- pools ------------------------------------------------------------
@@ -65,6 +95,11 @@ class GraphCalls(HookCalls):
             released for now (asleep); :meth:`replay` of a graph captured into
             the pool raises :class:`InvalidStateError` while it says ``True``.
         :raises UnsupportedError: callbacks given but the backend lacks ``"custom_pool"``.
+
+        >>> pool = be.create_pool()                   # the device's own allocator
+        >>> with be.capture(g1, pool=pool): ...       # two graphs share one pool (never replayed at once)
+        >>> with be.capture(g2, pool=pool): ...
+        >>> custom = be.create_pool(alloc, free)      # alloc(size) -> ptr, free(ptr, size): graphkit's vmm pools
         """
         if (alloc is None) != (free is None):
             raise self._err(InvalidArgumentError, "create_pool", "give both alloc and free, or neither")
@@ -82,6 +117,10 @@ class GraphCalls(HookCalls):
         """Context manager: the framework's allocations on this thread inside it come from ``pool``.
 
         :raises UnsupportedError: the backend lacks ``"use_pool"``.
+
+        >>> pool = be.create_pool(alloc, free)
+        >>> with be.use_pool(pool):
+        ...     weights = torch.empty(1 << 20, device=be.torch_device())   # its memory comes from alloc
         """
         self._refuse_without("use_pool", "use_pool", "this backend cannot direct the framework's allocations to a pool")
         return self._graph_call("use_pool", pool=backend_pool(pool))
@@ -110,6 +149,9 @@ class GraphCalls(HookCalls):
         """Drop a pool; its segments go back where they came from (once their tensors die).
 
         A graph captured into it can no longer replay (:meth:`replay` raises).
+
+        >>> be.release_graph(graph)          # graphs first
+        >>> be.release_pool(pool)
         """
         self._graph_call("release_pool", pool=pool)
         state = self._pools.get(pool)
@@ -120,7 +162,10 @@ class GraphCalls(HookCalls):
     # -- graphs -----------------------------------------------------------
 
     def create_graph(self) -> Any:
-        """A new, empty graph."""
+        """A new, empty graph (capture into it with :meth:`capture`).
+
+        >>> graph = be.create_graph()
+        """
         return self._graph_call("create_graph")
 
     def capture(self, graph: Any, pool: Any = None, stream: Any = None,
@@ -129,7 +174,13 @@ class GraphCalls(HookCalls):
 
         ``capture_error_mode=None`` uses the backend's default mode.
         ``inspect=True`` records what :meth:`graph_addresses` reports (needs
-        ``"graph_addresses"``).
+        ``"graph_addresses"``). Work done inside runs once, as it is recorded; a host sync
+        (``.item()``, printing a tensor) inside raises, as it does on CUDA.
+
+        >>> graph, x = be.create_graph(), torch.zeros(8, 256, device=be.torch_device())
+        >>> with be.capture(graph, pool=pool, stream=stream):
+        ...     y = torch.relu(x @ w)          # y lives in the pool's memory
+        >>> x.copy_(new_input); be.replay(graph)   # y holds relu(new_input @ w)
         """
         if capture_error_mode not in (None, "global", "thread_local", "relaxed"):
             raise self._err(InvalidArgumentError, "capture",
@@ -150,9 +201,10 @@ class GraphCalls(HookCalls):
     def _tracking(self, graph: Any, pool: Any, inner: AbstractContextManager[Any]) -> Iterator[Any]:
         """Run ``inner`` (a capture of ``graph``) and remember the pool it drew from, routed or not."""
         stack = self._capturing()
-        stack.append([pool])  # a router that chooses another pool appends it
+        chosen_pools = [pool]  # a router that chooses another pool appends it, a process router too
+        stack.append(chosen_pools)
         try:
-            with inner as captured:
+            with noting_routes(lambda route: chosen_pools.append(route.pool)), inner as captured:
                 yield captured
         finally:
             chosen = stack.pop()[-1]
@@ -184,6 +236,12 @@ class GraphCalls(HookCalls):
         See :func:`hal.api.route_captures`.
 
         :raises UnsupportedError: the backend lacks ``"capture_routing"``.
+
+        >>> from hal.types import Route
+        >>> def router(graph, requested_pool):   # None: the capture keeps the pool it asked for
+        ...     return Route(my_pool)
+        >>> with be.route_captures(router):
+        ...     engine.capture_all()            # its torch.cuda.graph(...) captures draw from my_pool
         """
         if not callable(router):
             raise self._err(InvalidArgumentError, "route_captures", f"router={router!r} must be callable")
@@ -253,6 +311,9 @@ class GraphCalls(HookCalls):
         :raises InvalidStateError: the graph was released, the pool it was
             captured into was released, or that pool's memory is paused (see
             ``create_pool(paused=...)``).
+
+        >>> x.copy_(batch)                   # the static input the graph was captured with
+        >>> be.replay(graph)                 # its outputs hold the result (until the next replay)
         """
         state = self._graph_pool.get(graph)
         if state is not None and (state.released or (state.paused is not None and state.paused())):
@@ -264,8 +325,25 @@ class GraphCalls(HookCalls):
             return
         self._graph_call("replay", graph=graph)
 
+    def _release_graphs(self, collect: Callable[[], AbstractContextManager[None]]) -> tuple[int, int]:
+        """Close's graph steps: release the graphs still live, then their pools (each inside ``collect()``,
+        which keeps a failure and goes on), and forget what was collected unreleased; how many of each."""
+        graphs, pools = self.accounting.graphs.alive(), self.accounting.pools.alive()
+        for graph in graphs:  # graphs first: they hold their pools' memory
+            with collect():
+                self.release_graph(graph)
+        for pool in pools:
+            with collect():
+                self.release_pool(pool)
+        self.accounting.graphs.clear()  # what was collected unreleased is gone with the backend
+        self.accounting.pools.clear()
+        return len(graphs), len(pools)
+
     def release_graph(self, graph: Any) -> None:
-        """Destroy a graph (its pool's memory stays with the pool); a later :meth:`replay` of it raises."""
+        """Destroy a graph (its pool's memory stays with the pool); a later :meth:`replay` of it raises.
+
+        >>> be.release_graph(graph)
+        """
         self._graph_call("release_graph", graph=graph)
         self._graph_pool.put(graph, _RELEASED, weak_only=True)
 

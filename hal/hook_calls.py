@@ -70,6 +70,16 @@ class HookCalls:
     def closed(self) -> bool:
         return self._closed
 
+    def _shut_down(self, collect: Callable[[], contextlib.AbstractContextManager[None]]) -> None:
+        """Close's last step: the plugin's ``shutdown`` hook (inside ``collect()``, which keeps a failure);
+        every call refuses from then on."""
+        with collect(), self._plugin_faults("shutdown"):
+            if "shutdown" in self._implemented:
+                self._hook.shutdown()
+        self._closed = True
+        if self._untrace is not None:
+            self._untrace()
+
     # -- helpers ----------------------------------------------------------
 
     def _err(self, cls: type[HalError], call: str, message: str) -> HalError:

@@ -12,10 +12,11 @@ class) stays with the backends; it learns of the process's routers through
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from hal.types import CaptureRouter, Route
@@ -29,6 +30,7 @@ ProcessRouter = Callable[[str, int, Any, Any], Route | None]
 _process_routers: list[ProcessRouter] = []
 _listeners: list[Callable[[], None]] = []
 _lock = threading.Lock()
+_noting = threading.local()  # ``stack``: what each capture under way on this thread is told of its process route
 
 
 def _checked(route: Any) -> Route | None:
@@ -54,7 +56,23 @@ def process_route(backend: str, device: int, graph: Any, requested_pool: Any) ->
     """The route of the innermost process router that takes a capture of ``backend`` on ``device``."""
     with _lock:
         routers = list(reversed(_process_routers))
-    return _first(router(backend, device, graph, requested_pool) for router in routers)
+    route = _first(router(backend, device, graph, requested_pool) for router in routers)
+    noters = getattr(_noting, "stack", None)
+    if route is not None and noters:
+        noters[-1](route)
+    return route
+
+
+@contextlib.contextmanager
+def noting_routes(note: Callable[[Route], None]) -> Iterator[None]:
+    """Inside the block, on this thread, ``note(route)`` hears of the route :func:`process_route` chooses (the
+    innermost block only): a facade learns which pool its capture drew from when a process router chose it."""
+    stack = _noting.__dict__.setdefault("stack", [])
+    stack.append(note)
+    try:
+        yield
+    finally:
+        stack.pop()
 
 
 def has_process_routers() -> bool:
@@ -135,5 +153,5 @@ def watch_release(graph: Any, on_release: Callable[[bool], None],
     return once
 
 
-__all__ = ["ProcessRouter", "add_process_router", "choose_route", "has_process_routers", "on_process_routers_change",
-           "process_route", "remove_process_router", "watch_release"]
+__all__ = ["ProcessRouter", "add_process_router", "choose_route", "has_process_routers", "noting_routes",
+           "on_process_routers_change", "process_route", "remove_process_router", "watch_release"]

@@ -9,6 +9,8 @@ argument, and changes its bookkeeping only when the driver's call succeeded.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from hal.errors import InvalidArgumentError, InvalidStateError, PluginValidationError
@@ -174,6 +176,25 @@ class VmmCalls(HookCalls):
             self._handles[handle] = size
             self._handle_maps[handle] = 0
             return handle
+
+    # -- teardown (close) --------------------------------------------------
+
+    def _vmm_leftovers(self) -> tuple[int, int, int]:
+        """How many mappings, ranges and chunks are still live."""
+        return len(self._mappings), len(self._ranges), len(self._handles)
+
+    def _release_vmm(self, collect: Callable[[], AbstractContextManager[None]]) -> None:
+        """Close's vmm steps, in teardown order: unmap, free the ranges, release the chunks still live;
+        each step runs inside ``collect()``, which keeps a failure and goes on."""
+        for m in list(self._mappings.values()):
+            with collect():
+                self.unmap(m.ptr, m.size)
+        for ptr, size in list(self._ranges.items()):
+            with collect():
+                self.release_vir_ptr(ptr, size)
+        for handle in list(self._handles):
+            with collect():
+                self.release_phy_mem_handle(handle)
 
     def _check_in_range(self, call: str, ptr: int, size: int) -> None:
         i = bisect.bisect_right(self._range_starts, ptr) - 1

@@ -131,3 +131,92 @@ def test_the_library_holds_no_bench_and_no_command_line() -> None:
     assert not [m for m, names in modules.items() if "argparse" in names]
     assert [m for m, names in modules.items() if BENCH in names] == ["graphkit/__main__.py"]
     assert len((ROOT / "graphkit" / "__main__.py").read_text().splitlines()) <= 40
+
+
+# -- ownership: private names stay with the module that defines them ----------------------------------------
+
+#: the packages whose private names are checked, the bench's included
+OWNED = (*PACKAGES, BENCH)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _own_private_names(tree: ast.AST) -> set[str]:
+    """The private names a module defines: its functions, classes and globals, and what ``self``/``cls`` set."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name)
+              and node.value.id in ("self", "cls")):
+            names.add(node.attr)
+    return {name for name in names if _private(name)}
+
+
+def _foreign_private_uses(sources: dict[str, str]) -> list[str]:
+    """``obj._name`` reads and writes, ``obj`` not ``self`` or ``cls``, of a private name another module of
+    ``sources`` (path -> text) defines and the module itself does not. A private name of a third party
+    (``torch._C``, ``sys._getframe``) is not the project's to keep: it is left to the registry of them."""
+    trees = {path: ast.parse(text, path) for path, text in sources.items()}
+    own = {path: _own_private_names(tree) for path, tree in trees.items()}
+    everyone = set().union(*own.values()) if own else set()
+    found = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr in everyone and node.attr not in own[path]:
+                found.append(f"{path}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_reads_or_writes_another_modules_private_names() -> None:
+    """A class's private fields are written and read by the module that holds it alone; others use its public
+    methods and read-only properties (``pools.own_backend()``, not ``pools._owns_backend = True``)."""
+    sources = {str(p.relative_to(ROOT)): p.read_text()
+               for package in OWNED for p in sorted((ROOT / package).rglob("*.py"))}
+    wrong = _foreign_private_uses(sources)
+    assert not wrong, wrong
+
+
+def test_the_private_name_check_finds_a_reach_in_and_lets_a_module_use_its_own() -> None:
+    owner = "class Pools:\n    def __init__(self):\n        self._owns = False\n        self._count = 0\n"
+    user = "def start(pools):\n    pools._owns = True\n    return pools._count, pools.public, torch._C\n"
+    same = "def close(pools):\n    pools._count = 0\n"
+    sources = {"owner.py": owner + same, "user.py": user}
+    assert _foreign_private_uses(sources) == ["user.py:2 pools._owns", "user.py:3 pools._count"]
+
+
+ROOMS = ("graphkit.memory", "graphkit.saver", "graphkit.graphs")
+
+
+def test_a_room_imports_nothing_from_the_rooms_above_it() -> None:
+    """The memory room knows nothing of savers or graphs, the saver room nothing of graphs, and no room the
+    public face (``graphkit``, ``graphkit.switch``)."""
+    wrong = []
+    for level, room in enumerate(ROOMS):
+        above = (*ROOMS[level + 1:], "graphkit.switch")
+        for path in sorted((ROOT / "graphkit" / room.split(".")[1]).rglob("*.py")):
+            for line, name in _imported(path, _module_name(path)):
+                if name == "graphkit" or any(name == a or name.startswith(f"{a}.") for a in above):
+                    wrong.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert not wrong, wrong
+
+
+def test_every_logger_of_graphkit_is_named_for_its_module() -> None:
+    """``logging.getLogger(__name__)``: a record's name says which module logged it, and a room's loggers are
+    one subtree (``graphkit.graphs``) to turn up or down."""
+    wrong = []
+    for path in sorted((ROOT / "graphkit").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "getLogger"
+                    and not (len(node.args) == 1 and isinstance(node.args[0], ast.Name)
+                             and node.args[0].id == "__name__")):
+                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert not wrong, wrong

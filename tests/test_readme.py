@@ -43,3 +43,32 @@ def test_the_allocator_snippet_runs_and_ends_without_warnings(caplog, recwarn) -
 
 def test_the_elastic_buffer_snippet_runs() -> None:
     exec(compile(_snippet_after("copy nothing."), "README.md", "exec"), {})
+
+
+def test_the_runner_snippet_shows_different_memory_per_size_and_per_strategy(capsys) -> None:
+    exec(compile(_snippet_after("## Using it"), "README.md", "exec"), {})
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["batch", "capture"])
+    per_size = [" ".join(line.split()[2:4]) for line in lines[head + 1:head + 8]]  # the "memory +" column
+    assert len(set(per_size)) > 1, per_size
+    kinds = dict(line.strip().split(": ") for line in lines if line.strip().split(":")[0] in ("vmm", "shared",
+                                                                                                "private"))
+    kib = {kind: int(text.split()[0]) for kind, text in kinds.items()}
+    assert set(kib) == {"vmm", "shared", "private"} and 0 < kib["vmm"] < kib["shared"] < kib["private"], kinds
+
+
+def test_the_cpu_engine_loop_runs_through_the_graph_api(capsys) -> None:
+    exec(compile(_snippet_after("through hal's own graph calls"), "README.md", "exec"), {})
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith("graph pools on fake (vmm): 4 key(s) holding 4 graph(s)"), header
+
+
+def test_the_readme_lists_every_graph_call_of_the_backend() -> None:
+    import hal.graph_calls
+
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("The graph half of `hal.Backend`"):text.index("`python -m hal` lists backends")]
+    for call in ("create_graph", "capture", "replay", "release_graph", "create_stream", "create_pool", "use_pool",
+                 "route_captures", "release_pool", "synchronize", "use_stream"):
+        assert f"be.{call}(" in table, call
+        assert ">>>" in (getattr(hal.graph_calls.GraphCalls, call).__doc__ or ""), f"{call} has no example"

@@ -357,7 +357,8 @@ class Engine:
 
     # -- capture ---------------------------------------------------------------------------
 
-    def _static(self, bs: int) -> dict[str, torch.Tensor]:
+    def static_inputs(self, bs: int) -> dict[str, torch.Tensor]:
+        """The first ``bs`` rows of every static input buffer (what a graph of size ``bs`` reads)."""
         return {name: buf[:bs] for name, buf in self.buffers.items()}
 
     @property
@@ -381,7 +382,7 @@ class Engine:
         """Warm up and capture the decode step for batch ``bs``; return the capture's seconds."""
         if not 0 < bs <= self.max_batch:
             raise hal.InvalidArgumentError(f"batch size {bs} is not in 1..{self.max_batch}", call="capture_graph")
-        be, inputs = self.backend, self._static(bs)
+        be, inputs = self.backend, self.static_inputs(bs)
         be.synchronize()  # the side stream must see the buffers and cache as the default stream left them
         with be.use_stream(self.capture_stream):  # lazily made state is born outside the capture
             self.forward(**inputs)
@@ -483,7 +484,7 @@ class Engine:
             buf[:n].copy_(getattr(batch, name))
             buf[n:bs].fill_(self.padding[name])
         if not replay:
-            return self.forward(**self._static(bs))[:n]
+            return self.forward(**self.static_inputs(bs))[:n]
         value = self.graphs[bs]
         for graph in value if isinstance(value, list) else [value]:
             graph.replay() if self.use_torch_api else self.backend.replay(graph)

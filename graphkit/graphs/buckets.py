@@ -23,7 +23,7 @@ from graphkit.graphs.outputs import Layout, Outputs
 from graphkit.graphs.report import SizeReport
 from graphkit.graphs.strategies import Lease
 
-log = logging.getLogger("graphkit.graphs.runner")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from graphkit.graphs.strategies import Lease
 from hal.gcguard import gc_disabled
 from hal.types import fmt_bytes
 
-log = logging.getLogger("graphkit.graphs.capture")
+log = logging.getLogger(__name__)
 
 
 class CaptureHygieneError(hal.CaptureError):

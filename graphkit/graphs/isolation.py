@@ -28,7 +28,7 @@ import hal
 from graphkit.memory.ranges import VirtualSpace
 from hal.types import GraphAddresses, fmt_bytes
 
-log = logging.getLogger("graphkit.graphs.isolation")
+log = logging.getLogger(__name__)
 
 
 class IsolationError(hal.CaptureError):

@@ -23,7 +23,7 @@ from graphkit.graphs.strategies import Lease, PoolStrategy
 from graphkit.memory.allocator import SharedVMMAllocator
 from graphkit.memory.closing import close_step
 
-log = logging.getLogger("graphkit.graphs.pools")
+log = logging.getLogger(__name__)
 
 #: what an isolation error advises, for a capture graph_memory routed and for one into pools.pool(key)
 FIX_ROUTED = ("Put the captures that pass tensors to each other (the pieces of one batch) in one space: "
@@ -41,8 +41,13 @@ class CaptureKey(tuple):
     an engine's own key ``('capture', 1)`` never meets it.
     """
 
+    automatic = True  # a key graphkit chose: reports print it as ``capture N``
+
     def __new__(cls, serial: int) -> CaptureKey:
         return super().__new__(cls, ("capture", serial))
+
+    def __str__(self) -> str:
+        return f"capture {self[1]}"
 
     def __eq__(self, other: object) -> bool:
         return type(other) is CaptureKey and tuple.__eq__(self, other)
@@ -152,7 +157,7 @@ class PoolKeys:
             replay, so it stays on the shared chunks."""
         self.backend, self.strategy, self.owner, self.name = backend, strategy, owner, name
         self.outputs = outputs
-        self.allocator: SharedVMMAllocator | None = getattr(strategy, "allocator", None)
+        self.allocator: SharedVMMAllocator | None = strategy.allocator
         self.entries: dict[Hashable, KeyPool] = {}
         self.lock = threading.RLock()
         self.closed = False

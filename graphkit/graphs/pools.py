@@ -30,13 +30,14 @@ from graphkit.graphs.isolation import IsolationError, VerifyStats
 from graphkit.graphs.keys import CaptureKey, KeyCheck, KeyPool, PoolHandle, PoolKeys, Verifier
 from graphkit.graphs.report import KeyReport, PoolsReport, pools_report
 from graphkit.graphs.routing import CaptureRouting
+from graphkit.graphs.scope import ScopeRouter
 from graphkit.graphs.strategies import POOL_KINDS, Lease, PoolStrategy, make_pool_strategy
 from graphkit.memory.allocator import SharedVMMAllocator
 from graphkit.memory.closing import Closable, after_backend, close_step, raise_first_failure
 from graphkit.saver import GRAPHS, MemorySaver
 from hal.types import Route
 
-log = logging.getLogger("graphkit.graphs.pools")
+log = logging.getLogger(__name__)
 
 Kind = Literal["vmm", "shared", "private"]
 #: what an engine does with what its graphs leave allocated (see GraphPools(outputs=...))
@@ -65,7 +66,7 @@ def _check_arguments(backend: object, kind: object, saver: object, allocator_opt
 def _adopt(saver: MemorySaver, strategy: PoolStrategy, caller: str, be: hal.Backend) -> None:
     """Hand a vmm strategy's allocator to ``saver`` (tag ``graphs``); closes the strategy when that fails."""
     try:
-        allocator = getattr(strategy, "allocator", None)
+        allocator = strategy.allocator
         if allocator is None:
             raise hal.UnsupportedError(f"kind={strategy.kind!r} draws from the framework's allocator and cannot "
                                        "sleep with a MemorySaver: use kind='vmm' on a backend with 'custom_pool'",
@@ -165,7 +166,7 @@ class GraphPools(Closable):
         self.strategy = strategy or make_pool_strategy(kind, be, caller, park_live=runner, collect=runner,
                                                        **allocator_options)
         self.kind: str = self.strategy.kind
-        self.allocator: SharedVMMAllocator | None = getattr(self.strategy, "allocator", None)
+        self.allocator: SharedVMMAllocator | None = self.strategy.allocator
         self.hygiene = hygiene
         self.saver = saver
         if saver is not None:
@@ -384,6 +385,16 @@ class GraphPools(Closable):
             if self._owns_backend:
                 self.backend.close()
 
+    def own_backend(self, *, for_the_process: bool = False) -> None:
+        """Close the backend with the pools: it was made for them alone (by :func:`graph_memory`, the switch).
+
+        :param for_the_process: the pools live as long as the process (the switch's): no warning when it
+            exits with them open.
+        """
+        self._owns_backend = True
+        if for_the_process:
+            self._finalizer.atexit = False
+
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{len(self._entries)} key(s)"
         return f"<graphkit.GraphPools {self.backend.name} {self.kind} {state}>"
@@ -420,24 +431,10 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
     if pools is None:
         chosen = backend if backend is not None else hal.get_backend(requires=("graphs", "capture_routing"))
         pools = GraphPools(chosen, kind, hygiene=hygiene, verify=verify, outputs=outputs, **allocator_options)
-        pools._owns_backend = backend is None
-    with pools.backend.route_captures(pools.route), hal.route_every_capture(_elsewhere(pools.backend)):
+        if backend is None:
+            pools.own_backend()
+    with pools.backend.route_captures(pools.route), hal.route_every_capture(ScopeRouter(pools)):
         yield pools
-
-
-def _elsewhere(be: hal.Backend) -> Callable[[str, int, Any, Any], Route | None]:
-    """The process router of a :func:`graph_memory` block: a capture of its backend on another device, that no
-    block of that device takes, is refused (it would silently draw from the framework's own memory)."""
-    def refuse(backend: str, device: int, graph: Any, requested_pool: Any) -> Route | None:
-        if backend != be.name or device == be.device:
-            return None
-        raise hal.CaptureError(
-            f"graph_memory() serves the captures on {be.name}:{be.device}, and this one starts on device {device}: "
-            f"its memory would not come from graphkit. Enter graph_memory() with device {device} current (it "
-            "takes the current device), or pass backend=hal.get_backend(device=...) for the device that "
-            "captures; GRAPHKIT_GRAPH_MEMORY=1 serves every device of every process",
-            backend=backend, call="graph_memory")
-    return refuse
 
 
 __all__ = ["CaptureHygieneError", "CaptureKey", "GraphPools", "IsolationError", "KeyReport", "PoolHandle",

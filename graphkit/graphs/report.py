@@ -60,19 +60,29 @@ class KeyReport:
     used_bytes: int  # bytes handed out in its space
     mapped_bytes: int  # chunk bytes mapped into its space
     reserved_bytes: int  # address space of its space
-    graphs: int  # routed graphs alive in it (captures through graph_memory)
+    graphs: int  # graphs captured into it that are alive (routed by graph_memory or into its handle)
+
+    @property
+    def label(self) -> str:
+        """How the report names the key: the engine's own key as it wrote it (a batch size, a descriptor);
+        ``capture N`` for the N-th capture :func:`graphkit.graph_memory` saw outside any ``pools.group(key)``."""
+        return str(self.key) if getattr(type(self.key), "automatic", False) else repr(self.key)
 
 
 @dataclass
 class PoolsReport:
-    """Per-key and total memory of a :class:`GraphPools`."""
+    """Per-key and total memory of a :class:`GraphPools`.
+
+    Memory and address space are apart: ``chunk_bytes`` is the physical memory every key shares;
+    ``reserved_bytes`` and ``arena_bytes`` are virtual address space, which costs no memory.
+    """
 
     backend: str
     kind: str
     keys: list[KeyReport] = field(default_factory=list)
     chunk_bytes: int = 0  # physical memory of the shared chunks
-    reserved_bytes: int = 0  # address space of the live spaces
-    arena_bytes: int = 0  # address space reserved from the driver
+    reserved_bytes: int = 0  # address space of the live spaces (no memory)
+    arena_bytes: int = 0  # address space reserved from the driver (no memory)
     device_bytes: int | None = None  # device memory used now beyond the start, driver-measured
     map_calls: int = 0  # map calls made so far (each maps one chunk into one space)
     map_seconds: float = 0.0  # wall time those map calls took
@@ -81,19 +91,31 @@ class PoolsReport:
     missed_nodes: int = 0  # nodes the backend could not read
     verify_seconds: float = 0.0  # time reading and checking
     unread_graphs: int = 0  # of the verified graphs, those that needed no reading (no other key held memory)
+    spaces: int = 0  # live virtual spaces (one per key of a vmm strategy)
+
+    @property
+    def graphs(self) -> int:
+        """Graphs alive in the keys (the sum of the keys' ``graphs``)."""
+        return sum(k.graphs for k in self.keys)
 
     def __str__(self) -> str:
-        lines = [f"graph pools on {self.backend} ({self.kind}): {len(self.keys)} key(s), "
-                 f"{fmt_bytes(self.chunk_bytes)} of chunks, {fmt_bytes(self.reserved_bytes)} of spaces"
-                 + (f", device memory +{fmt_bytes(self.device_bytes)}" if self.device_bytes is not None else "")
-                 + (f", {self.map_calls} map calls in {self.map_seconds * 1e3:.1f} ms" if self.map_calls else "")
-                 + (f"; {self.verified_graphs} graph(s) verified isolated ({self.inspected_nodes} nodes read"
+        memory = (f"memory {fmt_bytes(self.chunk_bytes)} of chunks" if self.kind == "vmm"
+                  else "memory from the device's own allocator")
+        if self.device_bytes is not None:
+            memory += f" (device +{fmt_bytes(self.device_bytes)})"
+        lines = [f"graph pools on {self.backend} ({self.kind}): {len(self.keys)} key(s) holding {self.graphs} "
+                 f"graph(s); {memory}"
+                 + (f"; address space {fmt_bytes(self.reserved_bytes)} in {self.spaces} space(s), no memory"
+                    if self.spaces else "")
+                 + (f"; {self.map_calls} map calls in {self.map_seconds * 1e3:.1f} ms" if self.map_calls else "")
+                 + (f"; {self.verified_graphs} capture(s) verified isolated ({self.inspected_nodes} nodes read"
                     + (f", {self.missed_nodes} unreadable" if self.missed_nodes else "")
                     + (f", {self.unread_graphs} needed no reading" if self.unread_graphs else "")
                     + f", {self.verify_seconds * 1e3:.1f} ms)" if self.verified_graphs else "")]
+        width = max([16, *(len(k.label) for k in self.keys)])
         for k in self.keys:
-            lines.append(f"  {k.key!r:>16}  used {fmt_bytes(k.used_bytes):>10}  mapped {fmt_bytes(k.mapped_bytes):>10}"
-                         f"  graphs {k.graphs}")
+            lines.append(f"  {k.label:>{width}}  used {fmt_bytes(k.used_bytes):>10}  mapped "
+                         f"{fmt_bytes(k.mapped_bytes):>10}  graphs {k.graphs}")
         return "\n".join(lines)
 
 
@@ -111,4 +133,4 @@ def pools_report(backend: str, kind: str, keys: Iterable[tuple[Hashable, int | N
                        alloc.physical_bytes if alloc else 0, alloc.reserved_bytes if alloc else 0,
                        alloc.arena_reserved_bytes if alloc else 0, device_bytes,
                        alloc.map_calls if alloc else 0, alloc.map_seconds if alloc else 0.0,
-                       stats.graphs, stats.nodes, stats.missed, stats.seconds, stats.unread)
+                       stats.graphs, stats.nodes, stats.missed, stats.seconds, stats.unread, len(spaces))

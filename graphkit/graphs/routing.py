@@ -24,7 +24,7 @@ from graphkit.graphs.keys import CaptureKey, KeyCheck, KeyPool, PoolHandle, Pool
 from graphkit.memory.phases import CAPTURE_TIMES
 from hal.types import Route, fmt_bytes
 
-log = logging.getLogger("graphkit.graphs.pools")
+log = logging.getLogger(__name__)
 
 
 class CaptureRouting:
@@ -85,10 +85,11 @@ class CaptureRouting:
             with keys.lock:
                 if check is not None:
                     check.accepted(graph)
+                entry.graphs += 1  # the key's report counts it until it dies (see _on_release)
                 if not keys.closed and keys.entries.get(entry.key) is entry:
                     keys.capture_ended(entry)
 
-        return Route(entry.pool, on_end, inspect=check is not None and check.read)
+        return Route(entry.pool, on_end, self._on_release(entry), inspect=check is not None and check.read)
 
     # -- groups ---------------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ from graphkit.memory.closing import Closable, close_step, raise_first_failure
 from graphkit.saver import GRAPHS, MemorySaver
 from hal.types import fmt_bytes
 
-log = logging.getLogger("graphkit.graphs.runner")
+log = logging.getLogger(__name__)
 
 Mode = Literal["full", "piecewise", "none"]
 MAX_BATCH = 1 << 31
@@ -440,6 +440,10 @@ class GraphRunner(Closable):
     @property
     def captured_sizes(self) -> list[int]:
         return list(self._captured)
+
+    def bucket(self, size: int) -> Bucket | None:
+        """What ``size`` captured, to read: its graphs and their outputs, one per piece (None: not captured)."""
+        return self._buckets.get(size)
 
 
     def graph_bytes(self) -> int:

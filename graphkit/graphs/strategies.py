@@ -8,17 +8,19 @@ lease, so they never alias each other (piece k's output is piece k+1's input).
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import hal
 from graphkit.memory.allocator import SharedVMMAllocator
 from graphkit.memory.closing import close_step
 from graphkit.memory.phases import CAPTURE_TIMES
+from graphkit.memory.transaction import Transaction
 
-log = logging.getLogger("graphkit.graphs.strategies")
+log = logging.getLogger(__name__)
 
 POOL_KINDS = ("vmm", "shared", "private")
 
@@ -31,25 +33,41 @@ class Lease:
     space_id: int | None = None
 
 
-class PoolStrategy:
-    """Base class: ``lease()`` before a capture, ``give_back()`` after its graph is gone."""
+@runtime_checkable
+class PoolStrategy(Protocol):
+    """Where the keys of a :class:`graphkit.GraphPools` draw from: ``lease()`` before a capture,
+    ``give_back()`` after its graph is gone.
 
-    kind = "?"
+    A protocol: any object with these members serves (a runner's ``pool_strategy``); a subclass gets the
+    defaults below (nothing to give back, settle or close, no figures, no allocator).
+    """
+
+    kind: str = "?"  # "vmm", "shared", "private", or a name of its own
+    backend: hal.Backend
 
     def __init__(self, backend: hal.Backend) -> None:
         self.backend = backend
 
+    @property
+    def allocator(self) -> SharedVMMAllocator | None:
+        """The shared allocator of a vmm strategy (for the reports and a saver); None for the others."""
+        return None
+
     def lease(self) -> Lease:
+        """The memory of a capture that starts (one lease per key)."""
         raise NotImplementedError
 
     def give_back(self, lease: Lease) -> None:
         """Called after the graph(s) of the lease were released."""
+        return None
 
     def settle(self) -> None:
         """Finish giving back: called once after a batch of ``give_back`` calls."""
+        return None
 
     def close(self) -> None:
         """Release whatever the strategy still holds; idempotent."""
+        return None
 
     def figures(self) -> dict[str, int]:
         """Memory figures specific to the strategy (bytes)."""
@@ -100,6 +118,11 @@ class VmmPools(PoolStrategy):
 
     kind = "vmm"
 
+    @property
+    def allocator(self) -> SharedVMMAllocator:
+        """The allocator every space of these pools is carved from."""
+        return self._allocator
+
     def __init__(self, backend: hal.Backend, allocator: SharedVMMAllocator | None = None, *,
                  park_live: bool = True, collect: bool = True, **allocator_options: Any) -> None:
         """:param park_live: closing an allocator of its own parks the spaces tensors still use
@@ -115,19 +138,19 @@ class VmmPools(PoolStrategy):
         self._own = allocator is None
         self._park_live = park_live
         self._collect = collect
-        self.allocator = allocator or SharedVMMAllocator(backend, **allocator_options)
+        self._allocator = allocator or SharedVMMAllocator(backend, **allocator_options)
         self._returned: list[int] = []
 
     def lease(self) -> Lease:
         """A new open space (other spaces keep their room: their owners seal them) and a pool over it."""
         allocator = self.allocator
         counted = CAPTURE_TIMES.start("spaces")
-        space = allocator.open_virtual_space()
         try:
-            pool = self.backend.create_pool(*allocator.pool_callbacks(space), paused=lambda: allocator.paused)
-        except BaseException:
-            self.allocator.release_virtual_space(space)
-            raise
+            with Transaction() as tx:  # a pool that cannot be made gives its space back
+                space = allocator.open_virtual_space()
+                tx.append(functools.partial(allocator.release_virtual_space, space))
+                pool = self.backend.create_pool(*allocator.pool_callbacks(space), paused=lambda: allocator.paused)
+                tx.commit()
         finally:
             CAPTURE_TIMES.stop(counted)
         return Lease(pool=pool, space_id=space)

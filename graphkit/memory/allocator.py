@@ -52,7 +52,7 @@ from graphkit.memory.ranges import SpaceTable, VirtualSpace
 from graphkit.memory.sharing import ExportedRange
 from hal.types import fmt_bytes, round_up
 
-log = logging.getLogger("graphkit.memory.allocator")
+log = logging.getLogger(__name__)
 
 #: how many ``reserve_bytes`` one arena reservation holds by default
 ARENA_SPACES = 8
@@ -146,13 +146,16 @@ class SharedVMMAllocator(Closable):
         self.last_error: str | None = None  # why the last allocation a pool callback asked for failed (logged too)
         self.backup = False  # graph memory needs no backup: every replay writes it afresh
 
+    _chunks: SharedChunks
+    _table: SpaceTable
+
     @property
     def physical_bytes(self) -> int:
         """Bytes of physical chunks held: the shared ones (mapped into the spaces that reach them) and the
         survivors' own."""
         return self._chunks.physical_bytes + self._chunks.private_bytes
 
-    shared_bytes = figure("_chunks.physical_bytes",
+    shared_bytes = figure("_chunks", "physical_bytes",
                           "Bytes of the shared chunks held (mapped into every space that reaches them).")
 
     @property
@@ -160,36 +163,36 @@ class SharedVMMAllocator(Closable):
         """Physical bytes it holds while awake (what a pause releases)."""
         return sum(c.size for c in self._chunks.all_chunks())
 
-    survivor_bytes = figure("_chunks.private_bytes",
+    survivor_bytes = figure("_chunks", "private_bytes",
                             "Bytes of the chunks of their own that memory outliving its capture holds (counted in "
                             "physical_bytes too).")
 
-    chunks = figure("_chunks.held",
+    chunks = figure("_chunks", "held",
                     "Physical handles held, chunk ``i`` at offset ``i * granularity`` of every space that reaches it.")
 
-    pending_release = figure("_chunks.backing.pending",
+    pending_release = figure("_chunks", "pending",
                              "Chunks mapped nowhere whose release failed and will be retried.", count=True)
 
-    parked_bytes = figure("_chunks.parked_bytes",
+    parked_bytes = figure("_chunks", "parked_bytes",
                           "Address space left over a scratch chunk at close (tensors still used it).")
 
-    reserved_bytes = figure("_table.reserved_bytes", "Virtual address space held by the live spaces.")
+    reserved_bytes = figure("_table", "reserved_bytes", "Virtual address space held by the live spaces.")
 
-    arena_reserved_bytes = figure("_table.arena_reserved_bytes",
+    arena_reserved_bytes = figure("_table", "arena_reserved_bytes",
                                   "Virtual address space reserved from the driver (the arenas spaces are carved from).")
 
-    num_virtual_spaces = figure("_table.spaces", "Live virtual spaces.", count=True)
+    num_virtual_spaces = figure("_table", "spaces", "Live virtual spaces.", count=True)
 
-    num_arenas = figure("_table.arenas", "Address reservations spaces are carved from.", count=True)
+    num_arenas = figure("_table", "arenas", "Address reservations spaces are carved from.", count=True)
 
     @property
     def spaces(self) -> dict[int, VirtualSpace]:
         """Live spaces by id (read only)."""
         return dict(self._table.spaces)
 
-    map_calls = figure("_chunks.backing.map_calls", "Map calls made so far (each maps one chunk into one space).")
+    map_calls = figure("_chunks", "map_calls", "Map calls made so far (each maps one chunk into one space).")
 
-    map_seconds = figure("_chunks.backing.map_seconds", "Wall time those map calls took.")
+    map_seconds = figure("_chunks", "map_seconds", "Wall time those map calls took.")
 
     def stats(self) -> AllocatorStats:
         with self._lock:
@@ -209,7 +212,7 @@ class SharedVMMAllocator(Closable):
                                         "MemorySaver tag, or call restore_physical(), first",
                                         backend=self.backend.name, call=call)
 
-    paused = figure("_chunks.backing.paused",
+    paused = figure("_chunks", "paused",
                     "Whether any of its memory is released or unmapped (or a failed pause left a hole): nothing may "
                     "run on it.")
 

@@ -42,7 +42,7 @@ from graphkit.memory.transaction import Transaction
 if TYPE_CHECKING:
     from graphkit.memory.host_backup import HostBackup
 
-log = logging.getLogger("graphkit.memory.backing")
+log = logging.getLogger(__name__)
 
 
 def wait_for_device(backend: hal.Backend) -> None:

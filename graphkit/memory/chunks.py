@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import hal
 from graphkit.memory.backing import Backing, Chunk, Place, wait_for_device
+from graphkit.memory.figures import figure
 from graphkit.memory.sharing import ExportedRange, export_handles
 from graphkit.memory.transaction import Transaction
 from hal.types import fmt_bytes
@@ -16,7 +17,7 @@ from hal.types import fmt_bytes
 if TYPE_CHECKING:
     from graphkit.memory.ranges import VirtualSpace
 
-log = logging.getLogger("graphkit.memory.allocator")
+log = logging.getLogger(__name__)
 
 
 def _forget(chunks: dict[int, Chunk], index: int) -> None:
@@ -44,6 +45,12 @@ class SharedChunks:
         self.private: dict[int, dict[int, Chunk]] = {}  # space id -> granule index -> the chunk of its own there
 
     # -- figures ------------------------------------------------------------------
+
+    backing: Backing
+    paused = figure("backing", "paused", "Whether any chunk is released or unmapped (or a rollback left a hole).")
+    pending = figure("backing", "pending", "Chunks mapped nowhere whose release failed, to release again.")
+    map_calls = figure("backing", "map_calls", "Map calls made so far (each maps one chunk into one space).")
+    map_seconds = figure("backing", "map_seconds", "Wall time those map calls took.")
 
     @property
     def physical_bytes(self) -> int:

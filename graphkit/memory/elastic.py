@@ -23,6 +23,7 @@ next safe point (its lock held, nothing half done).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
@@ -37,11 +38,12 @@ from graphkit.memory.elastic_chunks import FreeChunks, RangeChunks
 from graphkit.memory.elastic_views import LiveViews, ViewToken
 from graphkit.memory.figures import figure
 from graphkit.memory.host_backup import HostBacked, HostBackup
+from graphkit.memory.keeper import Keeper
 from graphkit.memory.ranges import Arena
-from graphkit.saver import MemorySaver
+from graphkit.memory.transaction import Transaction
 from hal.types import fmt_bytes, round_up
 
-log = logging.getLogger("graphkit.memory.elastic")
+log = logging.getLogger(__name__)
 
 
 def _positive(value: Any, name: str, call: str, backend: str, zero: bool = False) -> int:
@@ -79,22 +81,23 @@ class ElasticReservation(Closable):
         self._buffers: weakref.WeakSet[ElasticBuffer] = weakref.WeakSet()
         self._closed = False
         self._closing = False
-        self.base = be.create_vir_ptr(self.reserve_bytes)
-        self._reserved = True  # the virtual range is still held
-        self._arena = Arena(self.base, self.reserve_bytes)
-        try:
+        with Transaction() as tx:  # chunks that would not precreate: the range goes, pending releases are retried
+            self.base = be.create_vir_ptr(self.reserve_bytes)
+            tx.append(functools.partial(be.release_vir_ptr, self.base, self.reserve_bytes))
+            tx.append(self._free.backing.retry)
+            self._reserved = True  # the virtual range is still held
+            self._arena = Arena(self.base, self.reserve_bytes)
             self.precreate(precreate_bytes)
-        except BaseException:
-            self._free.backing.retry()
-            be.release_vir_ptr(self.base, self.reserve_bytes)
-            raise
+            tx.commit()
 
-    free_bytes = figure("_free.free_bytes", "Physical bytes pre-created and not mapped anywhere.")
+    _free: FreeChunks
 
-    created = figure("_free.created",
+    free_bytes = figure("_free", "free_bytes", "Physical bytes pre-created and not mapped anywhere.")
+
+    created = figure("_free", "created",
                      "Chunks created over the reservation's life (growth that paid a driver allocation included).")
 
-    pending_release = figure("_free.pending",
+    pending_release = figure("_free", "pending",
                              "Chunks whose release failed and will be retried (at :meth:`trim` and :meth:`close`).",
                              count=True)
 
@@ -247,7 +250,7 @@ def _buffer_backend(backend: hal.Backend | None, reservation: Any, spelled: str,
     if reservation is not None and backend is not None and reservation.backend is not backend:
         raise hal.InvalidArgumentError(f"{spelled}= belongs to another backend", backend=backend.name,
                                        call="ElasticBuffer")
-    if saver is not None and not isinstance(saver, MemorySaver):
+    if saver is not None and not isinstance(saver, Keeper):
         raise hal.InvalidArgumentError(f"saver={saver!r} must be a graphkit.MemorySaver",
                                        backend=getattr(backend, "name", None), call="ElasticBuffer")
     if saver is not None:
@@ -313,7 +316,7 @@ class ElasticBuffer(Closable, HostBacked):
     """
 
     def __init__(self, backend: hal.Backend | None = None, max_bytes: int = 0, *,
-                 reservation: ElasticReservation | None = None, saver: MemorySaver | None = None,
+                 reservation: ElasticReservation | None = None, saver: Keeper | None = None,
                  tag: str = "kv_cache", backup: bool = False, chunk_bytes: int | None = None) -> None:
         be = _buffer_backend(backend, reservation, "reservation", saver, tag)
         _positive(max_bytes, "max_bytes", "ElasticBuffer", be.name)
@@ -329,12 +332,11 @@ class ElasticBuffer(Closable, HostBacked):
         if chunk_bytes is None:
             chunk_bytes = self.max_bytes if self._own_reservation else self.granularity
         self.chunk_bytes = min(round_up(chunk_bytes, self.granularity), self.max_bytes)
-        try:
-            self._chunks = self.reservation.carve(self.max_bytes, self._backup, self.chunk_bytes)
-        except BaseException:
+        with Transaction() as tx:  # a range that cannot be carved: a reservation of its own goes
             if self._own_reservation:
-                self.reservation.close()
-            raise
+                tx.append(self.reservation.close)
+            self._chunks = self.reservation.carve(self.max_bytes, self._backup, self.chunk_bytes)
+            tx.commit()
         self.ptr = self._chunks.ptr
         self._lock = threading.RLock()
         self._views = LiveViews()
@@ -344,20 +346,25 @@ class ElasticBuffer(Closable, HostBacked):
         self._closed = False
         self._finalizer = self.reservation.track(self, self._chunks, self._own_reservation)
         if saver is not None:
-            try:
+            with Transaction() as tx:  # a saver that refuses it: the buffer is closed at once
+                tx.append(self._close_refused)
                 saver.adopt(self, tag)
-            except BaseException:
-                self._finalizer.detach()
-                self.close()
-                raise
+                tx.commit()
+
+    def _close_refused(self) -> None:
+        """Close a buffer its saver refused to adopt (no warning at garbage collection: it never lived)."""
+        self._finalizer.detach()
+        self.close()
 
     # -- figures ------------------------------------------------------------------------
 
-    mapped_bytes = figure("_chunks.mapped_bytes", "Bytes backed by physical memory now (a prefix of the range).")
+    _chunks: RangeChunks
 
-    footprint_bytes = figure("_chunks.footprint_bytes", "Bytes it holds while awake (what a pause releases).")
+    mapped_bytes = figure("_chunks", "mapped_bytes", "Bytes backed by physical memory now (a prefix of the range).")
 
-    paused = figure("_chunks.backing.paused",
+    footprint_bytes = figure("_chunks", "footprint_bytes", "Bytes it holds while awake (what a pause releases).")
+
+    paused = figure("_chunks", "paused",
                     "Whether part of its prefix is released or unmapped (nothing may read it until it is restored).")
 
     def __repr__(self) -> str:

@@ -25,10 +25,11 @@ from typing import Any
 import hal
 from graphkit.memory.backing import Backing, Chunk, Place
 from graphkit.memory.closing import close_step
+from graphkit.memory.figures import figure
 from graphkit.memory.host_backup import HostBackup
 from graphkit.memory.transaction import Transaction
 
-log = logging.getLogger("graphkit.memory.elastic")
+log = logging.getLogger(__name__)
 
 _UNMAPPED = "part of the buffer is unmapped (a failed rollback): restore_physical() it before a pause can back it up"
 
@@ -112,6 +113,8 @@ class RangeChunks:
 
     __slots__ = ("backend", "backing", "chunk_bytes", "granularity", "granules", "pending", "places", "ptr", "size",
                  "store")
+    backing: Backing
+    paused = figure("backing", "paused", "Whether part of the prefix is released or unmapped.")
 
     def __init__(self, store: FreeChunks, ptr: int, size: int, host: HostBackup | None = None,
                  chunk_bytes: int | None = None) -> None:

@@ -24,7 +24,7 @@ import torch
 import hal
 from graphkit.memory.figures import figure
 
-log = logging.getLogger("graphkit.memory.backing")
+log = logging.getLogger(__name__)
 
 Spans = Sequence[tuple[int, int]]  # (device address, bytes)
 
@@ -166,9 +166,14 @@ class HostBacked:
 
     _backup: HostBackup
 
-    host_bytes = figure("_backup.host_bytes",
+    host_bytes = figure("_backup", "host_bytes",
                         "Host bytes made for the backup: made ahead of the pauses (as memory grows, or as a region "
                         "ends).")
 
-    pin_seconds = figure("_backup.pin_seconds",
+    pin_seconds = figure("_backup", "pin_seconds",
                          "Time spent making (pinning) the backup's host buffers, off the pause path or on it.")
+
+    def wait_for_backup(self) -> None:
+        """Wait until the backup's host buffers being made in the background are made (the next pause then
+        only copies)."""
+        self._backup.wait()

@@ -6,6 +6,12 @@ bench -- each counting point costs one attribute read. Parts nest: the
 seconds of a part leave out those of the parts counted inside it (the maps
 made while a space is set up count as maps, not as the space), so the parts
 add up to graphkit's share without counting anything twice.
+
+It lives in the memory room, though captures are the graphs room's, because
+the room that maps (:mod:`graphkit.memory.backing`) counts its maps here and
+may import nothing from the rooms above it; it knows nothing of graphs: a
+part is a name its caller chooses (``"maps"`` here, ``"spaces"`` and
+``"routing"`` in :mod:`graphkit.graphs`), and a timer a bench reads.
 """
 
 from __future__ import annotations

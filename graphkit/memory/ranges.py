@@ -14,7 +14,7 @@ from graphkit.memory.backing import Place
 from graphkit.memory.transaction import Transaction
 from hal.types import fmt_bytes, round_up
 
-log = logging.getLogger("graphkit.memory.allocator")
+log = logging.getLogger(__name__)
 
 
 class Arena:

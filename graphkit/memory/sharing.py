@@ -41,7 +41,7 @@ from graphkit.memory.backing import wait_for_device
 from graphkit.memory.closing import Closable, close_step, raise_first_failure
 from graphkit.memory.transaction import Transaction
 
-log = logging.getLogger("graphkit.memory.sharing")
+log = logging.getLogger(__name__)
 
 #: the most descriptors one message carries (Linux's SCM_MAX_FD is 253)
 FDS_PER_MESSAGE = 253
@@ -81,12 +81,11 @@ def export_handles(backend: hal.Backend, handles: Sequence[Any], chunk_bytes: in
                    nbytes: int) -> ExportedRange:
     """Export ``handles`` (chunks in address order) as a range of ``nbytes`` from ``offset``; all or nothing."""
     fds: list[int] = []
-    try:
+    with Transaction() as tx:  # the descriptors made so far are closed when one export fails
         for handle in handles:
             fds.append(backend.export_phy_mem_handle(handle))
-    except BaseException:
-        ExportedRange(tuple(fds), chunk_bytes, offset, nbytes).close()
-        raise
+            tx.append(functools.partial(os.close, fds[-1]))
+        tx.commit()
     return ExportedRange(tuple(fds), chunk_bytes, offset, nbytes)
 
 

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable
 from types import TracebackType
 
-log = logging.getLogger("graphkit.memory.transaction")
+log = logging.getLogger(__name__)
 
 
 class Transaction:

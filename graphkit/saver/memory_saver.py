@@ -34,12 +34,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import hal
 from graphkit.memory.closing import Closable, after_backend, raise_first_failure
+from graphkit.memory.host_backup import HostBacked
 from graphkit.memory.transaction import Transaction
 from graphkit.saver.nccl import warn_graph_register
 from graphkit.saver.regions import Region, RegionMemory
 from hal.types import fmt_bytes
 
-log = logging.getLogger("graphkit.saver")
+log = logging.getLogger(__name__)
 
 GRAPHS = "graphs"
 
@@ -56,6 +57,45 @@ class TagReport:
     last_pause_s: float | None = None
     last_resume_s: float | None = None
     pin_s: float = 0.0  # time spent making its backup buffers (pinned host memory), mostly off the pause path
+
+    def __str__(self) -> str:
+        def seconds(value: float | None) -> str:
+            return "-" if value is None else f"{value * 1e3:.1f} ms"
+
+        backup = (f"host backup {fmt_bytes(self.host_bytes)} (pinned in {self.pin_s:.2f} s)" if self.backup
+                  else "no backup")
+        return (f"{self.tag:>12}  {'paused' if self.paused else 'awake':<6}  {fmt_bytes(self.footprint_bytes):>10}  "
+                f"last pause {seconds(self.last_pause_s):>9}  resume {seconds(self.last_resume_s):>9}  {backup}")
+
+
+
+def _tag_report(tag: str, members: list[Sleeper], paused: bool,
+                times: tuple[float | None, float | None]) -> TagReport:
+    """The report of ``tag`` over the sleepers it holds."""
+    return TagReport(tag, paused, any(s.backup for s in members), sum(s.footprint_bytes for s in members),
+                     sum(int(getattr(s, "host_bytes", 0)) for s in members), *times,
+                     sum(float(getattr(s, "pin_seconds", 0.0)) for s in members))
+
+class SaverReport(list[TagReport]):
+    """What :meth:`MemorySaver.report` returns: the list of each tag's :class:`TagReport` (index it, iterate
+    it), printed as a table with a header line, as the pools' and the runners' reports print."""
+
+    def __init__(self, backend: str, tags: list[TagReport]) -> None:
+        super().__init__(tags)
+        self.backend = backend
+
+    @property
+    def footprint_bytes(self) -> int:
+        """Device memory the tags hold while awake (what a pause of every tag gives back)."""
+        return sum(r.footprint_bytes for r in self)
+
+    def __str__(self) -> str:
+        paused = sum(r.paused for r in self)
+        header = (f"memory saver on {self.backend}: {len(self)} tag(s), {paused} paused; "
+                  f"{fmt_bytes(self.footprint_bytes)} of device memory while awake, host backups "
+                  f"{fmt_bytes(sum(r.host_bytes for r in self))}")
+        lines = [header, *(f"  {r}" for r in self)]
+        return "\n".join(lines)
 
 
 @runtime_checkable
@@ -307,6 +347,15 @@ class MemorySaver(Closable):
             raise self._bad(f"tags {unknown!r} are unknown (known: {known!r})", call)
         return list(dict.fromkeys(tags)) if tags else known
 
+    def wait_for_backups(self, *tags: str) -> None:
+        """Wait for the host backups of ``tags`` (default: all) made in the background (after a ``region(...,
+        backup=True)`` block, as an elastic buffer grows): the first pause then only copies."""
+        with self._lock:
+            members = [s for tag in self._select(tags, "wait_for_backups") for s in self._members(tag)]
+        for sleeper in members:
+            if isinstance(sleeper, HostBacked):
+                sleeper.wait_for_backup()
+
     def _members(self, tag: str) -> list[Sleeper]:
         region = self._regions.get(tag)
         return [region] if region is not None else list(self._sleepers.get(tag, []))
@@ -417,19 +466,13 @@ class MemorySaver(Closable):
 
     # -- figures and teardown -----------------------------------------------------------------
 
-    def report(self) -> list[TagReport]:
-        """Each tag: paused or not, its footprint, its host backup, the last pause and resume seconds."""
+    def report(self) -> SaverReport:
+        """Each tag: paused or not, its footprint, its host backup, the last pause and resume seconds (a list of
+        :class:`TagReport` that prints as a table)."""
         with self._lock:
-            out = []
-            for tag in self.tags:
-                pause_s, resume_s = self._times.get(tag, (None, None))
-                members = self._members(tag)
-                size = sum(s.footprint_bytes for s in members)
-                host = sum(int(getattr(s, "host_bytes", 0)) for s in members)
-                backup = any(s.backup for s in members)
-                pin_s = sum(float(getattr(s, "pin_seconds", 0.0)) for s in members)
-                out.append(TagReport(tag, tag in self._paused, backup, size, host, pause_s, resume_s, pin_s))
-            return out
+            return SaverReport(self.backend.name, [
+                _tag_report(tag, self._members(tag), tag in self._paused, self._times.get(tag, (None, None)))
+                for tag in self.tags])
 
     def _check_open(self, call: str) -> None:
         if self._closed:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
-log = logging.getLogger("graphkit.saver")
+log = logging.getLogger(__name__)
 
 
 def graph_register_hazard() -> str | None:

@@ -24,7 +24,7 @@ from graphkit.memory.host_backup import HostBacked, HostBackup
 from graphkit.memory.transaction import Transaction
 from hal.types import round_up
 
-log = logging.getLogger("graphkit.saver")
+log = logging.getLogger(__name__)
 
 
 class Region(HostBacked):

@@ -155,5 +155,5 @@ def free(ptr: int, size: int, *, backend: str = "host") -> None:
         _os.free(ptr, size)
 
 
-__all__ = ["PAGE_SIZE", "alloc", "create_chunk", "free", "map_chunk", "release", "release_chunk", "reserve",
-           "unavailable_reason", "unmap_chunk"]
+__all__ = ["PAGE_SIZE", "alloc", "create_chunk", "export_chunk", "free", "import_chunk", "map_chunk", "release",
+           "release_chunk", "reserve", "unavailable_reason", "unmap_chunk"]

@@ -205,3 +205,71 @@ def test_the_engine_capture_target_pairs_the_runs_and_says_when_noise_cannot_tel
     noisy = target([0.9, 1.3, 1.0, 1.25, 1.05, 1.2])
     assert noisy["met"] is None and "straddles 1.1" in noisy["detail"] and noisy["measured"] == pytest.approx(1.125)
     assert target([1.0, 1.0, 1.0])["met"] is None  # three runs cannot tell 10% from noise
+
+
+def _targets(vmm_per_size: dict[str, float], weak_per_size: dict[str, float], reference_gpu: bool = False) -> dict:
+    from graphkit_bench.targets import check_targets
+
+    def row(strategy: str, per_size: dict[str, float]) -> dict:
+        return {"strategy": strategy, "order": "descending", "graph_memory_bytes": 1,
+                "capture_seconds": sum(per_size.values()), "capture_seconds_per_size": per_size,
+                "replay_ms": {"1": 1.0}, "runner_ms_batch1": 1.0, "hand_loop_ms_batch1": 1.0}
+
+    out = {"results": [row("vmm", vmm_per_size), row("shared-weakref", weak_per_size)], "largest_alone_bytes": 1,
+           "sizes": list(vmm_per_size), "eager_ms": {"1": 0.9}}
+    return {t["id"]: t for t in check_targets(out, 1, reference_gpu=reference_gpu)}
+
+
+def test_the_capture_time_target_is_judged_size_by_size_through_an_interval() -> None:
+    sizes = [str(s) for s in range(1, 10)]
+    weak = {s: 1.0 for s in sizes}
+    assert _targets({s: 1.1 for s in sizes}, weak)[3]["met"] is True
+    assert _targets({s: 2.0 for s in sizes}, weak)[3]["met"] is False
+    noisy = _targets(dict(zip(sizes, [0.5, 2.5, 1.0, 2.0, 1.4, 1.6, 0.8, 2.2, 1.5], strict=True)), weak)[3]
+    assert noisy["met"] is None and "straddles 1.5" in noisy["detail"]
+
+
+def test_a_gpu_only_target_is_not_judged_and_shows_no_ratio_on_a_cpu() -> None:
+    from graphkit_bench.output import summary_table
+
+    cpu = _targets({"1": 1.0}, {"1": 1.0})[5]
+    assert cpu["met"] is None and cpu["ratio"] is None and "GPU-only" in cpu["detail"]
+    assert _targets({"1": 1.0}, {"1": 1.0}, reference_gpu=True)[5]["met"] is False  # 0.9 ms eager: no speed-up
+    table = summary_table({"machine": {"backend": "fake", "processor": "x", "torch": "2"}, "sizes": [1],
+                           "largest_alone_bytes": 1, "eager_ms": {}, "results": [], "targets": [cpu]})
+    assert "5. [not judged]" in table and "ratio -" in table
+
+
+def test_the_table_explains_its_columns() -> None:
+    from graphkit_bench.output import summary_table
+
+    table = summary_table({"machine": {"backend": "fake", "processor": "x", "torch": "2"}, "sizes": [1],
+                           "largest_alone_bytes": 1, "eager_ms": {}, "results": [], "targets": []})
+    head = next(line for line in table.splitlines() if line.startswith("strategy"))
+    columns = [c for c in ("graph memory", "chunks", "capture s", "verify", "ms @1", "hand @1", "max rel err", "ok")
+               if c in head]
+    explained = table[table.index("columns:"):]
+    assert len(columns) == 8 and all(f"{c} = " in explained for c in columns), explained
+
+
+def test_the_plot_shows_graphkits_line_on_top_and_a_legend_in_every_panel(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from graphkit_bench import output
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    same = [1 << 20, 2 << 20]  # vLLM's line and graphkit's equal: graphkit's must still be seen
+    out = {"machine": {"backend": "fake", "torch": "2"}, "largest_alone_bytes": 1 << 20, "sizes": [2, 1],
+           "results": [{"strategy": s, "order": o, "memory_after_each_capture": same}
+                       for o in ("descending", "ascending") for s in ("shared-weakref", "vmm")]}
+    assert output.plot(out, tmp_path / "demo.png")
+    axes = figures[0].axes
+    assert len(axes) == 2 and all(ax.get_legend() is not None for ax in axes)
+    for ax in axes:
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        ours = lines[output.DESCRIPTIONS["vmm"]]
+        others = [line for label, line in lines.items() if line is not ours]
+        assert ours.get_linestyle() == "-" and all(o.get_linestyle() != "-" for o in others)  # dashed over it
+        assert all(ours.get_linewidth() >= 3 * o.get_linewidth() for o in others)  # a band wider than each

@@ -326,3 +326,36 @@ def test_vm_errors_are_hal_errors_naming_the_backend_and_the_hook() -> None:
         vm.release_chunk(-1, backend="mine")
     assert (driver.value.code, driver.value.code_name, driver.value.native_call) == (errno.EBADF, "EBADF", "close")
     assert driver.value.backend == "mine" and driver.value.call == "release_phy_mem_handle"
+
+
+def test_the_plugin_guide_lists_every_public_helper_of_hal_host_vm() -> None:
+    import inspect
+
+    from tests.paths import ROOT
+
+    text = (ROOT / "docs" / "plugins.md").read_text()
+    section = text[text.index("### Host memory as a device: `hal.host.vm`"):]
+    section = section[:section.index("\n## ")]
+    public = sorted(name for name, obj in vars(vm).items()
+                    if not name.startswith("_") and inspect.isfunction(obj) and obj.__module__ == vm.__name__)
+    assert sorted(set(public) - set(vm.__all__)) == []  # every public helper is exported
+    missing = [name for name in public if f"`{name}(" not in section and f"vm.{name}()" not in section]
+    assert not missing, f"docs/plugins.md does not list {missing}"
+
+
+def test_an_imported_chunk_is_not_charged_to_the_importers_capacity() -> None:
+    import os
+
+    with hal.get_backend("fake", granularity=G) as exporter, \
+            hal.get_backend("fake", granularity=G, capacity=4 * G) as importer:
+        handle = exporter.create_phy_mem_handle(2 * G)
+        fd = exporter.export_phy_mem_handle(handle)
+        try:
+            free = importer.mem_info().free
+            imported = importer.import_phy_mem_handle(fd, 2 * G)
+        finally:
+            os.close(fd)
+        assert importer.mem_info().free == free == 4 * G  # the exporter counted those bytes
+        importer.release_phy_mem_handle(imported)
+        assert importer.mem_info().free == 4 * G  # and its release gives nothing back that was not taken
+        exporter.release_phy_mem_handle(handle)

@@ -10,7 +10,8 @@ the driver's codes into hal errors in one place (docs/plugins.md, "Errors").
 The graph half comes from hal's host recorder (:class:`hal.host.HostGraphs`):
 wired to the device's own allocator (:meth:`HostMemBackend.device_malloc`),
 it gives the ``graphs``, ``custom_pool``, ``capture_routing``, ``use_pool``
-and ``graph_addresses`` capabilities.
+and ``graph_addresses`` capabilities. A chunk is a file descriptor, so it can
+be exported to another process and imported there: ``memory_sharing``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Chunk:
 
     fd: int
     size: int
+    imported: bool = False  # another device's chunk: its bytes are counted there, not here
 
 
 class HostMemBackend(HostGraphs):
@@ -135,7 +137,22 @@ class HostMemBackend(HostGraphs):
     @hal.hookimpl
     def release_phy_mem_handle(self, handle: Chunk) -> None:
         vm.release_chunk(handle.fd, backend=NAME)
-        self.refund(handle.size)
+        if not handle.imported:
+            self.refund(handle.size)
+
+    # -- memory sharing: a chunk's descriptor, passed to another process -------------
+
+    @hal.hookimpl
+    def capabilities(self) -> frozenset[str]:
+        return HostGraphs.capabilities(self) | {"memory_sharing"}
+
+    @hal.hookimpl
+    def export_phy_mem_handle(self, handle: Chunk) -> int:
+        return vm.export_chunk(handle.fd, backend=NAME)
+
+    @hal.hookimpl
+    def import_phy_mem_handle(self, fd: int, size: int) -> Chunk:
+        return Chunk(vm.import_chunk(fd, size, backend=NAME), size, imported=True)
 
     @hal.hookimpl
     def map(self, ptr: int, size: int, handle: Chunk) -> None:

@@ -119,7 +119,7 @@ def test_a_cache_born_inside_a_capture_is_reported(graph_backend: hal.Backend, c
     pool = be.create_pool(*alloc.pool_callbacks(sid))
     x = torch.zeros(8, 1, device=dev)
     stream = be.create_stream()
-    with caplog.at_level(logging.WARNING, logger="graphkit.graphs.capture"):
+    with caplog.at_level(logging.WARNING, logger="graphkit.graphs"):
         captured = capture(be, step, {"x": x}, Lease(pool, sid), stream, what="step")
     table = [size for _, size in captured.leftovers if 1000 * 37 * 4 <= size < 1000 * 37 * 4 + 4096]
     assert len(table) == 1, captured.leftovers  # the cached tensor, rounded to the pool's block size

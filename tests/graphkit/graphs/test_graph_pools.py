@@ -326,7 +326,7 @@ def test_misuse_is_loud(be: hal.Backend, caplog: pytest.LogCaptureFixture) -> No
         cache.setdefault("table", torch.ones(512, 64))  # born inside the capture and kept
         return x * 2 + cache["table"][: x.shape[0], :1]
 
-    with caplog.at_level(logging.INFO, logger="graphkit.graphs.pools"):
+    with caplog.at_level(logging.INFO, logger="graphkit.graphs"):
         with graphkit.graph_memory(pools=pools):
             with pools.group("k"):
                 graph, out = capture(be, step, torch.zeros(4, 1))
@@ -366,7 +366,7 @@ def test_shared_fallback_where_custom_pools_are_absent(caplog: pytest.LogCapture
     from tests.graphkit.graphs.test_runner import NoCustomPool
 
     be = hal.Backend("nocustompool", NoCustomPool(granularity=G))
-    with caplog.at_level(logging.WARNING, logger="graphkit.graphs.pools"):
+    with caplog.at_level(logging.WARNING, logger="graphkit.graphs"):
         pools = graphkit.GraphPools(be)
     assert pools.kind == "shared" and "custom_pool" in caplog.text
     assert "GraphPools falls back to one shared pool" in caplog.text  # the warning the runner gives, too

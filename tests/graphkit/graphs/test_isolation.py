@@ -138,7 +138,8 @@ def test_a_backend_that_cannot_answer_skips_the_check_with_one_line(be: hal.Back
     monkeypatch.setattr(type(be), "capabilities", property(lambda self: frozenset(
         {"graphs", "custom_pool", "capture_routing", "use_pool"})))
     first, second = pieces()
-    with caplog.at_level(logging.INFO, logger="graphkit.graphs.isolation"), graphkit.graph_memory(be, verify=True, outputs="replay") as pools:
+    with caplog.at_level(logging.INFO, logger="graphkit.graphs"), graphkit.graph_memory(
+            be, verify=True, outputs="replay") as pools:
         g1, h = capture(be, first, torch.zeros(4, 256))
         g2, _ = capture(be, second, h)
     lines = [r for r in caplog.records if "graph_addresses" in r.getMessage()]
@@ -263,7 +264,8 @@ def test_graph_tree_captures_are_left_to_torch(be: hal.Backend, caplog: pytest.L
     own_pool = be.create_pool()
     trees_capture = _as_if_from("torch._inductor.cudagraph_trees", "_record", lambda x: capture(be, first, x,
                                                                                                  pool=own_pool))
-    with caplog.at_level(logging.INFO, logger="graphkit.graphs.pools"), graphkit.graph_memory(be, verify=True, outputs="replay") as pools:
+    with caplog.at_level(logging.INFO, logger="graphkit.graphs"), graphkit.graph_memory(
+            be, verify=True, outputs="replay") as pools:
         g1, out1 = trees_capture(torch.zeros(4, 256))
         g2, out2 = trees_capture(torch.zeros(2, 256))
     assert pools.keys == [] and be.pool_active_blocks(own_pool) != []  # torch's own pool, not graphkit's

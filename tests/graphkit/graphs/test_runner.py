@@ -231,7 +231,7 @@ class NoCustomPool(FakeBackend):
 
 def test_vmm_falls_back_to_a_shared_pool_with_a_warning(caplog) -> None:
     be = hal.Backend("nocustompool", NoCustomPool(granularity=1 << 16))
-    with caplog.at_level(logging.WARNING, logger="graphkit.graphs.strategies"):
+    with caplog.at_level(logging.WARNING, logger="graphkit.graphs"):
         runner = graphkit.GraphRunner(lambda x: x * 3, sizes=[2, 4], backend=be, kind="vmm", progress=False)
     assert runner.kind == "shared" and "custom_pool" in caplog.text
     assert "GraphRunner falls back to one shared pool" in caplog.text

@@ -109,3 +109,36 @@ def test_a_pool_strategy_of_ones_own_serves_the_runner_through_its_pools(be: hal
     assert calls.count("give_back") == 1 and runner.pools.keys == [4]
     runner.close()
     assert calls.count("give_back") == 2 and calls[-1] == "close" and be.live.zero, be.live
+
+
+def test_a_pool_strategy_is_a_protocol_an_object_of_ones_own_serves_without_subclassing(be: hal.Backend) -> None:
+    from graphkit.graphs.strategies import Lease, PoolStrategy
+
+    class Duck:  # no base class: the members the runner's pools use
+        kind, allocator = "duck", None
+
+        def __init__(self, backend: hal.Backend) -> None:
+            self.backend, self.pools = backend, []
+
+        def lease(self) -> Lease:
+            self.pools.append(self.backend.create_pool())
+            return Lease(pool=self.pools[-1])
+
+        def give_back(self, lease: Lease) -> None:
+            self.backend.release_pool(lease.pool)
+
+        def settle(self) -> None: ...
+
+        def close(self) -> None: ...
+
+        def figures(self) -> dict[str, int]:
+            return {}
+
+    duck = Duck(be)
+    assert isinstance(duck, PoolStrategy)
+    runner = GraphRunner(step, [2, 4], be, pool_strategy=duck, progress=False)
+    runner.capture(x=torch.zeros(4, 8))
+    assert runner.kind == "duck" and len(duck.pools) == 2 and runner.pools.allocator is None
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(runner(x=x), step(x))
+    runner.close()

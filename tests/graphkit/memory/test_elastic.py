@@ -336,7 +336,7 @@ def _reservation_with_a_dropped_buffer(be: hal.Backend) -> graphkit.ElasticReser
 
 def test_a_dropped_buffer_gives_its_memory_back_with_a_warning(be: hal.Backend,
                                                                caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="graphkit.memory.elastic"):
+    with caplog.at_level(logging.WARNING, logger="graphkit.memory"):
         pool = _reservation_with_a_dropped_buffer(be)
     assert "garbage-collected without close()" in caplog.text
     again = pool.buffer(16 * G)  # the dropped range is back in the reservation
@@ -461,7 +461,7 @@ def test_a_dropped_buffer_that_will_not_unmap_is_given_back_at_a_later_call(be: 
                                                                             caplog: pytest.LogCaptureFixture) -> None:
     res = _reservation_with_a_dropped_buffer(be)
     be.faults.fail("unmap", nth=1)
-    with caplog.at_level(logging.ERROR, logger="graphkit.memory.elastic"):
+    with caplog.at_level(logging.ERROR, logger="graphkit.memory"):
         res.precreate(0)  # a safe point: the dropped range is tried, and one unmap fails
     assert "would not unmap" in caplog.text and be.live.mappings == 1  # kept for the next safe point
     res.buffer(16 * G).close()  # that call gives the rest back first: the whole reservation is free again

@@ -49,7 +49,7 @@ def test_torch_compile_reduce_overhead_inside_the_scope(be: hal.Backend, order: 
     inputs = {n: torch.randn(n, 1024, device="cuda", dtype=torch.bfloat16) for n in sizes}
     torch.cuda.synchronize()
     used0 = torch.cuda.memory_allocated()
-    with caplog.at_level(logging.INFO, logger="graphkit.graphs.pools"), graphkit.graph_memory(be) as pools:
+    with caplog.at_level(logging.INFO, logger="graphkit.graphs"), graphkit.graph_memory(be) as pools:
         for _ in range(3):  # warm-up, record, replay
             for n in sizes:
                 got = compiled(inputs[n]).clone()

@@ -1,0 +1,133 @@
+"""graph_memory()'s process router on fake: captures through any backend object of its device are served, as
+the switch serves them; a capture it leaves alone is said, once."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import graphkit
+import hal
+from graphkit import switch
+from hal.backends.fake import FakeBackend
+from tests.conftest import G
+
+SIZES = (16, 8, 4)
+
+
+class Engine:
+    """An engine with its own backend object and its own capture loop: it never hears of graphkit."""
+
+    def __init__(self) -> None:
+        self.be = hal.get_backend("fake", granularity=G)
+        self.weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+        self.graphs: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+
+    def capture(self) -> None:
+        pool = None
+        for n in SIZES:  # nano-vllm's loop: the first graph's pool is passed to the later ones
+            graph, x = self.be.create_graph(), torch.zeros(n, 64)
+            with self.be.capture(graph, pool=pool):
+                y = torch.relu(x @ self.weight)
+            pool = pool or self.be.create_pool()
+            self.graphs.append((graph, x, y))
+        self.be.release_pool(pool)
+
+    def worst_error(self) -> float:
+        worst = 0.0
+        for graph, x, y in self.graphs:
+            x.copy_(torch.randn_like(x))
+            self.be.replay(graph)
+            worst = max(worst, (y - torch.relu(x @ self.weight)).abs().max().item())
+        return worst
+
+    def close(self) -> None:
+        for graph, _, _ in self.graphs:
+            self.be.release_graph(graph)
+        self.graphs.clear()
+        self.be.close()
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    made = Engine()
+    yield made
+    made.close()
+
+
+def test_the_scope_serves_the_captures_of_another_backend_object_of_its_device(engine: Engine,
+                                                                                caplog) -> None:
+    scope_be = hal.get_backend("fake", granularity=G)
+    assert scope_be is not engine.be
+    with caplog.at_level(logging.WARNING), graphkit.graph_memory(scope_be) as pools:
+        engine.capture()
+    report = pools.report()
+    assert [k.graphs for k in report.keys] == [1] * len(SIZES)
+    assert report.chunk_bytes == max(k.mapped_bytes for k in report.keys) > 0  # the largest, not the sum
+    spaces = list(pools.allocator.spaces.values())
+    for _, _, y in engine.graphs:  # the outputs live in graphkit's spaces, not in the engine's pool
+        assert any(space.contains(y.data_ptr()) for space in spaces)
+    assert engine.worst_error() < 1e-5
+    assert not caplog.records, caplog.text
+    engine.close()
+    pools.close()
+    scope_be.close()
+
+
+def _keys_served(run: Callable[[], None]) -> int:
+    """How many keys the switch made for what ``run`` captured."""
+    scope = switch.start(switch.Options(report=0))
+    try:
+        run()
+    finally:
+        switch.stop()
+    served = scope.pools.pop(("fake", 0))
+    count = len(served.keys)
+    served.close()
+    return count
+
+
+def test_the_scope_and_the_switch_route_the_same_captures(engine: Engine) -> None:
+    assert switch.active() is None
+    scope_be = hal.get_backend("fake", granularity=G)
+    with graphkit.graph_memory(scope_be) as pools:
+        engine.capture()
+    in_scope = len(pools.report().keys)
+    for graph, _, _ in engine.graphs:
+        engine.be.release_graph(graph)
+    engine.graphs.clear()
+    pools.close()
+    scope_be.close()
+    assert _keys_served(engine.capture) == in_scope == len(SIZES)
+
+
+class Other(FakeBackend):
+    """fake's memory under another backend's name: a plugin's device beside the scope's."""
+
+    def __init__(self, device: int = 0, **options: Any) -> None:
+        super().__init__(device, granularity=G, **options)
+        self.init_host_graphs("other", alloc=self.device_malloc, free=self.device_free, segment_size=G)
+
+
+def test_a_capture_of_another_backend_is_left_alone_and_said_once(be: hal.Backend, caplog) -> None:
+    other = hal.Backend("other", Other())
+    weight = torch.randn(64, 64)
+    graphs = []
+    with caplog.at_level(logging.WARNING, "graphkit"), graphkit.graph_memory(be) as pools:
+        for n in (8, 4):
+            graph = other.create_graph()
+            with other.capture(graph):
+                torch.relu(torch.zeros(n, 64) @ weight)
+            graphs.append(graph)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1, warned
+    assert repr(be) in warned[0] and "graph_memory(hal.get_backend('other', device=0))" in warned[0]
+    assert pools.keys == []
+    for graph in graphs:
+        other.release_graph(graph)
+    other.close()
+    pools.close()
