@@ -18,7 +18,7 @@ def _capture(be: hal.Backend, weight: torch.Tensor, n: int, pool=None) -> tuple[
 
 def test_keys_of_handles_count_their_graphs_and_add_up_with_the_header(be: hal.Backend) -> None:
     weight = torch.randn(64, 64)
-    with graphkit.GraphPools(be) as pools:
+    with graphkit.GraphPools(be, verify=True) as pools:  # the optional verifier's count is in the header too
         graphs = [_capture(be, weight, n, pools.pool(n)) for n in (8, 4, 2)]
         graphs.append(_capture(be, weight, 2, pools.pool(2)))  # a second graph of one key
         report = pools.report()
