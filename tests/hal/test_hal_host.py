@@ -322,6 +322,11 @@ def test_vm_errors_are_hal_errors_naming_the_backend_and_the_hook() -> None:
     with pytest.raises(hal.DeviceOutOfMemoryError, match="mmap") as full:  # more address space than there is
         vm.reserve(1 << 62, backend="mine")
     assert isinstance(full.value, MemoryError) and full.value.call == "create_vir_ptr"
+    for size in (1 << 70, (1 << 64) + vm.PAGE_SIZE, (1 << 64) - vm.PAGE_SIZE):  # size + alignment would wrap
+        with pytest.raises(hal.InvalidArgumentError, match="together they pass 2\\*\\*64 bytes"):
+            vm.reserve(size, backend="mine")
+    with pytest.raises(hal.InvalidArgumentError, match="below 2\\*\\*64"):
+        vm.alloc(1 << 64, backend="mine")
     with pytest.raises(hal.DriverError) as driver:
         vm.release_chunk(-1, backend="mine")
     assert (driver.value.code, driver.value.code_name, driver.value.native_call) == (errno.EBADF, "EBADF", "close")
