@@ -3,6 +3,13 @@
 :class:`GraphCalls` remembers each pool (paused, released) and the pool
 each graph was captured into, routed or not, so that :meth:`GraphCalls.replay`
 refuses a graph whose memory is gone or asleep.
+
+Graphs, pools and streams are objects of the backend's own (what
+``create_graph``, ``create_pool``, ``create_stream`` return); a call given a
+plain value instead (``None`` where one is required, a number, a string, a
+container) raises :class:`hal.InvalidArgumentError` naming the argument before
+the plugin sees it (:meth:`GraphCalls._check_object`), and a router must be
+callable and return a :class:`hal.types.Route` or ``None``.
 """
 
 from __future__ import annotations
@@ -22,10 +29,22 @@ from hal.hook_calls import ADDRESS_LIMIT, HookCalls
 from hal.plugin_class import current_device
 from hal.types import CaptureRouter, GraphAddresses, Route
 
+#: what a graph, pool or stream never is: plain values (a pool given as its number, a stream as its name...)
+_PLAIN_VALUES = (bool, int, float, complex, str, bytes, bytearray, list, tuple, dict, set, frozenset)
+#: where each kind of object comes from, for the error's fix
+_MADE_BY = {"graph": "create_graph()", "pool": "create_pool() (or a graphkit pool handle)",
+            "stream": "create_stream() or current_stream()"}
+
 
 class GraphCalls(HookCalls):
     """Streams, pools, captures, routing and replays through the plugin; owns what a replay checks of the pool
     a graph was captured into (:meth:`_init_graphs` makes it)."""
+
+    def _check_object(self, call: str, kind: str, value: Any, *, optional: bool = False) -> None:
+        """Refuse a plain value where ``call`` needs a ``kind`` ("graph", "pool", "stream") of this backend."""
+        if (value is None and not optional) or isinstance(value, _PLAIN_VALUES):
+            raise self._err(InvalidArgumentError, call, f"{kind}={value!r} is not a {kind} of this backend: pass "
+                            f"one from {self.name}'s {_MADE_BY[kind]}{' or None' if optional else ''}")
 
     def _init_graphs(self) -> None:
         self._local = threading.local()
@@ -48,10 +67,12 @@ class GraphCalls(HookCalls):
 
     def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
         """Context manager: ``stream`` is the current stream inside it."""
+        self._check_object("use_stream", "stream", stream)
         return self._graph_call("use_stream", stream=stream)
 
     def synchronize(self, stream: Any = None) -> None:
         """Wait for ``stream`` (the whole device when ``None``)."""
+        self._check_object("synchronize", "stream", stream, optional=True)
         self._graph_call("synchronize", stream=stream)
 
     # -- pools ------------------------------------------------------------
@@ -83,7 +104,9 @@ class GraphCalls(HookCalls):
         :raises UnsupportedError: the backend lacks ``"use_pool"``.
         """
         self._refuse_without("use_pool", "use_pool", "this backend cannot direct the framework's allocations to a pool")
-        return self._graph_call("use_pool", pool=backend_pool(pool))
+        pool = backend_pool(pool)
+        self._check_object("use_pool", "pool", pool)
+        return self._graph_call("use_pool", pool=pool)
 
     def tensor_at(self, ptr: int, nbytes: int, owner: Any = None) -> Any:
         """A ``torch.uint8`` tensor over ``nbytes`` of device memory at ``ptr`` (no copy, not owning it).
@@ -103,6 +126,7 @@ class GraphCalls(HookCalls):
 
     def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:
         """``(address, nbytes)`` of every block of ``pool`` still in use."""
+        self._check_object("pool_active_blocks", "pool", pool)
         return list(self._graph_call("pool_active_blocks", pool=pool))
 
     def release_pool(self, pool: Any) -> None:
@@ -110,6 +134,7 @@ class GraphCalls(HookCalls):
 
         A graph captured into it can no longer replay (:meth:`replay` raises).
         """
+        self._check_object("release_pool", "pool", pool)
         self._graph_call("release_pool", pool=pool)
         state = self._pools.get(pool)
         if state is not None:
@@ -141,6 +166,9 @@ class GraphCalls(HookCalls):
             raise self._err(CaptureError, "capture", f"pool={pool!r} belongs to {owner.name}:{owner.device}, not "
                             f"to this backend ({self.name}:{self.device}): capture through the backend of the pools")
         pool = backend_pool(pool)
+        self._check_object("capture", "graph", graph)
+        self._check_object("capture", "pool", pool, optional=True)
+        self._check_object("capture", "stream", stream, optional=True)
         inner = self._graph_call("capture", graph=graph, pool=pool, stream=stream,
                                  capture_error_mode=capture_error_mode, inspect=bool(inspect))
         return self._tracking(graph, pool, inner)
@@ -194,6 +222,7 @@ class GraphCalls(HookCalls):
         """
         self._refuse_without("graph_addresses", "graph_addresses",
                              "this backend cannot tell which addresses a graph uses")
+        self._check_object("graph_addresses", "graph", graph)
         found = self._graph_call("graph_addresses", graph=graph)
         if not isinstance(found, GraphAddresses):
             raise self._err(PluginValidationError, "graph_addresses",
@@ -225,6 +254,7 @@ class GraphCalls(HookCalls):
         :raises InvalidStateError: ``stream`` is capturing now.
         """
         self._check_open("prepare_capture_stream")
+        self._check_object("prepare_capture_stream", "stream", stream, optional=True)
         if "prepare_capture_stream" not in self._implemented:
             return
         stream = stream if stream is not None else self.default_capture_stream()
@@ -244,7 +274,9 @@ class GraphCalls(HookCalls):
             ``create_pool(paused=...)``).
         """
         state = self._graph_pool.get(graph)
-        if state is not None and (state.released or (state.paused is not None and state.paused())):
+        if state is None:  # not captured through this facade: at least a graph (a captured one is known)
+            self._check_object("replay", "graph", graph)
+        elif state.released or (state.paused is not None and state.paused()):
             raise self._err(InvalidStateError, "replay", state.why_not())
         direct = self._direct_replay()
         if direct is not None:
@@ -255,6 +287,7 @@ class GraphCalls(HookCalls):
 
     def release_graph(self, graph: Any) -> None:
         """Destroy a graph (its pool's memory stays with the pool); a later :meth:`replay` of it raises."""
+        self._check_object("release_graph", "graph", graph)
         self._graph_call("release_graph", graph=graph)
         self._graph_pool.put(graph, _RELEASED, weak_only=True)
 

@@ -290,7 +290,8 @@ def test_a_capture_takes_the_innermost_router_of_its_device_then_the_process_rou
     assert be.pool_active_blocks(pools["inner"]) and be.pool_active_blocks(pools["process"])
     assert not be.pool_active_blocks(pools["outer"])
     refused = be.create_graph()
-    with be.route_captures(lambda g, p: "a pool"), pytest.raises(TypeError, match=r"must return a hal\.types\.Route"):
+    returns_a_str = be.route_captures(lambda g, p: "a pool")
+    with returns_a_str, pytest.raises(hal.InvalidArgumentError, match=r"must return a hal\.types\.Route"):
         with be.capture(refused):
             pass
     del y, z
