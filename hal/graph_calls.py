@@ -32,7 +32,7 @@ from hal.types import CaptureRouter, GraphAddresses, Route
 #: what a graph, pool or stream never is: plain values (a pool given as its number, a stream as its name...)
 _PLAIN_VALUES = (bool, int, float, complex, str, bytes, bytearray, list, tuple, dict, set, frozenset)
 #: where each kind of object comes from, for the error's fix
-_MADE_BY = {"graph": "create_graph()", "pool": "create_pool() (or a graphkit pool handle)",
+_MADE_BY = {"graph": "create_graph()", "pool": "create_pool() (a graphkit pool handle, or the framework's pool id)",
             "stream": "create_stream() or current_stream()"}
 
 
@@ -42,6 +42,8 @@ class GraphCalls(HookCalls):
 
     def _check_object(self, call: str, kind: str, value: Any, *, optional: bool = False) -> None:
         """Refuse a plain value where ``call`` needs a ``kind`` ("graph", "pool", "stream") of this backend."""
+        if kind == "pool" and _framework_pool_id(value):
+            return
         if (value is None and not optional) or isinstance(value, _PLAIN_VALUES):
             raise self._err(InvalidArgumentError, call, f"{kind}={value!r} is not a {kind} of this backend: pass "
                             f"one from {self.name}'s {_MADE_BY[kind]}{' or None' if optional else ''}")
@@ -352,6 +354,13 @@ class _ByIdentity:
 
 def _same(obj: Any) -> Any:
     return obj
+
+
+def _framework_pool_id(value: Any) -> bool:
+    """Whether ``value`` is a framework's pool id (``torch.cuda.graph_pool_handle()``: a pair of ints), which a
+    capture takes as its pool too."""
+    return (isinstance(value, tuple) and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value))
 
 
 def backend_pool(pool: Any) -> Any:
