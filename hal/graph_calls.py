@@ -357,10 +357,9 @@ def _same(obj: Any) -> Any:
 
 
 def _framework_pool_id(value: Any) -> bool:
-    """Whether ``value`` is a framework's pool id (``torch.cuda.graph_pool_handle()``: a pair of ints), which a
-    capture takes as its pool too."""
-    return (isinstance(value, tuple) and len(value) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in value))
+    """Whether ``value`` may be a framework's pool id (``torch.cuda.graph_pool_handle()`` gives a tuple), which a
+    capture takes as its pool too (the backend says whether it knows it)."""
+    return isinstance(value, tuple) and len(value) > 0
 
 
 def backend_pool(pool: Any) -> Any:
