@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -13,6 +12,7 @@ import torch
 import graphkit
 import hal
 from graphkit.graphs.strategies import VmmPools
+from graphkit_bench.cli import CliParser
 from graphkit_bench.model import Decoder, DecoderConfig
 
 
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
 
     Takes no arguments but ``--help``: any other exits 2 with one line, as the other benches do.
     """
-    parser = argparse.ArgumentParser(prog="python -m graphkit_bench.mapcalls", description=__doc__.split("\n\n")[0])
+    parser = CliParser(prog="python -m graphkit_bench.mapcalls", description=__doc__.split("\n\n")[0])
     parser.parse_args(argv)
     torch.set_num_threads(1)
     sizes = [1, 2, 4, *range(8, 65, 8)]
