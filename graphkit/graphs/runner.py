@@ -16,11 +16,12 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import gc
+import inspect
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -131,6 +132,12 @@ def _checked_pieces(fn: Callable[..., Any] | Sequence[Callable[..., Any]], sizes
         return hal.InvalidArgumentError(message, backend=be.name, call="GraphRunner")
 
     mode, between = opts.mode, opts.between
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+        raise bad(f"sizes={sizes!r} must be a list of batch sizes to capture, e.g. sizes=[{sizes!r}] for one "
+                  "size or sizes=[1, 2, 4, 8]")
+    if opts.fill is not None and not isinstance(opts.fill, Mapping):
+        raise bad(f"fill={opts.fill!r} must be a mapping of input name to the value its buffer's unused rows "
+                  "hold, e.g. fill={'tokens': 0}, or None")
     if not isinstance(opts.warmup, int) or isinstance(opts.warmup, bool) or opts.warmup < 0:
         raise bad(f"warmup={opts.warmup!r} must be an int >= 0")
     if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or not 1 <= s < MAX_BATCH for s in sizes):
@@ -138,6 +145,10 @@ def _checked_pieces(fn: Callable[..., Any] | Sequence[Callable[..., Any]], sizes
     if mode not in ("full", "piecewise", "none"):
         raise bad(f"mode={mode!r} must be full, piecewise or none")
     # the mode says which of the two fn is
+    if mode == "piecewise" and (not isinstance(fn, Sequence) or not all(callable(p) for p in fn)):
+        raise bad(f"fn={fn!r} must be a list of callables (the pieces) with mode='piecewise'")
+    if mode != "piecewise" and not callable(fn):
+        raise bad(f"fn={fn!r} must be a callable: the step to capture, called as fn(**inputs)")
     pieces = (list(cast("Sequence[Callable[..., Any]]", fn)) if mode == "piecewise"
               else [cast("Callable[..., Any]", fn)])
     if mode == "piecewise" and len(between) != len(pieces) - 1:
@@ -153,6 +164,23 @@ def _checked_pieces(fn: Callable[..., Any] | Sequence[Callable[..., Any]], sizes
         raise hal.UnsupportedError("this backend cannot capture graphs; use mode='none'",
                                    backend=be.name, call="GraphRunner")
     return pieces
+
+
+def _check_input_names(fn: Callable[..., Any], inputs: Mapping[str, Any], be: hal.Backend) -> None:
+    """Refuse example inputs the step cannot take by name (before any capture: not a TypeError from its call)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read: the call itself tells
+        return
+    try:
+        signature.bind(**inputs)
+    except TypeError as exc:
+        takes = ", ".join(n for n, p in signature.parameters.items()
+                          if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) or "none by name"
+        raise hal.InvalidArgumentError(
+            f"the example inputs {', '.join(inputs) or 'none'} do not fit {getattr(fn, '__name__', fn)!r} ({exc}; its "
+            f"inputs: {takes}): name each example as the step's parameter, capture(name=tensor, ...)",
+            backend=be.name, call="GraphRunner.capture") from None
 
 
 def _merged_examples(example: Mapping[str, torch.Tensor] | None, example_inputs: dict[str, torch.Tensor],
@@ -244,11 +272,16 @@ class GraphRunner(Closable):
                  options: RunnerOptions | None = None, saver: MemorySaver | None = None,
                  **overrides: Any) -> None:
         kind = "vmm" if kind is None else kind
+        if backend is not None and not isinstance(backend, hal.Backend):
+            named = f"hal.get_backend({backend!r})" if isinstance(backend, str) else "hal.get_backend(...)"
+            raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend: pass {named} (or None: "
+                                           "the best backend that runs graphs)", call="GraphRunner")
         self.options = opts = _merged_options(options, overrides)
         self._owns_backend = backend is None
         self.backend = be = backend or hal.get_backend(requires=("graphs",))
         pieces = _checked_pieces(fn, sizes, opts, be)
         self.sizes = sorted(set(sizes))
+        self._repeat_logged = False  # a capture() with nothing left to capture said so
         self.step = Pieces(be, pieces, list(opts.between), self.sizes[-1])
         self.max_size, self.mode, self.on_demand = self.sizes[-1], opts.mode, opts.on_demand
         self.output_mode, self.oversize = opts.outputs, opts.oversize
@@ -297,20 +330,38 @@ class GraphRunner(Closable):
         :param order: ``"descending"`` (default: largest first), ``"ascending"``,
             ``"random"`` (shuffled with ``seed``) or an explicit list of sizes.
         :param example_inputs: the example inputs as keywords (merged with ``example``).
+
+        A second call captures what is missing (sizes released with :meth:`release_size`, or left by a capture
+        that failed) with the static buffers of the first, which its examples must fit (else
+        :class:`hal.InvalidArgumentError`); with nothing missing it does nothing and logs why once.
         """
         example_inputs = _merged_examples(example, example_inputs, self.backend)
         with self._lock:
             self._check_open()
             fresh = self.inputs is None
             if fresh:
+                _check_input_names(self.step.pieces[0], example_inputs, self.backend)
                 device = self.backend.torch_device()
                 self.inputs = StaticInputs(example_inputs, self.max_size, self.fill, device)
                 with torch.no_grad():
                     self.inputs.update(example_inputs, min(self.inputs.batch_of(
                         {k: v.to(device) for k, v in example_inputs.items()}), self.max_size), self.max_size)
+            else:
+                try:
+                    self.inputs.check(example_inputs, grad=False)
+                except hal.InvalidArgumentError as exc:
+                    raise hal.InvalidArgumentError(
+                        f"{exc.message}: a second capture() reuses the static buffers the first one sized, so its "
+                        "examples must have the same names, dtypes and row shapes (a new GraphRunner captures other "
+                        "inputs)", backend=self.backend.name, call="GraphRunner.capture") from None
             if self.mode == "none" or self.on_demand:
                 return self
             todo = [s for s in ordered_sizes(self.sizes, order, seed) if s not in self._buckets]
+            if not todo and not fresh and not self._repeat_logged:
+                self._repeat_logged = True
+                log.warning("GraphRunner.capture(): every size (%s) has its graph already, so nothing is captured; "
+                            "release_size(n) drops one to capture it again, and a new GraphRunner captures other "
+                            "inputs", ", ".join(map(str, self.sizes)))
             try:
                 with tqdm(total=len(todo), desc=f"capturing ({self.kind})", unit="size",
                           disable=not self.options.progress, leave=False) as bar:
@@ -377,8 +428,14 @@ class GraphRunner(Closable):
         i = bisect.bisect_left(pool, batch)
         return pool[i] if i < len(pool) else None
 
-    def __call__(self, **inputs: torch.Tensor) -> Any:
-        """Run the step on ``inputs`` through the graph that fits; see the class doc for outputs."""
+    def __call__(self, *args: Any, **inputs: torch.Tensor) -> Any:
+        """Run the step on ``inputs`` (by name, as captured) through the graph that fits; see the class doc for
+        outputs."""
+        if args:
+            names = ", ".join(f"{n}=..." for n in (self.inputs.buffers if self.inputs is not None else ())) or "..."
+            raise hal.InvalidArgumentError(f"{len(args)} positional argument(s): a GraphRunner takes its inputs by "
+                                           f"name, as capture() got them: runner({names})",
+                                           backend=self.backend.name, call="GraphRunner")
         with self._lock:  # close() and captures may race this call: decide under the lock
             static = self.inputs
             if self._closed or static is None:
