@@ -138,6 +138,9 @@ class SharedVMMAllocator(Closable):
 
     def __init__(self, backend: hal.Backend, reserve_bytes: int | None = None,
                  max_physical_bytes: int | None = None, arena_bytes: int | None = None) -> None:
+        if not isinstance(backend, hal.Backend):
+            raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend (hal.get_backend(...))",
+                                           call="SharedVMMAllocator")
         self.backend = backend
         self.granularity = backend.granularity
         self.reserve_bytes, self.arena_bytes = _address_sizes(backend, reserve_bytes, arena_bytes, max_physical_bytes)
