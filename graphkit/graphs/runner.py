@@ -348,7 +348,7 @@ class GraphRunner(Closable):
                         {k: v.to(device) for k, v in example_inputs.items()}), self.max_size), self.max_size)
             else:
                 try:
-                    self.inputs.check(example_inputs, grad=False)
+                    cast("StaticInputs", self.inputs).check(example_inputs, grad=False)
                 except hal.InvalidArgumentError as exc:
                     raise hal.InvalidArgumentError(
                         f"{exc.message}: a second capture() reuses the static buffers the first one sized, so its "

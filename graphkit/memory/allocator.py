@@ -99,8 +99,8 @@ def _exported_space(table: SpaceTable, ptr: int, nbytes: int) -> VirtualSpace:
                                        call="export")
     if ptr + nbytes > space.base + space.size:  # checked before any per-granule work: nbytes may be huge
         raise hal.InvalidArgumentError(
-            f"nbytes={nbytes:#x} from ptr={ptr:#x} runs past the end of space {space.id} ({space.base + space.size:#x}):"
-            " export a range inside one space", backend=name, call="export")
+            f"nbytes={nbytes:#x} from ptr={ptr:#x} runs past the end of space {space.id} "
+            f"({space.base + space.size:#x}): export a range inside one space", backend=name, call="export")
     return space
 
 

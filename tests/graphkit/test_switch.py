@@ -76,8 +76,8 @@ def test_bad_values_are_refused_naming_the_variable_and_the_option(value: str, n
 
 @pytest.mark.parametrize(("call", "arg", "named"), [
     ("parse", 5, "value=5 must be the variable's text"), ("parse", b"1", "value=b'1' must be the variable's text"),
-    ("start", "kind=shared", r"options='kind=shared' must be a graphkit.switch.Options or None; for the variable's "
-                             r"text, pass graphkit.switch.parse\('kind=shared'\)"),
+    ("start", "kind=shared", (r"options='kind=shared' must be a graphkit.switch.Options or None; for the variable's "
+                              r"text, pass graphkit.switch.parse\('kind=shared'\)")),
     ("start", {"kind": "shared"}, r"options=\{'kind': 'shared'\} must be a graphkit.switch.Options"),
     ("start", True, "options=True must be a graphkit.switch.Options"),
     ("ProcessGraphMemory", "x", "options='x' must be a graphkit.switch.Options"),
