@@ -479,7 +479,8 @@ def get_backend(name: str | None = None, device: int | None = None, *, requires:
         are passed over: a class without the capability's hooks unprobed,
         the others constructed to ask, then closed. A backend whose
         constructor fails (any error but :class:`InvalidArgumentError`) or
-        whose ``capabilities()`` fails gives way to the next one.
+        whose ``capabilities()`` or ``granularity()`` fails (or answers no
+        granularity) gives way to the next one.
     :param options: backend options (``fake``: ``granularity``, ``capacity``,
         ``device_count``), given to whichever backend is tried.
     :raises BackendUnavailableError: unknown or unavailable backend, with the reason.

@@ -343,7 +343,8 @@ class MemorySaver(Closable):
         """A block during which ``tag`` stays awake: a pause of it waits for the block to end.
 
         Keep it short (one replay). :raises hal.InvalidStateError: ``tag`` is
-        paused (the pause was first).
+        paused (the pause was first), or waiting for a pause of it under way would deadlock (that pause waits for
+        a block this thread holds).
         """
         tag = self._check_tag(tag, "awake")
         with self._guard.hold(tag, lambda: self._refuse_paused(tag, call)):
@@ -381,7 +382,11 @@ class MemorySaver(Closable):
         it resumes.
 
         :raises hal.InvalidStateError: a :meth:`region` block of a tag is
-            open, or this thread is inside an :meth:`awake` block of one.
+            open, or this thread is inside an :meth:`awake` block of one; or
+            waiting would deadlock: this thread holds an awake block that
+            another thread, itself holding a block of these tags, waits for
+            (each pausing the other's tag) -- that pause is refused, and the
+            other goes on once this thread leaves its blocks.
         """
         with self._lock:
             self._check_open("pause")
