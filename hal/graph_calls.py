@@ -240,6 +240,7 @@ class GraphCalls(HookCalls):
     def current_device(self) -> int:
         """The device the backend's framework calls current in this thread now (captures start there), as
         :func:`hal.get_backend` means it by default; this backend's own device where the plugin cannot tell."""
+        self._check_open("current_device")
         ask = getattr(type(self.plugin), "current_device", None)
         if ask is None:
             return self.device
@@ -264,6 +265,7 @@ class GraphCalls(HookCalls):
 
     def stream_state_sizes(self) -> dict[int, str]:
         """``{bytes: what}`` of the per-stream state :meth:`prepare_capture_stream` makes (``{}`` where none)."""
+        self._check_open("stream_state_sizes")
         if "stream_state_sizes" not in self._implemented:
             return {}
         return dict(self._graph_call("stream_state_sizes"))

@@ -192,7 +192,8 @@ def test_a_closed_backend_refuses_every_call_naming_it() -> None:
     be.close()
     calls = {"mem_info": be.mem_info, "device_count": be.device_count,
              "granularity": lambda: be.recommended_granularity, "create_vir_ptr": lambda: be.create_vir_ptr(G),
-             "create_graph": be.create_graph,
+             "create_graph": be.create_graph, "current_device": be.current_device,
+             "stream_state_sizes": be.stream_state_sizes,
              "create_stream": be.create_stream, "synchronize": be.synchronize}
     for call, fn in calls.items():
         with pytest.raises(hal.InvalidStateError, match=f"fake.{call}: the backend is closed; get a new one with "
