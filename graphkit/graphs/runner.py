@@ -166,6 +166,49 @@ def _checked_pieces(fn: Callable[..., Any] | Sequence[Callable[..., Any]], sizes
     return pieces
 
 
+def _check_backend(backend: object) -> None:
+    """Refuse a ``backend=`` that is no :class:`hal.Backend` (a backend's name, say), naming the call to make."""
+    if backend is not None and not isinstance(backend, hal.Backend):
+        named = f"hal.get_backend({backend!r})" if isinstance(backend, str) else "hal.get_backend(...)"
+        raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend: pass {named} (or None: "
+                                       "the best backend that runs graphs)", call="GraphRunner")
+
+
+def _check_examples(static: StaticInputs | None, step: Callable[..., Any], examples: Mapping[str, torch.Tensor],
+                    be: hal.Backend) -> None:
+    """``capture()``'s examples: the first call's fit the step's parameters; a later call's (where given) fit the
+    static buffers the first one sized. Refused saying so, before anything is captured."""
+    if static is None:
+        _check_input_names(step, examples, be)
+        return
+    if not examples:
+        return
+    try:
+        static.check(examples, grad=False)
+    except hal.InvalidArgumentError as exc:
+        raise hal.InvalidArgumentError(
+            f"{exc.message}: a second capture() reuses the static buffers the first one sized, so its examples must "
+            "have the same names, dtypes and row shapes (a new GraphRunner captures other inputs)", backend=be.name,
+            call="GraphRunner.capture") from None
+
+
+def _say_nothing_to_capture(runner: GraphRunner) -> None:
+    """Say why a repeated ``capture()`` of ``runner`` captures nothing, once per runner."""
+    if getattr(runner, "_nothing_said", False):
+        return
+    runner._nothing_said = True  # type: ignore[attr-defined]
+    log.warning("GraphRunner.capture(): every size (%s) has its graph already, so nothing is captured; "
+                "release_size(n) drops one to capture it again, and a new GraphRunner captures other inputs",
+                ", ".join(map(str, runner.sizes)))
+
+
+def _positional_refused(count: int, static: StaticInputs | None, be: hal.Backend) -> hal.InvalidArgumentError:
+    """The error of a call given its inputs by position: it names the call to make."""
+    names = ", ".join(f"{n}=..." for n in (static.buffers if static is not None else ())) or "..."
+    return hal.InvalidArgumentError(f"{count} positional argument(s): a GraphRunner takes its inputs by name, as "
+                                    f"capture() got them: runner({names})", backend=be.name, call="GraphRunner")
+
+
 def _check_input_names(fn: Callable[..., Any], inputs: Mapping[str, Any], be: hal.Backend) -> None:
     """Refuse example inputs the step cannot take by name (before any capture: not a TypeError from its call)."""
     try:
@@ -272,16 +315,12 @@ class GraphRunner(Closable):
                  options: RunnerOptions | None = None, saver: MemorySaver | None = None,
                  **overrides: Any) -> None:
         kind = "vmm" if kind is None else kind
-        if backend is not None and not isinstance(backend, hal.Backend):
-            named = f"hal.get_backend({backend!r})" if isinstance(backend, str) else "hal.get_backend(...)"
-            raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend: pass {named} (or None: "
-                                           "the best backend that runs graphs)", call="GraphRunner")
+        _check_backend(backend)
         self.options = opts = _merged_options(options, overrides)
         self._owns_backend = backend is None
         self.backend = be = backend or hal.get_backend(requires=("graphs",))
         pieces = _checked_pieces(fn, sizes, opts, be)
         self.sizes = sorted(set(sizes))
-        self._repeat_logged = False  # a capture() with nothing left to capture said so
         self.step = Pieces(be, pieces, list(opts.between), self.sizes[-1])
         self.max_size, self.mode, self.on_demand = self.sizes[-1], opts.mode, opts.on_demand
         self.output_mode, self.oversize = opts.outputs, opts.oversize
@@ -330,38 +369,25 @@ class GraphRunner(Closable):
         :param order: ``"descending"`` (default: largest first), ``"ascending"``,
             ``"random"`` (shuffled with ``seed``) or an explicit list of sizes.
         :param example_inputs: the example inputs as keywords (merged with ``example``).
-
-        A second call captures what is missing (sizes released with :meth:`release_size`, or left by a capture
-        that failed) with the static buffers of the first, which its examples must fit (else
-        :class:`hal.InvalidArgumentError`); with nothing missing it does nothing and logs why once.
+        A second call captures what is missing (:meth:`release_size`, a failed capture) into the buffers of the
+        first, which its examples must fit; with nothing missing it logs why, once.
         """
         example_inputs = _merged_examples(example, example_inputs, self.backend)
         with self._lock:
             self._check_open()
+            _check_examples(self.inputs, self.step.pieces[0], example_inputs, self.backend)
             fresh = self.inputs is None
             if fresh:
-                _check_input_names(self.step.pieces[0], example_inputs, self.backend)
                 device = self.backend.torch_device()
                 self.inputs = StaticInputs(example_inputs, self.max_size, self.fill, device)
                 with torch.no_grad():
                     self.inputs.update(example_inputs, min(self.inputs.batch_of(
                         {k: v.to(device) for k, v in example_inputs.items()}), self.max_size), self.max_size)
-            else:
-                try:
-                    cast("StaticInputs", self.inputs).check(example_inputs, grad=False)
-                except hal.InvalidArgumentError as exc:
-                    raise hal.InvalidArgumentError(
-                        f"{exc.message}: a second capture() reuses the static buffers the first one sized, so its "
-                        "examples must have the same names, dtypes and row shapes (a new GraphRunner captures other "
-                        "inputs)", backend=self.backend.name, call="GraphRunner.capture") from None
             if self.mode == "none" or self.on_demand:
                 return self
             todo = [s for s in ordered_sizes(self.sizes, order, seed) if s not in self._buckets]
-            if not todo and not fresh and not self._repeat_logged:
-                self._repeat_logged = True
-                log.warning("GraphRunner.capture(): every size (%s) has its graph already, so nothing is captured; "
-                            "release_size(n) drops one to capture it again, and a new GraphRunner captures other "
-                            "inputs", ", ".join(map(str, self.sizes)))
+            if not todo and not fresh:
+                _say_nothing_to_capture(self)
             try:
                 with tqdm(total=len(todo), desc=f"capturing ({self.kind})", unit="size",
                           disable=not self.options.progress, leave=False) as bar:
@@ -429,13 +455,9 @@ class GraphRunner(Closable):
         return pool[i] if i < len(pool) else None
 
     def __call__(self, *args: Any, **inputs: torch.Tensor) -> Any:
-        """Run the step on ``inputs`` (by name, as captured) through the graph that fits; see the class doc for
-        outputs."""
+        """Run the step on ``inputs`` (by name) through the graph that fits; see the class doc for outputs."""
         if args:
-            names = ", ".join(f"{n}=..." for n in (self.inputs.buffers if self.inputs is not None else ())) or "..."
-            raise hal.InvalidArgumentError(f"{len(args)} positional argument(s): a GraphRunner takes its inputs by "
-                                           f"name, as capture() got them: runner({names})",
-                                           backend=self.backend.name, call="GraphRunner")
+            raise _positional_refused(len(args), self.inputs, self.backend)
         with self._lock:  # close() and captures may race this call: decide under the lock
             static = self.inputs
             if self._closed or static is None:
