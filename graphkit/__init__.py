@@ -1,5 +1,6 @@
 """graphkit: capture device graphs for many shapes at the memory cost of the largest, on any hal backend."""
 
+from graphkit import switch
 from graphkit.graphs.buffers import StaticInputs
 from graphkit.graphs.capture import CaptureHygieneError
 from graphkit.graphs.isolation import IsolationError
@@ -37,4 +38,5 @@ __all__ = [
     "TagReport",
     "Transaction",
     "graph_memory",
+    "switch",
 ]

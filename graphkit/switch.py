@@ -67,9 +67,50 @@ class Options:
     outputs: str = "kept"
     report: float = 2.0
 
+    def __post_init__(self) -> None:
+        bad = []
+        if self.kind not in POOL_KINDS:
+            bad.append(f"kind={self.kind!r} must be one of {', '.join(POOL_KINDS)}")
+        for name in ("verify", "hygiene"):
+            if not isinstance(getattr(self, name), bool):
+                bad.append(f"{name}={getattr(self, name)!r} must be a bool")
+        if not _report_seconds(self.report):
+            bad.append(f"report={self.report!r} must be seconds in [0, {_MAX_REPORT:g}] (0: at exit only)")
+        if bad:
+            raise hal.InvalidArgumentError("; ".join(bad), call="graphkit.switch.Options")
+
+
+#: the longest quiet time before a report line: what threading.Timer can wait (a longer one kills its thread)
+_MAX_REPORT = float(threading.TIMEOUT_MAX)
+
+
+def _report_seconds(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and 0 <= value <= _MAX_REPORT)
+
+
+def _options_arg(options: Any, call: str) -> Options:
+    """``options`` as :class:`Options` (None: the defaults); anything else is refused naming the fix."""
+    if options is None:
+        return Options()
+    if not isinstance(options, Options):
+        raise hal.InvalidArgumentError(
+            f"options={options!r} must be a graphkit.switch.Options or None; for the variable's text, pass "
+            f"graphkit.switch.parse({options!r}) (or Options(kind=..., ...))" if isinstance(options, str) else
+            f"options={options!r} must be a graphkit.switch.Options or None (Options(kind=..., verify=..., "
+            "hygiene=..., report=...), or graphkit.switch.parse(text))", call=call)
+    return options
+
 
 def parse(value: str | None) -> Options | None:
-    """The options ``value`` (the variable's value) asks for; None when it says off."""
+    """The options ``value`` (the variable's value) asks for; None when it says off.
+
+    :raises hal.InvalidArgumentError: a value that is no str (nor None), or asks for what the switch cannot do.
+    """
+    if value is not None and not isinstance(value, str):
+        raise hal.InvalidArgumentError(f"value={value!r} must be the variable's text (a str) or None; give 1, or "
+                                       f"a comma-separated list of kind={'|'.join(POOL_KINDS)}, verify=0|1, "
+                                       "hygiene=0|1, report=SECONDS", call=ENV)
     text = (value or "").strip().lower()
     if text in OFF:
         return None
@@ -87,7 +128,8 @@ def parse(value: str | None) -> Options | None:
             what = "is given twice" if key in fields else "is not an option"
             raise hal.InvalidArgumentError(
                 f"{item!r} {what} (the value is {value!r}); give 1, or a comma-separated list of "
-                f"kind={'|'.join(POOL_KINDS)}, outputs=kept|replay, verify=0|1, hygiene=0|1, report=SECONDS",
+                f"kind={'|'.join(POOL_KINDS)}, outputs=kept|replay, verify=0|1, hygiene=0|1, "
+                f"report=SECONDS (0 to {_MAX_REPORT:g})",
                 call=ENV) from None
     return Options(**fields)
 
@@ -107,7 +149,7 @@ def _option(key: str, raw: str) -> Any:
         return raw in ON
     if key == "report":
         seconds = float(raw)
-        if not (math.isfinite(seconds) and seconds >= 0):
+        if not _report_seconds(seconds):
             raise ValueError(raw)
         return seconds
     raise KeyError(key)
@@ -121,7 +163,7 @@ class ProcessGraphMemory:
     """
 
     def __init__(self, options: Options | None = None) -> None:
-        self.options = options or Options()
+        self.options = _options_arg(options, "ProcessGraphMemory")
         self.pools: dict[tuple[str, int], GraphPools] = {}
         self._refused: dict[tuple[str, int], str] = {}  # why a device is not served (logged once)
         self._lock = threading.RLock()
@@ -217,8 +259,12 @@ _start_lock = threading.Lock()
 
 
 def start(options: Options | None = None) -> ProcessGraphMemory:
-    """Serve every capture of this process from now on (idempotent: the running one is returned)."""
+    """Serve every capture of this process from now on (idempotent: the running one is returned).
+
+    :raises hal.InvalidArgumentError: ``options`` is no :class:`Options` (nor None); nothing is started.
+    """
     global _active, _routing
+    options = _options_arg(options, "graphkit.switch.start")
     with _start_lock:
         if _active is not None:
             return _active
@@ -228,6 +274,9 @@ def start(options: Options | None = None) -> ProcessGraphMemory:
         _active, _routing = scope, stack
     _visible()
     atexit.register(_at_exit, scope)
+    # a multiprocessing child (fork, forkserver) leaves through os._exit past the atexit handlers: multiprocessing
+    # runs its own exit finalizers there (in any other process too, where _at_exit then logs nothing twice)
+    multiprocessing.util.Finalize(None, _at_exit, args=(scope,), exitpriority=0)
     multiprocessing.util.register_after_fork(scope, _after_fork)
     log.debug("%s: every capture of process %d is served by graphkit", ENV, os.getpid())
     return scope

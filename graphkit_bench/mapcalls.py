@@ -5,16 +5,24 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 import graphkit
 import hal
 from graphkit.graphs.strategies import VmmPools
+from graphkit_bench.cli import CliParser
 from graphkit_bench.model import Decoder, DecoderConfig
 
 
-def main() -> None:
-    """Print, per capture order, the map calls made against those mapping every chunk into every space makes."""
+def main(argv: list[str] | None = None) -> int:
+    """Print, per capture order, the map calls made against those mapping every chunk into every space makes.
+
+    Takes no arguments but ``--help``: any other exits 2 with one line, as the other benches do.
+    """
+    parser = CliParser(prog="python -m graphkit_bench.mapcalls", description=__doc__.split("\n\n")[0])
+    parser.parse_args(argv)
     torch.set_num_threads(1)
     sizes = [1, 2, 4, *range(8, 65, 8)]
     cfg = DecoderConfig(hidden=256, layers=4, heads=8, kv_heads=4, head_dim=32, mlp=768, vocab=4096, context=32,
@@ -41,7 +49,8 @@ def main() -> None:
               f"reserved {alloc.reserved_bytes >> 20} MiB of spaces")
         runner.close()
         be.close()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

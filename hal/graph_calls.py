@@ -18,6 +18,13 @@ An engine loop on any backend is written with them (``fake`` on a CPU, ``cuda`` 
 :class:`GraphCalls` remembers each pool (paused, released) and the pool
 each graph was captured into, routed or not, so that :meth:`GraphCalls.replay`
 refuses a graph whose memory is gone or asleep.
+
+Graphs, pools and streams are objects of the backend's own (what
+``create_graph``, ``create_pool``, ``create_stream`` return); a call given a
+plain value instead (``None`` where one is required, a number, a string, a
+container) raises :class:`hal.InvalidArgumentError` naming the argument before
+the plugin sees it (:meth:`GraphCalls._check_object`), and a router must be
+callable and return a :class:`hal.types.Route` or ``None``.
 """
 
 from __future__ import annotations
@@ -39,10 +46,24 @@ from hal.plugin_class import current_device
 from hal.routing import noting_routes
 from hal.types import CaptureRouter, GraphAddresses, Route
 
+#: what a graph, pool or stream never is: plain values (a pool given as its number, a stream as its name...)
+_PLAIN_VALUES = (bool, int, float, complex, str, bytes, bytearray, list, tuple, dict, set, frozenset)
+#: where each kind of object comes from, for the error's fix
+_MADE_BY = {"graph": "create_graph()", "pool": "create_pool() (a graphkit pool handle, or the framework's pool id)",
+            "stream": "create_stream() or current_stream()"}
+
 
 class GraphCalls(HookCalls):
     """Streams, pools, captures, routing and replays through the plugin; owns what a replay checks of the pool
     a graph was captured into (:meth:`_init_graphs` makes it)."""
+
+    def _check_object(self, call: str, kind: str, value: Any, *, optional: bool = False) -> None:
+        """Refuse a plain value where ``call`` needs a ``kind`` ("graph", "pool", "stream") of this backend."""
+        if kind == "pool" and _framework_pool_id(value):
+            return
+        if (value is None and not optional) or isinstance(value, _PLAIN_VALUES):
+            raise self._err(InvalidArgumentError, call, f"{kind}={value!r} is not a {kind} of this backend: pass "
+                            f"one from {self.name}'s {_MADE_BY[kind]}{' or None' if optional else ''}")
 
     def _init_graphs(self) -> None:
         self._local = threading.local()
@@ -75,6 +96,7 @@ class GraphCalls(HookCalls):
         >>> with be.use_stream(be.create_stream()):
         ...     warm_up(model)               # work queued on that stream, not the current one
         """
+        self._check_object("use_stream", "stream", stream)
         return self._graph_call("use_stream", stream=stream)
 
     def synchronize(self, stream: Any = None) -> None:
@@ -83,6 +105,7 @@ class GraphCalls(HookCalls):
         >>> be.replay(graph)
         >>> be.synchronize()                 # the replay's results are on the device now
         """
+        self._check_object("synchronize", "stream", stream, optional=True)
         self._graph_call("synchronize", stream=stream)
 
     # -- pools ------------------------------------------------------------
@@ -123,7 +146,9 @@ class GraphCalls(HookCalls):
         ...     weights = torch.empty(1 << 20, device=be.torch_device())   # its memory comes from alloc
         """
         self._refuse_without("use_pool", "use_pool", "this backend cannot direct the framework's allocations to a pool")
-        return self._graph_call("use_pool", pool=backend_pool(pool))
+        pool = backend_pool(pool)
+        self._check_object("use_pool", "pool", pool)
+        return self._graph_call("use_pool", pool=pool)
 
     def tensor_at(self, ptr: int, nbytes: int, owner: Any = None) -> Any:
         """A ``torch.uint8`` tensor over ``nbytes`` of device memory at ``ptr`` (no copy, not owning it).
@@ -143,6 +168,7 @@ class GraphCalls(HookCalls):
 
     def pool_active_blocks(self, pool: Any) -> list[tuple[int, int]]:
         """``(address, nbytes)`` of every block of ``pool`` still in use."""
+        self._check_object("pool_active_blocks", "pool", pool)
         return list(self._graph_call("pool_active_blocks", pool=pool))
 
     def release_pool(self, pool: Any) -> None:
@@ -153,6 +179,7 @@ class GraphCalls(HookCalls):
         >>> be.release_graph(graph)          # graphs first
         >>> be.release_pool(pool)
         """
+        self._check_object("release_pool", "pool", pool)
         self._graph_call("release_pool", pool=pool)
         state = self._pools.get(pool)
         if state is not None:
@@ -193,6 +220,9 @@ class GraphCalls(HookCalls):
             raise self._err(CaptureError, "capture", f"pool={pool!r} belongs to {owner.name}:{owner.device}, not "
                             f"to this backend ({self.name}:{self.device}): capture through the backend of the pools")
         pool = backend_pool(pool)
+        self._check_object("capture", "graph", graph)
+        self._check_object("capture", "pool", pool, optional=True)
+        self._check_object("capture", "stream", stream, optional=True)
         inner = self._graph_call("capture", graph=graph, pool=pool, stream=stream,
                                  capture_error_mode=capture_error_mode, inspect=bool(inspect))
         return self._tracking(graph, pool, inner)
@@ -263,6 +293,7 @@ class GraphCalls(HookCalls):
         """
         self._refuse_without("graph_addresses", "graph_addresses",
                              "this backend cannot tell which addresses a graph uses")
+        self._check_object("graph_addresses", "graph", graph)
         found = self._graph_call("graph_addresses", graph=graph)
         if not isinstance(found, GraphAddresses):
             raise self._err(PluginValidationError, "graph_addresses",
@@ -278,6 +309,7 @@ class GraphCalls(HookCalls):
     def current_device(self) -> int:
         """The device the backend's framework calls current in this thread now (captures start there), as
         :func:`hal.get_backend` means it by default; this backend's own device where the plugin cannot tell."""
+        self._check_open("current_device")
         ask = getattr(type(self.plugin), "current_device", None)
         if ask is None:
             return self.device
@@ -294,6 +326,7 @@ class GraphCalls(HookCalls):
         :raises InvalidStateError: ``stream`` is capturing now.
         """
         self._check_open("prepare_capture_stream")
+        self._check_object("prepare_capture_stream", "stream", stream, optional=True)
         if "prepare_capture_stream" not in self._implemented:
             return
         stream = stream if stream is not None else self.default_capture_stream()
@@ -301,6 +334,7 @@ class GraphCalls(HookCalls):
 
     def stream_state_sizes(self) -> dict[int, str]:
         """``{bytes: what}`` of the per-stream state :meth:`prepare_capture_stream` makes (``{}`` where none)."""
+        self._check_open("stream_state_sizes")
         if "stream_state_sizes" not in self._implemented:
             return {}
         return dict(self._graph_call("stream_state_sizes"))
@@ -316,7 +350,9 @@ class GraphCalls(HookCalls):
         >>> be.replay(graph)                 # its outputs hold the result (until the next replay)
         """
         state = self._graph_pool.get(graph)
-        if state is not None and (state.released or (state.paused is not None and state.paused())):
+        if state is None:  # not captured through this facade: at least a graph (a captured one is known)
+            self._check_object("replay", "graph", graph)
+        elif state.released or (state.paused is not None and state.paused()):
             raise self._err(InvalidStateError, "replay", state.why_not())
         direct = self._direct_replay()
         if direct is not None:
@@ -344,6 +380,7 @@ class GraphCalls(HookCalls):
 
         >>> be.release_graph(graph)
         """
+        self._check_object("release_graph", "graph", graph)
         self._graph_call("release_graph", graph=graph)
         self._graph_pool.put(graph, _RELEASED, weak_only=True)
 
@@ -408,6 +445,12 @@ class _ByIdentity:
 
 def _same(obj: Any) -> Any:
     return obj
+
+
+def _framework_pool_id(value: Any) -> bool:
+    """Whether ``value`` may be a framework's pool id (``torch.cuda.graph_pool_handle()`` gives a tuple), which a
+    capture takes as its pool too (the backend says whether it knows it)."""
+    return isinstance(value, tuple) and len(value) > 0
 
 
 def backend_pool(pool: Any) -> Any:

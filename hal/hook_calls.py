@@ -31,6 +31,18 @@ log = logging.getLogger("hal")
 ADDRESS_LIMIT = 1 << 64
 
 
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _mem_info(value: Any) -> bool:
+    return isinstance(value, MemInfo)
+
+
 class HookCalls:
     """One backend plugin behind a pluggy manager of its own, called by the contract's conventions.
 
@@ -87,7 +99,7 @@ class HookCalls:
 
     def _check_open(self, call: str) -> None:
         if self._closed:
-            raise self._err(InvalidStateError, call, "the backend is closed")
+            raise self._err(InvalidStateError, call, "the backend is closed; get a new one with hal.get_backend()")
 
     def _check_ptr(self, call: str, ptr: Any) -> None:
         if not isinstance(ptr, int) or isinstance(ptr, bool) or not 0 <= ptr < ADDRESS_LIMIT:
@@ -127,28 +139,37 @@ class HookCalls:
 
     # -- queries ----------------------------------------------------------
 
+    def _query(self, hook: str, check: Callable[[Any], bool], wants: str, **kwargs: Any) -> Any:
+        """Ask the plugin's query ``hook`` (on an open backend): whatever else than a hal error it raises, or an
+        answer that fails ``check``, leaves as :class:`PluginValidationError` naming the plugin and the hook, so
+        that discovery and selection pass a broken plugin over as they do one whose constructor fails."""
+        self._check_open(hook)
+        with self._plugin_faults(hook):
+            value = self._result(hook, getattr(self._hook, hook)(**kwargs))
+        if not check(value):
+            raise self._err(PluginValidationError, hook, f"the backend returned {value!r}; a hook answers {wants}")
+        return value
+
     @property
     def granularity(self) -> int:
-        """Minimum physical granularity in bytes; every vmm size is a multiple of it."""
+        """Minimum physical granularity in bytes; every vmm size is a multiple of it (asked once, then kept:
+        it stays readable after :meth:`close`)."""
         if self._granularity is None:
-            g = self._result("granularity", self._hook.granularity(recommended=False))
-            if not isinstance(g, int) or g <= 0:
-                raise self._err(HalError, "granularity", f"backend returned {g!r}")
-            self._granularity = g
+            self._granularity = self._query("granularity", _positive_int, "an int > 0 (bytes)", recommended=False)
         return self._granularity
 
     @property
     def recommended_granularity(self) -> int:
         """The granularity the driver recommends (a multiple of :attr:`granularity`)."""
-        return int(self._result("granularity", self._hook.granularity(recommended=True)))
+        return int(self._query("granularity", _positive_int, "an int > 0 (bytes)", recommended=True))
 
     def device_count(self) -> int:
         """How many devices this backend sees."""
-        return int(self._result("device_count", self._hook.device_count()))
+        return int(self._query("device_count", _count, "an int >= 0"))
 
     def mem_info(self) -> MemInfo:
         """Free and total device memory, as the driver sees it."""
-        return self._result("mem_info", self._hook.mem_info())
+        return self._query("mem_info", _mem_info, "a hal.types.MemInfo")
 
     @property
     def live(self) -> LiveCounts:

@@ -479,7 +479,8 @@ def get_backend(name: str | None = None, device: int | None = None, *, requires:
         are passed over: a class without the capability's hooks unprobed,
         the others constructed to ask, then closed. A backend whose
         constructor fails (any error but :class:`InvalidArgumentError`) or
-        whose ``capabilities()`` fails gives way to the next one.
+        whose ``capabilities()`` or ``granularity()`` fails (or answers no
+        granularity) gives way to the next one.
     :param options: backend options (``fake``: ``granularity``, ``capacity``,
         ``device_count``), given to whichever backend is tried.
     :raises BackendUnavailableError: unknown or unavailable backend, with the reason.
@@ -518,12 +519,18 @@ def get_backend(name: str | None = None, device: int | None = None, *, requires:
 
 
 def _lacks(be: Backend, needed: frozenset[str]) -> str | None:
-    """None when ``be`` has every capability in ``needed``; else why not, and ``be`` is closed."""
+    """None when ``be`` has every capability in ``needed`` and tells its granularity (what every use asks
+    first); else why not, and ``be`` is closed."""
     try:
         missing = needed - be.capabilities
         why = f"lacks {', '.join(sorted(missing))}" if missing else None
     except HalError as exc:  # a broken capabilities(): passed over, as a backend lacking them is
         why = f"cannot say what it can do ({exc.message})"
+    if why is None:
+        try:
+            be.granularity  # noqa: B018 - asked once and kept; a plugin that cannot answer is of no use
+        except HalError as exc:
+            why = f"cannot say its granularity ({exc.message})"
     if why is not None:
         try:
             be.close()

@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from hal.errors import InvalidArgumentError
 from hal.types import CaptureRouter, Route
 
 log = logging.getLogger("hal.routing")
@@ -35,7 +36,8 @@ _noting = threading.local()  # ``stack``: what each capture under way on this th
 
 def _checked(route: Any) -> Route | None:
     if route is not None and not isinstance(route, Route):
-        raise TypeError(f"a capture router must return a hal.types.Route or None, not {type(route).__name__}")
+        raise InvalidArgumentError(f"a capture router returned {route!r}: it must return a hal.types.Route or None "
+                                   "(None passes the capture on)", call="route_captures")
     return route
 
 
@@ -83,6 +85,9 @@ def has_process_routers() -> bool:
 def add_process_router(router: ProcessRouter) -> None:
     """Ask ``router`` for every capture no router of its device takes (the backends' graph classes known now
     are patched at once, later ones when hal first sees them)."""
+    if not callable(router):
+        raise InvalidArgumentError(f"router={router!r} must be callable as router(backend, device, graph, "
+                                   "requested_pool) -> hal.types.Route | None", call="route_every_capture")
     with _lock:
         _process_routers.append(router)
     _changed()

@@ -19,6 +19,8 @@ Stream = Any
 Pool = Any
 #: A graph: an object of the backend's own (``hal.Backend.create_graph``).
 Graph = Any
+# None of the three is ever a plain value (a number, a string, a list...): the facade refuses one naming the argument,
+# before the backend sees it; only a framework's pool id (a tuple, ``torch.cuda.graph_pool_handle()``) passes as a pool.
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,9 @@ class StaticInputs:
             raise hal.InvalidArgumentError(
                 "inputs differ from the captured ones"
                 + (f"; missing: {', '.join(missing)}" if missing else "")
-                + (f"; unexpected: {', '.join(extra)}" if extra else ""), call="GraphRunner")
+                + (f"; unexpected: {', '.join(extra)}" if extra else "")
+                + f": give each input by the name capture() got, runner({', '.join(f'{n}=...' for n in self.buffers)})",
+                call="GraphRunner")
         batch = None
         for name, buf in self.buffers.items():
             t = inputs[name]

@@ -16,11 +16,12 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import gc
+import inspect
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -133,6 +134,12 @@ def _checked_pieces(fn: Callable[..., Any] | Sequence[Callable[..., Any]], sizes
         return hal.InvalidArgumentError(message, backend=be.name, call="GraphRunner")
 
     mode, between = opts.mode, opts.between
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+        raise bad(f"sizes={sizes!r} must be a list of batch sizes to capture, e.g. sizes=[{sizes!r}] for one "
+                  "size or sizes=[1, 2, 4, 8]")
+    if opts.fill is not None and not isinstance(opts.fill, Mapping):
+        raise bad(f"fill={opts.fill!r} must be a mapping of input name to the value its buffer's unused rows "
+                  "hold, e.g. fill={'tokens': 0}, or None")
     if not isinstance(opts.warmup, int) or isinstance(opts.warmup, bool) or opts.warmup < 0:
         raise bad(f"warmup={opts.warmup!r} must be an int >= 0")
     if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or not 1 <= s < MAX_BATCH for s in sizes):
@@ -140,6 +147,10 @@ def _checked_pieces(fn: Callable[..., Any] | Sequence[Callable[..., Any]], sizes
     if mode not in ("full", "piecewise", "none"):
         raise bad(f"mode={mode!r} must be full, piecewise or none")
     # the mode says which of the two fn is
+    if mode == "piecewise" and (not isinstance(fn, Sequence) or not all(callable(p) for p in fn)):
+        raise bad(f"fn={fn!r} must be a list of callables (the pieces) with mode='piecewise'")
+    if mode != "piecewise" and not callable(fn):
+        raise bad(f"fn={fn!r} must be a callable: the step to capture, called as fn(**inputs)")
     pieces = (list(cast("Sequence[Callable[..., Any]]", fn)) if mode == "piecewise"
               else [cast("Callable[..., Any]", fn)])
     if mode == "piecewise" and len(between) != len(pieces) - 1:
@@ -155,6 +166,66 @@ def _checked_pieces(fn: Callable[..., Any] | Sequence[Callable[..., Any]], sizes
         raise hal.UnsupportedError("this backend cannot capture graphs; use mode='none'",
                                    backend=be.name, call="GraphRunner")
     return pieces
+
+
+def _check_backend(backend: object) -> None:
+    """Refuse a ``backend=`` that is no :class:`hal.Backend` (a backend's name, say), naming the call to make."""
+    if backend is not None and not isinstance(backend, hal.Backend):
+        named = f"hal.get_backend({backend!r})" if isinstance(backend, str) else "hal.get_backend(...)"
+        raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend: pass {named} (or None: "
+                                       "the best backend that runs graphs)", call="GraphRunner")
+
+
+def _check_examples(static: StaticInputs | None, step: Callable[..., Any], examples: Mapping[str, torch.Tensor],
+                    be: hal.Backend) -> None:
+    """``capture()``'s examples: the first call's fit the step's parameters; a later call's (where given) fit the
+    static buffers the first one sized. Refused saying so, before anything is captured."""
+    if static is None:
+        _check_input_names(step, examples, be)
+        return
+    if not examples:
+        return
+    try:
+        static.check(examples, grad=False)
+    except hal.InvalidArgumentError as exc:
+        raise hal.InvalidArgumentError(
+            f"{exc.message}: a second capture() reuses the static buffers the first one sized, so its examples must "
+            "have the same names, dtypes and row shapes (a new GraphRunner captures other inputs)", backend=be.name,
+            call="GraphRunner.capture") from None
+
+
+def _say_nothing_to_capture(runner: GraphRunner) -> None:
+    """Say why a repeated ``capture()`` of ``runner`` captures nothing, once per runner."""
+    if getattr(runner, "_nothing_said", False):
+        return
+    runner._nothing_said = True  # type: ignore[attr-defined]
+    log.warning("GraphRunner.capture(): every size (%s) has its graph already, so nothing is captured; "
+                "release_size(n) drops one to capture it again, and a new GraphRunner captures other inputs",
+                ", ".join(map(str, runner.sizes)))
+
+
+def _positional_refused(count: int, static: StaticInputs | None, be: hal.Backend) -> hal.InvalidArgumentError:
+    """The error of a call given its inputs by position: it names the call to make."""
+    names = ", ".join(f"{n}=..." for n in (static.buffers if static is not None else ())) or "..."
+    return hal.InvalidArgumentError(f"{count} positional argument(s): a GraphRunner takes its inputs by name, as "
+                                    f"capture() got them: runner({names})", backend=be.name, call="GraphRunner")
+
+
+def _check_input_names(fn: Callable[..., Any], inputs: Mapping[str, Any], be: hal.Backend) -> None:
+    """Refuse example inputs the step cannot take by name (before any capture: not a TypeError from its call)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read: the call itself tells
+        return
+    try:
+        signature.bind(**inputs)
+    except TypeError as exc:
+        takes = ", ".join(n for n, p in signature.parameters.items()
+                          if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) or "none by name"
+        raise hal.InvalidArgumentError(
+            f"the example inputs {', '.join(inputs) or 'none'} do not fit {getattr(fn, '__name__', fn)!r} ({exc}; its "
+            f"inputs: {takes}): name each example as the step's parameter, capture(name=tensor, ...)",
+            backend=be.name, call="GraphRunner.capture") from None
 
 
 def _merged_examples(example: Mapping[str, torch.Tensor] | None, example_inputs: dict[str, torch.Tensor],
@@ -266,6 +337,7 @@ class GraphRunner(Closable):
                  options: RunnerOptions | None = None, saver: MemorySaver | None = None,
                  **overrides: Any) -> None:
         kind = "vmm" if kind is None else kind
+        _check_backend(backend)
         self.options = opts = _merged_options(options, overrides)
         self._owns_backend = backend is None
         self.backend = be = backend or hal.get_backend(requires=("graphs",))
@@ -319,10 +391,13 @@ class GraphRunner(Closable):
         :param order: ``"descending"`` (default: largest first), ``"ascending"``,
             ``"random"`` (shuffled with ``seed``) or an explicit list of sizes.
         :param example_inputs: the example inputs as keywords (merged with ``example``).
+        A second call captures what is missing (:meth:`release_size`, a failed capture) into the buffers of the
+        first, which its examples must fit; with nothing missing it logs why, once.
         """
         example_inputs = _merged_examples(example, example_inputs, self.backend)
         with self._lock:
             self._check_open()
+            _check_examples(self.inputs, self.step.pieces[0], example_inputs, self.backend)
             fresh = self.inputs is None
             if fresh:
                 device = self.backend.torch_device()
@@ -333,6 +408,8 @@ class GraphRunner(Closable):
             if self.mode == "none" or self.on_demand:
                 return self
             todo = [s for s in ordered_sizes(self.sizes, order, seed) if s not in self._buckets]
+            if not todo and not fresh:
+                _say_nothing_to_capture(self)
             try:
                 with tqdm(total=len(todo), desc=f"capturing ({self.kind})", unit="size",
                           disable=not self.options.progress, leave=False) as bar:
@@ -400,8 +477,10 @@ class GraphRunner(Closable):
         i = bisect.bisect_left(pool, batch)
         return pool[i] if i < len(pool) else None
 
-    def __call__(self, **inputs: torch.Tensor) -> Any:
-        """Run the step on ``inputs`` through the graph that fits; see the class doc for outputs."""
+    def __call__(self, *args: Any, **inputs: torch.Tensor) -> Any:
+        """Run the step on ``inputs`` (by name) through the graph that fits; see the class doc for outputs."""
+        if args:
+            raise _positional_refused(len(args), self.inputs, self.backend)
         with self._lock:  # close() and captures may race this call: decide under the lock
             static = self.inputs
             if self._closed or static is None:

@@ -97,6 +97,10 @@ def _exported_space(table: SpaceTable, ptr: int, nbytes: int) -> VirtualSpace:
     if space is None:
         raise hal.InvalidArgumentError(f"ptr={ptr:#x} is in no live space of this allocator", backend=name,
                                        call="export")
+    if ptr + nbytes > space.base + space.size:  # checked before any per-granule work: nbytes may be huge
+        raise hal.InvalidArgumentError(
+            f"nbytes={nbytes:#x} from ptr={ptr:#x} runs past the end of space {space.id} "
+            f"({space.base + space.size:#x}): export a range inside one space", backend=name, call="export")
     return space
 
 
@@ -134,6 +138,9 @@ class SharedVMMAllocator(Closable):
 
     def __init__(self, backend: hal.Backend, reserve_bytes: int | None = None,
                  max_physical_bytes: int | None = None, arena_bytes: int | None = None) -> None:
+        if not isinstance(backend, hal.Backend):
+            raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend (hal.get_backend(...))",
+                                           call="SharedVMMAllocator")
         self.backend = backend
         self.granularity = backend.granularity
         self.reserve_bytes, self.arena_bytes = _address_sizes(backend, reserve_bytes, arena_bytes, max_physical_bytes)

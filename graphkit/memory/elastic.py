@@ -318,6 +318,8 @@ class ElasticBuffer(Closable, HostBacked):
     def __init__(self, backend: hal.Backend | None = None, max_bytes: int = 0, *,
                  reservation: ElasticReservation | None = None, saver: Keeper | None = None,
                  tag: str = "kv_cache", backup: bool = False, chunk_bytes: int | None = None) -> None:
+        if not isinstance(backup, bool):  # before anything is made
+            raise hal.InvalidArgumentError(f"backup={backup!r} must be a bool", call="ElasticBuffer")
         be = _buffer_backend(backend, reservation, "reservation", saver, tag)
         _positive(max_bytes, "max_bytes", "ElasticBuffer", be.name)
         if chunk_bytes is not None:

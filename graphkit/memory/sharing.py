@@ -99,6 +99,9 @@ class ImportedRange(Closable):
 
     def __init__(self, backend: hal.Backend, fds: Sequence[int], chunk_bytes: int, offset: int,
                  nbytes: int) -> None:
+        if not isinstance(backend, hal.Backend):
+            raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend (hal.get_backend(...))",
+                                           call="ImportedRange")
         _check_layout(backend, len(fds), chunk_bytes, offset, nbytes)
         self.backend = backend
         self.chunk_bytes = chunk_bytes

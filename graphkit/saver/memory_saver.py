@@ -147,35 +147,90 @@ class _AwakeGuard:
 
     A pause marks its tags first, so that new blocks wait for it instead of
     starving it; a thread already holding a tag may hold it again.
+
+    **Never a deadlock**: a wait that would close a circle of threads each
+    waiting for the next (thread 1 inside ``awake("a")`` pauses ``"b"`` while
+    thread 2 inside ``awake("b")`` pauses ``"a"``; or a pause of ``"a", "b"``
+    waiting for a block of ``"a"`` whose thread opens a block of ``"b"``) is
+    refused with :class:`hal.InvalidStateError` in the thread that would close
+    it; the other threads go on once it has left its blocks.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, refused: Callable[[str, str], hal.HalError]) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._users: dict[str, int] = {}  # tag -> awake() blocks running now
         self._pausing: collections.Counter[str] = collections.Counter()  # tags with a pause under way
-        self._mine = threading.local()  # tags this thread holds awake
+        self._held: dict[int, list[str]] = {}  # thread -> the tags it holds awake now (repeated when nested)
+        self._pausers: dict[int, list[str]] = {}  # thread -> the tags of its pause under way
+        self._waits: dict[int, tuple[str, list[str]]] = {}  # thread -> ("release" | "hold", the tags it waits on)
+        self._refused = refused  # (call, why) -> the error to raise
 
     def held(self) -> list[str]:
         """The tags this thread holds awake now."""
-        held = getattr(self._mine, "tags", None)
-        if held is None:
-            held = self._mine.tags = []
-        return held
+        return list(self._held.get(threading.get_ident(), ()))
+
+    def _waited_on(self, thread: int) -> set[int]:
+        """The threads ``thread`` waits for now: holders of the tags its pause waits on, or the pausers of the
+        tag its awake block waits to hold."""
+        wait = self._waits.get(thread)
+        if wait is None:
+            return set()
+        what, tags = wait
+        owners = self._held if what == "release" else self._pausers
+        return {t for t, mine in owners.items() if t != thread and any(tag in mine for tag in tags)}
+
+    def _closes_circle(self, me: int) -> bool:
+        """Whether a thread this one waits for waits, through others, for this one."""
+        seen, todo = {me}, list(self._waited_on(me))
+        while todo:
+            thread = todo.pop()
+            if thread == me:
+                return True
+            if thread not in seen:
+                seen.add(thread)
+                todo.extend(self._waited_on(thread))
+        return False
+
+    def _wait(self, me: int, what: str, tags: list[str], done: Callable[[], bool], call: str) -> None:
+        """Wait (the condition held) until ``done()``; refuse a wait that would close a circle of waits."""
+        if done():
+            return
+        self._waits[me] = (what, tags)
+        self._cond.notify_all()  # a waiting thread looks again: this wait may close its circle
+        try:
+            while not done():
+                if self._closes_circle(me):
+                    held = ", ".join(repr(t) for t in dict.fromkeys(self._held.get(me, ()))) or "none"
+                    raise self._refused(call, f"waiting for {', '.join(map(repr, tags))} here would deadlock: this "
+                                              f"thread holds awake block(s) of {held}, and another thread waits for "
+                                              "them while holding what this one waits for; pause outside awake() "
+                                              "blocks (or pause the other tag from the thread that holds it)")
+                self._cond.wait()
+        finally:
+            del self._waits[me]
 
     @contextlib.contextmanager
     def hold(self, tag: str, refuse: Callable[[], None]) -> Iterator[None]:
         """Hold ``tag`` awake for the block, once no pause of it is under way; ``refuse()`` runs then and may raise."""
+        me = threading.get_ident()
         with self._cond:
-            self._cond.wait_for(lambda: self._pausing[tag] <= 0 or tag in self.held())
-            refuse()
+            held = self._held.setdefault(me, [])
+            try:
+                self._wait(me, "hold", [tag], lambda: self._pausing[tag] <= 0 or tag in held, "MemorySaver.awake")
+                refuse()
+            except BaseException:
+                if not held:
+                    del self._held[me]
+                raise
             self._users[tag] = self._users.get(tag, 0) + 1
-        held = self.held()
-        held.append(tag)
+            held.append(tag)
         try:
             yield
         finally:
-            held.remove(tag)
             with self._cond:
+                held.remove(tag)
+                if not held:
+                    del self._held[me]
                 self._users[tag] -= 1
                 self._cond.notify_all()
 
@@ -183,16 +238,19 @@ class _AwakeGuard:
         """Mark ``tags`` as pausing: new blocks of them wait until :meth:`end_pause`."""
         with self._cond:
             self._pausing.update(tags)
+            self._pausers[threading.get_ident()] = list(tags)
 
     def wait_released(self, tags: list[str]) -> None:
-        """Wait until no block holds any of ``tags``."""
+        """Wait until no block holds any of ``tags``; :class:`hal.InvalidStateError` where that would deadlock."""
         with self._cond:
-            self._cond.wait_for(lambda: not any(self._users.get(t, 0) for t in tags))
+            self._wait(threading.get_ident(), "release", tags,
+                       lambda: not any(self._users.get(t, 0) for t in tags), "MemorySaver.pause")
 
     def end_pause(self, tags: list[str]) -> None:
         """The pause of ``tags`` is over (done or failed): waiting blocks go on."""
         with self._cond:
             self._pausing.subtract(tags)
+            self._pausers.pop(threading.get_ident(), None)
             self._cond.notify_all()
 
 
@@ -223,7 +281,8 @@ class MemorySaver(Closable):
         self._memory = RegionMemory(self.backend, pin_backups)  # what region() hands out
         self._sleepers: dict[str, list[Sleeper]] = {}  # tag -> graphkit objects that sleep (allocators, buffers)
         self._times: dict[str, tuple[float | None, float | None]] = {}
-        self._guard = _AwakeGuard()
+        self._guard = _AwakeGuard(
+            lambda call, why: hal.InvalidStateError(why, backend=self.backend.name, call=call))
         self._closed = False
 
     # -- tags -------------------------------------------------------------------------------
@@ -324,7 +383,8 @@ class MemorySaver(Closable):
         """A block during which ``tag`` stays awake: a pause of it waits for the block to end.
 
         Keep it short (one replay). :raises hal.InvalidStateError: ``tag`` is
-        paused (the pause was first).
+        paused (the pause was first), or waiting for a pause of it under way would deadlock (that pause waits for
+        a block this thread holds).
         """
         tag = self._check_tag(tag, "awake")
         with self._guard.hold(tag, lambda: self._refuse_paused(tag, call)):
@@ -371,7 +431,11 @@ class MemorySaver(Closable):
         it resumes.
 
         :raises hal.InvalidStateError: a :meth:`region` block of a tag is
-            open, or this thread is inside an :meth:`awake` block of one.
+            open, or this thread is inside an :meth:`awake` block of one; or
+            waiting would deadlock: this thread holds an awake block that
+            another thread, itself holding a block of these tags, waits for
+            (each pausing the other's tag) -- that pause is refused, and the
+            other goes on once this thread leaves its blocks.
         """
         with self._lock:
             self._check_open("pause")

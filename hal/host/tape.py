@@ -68,6 +68,25 @@ HOST_SYNC_OPS = {
 }
 _HOST_SYNC_PACKETS = {op.overloadpacket for op in HOST_SYNC_OPS}
 
+#: ops whose output shape always depends on the data (a replay could not follow it)
+_DATA_SHAPE_OPS = {aten.bincount.default, aten._unique.default}
+
+
+def _data_dependent_shape(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the output shape of ``func`` depends on the values of its arguments, not only on their shapes: a
+    boolean-mask index (``a[mask]``: how many elements are true), ``repeat_interleave`` by a tensor without
+    ``output_size`` (the sum of the repeats), ``bincount`` (the largest value). A replay keeps the shape the capture
+    saw, so such an op is refused like the host-synchronising ones (a CUDA capture refuses them too)."""
+    if func in _DATA_SHAPE_OPS:
+        return True
+    if func is aten.index.Tensor:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
+    if func.overloadpacket is aten.repeat_interleave:
+        repeats = args[0] if func is aten.repeat_interleave.Tensor else (args[1] if len(args) > 1 else None)
+        return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+    return False
+
 
 @dataclass
 class _Slot:
@@ -316,6 +335,12 @@ class _Recorder(TorchDispatchMode):
             raise self._refuse(func, "needs a value on the host during a graph capture "
                                      "(.item(), bool(tensor), printing a tensor or a data-dependent shape); "
                                      "move it out of the captured function")
+        if _data_dependent_shape(func, args, kwargs):
+            raise self._refuse(func, "gives an output whose shape depends on the data (a boolean mask index, "
+                                     "repeat_interleave by a tensor without output_size=, bincount): a replay would "
+                                     "keep the shape of the capture; index with integer indices, torch.where or "
+                                     "masked_fill, or give the size (output_size=), or move it out of the captured "
+                                     "function")
         arg_refs = tree_map(self._ref, args)
         kwarg_refs = tree_map(self._ref, kwargs)
         in_storages = {

@@ -71,12 +71,21 @@ def _checked(backend: str, call: str, native: str) -> Iterator[None]:
                           code_name=errno.errorcode.get(exc.errno or 0), native_call=native) from exc
 
 
+#: Sizes and addresses handed to the OS are 64-bit: one this large or larger would wrap.
+_WORD_LIMIT = 1 << 64
+
+
 def _pages(backend: str, call: str, **values: int) -> None:
-    """Refuse a value that is not a positive multiple of the page (an address may not be 0 either)."""
+    """Refuse a value that is not a positive multiple of the page (an address may not be 0 either), or that, with
+    every other value given (an address plus a size, a size plus an alignment), does not fit 64 bits."""
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % PAGE_SIZE:
             raise InvalidArgumentError(f"{name}={value!r} must be a positive multiple of the page size {PAGE_SIZE}",
                                        backend=backend, call=call)
+    if sum(values.values()) >= _WORD_LIMIT:
+        given = ", ".join(f"{name}={value:#x}" for name, value in values.items())
+        raise InvalidArgumentError(f"{given}: together they pass 2**64 bytes, which no address space holds",
+                                   backend=backend, call=call)
 
 
 def reserve(size: int, alignment: int = PAGE_SIZE, *, backend: str = "host") -> int:
@@ -142,8 +151,9 @@ def import_chunk(fd: int, size: int, *, backend: str = "host") -> int:
 
 def alloc(size: int, *, backend: str = "host") -> int:
     """``size`` bytes of plain read-write memory (a device's own allocator), page-aligned; return the address."""
-    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-        raise InvalidArgumentError(f"size={size!r} must be a positive int", backend=backend, call="alloc")
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0 or size + PAGE_SIZE >= _WORD_LIMIT:
+        raise InvalidArgumentError(f"size={size!r} must be a positive int below 2**64", backend=backend,
+                                   call="alloc")
     with _checked(backend, "alloc", "mmap"):
         return _os.alloc_anonymous(size)
 

@@ -76,6 +76,13 @@ def test_unknown_backend_lists_the_known_ones(tmp_path: Path) -> None:
     assert_one_line(proc, "--backend", "nope", *(i.name for i in hal.list_backends()))
 
 
+@pytest.mark.parametrize("args", [["--bogus"], ["--iters=-5", "nonsense"]])
+def test_mapcalls_refuses_arguments_it_does_not_take_before_running(args: list[str]) -> None:
+    proc = cli("graphkit_bench.mapcalls", *args)
+    assert_one_line(proc, "python -m graphkit_bench.mapcalls: error: unrecognized arguments:", *args)
+    assert "map calls" not in proc.stdout  # the bench did not run
+
+
 def test_python_m_graphkit_without_the_bench_names_the_extra() -> None:
     """The library alone (no graphkit_bench): ``python -m graphkit demo`` says which extra to install."""
     full = {**os.environ, "PYTHONPATH": str(ROOT), "HAL_BACKEND": "fake"}

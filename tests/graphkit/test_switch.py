@@ -63,6 +63,7 @@ def test_values_that_turn_it_on(value: str, options: Options) -> None:
     ("2", "'2'"), ("bogus", "'bogus'"), ("kind=bogus", "'kind=bogus'"), ("verify=2", "'verify=2'"),
     ("hygiene=", "'hygiene='"), ("report=-1", "'report=-1'"), ("report=nan", "'report=nan'"),
     ("report=inf", "'report=inf'"), ("report=soon", "'report=soon'"), ("1,kind=shared", "'1'"),
+    ("report=1e10", "'report=1e10'"),  # past what threading.Timer waits: every capture's timer thread would die
     ("=1", "'=1'"), ("kind=vmm,kind=shared", "'kind=shared' is given twice"),
 ])
 def test_bad_values_are_refused_naming_the_variable_and_the_option(value: str, named: str) -> None:
@@ -71,6 +72,37 @@ def test_bad_values_are_refused_naming_the_variable_and_the_option(value: str, n
     assert caught.value.call == ENV
     assert str(caught.value).startswith(f"{ENV}: ") and str(caught.value).count(ENV) == 1
     assert _graphkit_startup.requested({ENV: value})  # the hook still waits for torch: the switch reports it
+
+
+@pytest.mark.parametrize(("call", "arg", "named"), [
+    ("parse", 5, "value=5 must be the variable's text"), ("parse", b"1", "value=b'1' must be the variable's text"),
+    ("start", "kind=shared", (r"options='kind=shared' must be a graphkit.switch.Options or None; for the variable's "
+                              r"text, pass graphkit.switch.parse\('kind=shared'\)")),
+    ("start", {"kind": "shared"}, r"options=\{'kind': 'shared'\} must be a graphkit.switch.Options"),
+    ("start", True, "options=True must be a graphkit.switch.Options"),
+    ("ProcessGraphMemory", "x", "options='x' must be a graphkit.switch.Options"),
+])
+def test_what_is_no_value_or_options_is_refused_and_nothing_starts(call: str, arg: Any, named: str,
+                                                                  switch_reset: None) -> None:
+    with pytest.raises(hal.InvalidArgumentError, match=named):
+        getattr(switch, call)(arg)
+    assert switch.active() is None
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"report": 1e10}, "report=10000000000.0 must be seconds in"), ({"report": -1}, "report=-1"),
+    ({"kind": "bogus"}, "kind='bogus' must be one of"), ({"verify": "yes"}, "verify='yes' must be a bool"),
+])
+def test_options_made_in_code_are_checked_as_the_variable_is(fields: dict[str, Any], named: str) -> None:
+    with pytest.raises(hal.InvalidArgumentError, match=named):
+        Options(**fields)
+
+
+def test_graphkit_switch_is_reachable_after_import_graphkit() -> None:
+    code = "import graphkit; print(graphkit.switch.parse('kind=shared').kind)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env=_env(None))
+    assert out.returncode == 0 and out.stdout.split()[0] == "shared", out.stderr[-2000:]
 
 
 # -- the engines' plugin entry points -------------------------------------------------------------------------
@@ -286,6 +318,33 @@ def test_spawned_and_forked_ranks_are_served_with_the_variable_alone() -> None:
         assert "fake:0: graph pools on fake (vmm): 3 key(s)" in lines[0] and lines[0].endswith("(at exit)")
         configured = rank["method"] == "fork"  # that rank set up logging of its own: the line went through it
         assert lines[0].startswith("INFO graphkit.switch: ") == configured, lines[0]
+
+
+FORKED_CHILD = """
+import multiprocessing, os, sys
+def child():
+    import torch, hal
+    import graphkit.switch
+    graphkit.switch.plugin()  # the switch starts in the child, after the fork
+    be = hal.get_backend("fake"); g = be.create_graph(); x = torch.ones(2)
+    with be.capture(g):
+        y = x * 3
+    print("child", os.getpid(), flush=True)
+if __name__ == "__main__":
+    p = multiprocessing.get_context(sys.argv[1]).Process(target=child); p.start(); p.join(100)
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_switch_started_in_a_forked_child_logs_its_line_at_exit(tmp_path: Path, method: str) -> None:
+    """A multiprocessing child leaves through os._exit, past atexit: its line comes through multiprocessing's exit."""
+    script = tmp_path / "child.py"
+    script.write_text(FORKED_CHILD)
+    out = subprocess.run([sys.executable, str(script), method], capture_output=True, text=True, timeout=200,
+                         env=_env("report=0", PYTHONPATH=str(ROOT)), cwd=ROOT)
+    pid = int(next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("child ")))
+    lines = _report_lines(out.stderr, pid)
+    assert len(lines) == 1 and lines[0].endswith("(at exit)"), out.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -64,6 +64,26 @@ MODULES = {
             def shutdown(self):
                 super().shutdown()
                 raise RuntimeError('shutdown failed')
+
+        class MemInfo(FakeBackend):
+            @hal.hookimpl
+            def mem_info(self):
+                raise RuntimeError('nvml gone')
+
+        class Count(FakeBackend):
+            @hal.hookimpl
+            def device_count(self):
+                raise OSError('driver gone')
+
+        class Gran(FakeBackend):
+            @hal.hookimpl
+            def granularity(self, recommended):
+                raise ValueError('bad attribute')
+
+        class ZeroGran(FakeBackend):
+            @hal.hookimpl
+            def granularity(self, recommended):
+                return 0
     """),
     "odd_import_exit": "import sys\nsys.exit(3)\n",
     "odd_probe_empty": SUB + "class B(FakeBackend):\n    @classmethod\n    def probe(cls):\n        return ''\n",
@@ -235,6 +255,42 @@ def test_python_m_hal_lists_plugins_whose_hooks_raise_and_exits_0(tmp_path: Path
     assert "device init failed" in found["ctor_driver"][1], proc.stdout
     assert "shutdown() raised RuntimeError: shutdown failed" in proc.stdout, proc.stdout
     assert re.search(r"^selected by default: (caps|ctor_driver)$", proc.stdout, re.M) is None, proc.stdout
+
+
+QUERY_PLUGINS = {"qmem": "odd_hooks:MemInfo", "qcount": "odd_hooks:Count", "qgran": "odd_hooks:Gran",
+                 "zgran": "odd_hooks:ZeroGran"}
+
+
+def test_a_query_hook_that_raises_or_answers_no_value_is_a_hal_error_naming_plugin_and_hook(
+        tmp_path: Path) -> None:
+    with importable(site_with(tmp_path, QUERY_PLUGINS)):
+        cases = [("qmem", "mem_info", lambda be: be.mem_info(), r"mem_info\(\) raised RuntimeError: nvml gone"),
+                 ("qcount", "device_count", lambda be: be.device_count(), r"device_count\(\) raised OSError"),
+                 ("qgran", "granularity", lambda be: be.granularity, r"granularity\(\) raised ValueError"),
+                 ("zgran", "granularity", lambda be: be.granularity, "the backend returned 0; a hook answers")]
+        for name, hook, ask, match in cases:
+            with hal.get_backend(name) as be:  # by name it opens; the broken answer is the plugin's error
+                with pytest.raises(hal.PluginValidationError, match=match) as info:
+                    ask(be)
+                assert (info.value.backend, info.value.call) == (name, hook)
+
+
+def test_selection_passes_over_a_plugin_that_cannot_tell_its_granularity(tmp_path: Path,
+                                                                          only: Callable[..., None]) -> None:
+    with importable(site_with(tmp_path, QUERY_PLUGINS)):
+        only("qgran", "zgran", "fake")
+        for requires in ((), ("graphs",)):
+            with hal.get_backend(requires=requires) as be:
+                assert be.name == "fake"
+
+
+def test_python_m_hal_lists_plugins_whose_query_hooks_fail_and_selects_another(tmp_path: Path) -> None:
+    proc = python_m_hal(site_with(tmp_path, QUERY_PLUGINS))
+    assert proc.returncode == 0 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert "mem_info() raised RuntimeError: nvml gone" in proc.stdout, proc.stdout
+    assert "device_count() raised OSError: driver gone" in proc.stdout, proc.stdout
+    assert "granularity() raised ValueError: bad attribute" in proc.stdout, proc.stdout
+    assert re.search(r"^selected by default: (qgran|zgran)$", proc.stdout, re.M) is None, proc.stdout
 
 
 def test_unknown_options_are_still_the_callers_error(tmp_path: Path) -> None:

@@ -68,6 +68,30 @@ def test_errors_name_the_plugin_not_fake(be: hal.Backend) -> None:
     assert state.value.backend == "renamed"
 
 
+def test_ops_whose_output_shape_depends_on_the_data_are_refused_naming_the_op(be: hal.Backend) -> None:
+    a, x, repeats = torch.arange(24.0).view(4, 6), torch.arange(6.0), torch.full((6,), 2)
+    mask = a > 5
+    cases = {"aten.index.Tensor": lambda: a[mask], "aten.bincount": lambda: torch.bincount(repeats),
+             "aten.repeat_interleave.Tensor": lambda: x.repeat_interleave(repeats)}
+    for op, fn in cases.items():
+        graph = be.create_graph()
+        with pytest.raises(hal.CaptureError, match=f"{op}.* gives an output whose shape depends on the data") as info:
+            with be.capture(graph, None, be.create_stream()):
+                fn()
+        assert info.value.backend == "renamed"
+        be.release_graph(graph)
+    graph = be.create_graph()
+    with be.capture(graph, None, be.create_stream()):  # the same ops with a shape known from shapes alone
+        picked = a[torch.tensor([0, 2])]
+        spread = x.repeat_interleave(repeats, output_size=12)
+        a[mask] = 0.0  # a masked write keeps the shape
+    a.copy_(torch.arange(24.0).view(4, 6) + 1)
+    be.replay(graph)
+    assert torch.equal(picked, (torch.arange(24.0).view(4, 6) + 1)[[0, 2]]) and spread.shape == (12,)
+    assert int((a == 0).sum()) == int(mask.sum())
+    be.release_graph(graph)
+
+
 def test_out_of_memory_in_a_capture_is_the_devices_error(be: hal.Backend) -> None:
     x = torch.ones(1 << 19)  # 2 MiB of float32: more than the device's 1 MiB
     graph = be.create_graph()
@@ -266,7 +290,8 @@ def test_a_capture_takes_the_innermost_router_of_its_device_then_the_process_rou
     assert be.pool_active_blocks(pools["inner"]) and be.pool_active_blocks(pools["process"])
     assert not be.pool_active_blocks(pools["outer"])
     refused = be.create_graph()
-    with be.route_captures(lambda g, p: "a pool"), pytest.raises(TypeError, match=r"must return a hal\.types\.Route"):
+    returns_a_str = be.route_captures(lambda g, p: "a pool")
+    with returns_a_str, pytest.raises(hal.InvalidArgumentError, match=r"must return a hal\.types\.Route"):
         with be.capture(refused):
             pass
     del y, z
@@ -322,6 +347,11 @@ def test_vm_errors_are_hal_errors_naming_the_backend_and_the_hook() -> None:
     with pytest.raises(hal.DeviceOutOfMemoryError, match="mmap") as full:  # more address space than there is
         vm.reserve(1 << 62, backend="mine")
     assert isinstance(full.value, MemoryError) and full.value.call == "create_vir_ptr"
+    for size in (1 << 70, (1 << 64) + vm.PAGE_SIZE, (1 << 64) - vm.PAGE_SIZE):  # size + alignment would wrap
+        with pytest.raises(hal.InvalidArgumentError, match="together they pass 2\\*\\*64 bytes"):
+            vm.reserve(size, backend="mine")
+    with pytest.raises(hal.InvalidArgumentError, match="below 2\\*\\*64"):
+        vm.alloc(1 << 64, backend="mine")
     with pytest.raises(hal.DriverError) as driver:
         vm.release_chunk(-1, backend="mine")
     assert (driver.value.code, driver.value.code_name, driver.value.native_call) == (errno.EBADF, "EBADF", "close")

@@ -186,6 +186,22 @@ def prepare(be: hal.Backend, hook: str) -> Callable[[], Any]:
     return calls[hook]
 
 
+def test_a_closed_backend_refuses_every_call_naming_it() -> None:
+    be = hal.get_backend("fake", granularity=G)
+    g = be.granularity
+    be.close()
+    calls = {"mem_info": be.mem_info, "device_count": be.device_count,
+             "granularity": lambda: be.recommended_granularity, "create_vir_ptr": lambda: be.create_vir_ptr(G),
+             "create_graph": be.create_graph, "current_device": be.current_device,
+             "stream_state_sizes": be.stream_state_sizes,
+             "create_stream": be.create_stream, "synchronize": be.synchronize}
+    for call, fn in calls.items():
+        with pytest.raises(hal.InvalidStateError, match=f"fake.{call}: the backend is closed; get a new one with "
+                                                        r"hal\.get_backend\(\)"):
+            fn()
+    assert be.granularity == g and be.closed  # what it was stays readable
+
+
 def test_snapshot_sees_bookkeeping_changes(be: hal.Backend) -> None:
     """The comparison below is not vacuous: a successful call changes the snapshot."""
     call = prepare(be, "map")

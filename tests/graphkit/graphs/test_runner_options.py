@@ -142,3 +142,66 @@ def test_a_pool_strategy_is_a_protocol_an_object_of_ones_own_serves_without_subc
     x = torch.randn(3, 8)
     torch.testing.assert_close(runner(x=x), step(x))
     runner.close()
+
+
+# -- misuse: each gives a hal error that names the argument and the fix ------------------------------------------
+
+
+def test_a_backend_name_instead_of_a_backend_says_to_get_one() -> None:
+    with pytest.raises(hal.InvalidArgumentError, match=r"backend='fake' must be a hal.Backend: pass "
+                                                       r"hal.get_backend\('fake'\)"):
+        GraphRunner(step, [2], backend="fake")  # type: ignore[arg-type]
+
+
+def test_one_size_instead_of_a_list_shows_the_list(be: hal.Backend) -> None:
+    with pytest.raises(hal.InvalidArgumentError, match=r"sizes=8 must be a list of batch sizes to capture, e.g. "
+                                                       r"sizes=\[8\]"):
+        GraphRunner(step, 8, be)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("fn", "fill", "match"), [
+    (None, None, "fn=None must be a callable: the step to capture"),
+    (step, 5, r"fill=5 must be a mapping of input name to the value .* e.g. fill=\{'tokens': 0\}"),
+])
+def test_a_step_or_fill_of_the_wrong_kind_is_refused_at_construction(be: hal.Backend, fn: object, fill: object,
+                                                                     match: str) -> None:
+    with pytest.raises(hal.InvalidArgumentError, match=match):
+        GraphRunner(fn, [2], be, fill=fill, progress=False)  # type: ignore[arg-type]
+    assert be.live.zero
+
+
+def test_a_positional_call_says_to_name_the_inputs(be: hal.Backend) -> None:
+    with GraphRunner(step, [2], be, progress=False) as runner:
+        runner.capture(x=torch.zeros(2, 8))
+        with pytest.raises(hal.InvalidArgumentError, match=r"1 positional argument\(s\): a GraphRunner takes its "
+                                                           r"inputs by name, as capture\(\) got them: runner\(x=...\)"):
+            runner(torch.ones(2, 8))
+
+
+def test_a_wrong_input_name_is_named_before_any_capture_and_at_a_call(be: hal.Backend) -> None:
+    with GraphRunner(step, [2], be, progress=True) as runner:  # the progress bar is on: the error is not from it
+        with pytest.raises(hal.InvalidArgumentError, match=r"the example inputs y do not fit 'step' .*its inputs: "
+                                                           r"x\): name each example as the step's parameter"):
+            runner.capture(y=torch.zeros(2, 8))
+        assert runner.captured_sizes == [] and runner.inputs is None
+        runner.capture(x=torch.zeros(2, 8))
+        with pytest.raises(hal.InvalidArgumentError, match=r"missing: x; unexpected: y: give each input by the name "
+                                                           r"capture\(\) got, runner\(x=...\)"):
+            runner(y=torch.ones(2, 8))
+
+
+def test_a_second_capture_captures_what_is_missing_or_says_why_not(be: hal.Backend,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    with GraphRunner(step, [2, 4], be, progress=False) as runner:
+        runner.capture(x=torch.zeros(4, 8))
+        with caplog.at_level("WARNING", logger="graphkit.graphs.runner"):
+            runner.capture(x=torch.zeros(4, 8))
+            runner.capture(x=torch.zeros(4, 8))  # said once
+        said = [r.getMessage() for r in caplog.records if r.name == "graphkit.graphs.runner"]
+        assert len(said) == 1 and "every size (2, 4) has its graph already, so nothing is captured" in said[0], said
+        runner.release_size(2)
+        runner.capture(x=torch.zeros(4, 8))  # what is missing is captured again
+        assert sorted(runner.captured_sizes) == [2, 4]
+        with pytest.raises(hal.InvalidArgumentError, match=r"expected \(batch, 8\): a second capture\(\) reuses the "
+                                                           "static buffers"):
+            runner.capture(x=torch.zeros(4, 5))

@@ -267,6 +267,11 @@ def test_bad_sizes_and_alignments_are_hal_errors(be: hal.Backend, value: object)
     alloc.close()
 
 
+def test_a_backend_name_instead_of_a_backend_is_refused_naming_the_fix() -> None:
+    with pytest.raises(hal.InvalidArgumentError, match=r"backend='fake' must be a hal.Backend \(hal.get_backend"):
+        graphkit.SharedVMMAllocator("fake")  # type: ignore[arg-type]
+
+
 def test_the_space_and_arena_classes_still_import_from_the_allocator_module() -> None:
     from graphkit.memory.allocator import Arena as OldArena
     from graphkit.memory.allocator import VirtualSpace as OldVirtualSpace

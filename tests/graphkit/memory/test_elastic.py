@@ -502,6 +502,7 @@ ELASTIC_BAD_CALLS = {
     "ElasticBuffer(reservation=object())": lambda be, _: graphkit.ElasticBuffer(be, max_bytes=G,
                                                                                 reservation=object()),
     "ElasticBuffer(saver=object())": lambda be, _: graphkit.ElasticBuffer(be, max_bytes=G, saver=object()),
+    "ElasticBuffer(backup='yes')": lambda be, _: graphkit.ElasticBuffer(be, max_bytes=G, backup="yes"),
 }
 
 

@@ -162,7 +162,8 @@ def test_what_cannot_be_exported_is_refused(alloc: graphkit.SharedVMMAllocator, 
     alloc.switch_to_new_virtual_space()
     ptr = alloc.allocate(G // 2)
     cases = [(ptr, 0, "nbytes > 0"), (ptr, G + 1, r"granule\(s\) \[1\] of space 1, which are not mapped"),
-             (ptr - G, G, "is in no live space"), ("ptr", G, "need an int address")]
+             (ptr - G, G, "is in no live space"), ("ptr", G, "need an int address"),
+             (ptr, alloc.spaces[1].size + 1, "runs past the end of space 1")]  # refused before any per-granule work
     for p, n, match in cases:
         with pytest.raises(hal.InvalidArgumentError, match=match):
             alloc.export(p, n)  # type: ignore[arg-type]
@@ -189,6 +190,8 @@ def test_a_failed_import_leaves_nothing_mapped(alloc: graphkit.SharedVMMAllocato
         for fds, offset, nbytes in (([], 0, G), (exported.fds, G, G), (exported.fds, 0, 3 * G + 1)):
             with pytest.raises(hal.InvalidArgumentError, match="need 0 <= offset < chunk_bytes"):
                 ImportedRange(peer, fds, G, offset, nbytes)
+        with pytest.raises(hal.InvalidArgumentError, match=r"backend='fake' must be a hal.Backend"):
+            ImportedRange("fake", exported.fds, G, 0, G)  # type: ignore[arg-type]
 
 
 def test_more_chunks_than_one_message_carries(be: hal.Backend, peer: hal.Backend) -> None:

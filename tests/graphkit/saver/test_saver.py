@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -598,6 +599,86 @@ def test_a_thread_inside_awake_cannot_pause_that_tag(be: hal.Backend) -> None:
             pass
     saver.resume("graphs")
     pools.close()
+    saver.close()
+
+
+def _two_tags(be: hal.Backend) -> tuple[graphkit.MemorySaver, list[graphkit.ElasticBuffer]]:
+    saver = graphkit.MemorySaver(be)
+    bufs = []
+    for tag in ("a", "b"):
+        buf = graphkit.ElasticBuffer(be, max_bytes=4 * G, saver=saver, tag=tag)
+        buf.resize(G)
+        bufs.append(buf)
+    return saver, bufs
+
+
+def _in_threads(*targets: object) -> None:
+    threads = [threading.Thread(target=t, daemon=True) for t in targets]  # type: ignore[arg-type]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads), "deadlock: threads still waiting after 20 s"
+
+
+def test_two_threads_each_pausing_the_others_awake_tag_never_deadlock(be: hal.Backend) -> None:
+    """Each thread inside awake(own tag) pauses the other's: the one whose wait would close the circle is refused;
+    the other pauses once the refused one has left its block."""
+    saver, bufs = _two_tags(be)
+    barrier = threading.Barrier(2)
+    outcome: dict[str, str] = {}
+
+    def run(mine: str, other: str) -> None:
+        with saver.awake(mine):
+            barrier.wait()
+            try:
+                saver.pause(other)
+                outcome[mine] = "paused"
+            except hal.InvalidStateError as exc:
+                outcome[mine] = str(exc)
+
+    _in_threads(lambda: run("a", "b"), lambda: run("b", "a"))
+    assert sorted(outcome.values())[-1] == "paused", outcome
+    refused = sorted(outcome.values())[0]
+    assert "MemorySaver.pause: waiting for" in refused and "would deadlock" in refused, outcome
+    assert sum(saver.is_paused(t) for t in "ab") == 1
+    saver.resume()
+    for buf in bufs:
+        buf.close()
+    saver.close()
+
+
+def test_a_pause_of_two_tags_against_a_nested_awake_block_never_deadlocks(be: hal.Backend) -> None:
+    """pause("a", "b") waits for a block of "a" whose thread then opens a block of "b" (which waits for the pause)."""
+    saver, bufs = _two_tags(be)
+    inside, pausing = threading.Event(), threading.Event()
+    outcome: dict[str, str] = {}
+
+    def nested() -> None:
+        with saver.awake("a"):
+            inside.set()
+            pausing.wait(5)
+            time.sleep(0.2)  # the pause is waiting for this block now
+            try:
+                with saver.awake("b"):
+                    outcome["nested"] = "held b"
+            except hal.InvalidStateError as exc:
+                outcome["nested"] = str(exc)
+
+    def pause() -> None:
+        inside.wait(5)
+        pausing.set()
+        try:
+            saver.pause("a", "b")
+            outcome["pause"] = "paused"
+        except hal.InvalidStateError as exc:
+            outcome["pause"] = str(exc)
+
+    _in_threads(nested, pause)
+    assert outcome["pause"] == "paused" and "would deadlock" in outcome["nested"], outcome
+    saver.resume()
+    for buf in bufs:
+        buf.close()
     saver.close()
 
 

@@ -1,0 +1,73 @@
+"""The graph half of the facade refuses what is not a graph, pool, stream or router at the call that got it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import hal
+from tests.conftest import G
+
+
+@pytest.fixture
+def be() -> Iterator[hal.Backend]:
+    with hal.get_backend("fake", granularity=G) as backend:
+        yield backend
+
+
+def _capture(be: hal.Backend, **kwargs: Any) -> None:
+    graph = be.create_graph()
+    with be.capture(graph, **kwargs):
+        torch.ones(4) + 1
+
+
+CALLS: dict[str, tuple[str, Callable[[hal.Backend], Any]]] = {
+    "capture(pool=5)": ("pool=5 is not a pool of this backend", lambda be: _capture(be, pool=5)),
+    "capture(stream='s')": ("stream='s' is not a stream", lambda be: _capture(be, stream="s")),
+    "capture('g')": ("graph='g' is not a graph", lambda be: be.capture("g")),
+    "use_pool(5)": ("pool=5 is not a pool", lambda be: be.use_pool(5)),
+    "release_pool('p')": ("pool='p' is not a pool", lambda be: be.release_pool("p")),
+    "capture(pool=())": (r"pool=\(\) is not a pool", lambda be: _capture(be, pool=())),
+    "pool_active_blocks(None)": ("pool=None is not a pool", lambda be: be.pool_active_blocks(None)),
+    "replay(None)": ("graph=None is not a graph", lambda be: be.replay(None)),
+    "release_graph(5)": ("graph=5 is not a graph", lambda be: be.release_graph(5)),
+    "graph_addresses('g')": ("graph='g' is not a graph", lambda be: be.graph_addresses("g")),
+    "synchronize(7)": ("stream=7 is not a stream", lambda be: be.synchronize(7)),
+    "use_stream('s')": ("stream='s' is not a stream", lambda be: be.use_stream("s")),
+}
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+def test_a_plain_value_for_a_graph_pool_or_stream_is_refused_naming_the_argument(be: hal.Backend, call: str) -> None:
+    fragment, fn = CALLS[call]
+    with pytest.raises(hal.InvalidArgumentError, match=fragment) as info:
+        fn(be)
+    assert info.value.backend == "fake" and "create_" in str(info.value)  # names where a real one comes from
+    assert be.live.graphs <= 1 and be.live.pools == 0
+
+
+def test_routers_that_are_no_routers_are_refused_with_hal_errors(be: hal.Backend) -> None:
+    with pytest.raises(hal.InvalidArgumentError, match="router=5 must be callable"):
+        with hal.route_every_capture(5):  # type: ignore[arg-type]
+            pass
+    with pytest.raises(hal.InvalidArgumentError, match=r"a capture router returned 5: it must return a hal\.types"):
+        with be.route_captures(lambda graph, pool: 5):  # type: ignore[arg-type,return-value]
+            _capture(be)
+    _capture(be)  # nothing stayed behind: the next capture runs
+
+
+def test_objects_of_the_backend_still_pass(be: hal.Backend) -> None:
+    x = torch.ones(4)
+    graph, pool, stream = be.create_graph(), be.create_pool(), be.create_stream()
+    with be.capture(graph, pool, stream):
+        y = x * 2
+    x.fill_(3.0)
+    be.replay(graph)
+    assert torch.equal(y, torch.full((4,), 6.0))
+    be.synchronize(stream)
+    be.release_graph(graph)
+    del y
+    be.release_pool(pool)
