@@ -415,8 +415,8 @@ def judge(results: list[dict[str, Any]], alone: dict[str, int]) -> list[str]:
 
 
 def table(results: list[dict[str, Any]], alone: dict[str, int]) -> str:
-    lines = [f"{'setup':<9} {'order':<13} {'graphs':>6} {'graph memory':>13} {'pool/chunks':>12} "
-             f"{'driver':>10} {'capture s':>9}  tokens = eager  = greedy target  acceptance"]
+    lines = [(f"{'setup':<9} {'order':<13} {'graphs':>6} {'graph memory':>13} {'pool/chunks':>12} "
+              f"{'driver':>10} {'capture s':>9}  tokens = eager  = greedy target  acceptance")]
     for r in results:
         driver = fmt_bytes(r["driver_bytes"]) if r["driver_bytes"] is not None else "n/a"
         lines.append(f"{r['setup']:<9} {r['order']:<13} {r['graphs']:>6} {fmt_bytes(r['graph_bytes']):>13} "
