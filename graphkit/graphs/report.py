@@ -16,8 +16,10 @@ if TYPE_CHECKING:
 
 
 def driver_memory(backend: hal.Backend, device_bytes: int | None, pool_bytes: int | None) -> tuple[int | None, str]:
-    """The driver's own memory of instantiated graphs -- the device's used-memory growth less the bytes the pools
-    hold -- and why not, when it cannot be told: ``(bytes, "")`` or ``(None, reason)``. Never a made-up number."""
+    """The driver's own memory of instantiated graphs -- the device's used-memory growth over their captures less
+    the bytes the pools hold -- and why not, when it cannot be told: ``(bytes, "")`` or ``(None, reason)``. Never a
+    made-up number. What else the device gained meanwhile counts too: a runner measures its captures alone, a
+    :class:`GraphPools` everything since it was made."""
     if backend.torch_device().type == "cpu":
         return None, f"not measured: {backend.name}'s device is the host, whose graphs keep no driver memory"
     if device_bytes is None:

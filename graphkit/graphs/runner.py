@@ -453,10 +453,12 @@ class GraphRunner(Closable):
     def report(self) -> RunnerReport:
         """Capture seconds and memory per size (in capture order), and totals."""
         sizes = [self._buckets[s].report for s in self._capture_order if s in self._buckets]
-        graph_bytes, figures = self.graph_bytes(), self.pools.strategy.figures() if self.pools else {}
-        driver, why = driver_memory(self.backend, graph_bytes if self._mem_before is not None else None,
+        reports = [r for r in sizes if r]
+        figures = self.pools.strategy.figures() if self.pools else {}
+        # the device's growth over the captures themselves (warm-ups and what they made are outside)
+        driver, why = driver_memory(self.backend, sum(r.memory_delta for r in reports) if reports else None,
                                     figures.get("chunk_bytes"))
-        return RunnerReport(self.backend.name, self.kind, self.mode, [r for r in sizes if r], graph_bytes, figures,
+        return RunnerReport(self.backend.name, self.kind, self.mode, reports, self.graph_bytes(), figures,
                             sum(len(b.graphs) for b in self._buckets.values()), driver, why)
 
     def _release_bucket(self, bucket: Bucket) -> None:
