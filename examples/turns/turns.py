@@ -225,7 +225,7 @@ def _serve(be: hal.Backend, role: str, mode: str, paths: dict[str, str], options
         if listener is not None:
             _send(pools, listener)
         created = used(be) - before
-        graph_bytes = pools.report().chunk_bytes if pools is not None else imported.size  # type: ignore[union-attr]
+        graph_bytes = pools.report().chunk_bytes if pools is not None else imported.size if imported else 0
         crash = role == "importer" and options.get("crash")
         if crash:
             assert turn is not None

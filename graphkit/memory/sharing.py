@@ -277,6 +277,9 @@ class ImportedSpaces(Closable):
         for key, space in list(self._spaces.items()):
             if space.pool is not None and close_step(errors, be.release_pool, space.pool):
                 space.pool = None
+                if space.live > 0:  # the pool gave back every segment no tensor holds
+                    log.warning("ImportedSpaces.close: %d segment(s) of key %r still hold tensors: they must not "
+                                "be touched after this", space.live, key)
             while space.pool is None and space.mapped and close_step(
                     errors, be.unmap, space.base + (space.mapped - 1) * g, g):
                 space.mapped -= 1

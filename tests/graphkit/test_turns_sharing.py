@@ -39,6 +39,7 @@ def exported(be: hal.Backend) -> Any:
         out.seen = seen  # type: ignore[attr-defined]  # the exporter's view of its first 16 floats
         yield out
     del seen, out.seen  # type: ignore[attr-defined]
+    alloc.deallocate(ptr)
     alloc.close()
 
 
@@ -144,4 +145,15 @@ def test_received_over_a_socket(exported: Any, peer: hal.Backend) -> None:
             assert torch.equal(y, torch.full((4,), 2.0))
             del y
             peer.release_graph(graph)
+    assert peer.live.zero
+
+
+def test_closing_under_a_live_output_says_so(exported: Any, peer: hal.Backend, caplog) -> None:
+    spaces = ImportedSpaces(peer, exported.fds, G)
+    x = torch.ones(4)
+    graph, y = capture(peer, spaces.pool("kept"), lambda: x * 2)
+    peer.release_graph(graph)
+    spaces.close()
+    assert "segment(s) of key 'kept' still hold tensors" in caplog.text
+    del y  # never read: its memory is unmapped
     assert peer.live.zero
