@@ -31,6 +31,10 @@ orders (``--order draft-first`` / ``target-first``):
 * ``scope``: ``graphkit.graph_memory()`` around both capture loops;
 * ``switch``: ``GRAPHKIT_GRAPH_MEMORY=1`` (``graphkit.switch``), no line changed.
 
+Both engines read a graph's logits right after its own replay, so graphkit
+is told ``outputs="replay"`` (``--outputs kept``, graphkit's default, gives
+every capture's outputs memory of their own: survivors).
+
     python examples/spec-decode/spec_decode.py --backend fake --order draft-first
     python examples/spec-decode/spec_decode.py --backend fake --setup scope --setup shared
     python examples/spec-decode/spec_decode.py --backend cuda --config reference
@@ -64,6 +68,9 @@ log = logging.getLogger("spec_decode")
 
 ENGINE_PATH = Path(__file__).resolve().parents[1] / "engine-decode" / "engine.py"
 SETUPS = ("separate", "shared", "scope", "switch")
+#: graphkit's ``outputs=``: these engines read a graph's logits right after its own replay (``replay``); ``kept``
+#: (graphkit's default) gives what a capture leaves allocated memory of its own
+OUTPUTS = ("replay", "kept")
 ORDERS = ("draft-first", "target-first")
 #: the fake device's granule: the switch's pools take the backend's default, so every setup does
 FAKE_OPTIONS: dict[str, Any] = {}
@@ -285,19 +292,21 @@ def reserved(be: hal.Backend) -> int | None:
 
 
 @contextlib.contextmanager
-def setup_scope(be: hal.Backend, setup: str) -> Iterator[dict[str, Any]]:
-    """Around both capture loops: what ``setup`` puts there. Yields a dict that gets ``pools`` (the
-    :class:`graphkit.GraphPools` the captures drew from, for scope and switch)."""
+def setup_scope(be: hal.Backend, setup: str, outputs: str = "replay") -> Iterator[dict[str, Any]]:
+    """Around both capture loops: what ``setup`` puts there (``outputs``: graphkit's, for scope and switch).
+    Yields a dict that gets ``pools`` (the :class:`graphkit.GraphPools` the captures drew from, for scope and
+    switch)."""
     held: dict[str, Any] = {"pools": None}
     if setup in ("separate", "shared"):
         yield held
     elif setup == "scope":
-        with graphkit.graph_memory(be) as pools:
+        with graphkit.graph_memory(be, outputs=outputs) as pools:
             held["pools"] = pools
             yield held
     elif setup == "switch":
         started = graphkit.switch.active() is None  # GRAPHKIT_GRAPH_MEMORY=1 may have started it already
-        scope = graphkit.switch.start(graphkit.switch.Options(report=0)) if started else graphkit.switch.active()
+        options = graphkit.switch.Options(outputs=outputs, report=0)
+        scope = graphkit.switch.start(options) if started else graphkit.switch.active()
         assert scope is not None
         try:
             yield held
@@ -311,26 +320,22 @@ def setup_scope(be: hal.Backend, setup: str) -> Iterator[dict[str, Any]]:
                                        call="setup_scope")
 
 
-def output_bytes(engine: Any) -> int:
-    """Bytes of the outputs an engine keeps (its graphs' logits)."""
-    return sum(t.numel() * t.element_size() for t in engine.graph_outputs.values())
-
-
 def run_setup(be: hal.Backend, setup: str, order: str, config: str = "tiny", *, max_seqs: int = 4, k: int = 3,
-              steps: int = 6, seed: int = 0) -> dict[str, Any]:
+              steps: int = 6, seed: int = 0, outputs: str = "replay") -> dict[str, Any]:
     """Capture both loops under ``setup`` in ``order``, decode with graphs and eagerly; the figures.
 
     ``graph_bytes`` is the device's used-memory growth over both capture loops; ``pool_bytes`` what the
     pools hold (chunk bytes for graphkit; the framework's reserved growth for its own pools on a GPU, the
     device growth on a host device, where pools are all there is); ``driver_bytes`` the difference on a
-    device with a driver (None on a host device: graphs keep no driver memory there).
+    device with a driver (None on a host device: graphs keep no driver memory there); ``survivor_bytes``
+    graphkit's memory of their own for what captures left allocated (``outputs="kept"``).
     """
     spec = SpecDecoder(be, config, max_seqs=max_seqs, k=k, seed=seed)
     held: dict[str, Any] = {"pools": None}
     try:
         before, reserved0 = used(be), reserved(be)
         t0 = time.perf_counter()
-        with setup_scope(be, setup) as held:
+        with setup_scope(be, setup, outputs) as held:
             seconds = spec.capture(order, one_pool=setup == "shared")
         wall = time.perf_counter() - t0
         graph_bytes = used(be) - before
@@ -355,11 +360,12 @@ def run_setup(be: hal.Backend, setup: str, order: str, config: str = "tiny", *, 
             "draft_sizes": spec.draft_sizes, "target_sizes": spec.target_sizes,
             "graph_bytes": graph_bytes, "pool_bytes": pool_bytes, "driver_bytes": driver,
             "kind": report.kind if report is not None else "own",
+            "outputs": outputs if report is not None else None,
+            "survivor_bytes": pools.allocator.survivor_bytes if pools is not None and pools.allocator else 0,
             "capture_seconds": seconds, "capture_wall_seconds": wall,
             "tokens": got.tokens, "tokens_equal_eager": got.tokens == eager.tokens,
             "tokens_equal_greedy_target": got.tokens == greedy,
             "acceptance": got.acceptance, "rounds": got.rounds,
-            "output_bytes": {"draft": output_bytes(spec.draft), "target": output_bytes(spec.target)},
         }
     finally:
         spec.close()
@@ -370,14 +376,16 @@ def run_setup(be: hal.Backend, setup: str, order: str, config: str = "tiny", *, 
 
 
 def run_alone(be: hal.Backend, model: str, config: str = "tiny", *, max_seqs: int = 4, k: int = 3,
-              seed: int = 0) -> int:
-    """Chunk bytes of one model's capture loop alone under ``graphkit.graph_memory``."""
+              seed: int = 0, outputs: str = "replay") -> dict[str, int]:
+    """One model's capture loop alone under ``graphkit.graph_memory``: its chunk bytes (``pool_bytes``, survivors
+    included) and the survivors' (``survivor_bytes``)."""
     spec = SpecDecoder(be, config, max_seqs=max_seqs, k=k, seed=seed)
     engine, sizes = (spec.draft, spec.draft_sizes) if model == "draft" else (spec.target, spec.target_sizes)
     try:
-        with graphkit.graph_memory(be) as pools:
+        with graphkit.graph_memory(be, outputs=outputs) as pools:
             engine.capture_graphs(sizes)
-        return pools.report().chunk_bytes
+        assert pools.allocator is not None
+        return {"pool_bytes": pools.report().chunk_bytes, "survivor_bytes": pools.allocator.survivor_bytes}
     finally:
         spec.close()
         pools.close()
@@ -388,20 +396,21 @@ def example_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, vocab, (2 + i % 3,), generator=gen).tolist() for i in range(n)]
 
 
-def judge(results: list[dict[str, Any]], alone: dict[str, int]) -> list[str]:
+def judge(results: list[dict[str, Any]], alone: dict[str, dict[str, int]]) -> list[str]:
     """The issue's targets where they can be judged: graphkit's graph memory (scope, switch) at most the larger
-    model's alone plus what the other model's graphs keep (their outputs), and below one shared pool, per order."""
+    model's alone plus the other model's survivors (memory of their own for what its captures left allocated),
+    and below one shared pool, per order. ``alone``: :func:`run_alone` of each model, with the same ``outputs``."""
     lines = []
-    larger = max(alone, key=lambda m: alone[m])
+    larger = max(alone, key=lambda m: alone[m]["pool_bytes"])
+    other = "draft" if larger == "target" else "target"
     by = {(r["setup"], r["order"]): r for r in results}
     for (setup, order), r in sorted(by.items()):
         if setup not in ("scope", "switch"):
             continue
-        other = "draft" if larger == "target" else "target"
-        bound = alone[larger] + r["output_bytes"][other]
-        ok = r["pool_bytes"] <= bound
-        lines.append(f"{setup}/{order}: {fmt_bytes(r['pool_bytes'])} <= {larger} alone {fmt_bytes(alone[larger])}"
-                     f" + {other} outputs {fmt_bytes(r['output_bytes'][other])}: {'met' if ok else 'MISSED'}")
+        base, kept = alone[larger]["pool_bytes"], alone[other]["survivor_bytes"]
+        ok = r["pool_bytes"] <= base + kept
+        lines.append(f"{setup}/{order}: {fmt_bytes(r['pool_bytes'])} <= {larger} alone {fmt_bytes(base)} + {other}'s "
+                     f"survivors {fmt_bytes(kept)}: {'met' if ok else 'MISSED'}")
         shared = by.get(("shared", order))
         if shared is not None:
             below = r["graph_bytes"] < shared["graph_bytes"]
@@ -410,7 +419,7 @@ def judge(results: list[dict[str, Any]], alone: dict[str, int]) -> list[str]:
     return lines
 
 
-def table(results: list[dict[str, Any]], alone: dict[str, int]) -> str:
+def table(results: list[dict[str, Any]], alone: dict[str, dict[str, int]]) -> str:
     lines = [(f"{'setup':<9} {'order':<13} {'graphs':>6} {'graph memory':>13} {'pool/chunks':>12} "
               f"{'driver':>10} {'capture s':>9}  tokens = eager  = greedy target  acceptance")]
     for r in results:
@@ -419,7 +428,8 @@ def table(results: list[dict[str, Any]], alone: dict[str, int]) -> str:
                      f"{fmt_bytes(r['pool_bytes']):>12} {driver:>10} {r['capture_seconds']:>9.3f}  "
                      f"{'yes' if r['tokens_equal_eager'] else 'NO':<14}  "
                      f"{'yes' if r['tokens_equal_greedy_target'] else 'no':<15}  {r['acceptance']:.2f}")
-    lines.append("alone under graph_memory: " + ", ".join(f"{m} {fmt_bytes(b)}" for m, b in alone.items()))
+    lines.append("alone under graph_memory: " + ", ".join(
+        f"{m} {fmt_bytes(a['pool_bytes'])} (survivors {fmt_bytes(a['survivor_bytes'])})" for m, a in alone.items()))
     if any(r["driver_bytes"] is None for r in results):
         lines.append("n/m: not measured: the device is the host, whose graphs keep no driver memory")
     return "\n".join(lines)
@@ -437,6 +447,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-seqs", type=int, default=4)
     parser.add_argument("-k", type=int, default=3, help="tokens the draft proposes per round")
     parser.add_argument("--steps", type=int, default=6, help="new tokens per sequence")
+    parser.add_argument("--outputs", choices=OUTPUTS, default="replay",
+                        help="graphkit's outputs= for scope and switch: replay (these engines read a graph's logits "
+                             "right after its own replay) or kept (graphkit's default: what a capture leaves "
+                             "allocated gets memory of its own)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
@@ -448,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     be = hal.get_backend(name, **(FAKE_OPTIONS if name == "fake" else {}))
     try:
         config = args.config or ("reference" if be.torch_device().type == "cuda" else "tiny")
-        options = {"max_seqs": args.max_seqs, "k": args.k}
+        options = {"max_seqs": args.max_seqs, "k": args.k, "outputs": args.outputs}
         results = [run_setup(be, setup, order, config, steps=args.steps, **options)
                    for order in args.order or ORDERS for setup in args.setup or SETUPS]
         alone = {m: run_alone(be, m, config, **options) for m in ("draft", "target")}
@@ -461,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps({"results": results, "alone": alone, "targets": judge(results, alone)}))
     else:
         print(f"{be.name}, config {config}: draft sizes {results[0]['draft_sizes']}, "
-              f"target sizes {results[0]['target_sizes']}")
+              f"target sizes {results[0]['target_sizes']}; graphkit's outputs={args.outputs}")
         print(table(results, alone))
         print(f"tokens: {results[0]['tokens']}")
         for line in judge(results, alone):

@@ -2,8 +2,9 @@
 
 Each process runs the engine of ``examples/engine-decode`` (imported from its
 file) with a model of its own and its own capture loop. The **exporter**
-captures its graphs with ``graphkit.GraphPools`` (one space per batch size
-over shared chunks), then sends its chunks to the **importer** over a Unix
+captures its graphs with ``graphkit.GraphPools(outputs="replay")`` (one
+space per batch size over shared chunks; the engines read a step's outputs
+right after its replay), then sends its chunks to the **importer** over a Unix
 socket (``graphkit.memory.sharing``); the importer captures its graphs into
 spaces mapped onto those same chunks (:class:`ImportedSpaces`) and creates
 none. Both graphs' bytes are the same physical memory, so:
@@ -208,7 +209,7 @@ def _serve(be: hal.Backend, role: str, mode: str, paths: dict[str, str], options
     imported: ImportedSpaces | None = None
     listener = None
     if mode == "independent" or role == "exporter":
-        pools = graphkit.GraphPools(be)
+        pools = graphkit.GraphPools(be, outputs="replay")  # outputs are read right after their replay, in the turn
         if role == "exporter" and mode == "shared":
             if options.get("reserve_bytes"):
                 pools.allocator.precreate(options["reserve_bytes"])  # room for an importer with larger graphs
