@@ -262,8 +262,8 @@ class ImportedSpaces(Closable):
     def close(self) -> None:
         """Release the pools, unmap and free every range, release the imported handles; goes on past failures.
 
-        Reset the graphs captured into the pools (and drop their outputs) first. Waits for the device before
-        unmapping. Idempotent; after a failure, ``close()`` again finishes the job.
+        Reset the graphs captured into the pools (and drop their outputs) first. Waits for the device's queued
+        work before unmapping. Idempotent; after a failure, ``close()`` again finishes the job.
         """
         if self._closed:
             return
@@ -272,8 +272,8 @@ class ImportedSpaces(Closable):
         if be.closed:  # its close released every pool, mapping, range and chunk
             self._spaces.clear()
             self._handles.clear()
-        else:
-            close_step(errors, be.synchronize)
+        elif self._spaces and not close_step(errors, wait_for_device, be):  # queued replays may use the ranges
+            raise_first_failure(log, errors, "ImportedSpaces.close")
         for key, space in list(self._spaces.items()):
             if space.pool is not None and close_step(errors, be.release_pool, space.pool):
                 space.pool = None

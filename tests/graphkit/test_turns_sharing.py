@@ -157,3 +157,16 @@ def test_closing_under_a_live_output_says_so(exported: Any, peer: hal.Backend, c
     assert "segment(s) of key 'kept' still hold tensors" in caplog.text
     del y  # never read: its memory is unmapped
     assert peer.live.zero
+
+
+def test_close_waits_for_the_device_before_it_unmaps(exported: Any, peer: hal.Backend) -> None:
+    """A wait that fails leaves everything mapped (queued replays may still use it); the next close finishes."""
+    spaces = ImportedSpaces(peer, exported.fds, G)
+    spaces.pool("a")
+    peer.faults.fail("synchronize")
+    with pytest.raises(hal.DriverError, match="injected"):
+        spaces.close()
+    live = peer.live
+    assert (live.mappings, live.ranges, live.pools) == (2, 1, 1)
+    spaces.close()
+    assert peer.live.zero
