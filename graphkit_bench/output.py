@@ -33,8 +33,8 @@ def summary_table(out: dict[str, Any]) -> str:
               + (f"; the driver's memory per graph: {fmt_bytes(int(floor))} (no pool shares it)"
                  if floor is not None else "")),
              "eager ms/step: " + ", ".join(f"batch {k}: {v:.3f}" for k, v in out["eager_ms"].items())]
-    head = (f"{'strategy':<15} {'order':<11} {'graph memory':>13} {'chunks':>10} {'capture s':>10} {'verify':>7} "
-            f"{'ms @1':>8} {'hand @1':>8} {'max rel err':>11}  ok")
+    head = (f"{'strategy':<15} {'order':<11} {'graph memory':>13} {'chunks':>10} {'driver':>10} {'capture s':>10} "
+            f"{'verify':>7} {'ms @1':>8} {'hand @1':>8} {'max rel err':>11}  ok")
     lines += [head, "-" * len(head)]
     for r in out["results"]:
         chunks = fmt_bytes(r["chunk_bytes"]) if "chunk_bytes" in r else "-"
@@ -43,8 +43,13 @@ def summary_table(out: dict[str, Any]) -> str:
         ok = "yes" if r["max_rel_error"] < 2e-2 else "NO"
         verify = (f"{100 * r['verify_seconds'] / r['capture_seconds']:.1f}%"
                   if r.get("verified_graphs") and r.get("capture_seconds") else "-")
+        driver = fmt_bytes(r["driver_bytes"]) if r.get("driver_bytes") is not None else "n/m"  # not measured
         lines.append(f"{r['strategy']:<15} {r['order']:<11} {fmt_bytes(r['graph_memory_bytes']):>13} {chunks:>10} "
-                     f"{r['capture_seconds']:>10.3f} {verify:>7} {ms1:>8} {hand:>8} {r['max_rel_error']:>11.2e}  {ok}")
+                     f"{driver:>10} {r['capture_seconds']:>10.3f} {verify:>7} {ms1:>8} {hand:>8} "
+                     f"{r['max_rel_error']:>11.2e}  {ok}")
+    driver_why = next((r["driver_why"] for r in out["results"] if r.get("driver_why")), None)
+    if driver_why:
+        lines.append(f"driver (the driver's own memory of the graphs): n/m = {driver_why}")
     for name, why in out.get("left_out", {}).items():
         lines.append(f"{name}: left out: {why}")
     lines += COLUMNS

@@ -168,6 +168,8 @@ class Bench:
             "capture_seconds_per_size": {str(s.size): s.capture_seconds for s in report.sizes},
             "memory_after_each_capture": _cumulative(report),
             **{k: v for k, v in report.pool_figures.items()},
+            # the driver's own memory of the graphs (device growth less the chunks), or why it is not told
+            "graphs": report.graphs, "driver_bytes": report.driver_bytes, "driver_why": report.driver_why,
         }
         result["max_rel_error"] = self.max_error(lambda n: runner(**self.inputs[n]))
         if order == "descending" or strategy == "vmm" or len(self.cfg.orders) == 1:

@@ -344,7 +344,7 @@ class GraphPools(Closable):
                 self.backend.synchronize()
                 device_bytes = self.backend.mem_info().used - self._used_at_start
             return pools_report(self.backend.name, self.kind, keys, self.allocator, device_bytes,
-                                self.verify_stats)
+                                self.verify_stats, self.backend)
 
     # -- teardown -------------------------------------------------------------------------
 

@@ -10,8 +10,28 @@ from typing import TYPE_CHECKING
 from hal.types import fmt_bytes
 
 if TYPE_CHECKING:
+    import hal
     from graphkit.graphs.isolation import VerifyStats
     from graphkit.memory.allocator import SharedVMMAllocator
+
+
+def driver_memory(backend: hal.Backend, device_bytes: int | None, pool_bytes: int | None) -> tuple[int | None, str]:
+    """The driver's own memory of instantiated graphs -- the device's used-memory growth over their captures less
+    the bytes the pools hold -- and why not, when it cannot be told: ``(bytes, "")`` or ``(None, reason)``. Never a
+    made-up number. What else the device gained meanwhile counts too: a runner measures its captures alone, a
+    :class:`GraphPools` everything since it was made."""
+    if backend.torch_device().type == "cpu":
+        return None, f"not measured: {backend.name}'s device is the host, whose graphs keep no driver memory"
+    if device_bytes is None:
+        return None, "not measured (no device query: report(measure=False))"
+    if pool_bytes is None:
+        return None, ("not measured: these pools draw from the framework's allocator, whose bytes are not told apart "
+                      "from the driver's (kind='vmm' tells them; python -m graphkit_bench.graphmem measures it)")
+    return device_bytes - pool_bytes, ""
+
+
+def _driver_line(what: str, driver_bytes: int | None, why: str) -> str:
+    return f"  driver memory of {what}: {fmt_bytes(driver_bytes) if driver_bytes is not None else why}"
 
 
 @dataclass(frozen=True)
@@ -34,6 +54,11 @@ class RunnerReport:
     graph_bytes: int = 0
     """Device memory used beyond what was used before the first capture (bytes)."""
     pool_figures: dict[str, int] = field(default_factory=dict)
+    graphs: int = 0
+    """Graphs instantiated (a piecewise size has several)."""
+    driver_bytes: int | None = None
+    """``graph_bytes`` less the pools' bytes: the driver's own memory of the graphs (None: see ``driver_why``)."""
+    driver_why: str = ""
 
     @property
     def capture_seconds(self) -> float:
@@ -42,7 +67,8 @@ class RunnerReport:
     def __str__(self) -> str:
         lines = [(f"GraphRunner on {self.backend}: kind={self.kind} mode={self.mode}, "
                   f"{len(self.sizes)} size(s) captured in {self.capture_seconds:.3f} s, "
-                  f"graph memory {fmt_bytes(self.graph_bytes)}")]
+                  f"graph memory {fmt_bytes(self.graph_bytes)}"),
+                 _driver_line(f"{self.graphs} graph(s)", self.driver_bytes, self.driver_why)]
         for key, value in self.pool_figures.items():
             lines.append(f"  {key}: {fmt_bytes(value) if key.endswith('bytes') else value}")
         lines.append(f"  {'batch':>6} {'capture s':>10} {'memory +':>11} {'chunks':>11}")
@@ -92,6 +118,14 @@ class PoolsReport:
     verify_seconds: float = 0.0  # time reading and checking
     unread_graphs: int = 0  # of the verified graphs, those that needed no reading (no other key held memory)
     spaces: int = 0  # live virtual spaces (one per key of a vmm strategy)
+    driver_bytes: int | None = None  # device_bytes less the chunks: the driver's memory of the keys' graphs
+    driver_why: str = ""  # why driver_bytes is None
+    survivor_bytes: int = 0  # of chunk_bytes: chunks of their own under memory that outlived its capture
+
+    @property
+    def shared_bytes(self) -> int:
+        """Of :attr:`chunk_bytes`, the chunks every key maps (what N captures cost, the largest one's)."""
+        return self.chunk_bytes - self.survivor_bytes
 
     @property
     def graphs(self) -> int:
@@ -101,6 +135,9 @@ class PoolsReport:
     def __str__(self) -> str:
         memory = (f"memory {fmt_bytes(self.chunk_bytes)} of chunks" if self.kind == "vmm"
                   else "memory from the device's own allocator")
+        if self.survivor_bytes:
+            memory += (f" ({fmt_bytes(self.shared_bytes)} shared, {fmt_bytes(self.survivor_bytes)} under memory "
+                       "that outlived its capture)")
         if self.device_bytes is not None:
             memory += f" (device +{fmt_bytes(self.device_bytes)})"
         lines = [f"graph pools on {self.backend} ({self.kind}): {len(self.keys)} key(s) holding {self.graphs} "
@@ -111,7 +148,8 @@ class PoolsReport:
                  + (f"; {self.verified_graphs} capture(s) verified isolated ({self.inspected_nodes} nodes read"
                     + (f", {self.missed_nodes} unreadable" if self.missed_nodes else "")
                     + (f", {self.unread_graphs} needed no reading" if self.unread_graphs else "")
-                    + f", {self.verify_seconds * 1e3:.1f} ms)" if self.verified_graphs else "")]
+                    + f", {self.verify_seconds * 1e3:.1f} ms)" if self.verified_graphs else ""),
+                 _driver_line(f"the graphs of {len(self.keys)} key(s)", self.driver_bytes, self.driver_why)]
         width = max([16, *(len(k.label) for k in self.keys)])
         for k in self.keys:
             lines.append(f"  {k.label:>{width}}  used {fmt_bytes(k.used_bytes):>10}  mapped "
@@ -120,8 +158,10 @@ class PoolsReport:
 
 
 def pools_report(backend: str, kind: str, keys: Iterable[tuple[Hashable, int | None, int]],
-                 alloc: SharedVMMAllocator | None, device_bytes: int | None, stats: VerifyStats) -> PoolsReport:
-    """The report of pools whose ``keys`` are ``(key, space id or None, routed graphs)``, over ``alloc`` (vmm)."""
+                 alloc: SharedVMMAllocator | None, device_bytes: int | None, stats: VerifyStats,
+                 device: hal.Backend | None = None) -> PoolsReport:
+    """The report of pools whose ``keys`` are ``(key, space id or None, routed graphs)``, over ``alloc`` (vmm);
+    ``device``: the backend ``device_bytes`` was measured on (for the driver's memory)."""
     spaces = alloc.spaces if alloc is not None else {}
     g = alloc.granularity if alloc is not None else 0
     reports = []
@@ -129,8 +169,11 @@ def pools_report(backend: str, kind: str, keys: Iterable[tuple[Hashable, int | N
         space = spaces.get(space_id) if space_id is not None else None
         reports.append(KeyReport(key, space.offset if space else 0, space.mapped * g if space else 0,
                                  space.size if space else 0, graphs))
+    driver, why = (driver_memory(device, device_bytes, alloc.physical_bytes if alloc else None)
+                   if device is not None else (None, "not measured"))
     return PoolsReport(backend, kind, reports,
                        alloc.physical_bytes if alloc else 0, alloc.reserved_bytes if alloc else 0,
                        alloc.arena_reserved_bytes if alloc else 0, device_bytes,
                        alloc.map_calls if alloc else 0, alloc.map_seconds if alloc else 0.0,
-                       stats.graphs, stats.nodes, stats.missed, stats.seconds, stats.unread, len(spaces))
+                       stats.graphs, stats.nodes, stats.missed, stats.seconds, stats.unread, len(spaces), driver,
+                       why, alloc.survivor_bytes if alloc else 0)

@@ -35,7 +35,7 @@ from graphkit.graphs.buckets import Bucket, CallPlan, CallPlans, Pieces
 from graphkit.graphs.buffers import StaticInputs
 from graphkit.graphs.outputs import Outputs
 from graphkit.graphs.pools import GraphPools, Kind
-from graphkit.graphs.report import RunnerReport, SizeReport
+from graphkit.graphs.report import RunnerReport, SizeReport, driver_memory
 from graphkit.graphs.strategies import PoolStrategy
 from graphkit.memory.closing import Closable, close_step, raise_first_failure
 from graphkit.saver import GRAPHS, MemorySaver
@@ -536,8 +536,13 @@ class GraphRunner(Closable):
     def report(self) -> RunnerReport:
         """Capture seconds and memory per size (in capture order), and totals."""
         sizes = [self._buckets[s].report for s in self._capture_order if s in self._buckets]
-        return RunnerReport(self.backend.name, self.kind, self.mode, [r for r in sizes if r],
-                            self.graph_bytes(), self.pools.strategy.figures() if self.pools else {})
+        reports = [r for r in sizes if r]
+        figures = self.pools.strategy.figures() if self.pools else {}
+        # the device's growth over the captures themselves (warm-ups and what they made are outside)
+        driver, why = driver_memory(self.backend, sum(r.memory_delta for r in reports) if reports else None,
+                                    figures.get("chunk_bytes"))
+        return RunnerReport(self.backend.name, self.kind, self.mode, reports, self.graph_bytes(), figures,
+                            sum(len(b.graphs) for b in self._buckets.values()), driver, why)
 
     def _release_bucket(self, bucket: Bucket) -> None:
         """Release every graph of a bucket, then its size's key; goes on past failures and raises the first.

@@ -21,6 +21,12 @@ chunks: the peer's mapping keeps the old ones alive and sees none of the new
 bytes, so export again after every wake. The backend must have the
 ``"memory_sharing"`` capability (``cuda``: chunks created with a POSIX file
 descriptor handle type, the default where the device supports it; ``fake``).
+
+A process can also *capture* into another's chunks: :class:`ImportedSpaces`
+imports them once and gives a framework pool per key over a fresh range
+that maps them all, as the spaces of one allocator do. Graphs of both
+processes then share the bytes (two engines taking turns on one device pay
+the graph memory once), so no two of them may run at the same time.
 """
 
 from __future__ import annotations
@@ -32,14 +38,15 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import hal
 from graphkit.memory.backing import wait_for_device
 from graphkit.memory.closing import Closable, close_step, raise_first_failure
 from graphkit.memory.transaction import Transaction
+from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +161,140 @@ class ImportedRange(Closable):
         self._closed = True
 
 
+@dataclass
+class _ImportedSpace:
+    """One range over every imported chunk, its bump pointer and the framework pool over it."""
+
+    key: Hashable
+    base: int
+    offset: int = 0
+    live: int = 0  # blocks handed out and not freed yet
+    pool: Any = None
+    mapped: int = 0  # chunks mapped so far (all of them once it is made)
+
+
+class ImportedSpaces(Closable):
+    """Chunks another process exported, imported once, under as many virtual spaces as this process captures into.
+
+    Each space maps every chunk side by side, at the same offsets as every
+    other space: a graph captured into :meth:`pool` ``(key)`` uses the
+    exporter's bytes, as graphs of one :class:`graphkit.GraphPools` use each
+    other's. This process creates no chunk. Graphs of both processes must
+    take turns (an inter-process lock around each step): a replay overwrites
+    what any other graph over the chunks left there, outputs included, so
+    read a step's outputs before the turn ends. Allocations bump through a
+    key's space; past the imported chunks they fail with
+    :class:`hal.DeviceOutOfMemoryError` (the exporter holds too little: let
+    the engine with the larger graphs export, or precreate more there).
+
+    :param fds: the exported chunks, in order (the descriptors stay the caller's).
+    """
+
+    def __init__(self, backend: hal.Backend, fds: Sequence[int], chunk_bytes: int) -> None:
+        _check_layout(backend, len(fds), chunk_bytes, 0, len(fds) * chunk_bytes)
+        self.backend = backend
+        self.chunk_bytes = chunk_bytes
+        self.size = len(fds) * chunk_bytes
+        self._handles: list[Any] = []
+        self._spaces: dict[Hashable, _ImportedSpace] = {}
+        self._closed = False
+        with Transaction() as tx:
+            for fd in fds:
+                handle = backend.import_phy_mem_handle(fd, chunk_bytes)
+                tx.append(functools.partial(backend.release_phy_mem_handle, handle))
+                self._handles.append(handle)
+            tx.commit()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._spaces)} space(s)"
+        return f"<ImportedSpaces {fmt_bytes(self.size)} in {len(self._handles)} chunk(s), {state}>"
+
+    @property
+    def keys(self) -> list[Hashable]:
+        return list(self._spaces)
+
+    def used_bytes(self, key: Hashable) -> int:
+        """Bytes handed out in ``key``'s space."""
+        return self._spaces[key].offset if key in self._spaces else 0
+
+    def pool(self, key: Hashable) -> Any:
+        """The framework pool of ``key`` (what :meth:`hal.Backend.capture` takes): the same pool for the same key;
+        the first call makes a fresh range with every chunk mapped, all or nothing."""
+        if self._closed:
+            raise hal.InvalidStateError("the imported spaces are closed", backend=self.backend.name,
+                                        call="ImportedSpaces.pool")
+        space = self._spaces.get(key)
+        if space is None:
+            space = self._spaces[key] = self._open(key)
+        return space.pool
+
+    def _open(self, key: Hashable) -> _ImportedSpace:
+        be, g = self.backend, self.chunk_bytes
+        with Transaction() as tx:
+            space = _ImportedSpace(key, be.create_vir_ptr(self.size))
+            tx.append(functools.partial(be.release_vir_ptr, space.base, self.size))
+            for handle in self._handles:
+                be.map(space.base + space.mapped * g, g, handle)
+                tx.append(functools.partial(be.unmap, space.base + space.mapped * g, g))
+                space.mapped += 1
+            space.pool = be.create_pool(*self._callbacks(space))
+            tx.commit()
+        return space
+
+    def _callbacks(self, space: _ImportedSpace) -> tuple[Callable[[int], int], Callable[[int, int], None]]:
+        """Bump allocation in ``space``; ``alloc`` raises past the chunks (the backend's glue turns it into the
+        framework's out-of-memory error), ``free`` only counts and never raises."""
+        def alloc(nbytes: int) -> int:
+            start = round_up(space.offset, hal.ALLOCATION_ALIGNMENT)
+            if start + nbytes > self.size:
+                message = (f"key {space.key!r} needs {fmt_bytes(start + nbytes)} of graph memory; the imported "
+                           f"chunks hold {fmt_bytes(self.size)}: export from the engine with the larger graphs, "
+                           "or precreate more chunks there before exporting")
+                log.error("%s", message)
+                raise hal.DeviceOutOfMemoryError(message, backend=self.backend.name, call="ImportedSpaces.pool")
+            space.offset = start + nbytes
+            space.live += 1
+            return space.base + start
+
+        def free(ptr: int, nbytes: int) -> None:
+            space.live -= 1
+
+        return alloc, free
+
+    def close(self) -> None:
+        """Release the pools, unmap and free every range, release the imported handles; goes on past failures.
+
+        Reset the graphs captured into the pools (and drop their outputs) first. Waits for the device's queued
+        work before unmapping. Idempotent; after a failure, ``close()`` again finishes the job.
+        """
+        if self._closed:
+            return
+        errors: list[BaseException] = []
+        be, g = self.backend, self.chunk_bytes
+        if be.closed:  # its close released every pool, mapping, range and chunk
+            self._spaces.clear()
+            self._handles.clear()
+        elif self._spaces and not close_step(errors, wait_for_device, be):  # queued replays may use the ranges
+            raise_first_failure(log, errors, "ImportedSpaces.close")
+        for key, space in list(self._spaces.items()):
+            if space.pool is not None and close_step(errors, be.release_pool, space.pool):
+                space.pool = None
+                if space.live > 0:  # the pool gave back every segment no tensor holds
+                    log.warning("ImportedSpaces.close: %d segment(s) of key %r still hold tensors: they must not "
+                                "be touched after this", space.live, key)
+            while space.pool is None and space.mapped and close_step(
+                    errors, be.unmap, space.base + (space.mapped - 1) * g, g):
+                space.mapped -= 1
+            if space.pool is None and not space.mapped and close_step(errors, be.release_vir_ptr, space.base,
+                                                                      self.size):
+                del self._spaces[key]
+        while not self._spaces and self._handles and close_step(errors, be.release_phy_mem_handle,
+                                                                self._handles[-1]):
+            self._handles.pop()
+        raise_first_failure(log, errors, "ImportedSpaces.close")
+        self._closed = True
+
+
 def _check_layout(backend: hal.Backend, chunks: int, chunk_bytes: int, offset: int, nbytes: int) -> None:
     values = {"chunk_bytes": chunk_bytes, "offset": offset, "nbytes": nbytes, "chunks": chunks}
     bad = [f"{k}={v!r}" for k, v in values.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0]
@@ -178,6 +319,21 @@ def send_range(sock: socket.socket, exported: ExportedRange) -> None:
 
 def receive_range(sock: socket.socket, backend: hal.Backend) -> ImportedRange:
     """Receive what :func:`send_range` sent and map it with ``backend``; the received descriptors are closed."""
+    return _receive(sock, backend, lambda fds, layout: ImportedRange(backend, fds, layout["chunk_bytes"],
+                                                                     layout["offset"], layout["nbytes"]))
+
+
+def receive_spaces(sock: socket.socket, backend: hal.Backend) -> ImportedSpaces:
+    """Receive what :func:`send_range` sent as :class:`ImportedSpaces` over its whole chunks (the range's offset
+    and length do not matter); the received descriptors are closed."""
+    return _receive(sock, backend, lambda fds, layout: ImportedSpaces(backend, fds, layout["chunk_bytes"]))
+
+
+_R = TypeVar("_R")
+
+
+def _receive(sock: socket.socket, backend: hal.Backend, make: Callable[[list[int], dict[str, int]], _R]) -> _R:
+    """The layout and the descriptors :func:`send_range` sent, handed to ``make``; the descriptors closed after."""
     fds: list[int] = []
     try:
         length = struct.unpack("!I", _receive_exactly(sock, 4, fds))[0]
@@ -187,7 +343,7 @@ def receive_range(sock: socket.socket, backend: hal.Backend) -> ImportedRange:
         if len(fds) != layout["chunks"]:
             raise hal.InvalidArgumentError(f"received {len(fds)} descriptors for {layout['chunks']} chunks",
                                            backend=backend.name, call="receive_range")
-        return ImportedRange(backend, fds, layout["chunk_bytes"], layout["offset"], layout["nbytes"])
+        return make(fds, layout)
     finally:
         for fd in fds:
             os.close(fd)
@@ -219,4 +375,5 @@ def _receive_exactly(sock: socket.socket, nbytes: int, fds: list[int]) -> bytes:
     return data
 
 
-__all__ = ["ExportedRange", "ImportedRange", "export_handles", "receive_range", "send_range"]
+__all__ = ["ExportedRange", "ImportedRange", "ImportedSpaces", "export_handles", "receive_range", "receive_spaces",
+           "send_range"]

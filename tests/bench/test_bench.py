@@ -34,6 +34,7 @@ def test_bench_json_has_every_strategy_order_and_correctness(tmp_path: Path) -> 
     assert private["graph_memory_bytes"] > vmm["descending"]["graph_memory_bytes"]
     assert out["machine"]["backend"] == "fake" and out["command"].startswith("python -m graphkit bench")
     assert out["graph_floor"]["per_graph_bytes"] == 0  # fake graphs keep no device memory of their own
+    assert all(r["driver_bytes"] is None and "the host" in r["driver_why"] for r in out["results"])  # not measured
     assert "the driver's memory per graph" in out["targets"][0]["target"]
 
 

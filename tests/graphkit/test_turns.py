@@ -1,0 +1,73 @@
+"""examples/turns: two engine processes whose graphs map the same chunks take turns through a flock, decode
+exactly as eagerly, pay the graph memory once, and go on when the holder of the turn is killed."""
+
+from __future__ import annotations
+
+import fcntl
+import sys
+
+import pytest
+
+from tests.paths import ROOT
+
+sys.path.insert(0, str(ROOT / "examples" / "turns"))  # spawned processes import the example by name too
+import turns
+
+
+@pytest.fixture(scope="module")
+def shared():
+    return turns.run_pair("shared", "fake", timeout=400)
+
+
+@pytest.fixture(scope="module")
+def independent():
+    return turns.run_pair("independent", "fake", timeout=400)
+
+
+def test_the_turn_excludes_another_opener_and_is_free_again_once_given_back(tmp_path) -> None:
+    first, second = turns.Turn(tmp_path / "turn"), turns.Turn(tmp_path / "turn")
+    try:
+        first.acquire()
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(second.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        first.release()
+        assert second.acquire() < 1.0
+        second.release()
+        assert first.cost(rounds=50) > 0
+    finally:
+        first.close()
+        second.close()
+
+
+def test_both_engines_decode_exactly_as_eagerly_over_one_set_of_chunks(shared) -> None:
+    assert shared["exitcodes"] == {"exporter": 0, "importer": 0}, shared
+    exporter, importer = shared["exporter"], shared["importer"]
+    for run in (exporter, importer):
+        assert "error" not in run, run
+        assert run["tokens_equal_eager"] and run["max_abs_error"] <= 1e-5
+    # the importer created no graph memory: it maps the exporter's chunks, the very same memfds
+    assert importer["created_bytes"] == 0 and importer["imported_bytes"] == exporter["graph_bytes"] > 0
+    assert exporter["created_bytes"] == exporter["graph_bytes"]
+    assert importer["chunk_inodes"] and set(importer["chunk_inodes"]) <= set(exporter["chunk_inodes"])
+
+
+def test_two_engines_taking_turns_pay_the_larger_graph_memory_not_both(shared, independent) -> None:
+    assert independent["exitcodes"] == {"exporter": 0, "importer": 0}, independent
+    apart = {role: independent[role]["created_bytes"] for role in turns.ROLES}
+    assert all(apart.values()) and all(independent[r]["tokens_equal_eager"] for r in turns.ROLES)
+    together = sum(shared[role]["created_bytes"] for role in turns.ROLES)
+    assert together == max(apart.values()) < sum(apart.values())
+    lines = turns.summary(shared, independent)
+    assert "shared / independent graph memory" in lines[-2] and lines[-1].startswith("a turn (flock")
+
+
+def test_a_holder_killed_while_it_holds_the_turn_does_not_block_the_other() -> None:
+    """The importer takes the turn, replays into the shared bytes and is killed (SIGKILL) holding it: the
+    kernel releases its flock, and the exporter, which waited meanwhile, decodes exactly."""
+    run = turns.run_pair("shared", "fake", crash=True, hold_s=1.0, timeout=400)
+    assert "killed_holder" in run and run["exitcodes"]["importer"] == -9, run
+    exporter = run["exporter"]
+    assert "error" not in exporter, exporter
+    assert exporter["longest_wait_s"] >= 0.9  # it really waited for the dead holder's turn
+    assert exporter["tokens_equal_eager"] and exporter["max_abs_error"] <= 1e-5
+    assert run["exitcodes"]["exporter"] == 0
