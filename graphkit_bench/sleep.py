@@ -146,7 +146,7 @@ def elastic_case(be: hal.Backend, nbytes: int, backup: bool, cycles: int) -> dic
     buf = graphkit.ElasticBuffer(be, max_bytes=nbytes, saver=saver, tag="bench", backup=backup)
     for step in range(1, ELASTIC_STEPS + 1):
         buf.resize(nbytes * step // ELASTIC_STEPS)
-    chunks = len(buf._chunks.places)
+    chunks = buf.chunk_count
     data = buf.view(torch.uint8, (nbytes,))
     data.random_(0, 255)
     expected = data[:: max(nbytes // 4096, 1)].clone() if backup else None

@@ -126,6 +126,7 @@ class KeyPool:
     live: tuple[tuple[int, int], ...] | None = ()
     #: blocks its owner reads only right after its own replay (replay-scoped outputs): they stay on shared memory
     shared: frozenset[tuple[int, int]] = frozenset()
+    survivors: bool = False  # its space holds granules of their own (given back once their blocks are freed)
 
     @property
     def pool(self) -> Any:
@@ -267,6 +268,7 @@ class PoolKeys:
         try:
             blocks = [b for b in self.backend.pool_active_blocks(entry.pool) if b not in entry.shared]
             alloc.keep_private(entry.space_id, blocks)
+            entry.survivors = bool(blocks)
         except hal.HalError as exc:
             log.error("key %r: memory still allocated after its capture could not be given bytes of its own "
                       "(retried at the next capture): %s", entry.key, str(exc))
@@ -277,7 +279,7 @@ class PoolKeys:
         if alloc is None or alloc.closed:
             return
         for entry in list(self.entries.values()):
-            if entry.space_id is not None and alloc.has_survivors(entry.space_id):
+            if entry.survivors:
                 self._keep_survivors(entry)
 
     # -- the safe point --------------------------------------------------------------------

@@ -46,9 +46,11 @@ _ALLOCATOR_OPTIONS = frozenset({"reserve_bytes", "max_physical_bytes", "arena_by
 
 
 def _check_arguments(backend: object, kind: object, saver: object, allocator_options: dict[str, Any],
-                     caller: str) -> None:
+                     caller: str, outputs: object = "kept") -> None:
     """The arguments of a GraphPools, checked before anything is made."""
     name = getattr(backend, "name", None)
+    if outputs not in ("kept", "replay"):
+        raise hal.InvalidArgumentError(f"outputs={outputs!r} must be 'kept' or 'replay'", backend=name, call=caller)
     if backend is not None and not isinstance(backend, hal.Backend):
         raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend", call=caller)
     if kind is not None and kind not in POOL_KINDS:
@@ -106,22 +108,13 @@ class GraphPools(Closable):
     :param saver: a :class:`graphkit.MemorySaver`: the pools' chunks sleep
         and wake with its tag ``"graphs"`` (graphs replay after a resume
         without recapture; nothing of theirs may run while paused).
-    :param outputs: ``"kept"`` (default): memory still allocated in a key's
-        space when its capture ends (outputs the engine keeps, a cache made
-        in the capture) is given physical memory of its own at the same
-        addresses, so no other key's replay overwrites it and any graph may
-        read it, however it got the address; freed, it returns to the shared
-        chunks. ``"replay"``: the engine reads what a graph leaves only right
-        after that graph's own replay (outputs valid until the next replay):
-        everything stays on the shared chunks.
-    :param verify: an optional verifier (off by default: isolation holds by
-        construction, see ``outputs``): after every capture into a key's pool
-        (routed by :func:`graph_memory`, or passed ``pools.pool(key)``), read
-        the addresses the graph uses from the graph and refuse it with an
-        :class:`graphkit.IsolationError` when one lies in memory another key
-        keeps on shared chunks. Needs the backend's ``"graph_addresses"``
-        capability (the check is skipped with one log line without it);
-        ``pools.pool(key)`` captures are seen through ``"capture_routing"``.
+    :param outputs: ``"kept"`` (default): memory still allocated in a key's space when its capture ends
+        (kept outputs, caches) gets physical memory of its own at the same addresses, so no other key's
+        replay overwrites it; ``"replay"``: the engine reads its graphs' outputs only right after their
+        own replay, and they stay on the shared chunks (``docs/isolation.md``).
+    :param verify: the optional verifier: refuse a graph (:class:`graphkit.IsolationError`) that uses
+        memory another key keeps on the shared chunks, read from the graph (``"graph_addresses"``;
+        skipped with one log line without it; handle captures seen through ``"capture_routing"``).
     :param allocator_options: options of :class:`SharedVMMAllocator`
         (``reserve_bytes``, ``max_physical_bytes``, ``arena_bytes``).
     """
@@ -155,10 +148,7 @@ class GraphPools(Closable):
               runner: bool) -> None:
         """Set the pools up (see :meth:`for_runner` for what ``runner`` changes)."""
         self._caller = caller = "GraphRunner" if runner else "GraphPools"
-        if outputs not in ("kept", "replay"):
-            raise hal.InvalidArgumentError(f"outputs={outputs!r} must be 'kept' or 'replay'",
-                                           backend=getattr(backend, "name", ""), call=caller)
-        _check_arguments(backend, kind if strategy is None else None, saver, allocator_options, caller)
+        _check_arguments(backend, kind if strategy is None else None, saver, allocator_options, caller, outputs)
         self._owns_backend = backend is None
         self.backend = be = backend if backend is not None else hal.get_backend(requires=("graphs",))
         be.synchronize()
@@ -240,12 +230,9 @@ class GraphPools(Closable):
         return list(self._entries)
 
     def capture_ended(self, key: Hashable, shared: Sequence[tuple[int, int]] = ()) -> None:
-        """For captures made into :meth:`lease` (routed and handle captures are seen without it): the captures
-        into ``key`` ended; what they left allocated gets memory of its own (see ``outputs``).
-
-        :param shared: ``(address, nbytes)`` blocks read only right after ``key``'s own replay (outputs copied out
-            at each call): they stay on the shared chunks.
-        """
+        """After captures into :meth:`lease` (routed and handle captures need no call): what they left allocated
+        gets memory of its own (see ``outputs``), except ``shared`` blocks, read only right after the key's own
+        replay."""
         with self._lock:
             self._check_open("capture_ended")
             self._keys.capture_ended(self._entry(key, "capture_ended"), shared)

@@ -243,6 +243,16 @@ def _merged_examples(example: Mapping[str, torch.Tensor] | None, example_inputs:
     return {**example, **example_inputs}
 
 
+def _runner_report(runner: GraphRunner, reports: list[SizeReport], figures: dict[str, Any]) -> RunnerReport:
+    """The runner's report; its driver memory is the device's growth over the captures themselves (warm-ups and
+    what they made are outside), less the pools'."""
+    driver, why = driver_memory(runner.backend, sum(r.memory_delta for r in reports) if reports else None,
+                                figures.get("chunk_bytes"))
+    return RunnerReport(runner.backend.name, runner.kind, runner.mode, reports, runner.graph_bytes(), figures,
+                        sum(len(b.graphs) for b in map(runner.bucket, runner.captured_sizes) if b is not None), driver,
+                        why)
+
+
 def _replay_scoped(be: hal.Backend, bucket: Bucket) -> list[tuple[int, int]]:
     """The blocks of ``bucket``'s pool that hold its outputs and the inputs of its later pieces: the runner reads
     them only right after the size's own replay, so they stay on the shared chunks."""
@@ -315,21 +325,18 @@ class GraphRunner(Closable):
         tuple/list/dict of them. For ``mode="piecewise"`` a list of pieces; ``between[k]`` then runs eagerly
         between piece ``k`` and ``k + 1`` as ``between[k](piece_output, **inputs)`` (attention, typically).
     :param sizes: the batch sizes to capture.
-    :param backend: a :class:`hal.Backend` (default: ``hal.get_backend()``,
-        then owned and closed by the runner).
+    :param backend: a :class:`hal.Backend` (default: ``hal.get_backend()``, then owned and closed by the runner).
     :param kind: the pool kind, as in :class:`graphkit.GraphPools`: ``"vmm"`` (the default: a fresh virtual
         space per size over shared chunks, N sizes cost the largest), ``"shared"`` (one pool) or ``"private"``
         (a pool per size).
-    :param options: a :class:`RunnerOptions` (mode, outputs, on-demand
-        capture, padding fill, hygiene, progress...); defaults work.
-    :param saver: a :class:`graphkit.MemorySaver`: with ``kind="vmm"`` the
-        graphs' memory sleeps and wakes with its tag ``"graphs"``; calls
-        while it is paused raise :class:`hal.InvalidStateError`.
+    :param options: a :class:`RunnerOptions` (mode, outputs, on-demand capture, padding fill, hygiene,
+        progress...); defaults work.
+    :param saver: a :class:`graphkit.MemorySaver`: with ``kind="vmm"`` the graphs' memory sleeps and wakes
+        with its tag ``"graphs"``; calls while it is paused raise :class:`hal.InvalidStateError`.
     :param overrides: any :class:`RunnerOptions` field as a keyword (``outputs="view"``, ``on_demand=True``);
         an unknown name raises :class:`hal.InvalidArgumentError`.
 
-    The graphs of each size draw from the pool of that size's key in
-    :attr:`pools`, a :class:`graphkit.GraphPools` of the runner's own.
+    Each size's graphs draw from that size's key in :attr:`pools`, a :class:`graphkit.GraphPools` of its own.
     """
 
     def __init__(self, fn: Callable[..., Any] | Sequence[Callable[..., Any]], sizes: Sequence[int],
@@ -385,11 +392,10 @@ class GraphRunner(Closable):
                 **example_inputs: torch.Tensor) -> GraphRunner:
         """Size the static buffers from the examples and capture every size (unless on demand).
 
-        :param example: the example inputs as a mapping; use it when an input
-            is named like a keyword of this method (``order``, ``seed``):
-            ``runner.capture({"order": t, "x": x})``.
-        :param order: ``"descending"`` (default: largest first), ``"ascending"``,
-            ``"random"`` (shuffled with ``seed``) or an explicit list of sizes.
+        :param example: the example inputs as a mapping; use it when an input is named like a keyword of this
+            method (``order``, ``seed``): ``runner.capture({"order": t, "x": x})``.
+        :param order: ``"descending"`` (default: largest first), ``"ascending"``, ``"random"`` (shuffled with
+            ``seed``) or an explicit list of sizes.
         :param example_inputs: the example inputs as keywords (merged with ``example``).
         A second call captures what is missing (:meth:`release_size`, a failed capture) into the buffers of the
         first, which its examples must fit; with nothing missing it logs why, once.
@@ -524,7 +530,6 @@ class GraphRunner(Closable):
         """What ``size`` captured, to read: its graphs and their outputs, one per piece (None: not captured)."""
         return self._buckets.get(size)
 
-
     def graph_bytes(self) -> int:
         """Device memory used now beyond what was used before the first capture (bytes)."""
         if self._mem_before is None:
@@ -535,14 +540,8 @@ class GraphRunner(Closable):
 
     def report(self) -> RunnerReport:
         """Capture seconds and memory per size (in capture order), and totals."""
-        sizes = [self._buckets[s].report for s in self._capture_order if s in self._buckets]
-        reports = [r for r in sizes if r]
-        figures = self.pools.strategy.figures() if self.pools else {}
-        # the device's growth over the captures themselves (warm-ups and what they made are outside)
-        driver, why = driver_memory(self.backend, sum(r.memory_delta for r in reports) if reports else None,
-                                    figures.get("chunk_bytes"))
-        return RunnerReport(self.backend.name, self.kind, self.mode, reports, self.graph_bytes(), figures,
-                            sum(len(b.graphs) for b in self._buckets.values()), driver, why)
+        reports = [r for r in (self._buckets[s].report for s in self._capture_order if s in self._buckets) if r]
+        return _runner_report(self, reports, self.pools.strategy.figures() if self.pools else {})
 
     def _release_bucket(self, bucket: Bucket) -> None:
         """Release every graph of a bucket, then its size's key; goes on past failures and raises the first.

@@ -50,6 +50,7 @@ from graphkit.memory.figures import figure
 from graphkit.memory.ranges import Arena as Arena  # re-exported: its home before the arenas had a module
 from graphkit.memory.ranges import SpaceTable, VirtualSpace
 from graphkit.memory.sharing import ExportedRange
+from graphkit.memory.survivors import granules_of
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger(__name__)
@@ -156,11 +157,8 @@ class SharedVMMAllocator(Closable):
     _chunks: SharedChunks
     _table: SpaceTable
 
-    @property
-    def physical_bytes(self) -> int:
-        """Bytes of physical chunks held: the shared ones (mapped into the spaces that reach them) and the
-        survivors' own."""
-        return self._chunks.physical_bytes + self._chunks.private_bytes
+    physical_bytes = figure("_chunks", "all_bytes", "Bytes of physical chunks held: the shared ones (mapped into "
+                            "the spaces that reach them) and the survivors' own.")
 
     shared_bytes = figure("_chunks", "physical_bytes",
                           "Bytes of the shared chunks held (mapped into every space that reaches them).")
@@ -285,47 +283,26 @@ class SharedVMMAllocator(Closable):
             self._check_open("release_virtual_space")
             space = self._table.get(space_id, "release_virtual_space")
             self._chunks.unmap_space(space)
-            self._chunks.drop_private(space)
+            self._chunks.survivors.drop(space)
             self._table.remove(space)
             if self.current == space_id:
                 self.current = None
             self._chunks.trim(self._table.reach())
 
     def keep_private(self, space_id: int, blocks: Iterable[tuple[int, int]]) -> None:
-        """Give the granules of a space that hold ``blocks`` (``(address, nbytes)`` still allocated after a
-        capture) physical memory of their own, at the same addresses; give those that no longer hold any back to
-        the shared chunks. No other space's replay can then overwrite those blocks, and any graph may read them.
-
-        A no-op for a space that is gone, or while the memory is paused or closed. All or nothing.
-        """
+        """Give the granules of a space under ``blocks`` (``(address, nbytes)`` still allocated after a capture)
+        memory of their own, those under none back to the shared chunks (``Survivors.privatize``); a no-op
+        for a space that is gone, or while paused or closed. All or nothing."""
         with self._lock:
-            if self._closed or self.paused:
-                return
-            space = self._table.spaces.get(space_id)
-            if space is None:
-                return
-            g, wanted = self.granularity, set[int]()
-            for address, nbytes in blocks:
-                if nbytes > 0 and space.contains(address):
-                    wanted.update(range((address - space.base) // g, (address + nbytes - 1 - space.base) // g + 1))
-            self._chunks.privatize(space, wanted)
+            space = None if self._closed or self.paused else self._table.spaces.get(space_id)
+            if space is not None:
+                self._chunks.survivors.privatize(space, granules_of(space, blocks, self.granularity))
 
     def on_shared_chunks(self, space_id: int, blocks: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Those of ``blocks`` (in the space) that touch a granule mapped to the shared chunks: the memory
-        another space's replay can overwrite."""
+        """Those of ``blocks`` that reach a granule on the shared chunks (another space's replay overwrites it)."""
         with self._lock:
             space = self._table.spaces.get(space_id)
-            own = self._chunks.private.get(space_id, {})
-            if space is None or not own:
-                return list(blocks)
-            g, base = self.granularity, space.base
-            return [(a, n) for a, n in blocks
-                    if any(i not in own for i in range((a - base) // g, (a + max(n, 1) - 1 - base) // g + 1))]
-
-    def has_survivors(self, space_id: int) -> bool:
-        """Whether granules of the space have memory of their own (see :meth:`keep_private`)."""
-        with self._lock:
-            return space_id in self._chunks.private
+            return list(blocks) if space is None else self._chunks.survivors.on_shared(space, blocks)
 
     def precreate(self, nbytes: int) -> None:
         """Create chunks for ``nbytes`` more physical memory (all or nothing), mapped nowhere yet.

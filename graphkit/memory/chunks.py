@@ -8,9 +8,11 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import hal
-from graphkit.memory.backing import Backing, Chunk, Place, wait_for_device
+from graphkit.memory.backing import Backing, Chunk, Place
+from graphkit.memory.closing import close_step
 from graphkit.memory.figures import figure
 from graphkit.memory.sharing import ExportedRange, export_handles
+from graphkit.memory.survivors import Survivors
 from graphkit.memory.transaction import Transaction
 from hal.types import fmt_bytes
 
@@ -18,10 +20,6 @@ if TYPE_CHECKING:
     from graphkit.memory.ranges import VirtualSpace
 
 log = logging.getLogger(__name__)
-
-
-def _forget(chunks: dict[int, Chunk], index: int) -> None:
-    chunks.pop(index, None)
 
 
 class SharedChunks:
@@ -42,7 +40,7 @@ class SharedChunks:
         self.chunks: list[Chunk] = []  # chunk i; its handle is None while released (paused)
         self.parked: list[VirtualSpace] = []  # spaces parked by close(park_live=True)
         self.parked_bytes = 0  # address space left over the scratch chunk
-        self.private: dict[int, dict[int, Chunk]] = {}  # space id -> granule index -> the chunk of its own there
+        self.survivors = Survivors(backend, self.backing, self.chunks)  # chunks of their own under survivors
 
     # -- figures ------------------------------------------------------------------
 
@@ -65,11 +63,16 @@ class SharedChunks:
     @property
     def private_bytes(self) -> int:
         """Bytes of the chunks of their own that survivors of captures hold now."""
-        return sum(c.size for chunks in self.private.values() for c in chunks.values() if c.handle is not None)
+        return self.survivors.held_bytes
+
+    @property
+    def all_bytes(self) -> int:
+        """Bytes of the shared chunks and the private ones held now."""
+        return self.physical_bytes + self.private_bytes
 
     def all_chunks(self) -> list[Chunk]:
         """The shared chunks, then the private ones."""
-        return [*self.chunks, *(c for chunks in self.private.values() for c in chunks.values())]
+        return [*self.chunks, *self.survivors.chunks()]
 
     def check_limit(self, count: int, limit: int | None, call: str) -> None:
         """Raise out of memory if ``count`` more chunks would pass ``limit`` bytes."""
@@ -123,83 +126,6 @@ class SharedChunks:
                 call="export")
         return export_handles(self.backend, [space.places[i].chunk.handle for i in range(first, end)], g,
                               ptr - space.base - first * g, nbytes)
-
-    # -- survivors ------------------------------------------------------------------
-
-    def privatize(self, space: VirtualSpace, wanted: set[int]) -> None:
-        """Back exactly the granules ``wanted`` of ``space`` with chunks of their own, the others with the shared
-        chunks, at the same addresses (all or nothing; after the device's queued work).
-
-        A granule that holds memory still allocated when its capture ended (an output kept, a cache made in the
-        capture) must not be overwritten by the replays of other spaces: it gets physical memory no other space
-        maps. Its bytes are not copied: a capture runs nothing, so what it allocated holds nothing yet. A granule
-        no longer wanted maps its shared chunk again and its own chunk is released.
-        """
-        have = self.private.setdefault(space.id, {})
-        add = sorted(i for i in wanted - have.keys() if i < space.mapped and space.places[i].mapped)
-        back = sorted(i for i in have.keys() - wanted if self.chunks[i].handle is not None)
-        if not add and not back:
-            if not have:
-                del self.private[space.id]
-            return
-        freed: list[Chunk] = []
-        with self.backing.ordered(), Transaction() as tx:
-            made = self._copies(space, add, tx)
-            for i, chunk in zip(add, made, strict=True):
-                self._swap(space, i, chunk, tx)
-                have[i] = chunk
-                tx.append(functools.partial(_forget, have, i))
-            for i in back:
-                self._swap(space, i, self.chunks[i], tx)
-                freed.append(have.pop(i))
-                tx.append(functools.partial(have.__setitem__, i, freed[-1]))
-            tx.commit()
-        for chunk in freed:
-            self.backing.release(chunk)
-        if not have:
-            del self.private[space.id]
-
-    def _copies(self, space: VirtualSpace, indices: list[int], tx: Transaction) -> list[Chunk]:
-        """New chunks holding the bytes of granules ``indices`` of ``space``: each mapped at a scratch range,
-        copied into on the device, unmapped once the copy is done (released again on rollback of ``tx``)."""
-        if not indices:
-            return []
-        g = self.granularity
-        scratch = self.backend.create_vir_ptr(g * len(indices))
-        made: list[Chunk] = []
-        try:
-            with Transaction() as staging:
-                for k, i in enumerate(indices):
-                    chunk = Chunk(g)
-                    self.backing.create(chunk, tx)
-                    made.append(chunk)
-                    place = Place(scratch + k * g, chunk)
-                    self.backing.map(place)
-                    staging.append(functools.partial(self.backing.unmap, place))
-                    self.backend.tensor_at(place.ptr, g).copy_(self.backend.tensor_at(space.places[i].ptr, g))
-                wait_for_device(self.backend)  # the copies are done before any of the places they use is unmapped
-                for k in range(len(made)):
-                    self.backing.unmap(Place(scratch + k * g, made[k], mapped=True))
-                staging.commit()
-        finally:
-            self.backend.release_vir_ptr(scratch, g * len(indices))
-        return made
-
-    def _swap(self, space: VirtualSpace, index: int, chunk: Chunk, tx: Transaction) -> None:
-        """Map ``chunk`` at granule ``index`` of ``space`` in place of what is mapped there (undone by ``tx``)."""
-        old = space.places[index]
-        if old.mapped:
-            self.backing.unmap(old, tx)
-        new = Place(old.ptr, chunk)
-        self.backing.map(new, tx)
-        space.places[index] = new
-        tx.append(functools.partial(space.places.__setitem__, index, old))
-
-    def drop_private(self, space: VirtualSpace) -> None:
-        """Release the chunks of their own of ``space`` (unmapped with it)."""
-        for chunk in self.private.pop(space.id, {}).values():
-            if not chunk.maps:
-                self.backing.release(chunk)
 
     # -- creating and releasing ---------------------------------------------------
 
@@ -278,6 +204,7 @@ class SharedChunks:
         for chunk in self.all_chunks():
             if chunk.handle is not None and not chunk.maps:
                 self.backing.release(chunk)
+        close_step(errors, self.survivors.drop_scratch)
         if not errors and (self.backing.pending or self.held):
             errors.append(hal.InvalidStateError(f"{len(self.backing.pending)} chunk(s) could not be released yet; "
                                                 "close() again to retry", backend=self.backend.name, call="close"))

@@ -384,6 +384,11 @@ class ElasticBuffer(Closable, HostBacked):
 
     # -- growing and shrinking ---------------------------------------------------------
 
+    @property
+    def chunk_count(self) -> int:
+        """Physical chunks mapped now (each paused and resumed with one call or two)."""
+        return len(self._chunks.places)
+
     def resize(self, nbytes: int) -> None:
         """Map or unmap chunks at the end so that ``nbytes`` are backed (rounded up to whole granules).
 

@@ -258,14 +258,12 @@ class MemorySaver(Closable):
     """Tags of device memory that pause (release physical memory) and resume (at the same addresses).
 
     :param backend: a :class:`hal.Backend` (default ``hal.get_backend()``, then owned).
-    :param pin_backups: keep backups in pinned host memory where the device
-        has it (the copies then run at the bus's speed); ``False`` for
-        pageable memory.
+    :param pin_backups: keep backups in pinned host memory where the device has it (the copies then run at
+        the bus's speed); ``False`` for pageable memory.
 
-    Each tag holds one or more :class:`Sleeper` objects; a pause or resume
-    of a tag is all or nothing across them. Code that must not run while a
-    tag sleeps (a graph replay) holds :meth:`awake` around it, and a pause
-    waits for those blocks to end.
+    Each tag holds one or more :class:`Sleeper` objects; a pause or resume of a tag is all or nothing across
+    them. Code that must not run while a tag sleeps (a graph replay) holds :meth:`awake` around it, and a
+    pause waits for those blocks to end.
     """
 
     def __init__(self, backend: hal.Backend | None = None, *, pin_backups: bool = True) -> None:
@@ -544,10 +542,9 @@ class MemorySaver(Closable):
                                         call=f"MemorySaver.{call}")
 
     def close(self) -> None:
-        """Resume nothing; release the regions' pools (their memory goes when the framework frees it). Idempotent.
-
-        Goes on past failures and raises the first; ``close()`` again finishes (after the backend's, it only forgets).
-        """
+        """Resume nothing; release the regions' pools (their memory goes when the framework frees it), each segment
+        after the device's queued work. Idempotent; goes on past failures and raises the first; ``close()`` again
+        finishes (after the backend's, it only forgets)."""
         with self._lock:
             if self._closed:
                 return
