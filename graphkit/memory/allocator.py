@@ -187,8 +187,8 @@ class SharedVMMAllocator(Closable):
                                   "Virtual address space reserved from the driver (the arenas spaces are carved from).")
 
     num_virtual_spaces = figure("_table", "spaces", "Live virtual spaces.", count=True)
-
     num_arenas = figure("_table", "arenas", "Address reservations spaces are carved from.", count=True)
+    scratch_ranges = figure("_chunks", "scratch_ranges", "Address ranges held for survivors' copies (0 or 1).")
 
     @property
     def spaces(self) -> dict[int, VirtualSpace]:

@@ -66,6 +66,11 @@ class SharedChunks:
         return self.survivors.held_bytes
 
     @property
+    def scratch_ranges(self) -> int:
+        """Address ranges the survivors' copies go through (kept for reuse)."""
+        return self.survivors.scratch_ranges
+
+    @property
     def all_bytes(self) -> int:
         """Bytes of the shared chunks and the private ones held now."""
         return self.physical_bytes + self.private_bytes

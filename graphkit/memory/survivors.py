@@ -59,6 +59,11 @@ class Survivors:
         """Bytes of the chunks of their own held now."""
         return sum(c.size for c in self.chunks() if c.handle is not None)
 
+    @property
+    def scratch_ranges(self) -> int:
+        """Address ranges held for the copies (0 or 1)."""
+        return int(self._scratch is not None)
+
     def chunks(self) -> list[Chunk]:
         return [c for own in self.private.values() for c in own.values()]
 
