@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import hal
+from graphkit_bench import verifier
 from graphkit_bench.engines import ENGINE_SIZES, ENGINE_STRATEGIES, WORKLOADS, run_engine_bench
 from graphkit_bench.model import DecoderConfig
 from graphkit_bench.strategies import COMPILE, ORDERS, STRATEGIES
@@ -185,6 +186,8 @@ def _add_run_options(bench: argparse.ArgumentParser) -> None:
                        help="seed for weights, inputs and random orders")
     bench.add_argument("--out-dir", type=Path, default=Path("bench-out"), help="where bench.json and bench.png go")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--verify", action="store_true",
+                       help="turn graphkit's optional isolation verifier on (its cost shows in the verify column)")
     bench.add_argument("--isolate", choices=["auto", "yes", "no"], default="auto",
                        help="measure each strategy in a fresh process (auto: on devices other than the CPU), "
                             "so that nothing one strategy cached or leaked counts against another")
@@ -422,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         return demo(args, prog, command)
     validate_bench(args, prog)
+    if args.verify:
+        verifier.turn_on()
     given = list(argv if argv is not None else sys.argv[1:])
     special = measure_other(args, command)
     if special is not None:

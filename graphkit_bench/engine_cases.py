@@ -25,6 +25,7 @@ import graphkit
 import hal
 from graphkit.graphs.capture import release_cached_memory
 from graphkit.memory.phases import CAPTURE_TIMES
+from graphkit_bench import verifier
 from graphkit_bench.case_figures import graphkit_share, verify_figures
 from graphkit_bench.timing import median_ms
 
@@ -141,7 +142,7 @@ def run_engine_case(strategy: str, order: str, sizes: list[int], backend: hal.Ba
                                        backend=backend.name, call="run_engine_case")
     engine_module = load_engine_module()
     be, sizes = backend, sorted(set(sizes))
-    pools = graphkit.GraphPools(be) if strategy == "graph_pools" else None
+    pools = graphkit.GraphPools(be, verify=verifier.on()) if strategy == "graph_pools" else None
     engine = None
     try:
         engine = engine_module.Engine(be, config, max_batch=max(sizes), seed=seed, pools=pools,
@@ -151,7 +152,8 @@ def run_engine_case(strategy: str, order: str, sizes: list[int], backend: hal.Ba
         _prime_capture(be)
         before = _used(be)
         t0 = time.perf_counter()
-        scope = graphkit.graph_memory(be) if strategy == "graph_memory" else contextlib.nullcontext(pools)
+        scope = (graphkit.graph_memory(be, verify=verifier.on()) if strategy == "graph_memory"
+                 else contextlib.nullcontext(pools))
         with scope as pools, CAPTURE_TIMES.counting() as parts:
             if order == "on-demand":
                 seconds = _capture_on_demand(engine, sizes, batch, seed)

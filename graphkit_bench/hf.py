@@ -56,6 +56,7 @@ import hal
 from graphkit.graphs.capture import release_cached_memory, weak_alias
 from graphkit.graphs.runner import ordered_sizes
 from graphkit.memory.phases import CAPTURE_TIMES
+from graphkit_bench import verifier
 from graphkit_bench.case_figures import graphkit_share, verify_figures
 from graphkit_bench.strategies import Order
 from graphkit_bench.timing import median_ms
@@ -374,7 +375,7 @@ def _run_case(be: hal.Backend, strategy: str, order: str, sizes: list[int], plan
     stream = be.create_stream()
 
     own_pool = be.create_pool() if strategy in ("own-kept", "own-weakref") else None
-    pools = graphkit.GraphPools(be) if strategy in ("graph_memory", "graph_pools") else None
+    pools = graphkit.GraphPools(be, verify=verifier.on()) if strategy in ("graph_memory", "graph_pools") else None
     scope = graphkit.graph_memory(be, pools=pools) if strategy == "graph_memory" else contextlib.nullcontext()
     graphs: dict[int, Any] = {}
     outputs: dict[int, torch.Tensor] = {}

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 import graphkit
 import hal
 from graphkit.graphs.capture import release_cached_memory
+from graphkit_bench import verifier
 from graphkit_bench.fair import interleaved
 from graphkit_bench.model import Decoder, DecoderConfig
 from graphkit_bench.strategies import COMPILE, ORDERS, STRATEGIES, Order
@@ -140,7 +141,7 @@ class Bench:
     def make_runner(self, strategy: str, on_demand: bool) -> graphkit.GraphRunner:
         return graphkit.GraphRunner(self.model.step, self.cfg.sizes, backend=self.be, outputs="view",
                                     fill=self.model.padding(), on_demand=on_demand, measure_memory=True,
-                                    progress=False, **STRATEGIES[strategy])
+                                    progress=False, verify=verifier.on(), **STRATEGIES[strategy])
 
     def run_strategy(self, strategy: str, order: str) -> dict[str, Any]:
         be, cfg = self.be, self.cfg

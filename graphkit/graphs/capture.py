@@ -6,8 +6,10 @@
 * the garbage collector is off during the capture (a collection freeing a
   device tensor there would need the allocator lock the capture holds);
 * afterwards, anything still allocated in the capture's pool other than the
-  outputs is reported: a cache or workspace born inside a capture lives in
-  memory that other graphs overwrite.
+  outputs is reported: a cache or workspace born inside a capture holds
+  memory of its own in a vmm pool (it outlived its capture: graphkit gave it
+  bytes no other graph maps), a granule per size, and in a shared pool it
+  lives in memory that other graphs overwrite.
 """
 
 from __future__ import annotations
@@ -120,8 +122,9 @@ def report_leftovers(backend: hal.Backend, leftovers: list[tuple[int, int]], wha
     sizes = ", ".join(f"{fmt_bytes(s)} ({s} bytes) at {p:#x}" for p, s in leftovers[:8])
     message = (f"{what}: {len(leftovers)} block(s), {fmt_bytes(total)} in all, still allocated in the "
                f"graph pool after capture besides the outputs: {sizes}. A tensor created inside the "
-               "capture and kept (a cache, a workspace) lives in memory that other graphs overwrite; "
-               "create it before capturing (a warm-up run does that)")
+               "capture and kept (a cache, a workspace) costs a granule of its own per size in a vmm pool and, in "
+               "a shared pool, lives in memory that other graphs overwrite; create it before capturing (a "
+               "warm-up run does that)")
     if strict:
         raise CaptureHygieneError(message, backend=backend.name, call="capture")
     log.warning(message)

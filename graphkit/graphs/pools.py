@@ -104,7 +104,7 @@ class GraphPools(Closable):
         custom allocators.
     :param hygiene: after each capture routed by :func:`graph_memory`, log
         the allocations it made that outlive it (a cache or workspace born
-        inside a capture lands in memory other graphs overwrite).
+        inside a capture: it gets memory of its own, a granule per key).
     :param saver: a :class:`graphkit.MemorySaver`: the pools' chunks sleep
         and wake with its tag ``"graphs"`` (graphs replay after a resume
         without recapture; nothing of theirs may run while paused).

@@ -124,3 +124,15 @@ def test_the_drivers_memory_per_graph_is_measured_on_cuda() -> None:
     finally:
         bench.close()
     assert floor["graphs"] == 4 and floor["per_graph_bytes"] > 0 and floor["pool_bytes"] >= 0
+
+
+@pytest.mark.parametrize("flag", [[], ["--verify"]])
+def test_the_verifier_is_off_unless_the_bench_asks_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          flag: list[str]) -> None:
+    from graphkit_bench import verifier
+
+    monkeypatch.setenv(verifier.ENV, "0")  # undone after the test, whatever --verify sets
+    assert main(["bench", "--workload", "tiny", "--strategies", "vmm", "--orders", "descending", "--iters", "1",
+                 "--backend", "fake", "--no-progress", "--out-dir", str(tmp_path), *flag]) == 0
+    (result,) = json.loads((tmp_path / "bench.json").read_text())["results"]
+    assert (result["verified_graphs"] > 0) == bool(flag), result
