@@ -46,9 +46,10 @@ def graph_nodes(be: hal.Backend, model: Decoder, batch: int) -> int | None:
     if not be.supports("graph_addresses"):
         return None
     graph = be.create_graph()
+    inputs = model.example_inputs(batch)  # made before the capture: a host-to-device copy cannot be captured
     try:
         with torch.no_grad(), be.capture(graph, stream=be.create_stream(), inspect=True):
-            model.step(**model.example_inputs(batch))
+            model.step(**inputs)
         return be.graph_addresses(graph).nodes
     finally:
         be.release_graph(graph)

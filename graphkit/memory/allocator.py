@@ -165,8 +165,9 @@ class SharedVMMAllocator(Closable):
 
     @property
     def footprint_bytes(self) -> int:
-        """Physical bytes it holds while awake (what a pause releases)."""
-        return sum(c.size for c in self._chunks.all_chunks())
+        """Physical bytes it holds while awake (what a pause releases): the chunks held or mapped somewhere."""
+        mapped = {id(p.chunk) for p in self._table.places()}
+        return sum(c.size for c in self._chunks.all_chunks() if c.handle is not None or id(c) in mapped)
 
     survivor_bytes = figure("_chunks", "private_bytes",
                             "Bytes of the chunks of their own that memory outliving its capture holds (counted in "
@@ -188,7 +189,6 @@ class SharedVMMAllocator(Closable):
 
     num_virtual_spaces = figure("_table", "spaces", "Live virtual spaces.", count=True)
     num_arenas = figure("_table", "arenas", "Address reservations spaces are carved from.", count=True)
-    scratch_ranges = figure("_chunks", "scratch_ranges", "Address ranges held for survivors' copies (0 or 1).")
 
     @property
     def spaces(self) -> dict[int, VirtualSpace]:
@@ -196,7 +196,6 @@ class SharedVMMAllocator(Closable):
         return dict(self._table.spaces)
 
     map_calls = figure("_chunks", "map_calls", "Map calls made so far (each maps one chunk into one space).")
-
     map_seconds = figure("_chunks", "map_seconds", "Wall time those map calls took.")
 
     def stats(self) -> AllocatorStats:
@@ -296,7 +295,8 @@ class SharedVMMAllocator(Closable):
         with self._lock:
             space = None if self._closed or self.paused else self._table.spaces.get(space_id)
             if space is not None:
-                self._chunks.survivors.privatize(space, granules_of(space, blocks, self.granularity))
+                self._chunks.survivors.privatize(space, granules_of(space, blocks, self.granularity),
+                                                 self._table.spaces.values())
 
     def on_shared_chunks(self, space_id: int, blocks: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
         """Those of ``blocks`` that reach a granule on the shared chunks (another space's replay overwrites it)."""

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 import hal
 from graphkit.memory.backing import Backing, Chunk, Place
-from graphkit.memory.closing import close_step
 from graphkit.memory.figures import figure
 from graphkit.memory.sharing import ExportedRange, export_handles
 from graphkit.memory.survivors import Survivors
@@ -64,11 +63,6 @@ class SharedChunks:
     def private_bytes(self) -> int:
         """Bytes of the chunks of their own that survivors of captures hold now."""
         return self.survivors.held_bytes
-
-    @property
-    def scratch_ranges(self) -> int:
-        """Address ranges the survivors' copies go through (kept for reuse)."""
-        return self.survivors.scratch_ranges
 
     @property
     def all_bytes(self) -> int:
@@ -187,8 +181,11 @@ class SharedChunks:
         return released
 
     def resume(self, places: Iterable[Place]) -> None:
-        """Create the chunks again and map every hole (all or nothing)."""
-        self.backing.resume(places, self.all_chunks())
+        """Create the chunks that places map again and map every hole (all or nothing); a chunk no place maps
+        is made when a space reaches it."""
+        places = list(places)
+        mapped = {id(p.chunk) for p in places}
+        self.backing.resume(places, [c for c in self.all_chunks() if id(c) in mapped])
 
     # -- close ----------------------------------------------------------------------
 
@@ -209,7 +206,6 @@ class SharedChunks:
         for chunk in self.all_chunks():
             if chunk.handle is not None and not chunk.maps:
                 self.backing.release(chunk)
-        close_step(errors, self.survivors.drop_scratch)
         if not errors and (self.backing.pending or self.held):
             errors.append(hal.InvalidStateError(f"{len(self.backing.pending)} chunk(s) could not be released yet; "
                                                 "close() again to retry", backend=self.backend.name, call="close"))

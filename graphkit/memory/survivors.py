@@ -3,11 +3,13 @@
 Every virtual space of an allocator maps the same shared chunks, so a block
 still allocated in a space when its capture ended (an output the engine
 keeps, a cache made inside the capture) is overwritten by the replays of
-every other space. :class:`Survivors` backs the granules under such blocks
-with chunks no other space maps -- a copy of their bytes, swapped in under
-the same virtual addresses -- and maps the shared chunks back once the blocks
-are freed. Addresses never move, so graphs and tensors that hold them keep
-working, however they got the address.
+every other space. :class:`Survivors` gives the granules under such blocks
+to that space alone: the space keeps the chunk it maps there (with its
+bytes), and the other spaces that reach the granule get a new shared chunk
+at the same offset (created when the first of them needs it). Once the
+blocks are freed, the granule's chunk is shared again. Addresses never move,
+so graphs and tensors that hold them keep working, however they got the
+address, and nothing is copied.
 """
 
 from __future__ import annotations
@@ -17,15 +19,11 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import hal
-from graphkit.memory.backing import Backing, Chunk, Place, wait_for_device
+from graphkit.memory.backing import Backing, Chunk, Place
 from graphkit.memory.transaction import Transaction
 
 if TYPE_CHECKING:
     from graphkit.memory.ranges import VirtualSpace
-
-#: the scratch range the copies go through holds at least this many granules (it is kept and reused)
-_SCRATCH_GRANULES = 8
-
 
 def granules_of(space: VirtualSpace, blocks: Iterable[tuple[int, int]], granularity: int) -> set[int]:
     """The indices of the granules of ``space`` that ``(address, nbytes)`` blocks reach."""
@@ -42,53 +40,47 @@ def _forget(chunks: dict[int, Chunk], index: int) -> None:
 
 
 class Survivors:
-    """The chunks of their own under blocks that outlived their capture, per space and granule.
+    """The chunks that one space alone maps, under blocks that outlived their capture, per space and granule.
 
-    :param backing: the shared chunks' release/restore machine (its map, unmap and release steps).
-    :param shared: the shared chunks, chunk ``i`` at offset ``i * granularity`` of every space.
+    :param backing: the shared chunks' release/restore machine (its create, map, unmap and release steps).
+    :param shared: the shared chunks, chunk ``i`` at offset ``i * granularity`` of every space that reaches it
+        (a chunk whose handle is None is made again when a space reaches it).
     """
 
     def __init__(self, backend: hal.Backend, backing: Backing, shared: list[Chunk]) -> None:
         self.backend, self.backing, self.shared = backend, backing, shared
         self.granularity = backend.granularity
-        self.private: dict[int, dict[int, Chunk]] = {}  # space id -> granule index -> its own chunk there
-        self._scratch: tuple[int, int] | None = None  # (address, bytes) the copies go through, kept for reuse
+        self.private: dict[int, dict[int, Chunk]] = {}  # space id -> granule index -> the chunk it alone maps
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of the chunks of their own held now."""
+        """Bytes of the chunks one space alone maps, held now."""
         return sum(c.size for c in self.chunks() if c.handle is not None)
-
-    @property
-    def scratch_ranges(self) -> int:
-        """Address ranges held for the copies (0 or 1)."""
-        return int(self._scratch is not None)
 
     def chunks(self) -> list[Chunk]:
         return [c for own in self.private.values() for c in own.values()]
 
-    def privatize(self, space: VirtualSpace, wanted: set[int]) -> None:
-        """Back exactly the granules ``wanted`` of ``space`` with chunks of their own, the others with the shared
-        chunks, at the same addresses (all or nothing; after the device's queued work).
+    def privatize(self, space: VirtualSpace, wanted: set[int], spaces: Iterable[VirtualSpace]) -> None:
+        """Make ``space`` alone map the granules ``wanted`` and share the others (all or nothing; after the
+        device's queued work).
 
-        A new chunk holds a copy of its granule's bytes (a device graph's capture runs nothing, but a host
-        recorder's does, and memory used before the capture holds data). A granule no longer wanted maps its
-        shared chunk again and its own chunk is released.
+        A granule given to ``space`` keeps its chunk, bytes and mapping there; the other spaces of ``spaces``
+        that map that chunk get a new shared chunk at the same offset (nothing when none does: the shared chunk
+        is made when a space reaches the offset). A granule given back becomes the shared chunk again where no
+        other space maps a newer one; else ``space`` maps that one and its own is released.
         """
         have = self.private.setdefault(space.id, {})
-        add = sorted(i for i in wanted - have.keys() if i < space.mapped and space.places[i].mapped)
-        back = sorted(i for i in have.keys() - wanted if self.shared[i].handle is not None)
+        add = sorted(i for i in wanted - have.keys() if i < space.mapped and space.places[i].mapped
+                     and space.places[i].chunk is self.shared[i])
+        back = sorted(have.keys() - wanted)
+        others = [s for s in spaces if s is not space]
         freed: list[Chunk] = []
         if add or back:
             with self.backing.ordered(), Transaction() as tx:
-                for i, chunk in zip(add, self._copies(space, add, tx), strict=True):
-                    self._swap(space, i, chunk, tx)
-                    have[i] = chunk
-                    tx.append(functools.partial(_forget, have, i))
+                for i in add:
+                    self._give(space, i, others, have, tx)
                 for i in back:
-                    self._swap(space, i, self.shared[i], tx)
-                    freed.append(have.pop(i))
-                    tx.append(functools.partial(have.__setitem__, i, freed[-1]))
+                    freed += self._share(space, i, have, tx)
                 tx.commit()
         for chunk in freed:
             self.backing.release(chunk)
@@ -101,50 +93,38 @@ class Survivors:
         return [b for b in blocks if not own or granules_of(space, [b], self.granularity) - own.keys()]
 
     def drop(self, space: VirtualSpace) -> None:
-        """Release the chunks of their own of ``space`` (unmapped with it)."""
+        """Release the chunks ``space`` alone mapped (unmapped with it)."""
         for chunk in self.private.pop(space.id, {}).values():
             if not chunk.maps:
                 self.backing.release(chunk)
 
-    def drop_scratch(self) -> None:
-        """Free the scratch range (at close); one whose release fails is kept, to free again."""
-        if self._scratch is not None:
-            self.backend.release_vir_ptr(*self._scratch)
-            self._scratch = None
-
     # -- steps ----------------------------------------------------------------------
 
-    def _scratch_range(self, count: int) -> int:
-        """The address of a range of at least ``count`` granules, nothing mapped in it."""
-        g = self.granularity
-        if self._scratch is None or self._scratch[1] < count * g:
-            self.drop_scratch()
-            size = max(count, _SCRATCH_GRANULES) * g
-            self._scratch = (self.backend.create_vir_ptr(size), size)
-        return self._scratch[0]
+    def _give(self, space: VirtualSpace, index: int, others: list[VirtualSpace], have: dict[int, Chunk],
+              tx: Transaction) -> None:
+        """``space`` keeps the shared chunk ``index``; the other spaces mapping it get a new one (undone by ``tx``)."""
+        old = self.shared[index]
+        fresh = Chunk(self.granularity)
+        mapping = [s for s in others if index < s.mapped and s.places[index].chunk is old]
+        if mapping:
+            self.backing.create(fresh, tx)
+            for other in mapping:
+                self._swap(other, index, fresh, tx)
+        self.shared[index] = fresh
+        tx.append(functools.partial(self.shared.__setitem__, index, old))
+        have[index] = old
+        tx.append(functools.partial(_forget, have, index))
 
-    def _copies(self, space: VirtualSpace, indices: list[int], tx: Transaction) -> list[Chunk]:
-        """New chunks holding the bytes of granules ``indices`` of ``space``: each mapped at the scratch range,
-        copied into on the device, unmapped once the copies are done (released again on rollback of ``tx``)."""
-        if not indices:
-            return []
-        g = self.granularity
-        scratch = self._scratch_range(len(indices))
-        made: list[Chunk] = []
-        with Transaction() as staging:
-            for k, i in enumerate(indices):
-                chunk = Chunk(g)
-                self.backing.create(chunk, tx)
-                made.append(chunk)
-                place = Place(scratch + k * g, chunk)
-                self.backing.map(place)
-                staging.append(functools.partial(self.backing.unmap, place))
-                self.backend.tensor_at(place.ptr, g).copy_(self.backend.tensor_at(space.places[i].ptr, g))
-            wait_for_device(self.backend)  # the copies are done before any place they read or write is unmapped
-            for k, chunk in enumerate(made):
-                self.backing.unmap(Place(scratch + k * g, chunk, mapped=True))
-            staging.commit()
-        return made
+    def _share(self, space: VirtualSpace, index: int, have: dict[int, Chunk], tx: Transaction) -> list[Chunk]:
+        """The chunk ``space`` alone mapped at ``index`` is shared again; the chunks to release once committed."""
+        own, current = have.pop(index), self.shared[index]
+        tx.append(functools.partial(have.__setitem__, index, own))
+        if current.maps:  # other spaces map a newer shared chunk: map it here too, release this one
+            self._swap(space, index, current, tx)
+            return [own]
+        self.shared[index] = own  # nobody maps the newer one: this one is the shared chunk again
+        tx.append(functools.partial(self.shared.__setitem__, index, current))
+        return [current] if current.handle is not None else []
 
     def _swap(self, space: VirtualSpace, index: int, chunk: Chunk, tx: Transaction) -> None:
         """Map ``chunk`` at granule ``index`` of ``space`` in place of what is mapped there (undone by ``tx``)."""

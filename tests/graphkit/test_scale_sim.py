@@ -124,7 +124,7 @@ def rank_main(rank: int, order: str, folder: Path) -> dict[str, Any]:
         graph = be.create_graph()
         with be.capture(graph):
             out = step(static)
-        alone_bytes = alone.report(measure=False).shared_bytes
+        alone_bytes = alone.report(measure=False).chunk_bytes
     be.release_graph(graph)
     del out
     alone.close()
@@ -132,7 +132,7 @@ def rank_main(rank: int, order: str, folder: Path) -> dict[str, Any]:
     return {"rank": rank, "pid": os.getpid(), "device": be.device, "devices": be.device_count(),
             "served": served, "mismatched_steps": mismatched, "steps": len(replayed),
             "keys": len(report.keys) if report else None, "chunk_bytes": report.chunk_bytes if report else None,
-            "shared_bytes": report.shared_bytes if report else None,
+            "survivor_bytes": report.survivor_bytes if report else None,
             "pools_device": pools.backend.device if pools is not None else None, "alone_bytes": alone_bytes}
 
 
@@ -154,9 +154,10 @@ def test_ranks_each_under_the_switch_stay_on_their_device_and_pay_the_largest_si
         assert seen["served"] == [where] and seen["pools_device"] == r.rank, seen  # nothing on another device
         assert seen["mismatched_steps"] == [] and seen["steps"] == len(BATCHES), seen
         assert seen["keys"] == len(SIZES), seen
-        # the shared chunks cost the largest size alone (several chunks: a real floor); the outputs each rank keeps
-        # have bytes of their own on top, as in an engine's own pool
-        assert seen["shared_bytes"] == seen["alone_bytes"] > 2 << 20, seen
+        # the largest size alone (several chunks: a real floor), plus the granules under the outputs each rank
+        # keeps (each its key's alone, as in an engine's own pool)
+        assert seen["alone_bytes"] > 2 << 20, seen
+        assert seen["chunk_bytes"] <= seen["alone_bytes"] + seen["survivor_bytes"], seen
         lines = [x for x in r.output.splitlines() if x.startswith(f"graphkit: process {seen['pid']}, ")]
         assert len(lines) == 1, explain([r])  # one device, one line (at exit)
         assert f", {where}: graph pools on fake (vmm): {len(SIZES)} key(s) holding " in lines[0], lines[0]

@@ -484,3 +484,27 @@ def test_a_survivor_keeps_its_address_gets_bytes_no_other_space_maps_and_returns
         del ta, tb
         alloc.close()
         assert be.live.chunks == 0
+
+
+def test_a_survivor_in_a_granule_no_other_space_reaches_costs_nothing_until_one_does() -> None:
+    """The space keeps the chunk under its survivor; the shared chunk at that offset is made only when another
+    space reaches it: the largest capture's kept output costs no second copy (as in the engine's own pool)."""
+    with hal.get_backend("fake", granularity=1 << 16) as be:
+        g = be.granularity
+        alloc = graphkit.SharedVMMAllocator(be, reserve_bytes=8 * g)
+        big, small = alloc.open_virtual_space(), alloc.open_virtual_space()
+        pbig = alloc.allocate(3 * g, space_id=big)
+        alloc.allocate(g, space_id=small)
+        kept = be.tensor_at(pbig + 2 * g, g)
+        kept.fill_(5)
+        alloc.keep_private(big, [(pbig + 2 * g, 64)])  # the big capture's output, in its last granule
+        assert (alloc.physical_bytes, alloc.survivor_bytes) == (3 * g, g)  # nothing made, nothing copied
+        psmall = alloc.allocate(2 * g, space_id=small)  # the small space now reaches offset 2: a new shared chunk
+        assert alloc.physical_bytes == 4 * g and alloc.footprint_bytes == 4 * g
+        be.tensor_at(psmall, 2 * g).fill_(9)
+        assert bool((kept == 5).all())  # its key's alone
+        alloc.keep_private(big, [])  # freed: the small space maps the newer chunk, the big one maps it too
+        assert (alloc.physical_bytes, alloc.survivor_bytes) == (3 * g, 0) and bool((kept == 9).all())
+        del kept
+        alloc.close()
+        assert be.live.chunks == 0
