@@ -209,8 +209,9 @@ def capabilities() -> frozenset[str]:
     process can map this backend's chunks), ``"unmap_waits"`` (:func:`unmap`
     returns only once the device work queued before it is done, as ROCm's
     ``hipMemUnmap`` does: ``Backend.unmap(..., wait=True)`` and ``close()`` then
-    skip their own ``synchronize``; no built-in backend declares it). A backend that lacks ``"custom_pool"`` still supports pools drawn from
-    its own allocator. Optional: a backend without it has no capabilities.
+    skip their own ``synchronize``; no built-in backend declares it). A backend
+    that lacks ``"custom_pool"`` still supports pools drawn from its own
+    allocator. Optional: a backend without it has no capabilities.
     An override in a subclass is a hook only when it is marked
     ``@hal.hookimpl`` again (an unmarked one is refused at load). Anything
     but a hal error raised here is reported as

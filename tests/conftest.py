@@ -10,9 +10,9 @@ from collections.abc import Iterator
 # behind the host: an unmap that did not wait for the work queued over the range fails the test that did it
 os.environ.setdefault("HAL_FAKE_ASYNC", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-import hal  # noqa: E402
+import hal
 
 DEVICE_MARKERS = ("cuda", "ascend", "mlu")
 
