@@ -158,8 +158,9 @@ class VmmCalls(HookCalls):
 
     def wait_before_unmap(self) -> None:
         """Wait for the device work queued so far, unless the backend's unmap waits for it itself
-        (capability ``"unmap_waits"``) or it has no streams to queue work on (no ``synchronize`` hook)."""
-        if "unmap_waits" in self.capabilities or "synchronize" not in self._implemented:
+        (capability ``"unmap_waits"``) or it queues no work (no ``"graphs"``: no streams, no replays)."""
+        caps = self.capabilities
+        if "unmap_waits" in caps or "graphs" not in caps:
             return
         self._hook.synchronize(stream=None)
 

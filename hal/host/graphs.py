@@ -122,7 +122,8 @@ class HostGraphs:
     @property
     def in_flight(self) -> InFlight | None:
         """What queued work may still use (``asynchronous=True``); ``None`` when work is done when issued."""
-        return self._host_inflight
+        inflight: InFlight | None = vars(self).get("_host_inflight")  # read by pluggy at register, maybe before init
+        return inflight
 
     def _pool(self, alloc: AllocFn, free: FreeFn, what: str) -> BlockPool:
         pool = BlockPool(alloc, free, self._host_segment, f"{self._host_name} {what}", backend=self._host_name)

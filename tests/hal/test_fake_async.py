@@ -254,9 +254,9 @@ def test_the_conformance_suite_catches_a_false_unmap_waits_and_passes_the_others
 
 
 @pytest.mark.xfail(strict=True, raises=hal.InvalidStateError, reason="graphkit waits land on main")
-def test_a_saver_closed_before_its_queued_kernels_are_done_waits_for_them(be: hal.Backend) -> None:
+def test_a_saver_closed_before_its_queued_kernels_are_done_waits_for_them(abe: hal.Backend) -> None:
     """The shape of a region closed right after kernels that write it were queued (a GPU faults there)."""
-    saver = graphkit.MemorySaver(be)
+    saver = graphkit.MemorySaver(abe)
     with saver.region("t"):
         data = torch.empty(1 << 20, dtype=torch.uint8)
     data.fill_(3)
@@ -264,4 +264,4 @@ def test_a_saver_closed_before_its_queued_kernels_are_done_waits_for_them(be: ha
         data.add_(1)  # queued on a device
     del data
     saver.close()  # must wait for the work first, not fault
-    assert be.live.mappings == 0
+    assert abe.live.mappings == 0
