@@ -253,7 +253,6 @@ def test_the_conformance_suite_catches_a_false_unmap_waits_and_passes_the_others
             case.test_an_unmap_right_after_a_replay_waits_for_it(be)
 
 
-@pytest.mark.xfail(strict=True, raises=hal.InvalidStateError, reason="graphkit waits land on main")
 def test_a_saver_closed_before_its_queued_kernels_are_done_waits_for_them(abe: hal.Backend) -> None:
     """The shape of a region closed right after kernels that write it were queued (a GPU faults there)."""
     saver = graphkit.MemorySaver(abe)
