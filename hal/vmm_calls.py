@@ -158,9 +158,13 @@ class VmmCalls(HookCalls):
 
     def wait_before_unmap(self) -> None:
         """Wait for the device work queued so far, unless the backend's unmap waits for it itself
-        (capability ``"unmap_waits"``) or it queues no work (no ``"graphs"``: no streams, no replays)."""
+        (capability ``"unmap_waits"``), it queues no work (no ``"graphs"``: no streams, no replays), or this
+        thread captures a graph now (a device-wide wait would end the capture; what it records runs later)."""
         caps = self.capabilities
         if "unmap_waits" in caps or "graphs" not in caps:
+            return
+        capturing = getattr(self, "capturing", None)  # the graph calls' (hal.Backend has both)
+        if callable(capturing) and capturing():
             return
         self._hook.synchronize(stream=None)
 
