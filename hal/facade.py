@@ -73,7 +73,7 @@ class Backend(VmmCalls, GraphCalls):
             collect = functools.partial(_collect, errors)
             if leftovers[0] or self.accounting.graphs.alive() or self.accounting.pools.alive():
                 with collect():  # what is released below must not be pulled from under queued work
-                    self.wait_before_unmap()
+                    self.wait_before_unmap(capture_check=False)
             graphs, pools = self._release_graphs(collect)  # graphs first: they hold their pools' memory
             if graphs or pools:
                 log.warning("%s: close() released %d graph(s) and %d pool(s) still live", self.name, graphs, pools)

@@ -156,14 +156,15 @@ class VmmCalls(HookCalls):
             self._map_starts.remove(ptr)
             self._handle_maps[m.handle] -= 1
 
-    def wait_before_unmap(self) -> None:
+    def wait_before_unmap(self, *, capture_check: bool = True) -> None:
         """Wait for the device work queued so far, unless the backend's unmap waits for it itself
         (capability ``"unmap_waits"``), it queues no work (no ``"graphs"``: no streams, no replays), or this
-        thread captures a graph now (a device-wide wait would end the capture; what it records runs later)."""
+        thread captures a graph now (a device-wide wait would end the capture; what it records runs later;
+        ``capture_check=False`` skips that question, as ``close()`` does: nothing captures a closing backend)."""
         caps = self.capabilities
         if "unmap_waits" in caps or "graphs" not in caps:
             return
-        capturing = getattr(self, "capturing", None)  # the graph calls' (hal.Backend has both)
+        capturing = getattr(self, "capturing", None) if capture_check else None  # hal.Backend's stream calls
         if callable(capturing) and capturing():
             return
         self._hook.synchronize(stream=None)
