@@ -17,6 +17,7 @@ from hal.errors import (
     InvalidStateError,
     PluginValidationError,
     UnsupportedError,
+    UseAfterUnmapError,
 )
 from hal.facade import Backend
 from hal.process_routing import route_every_capture
@@ -43,6 +44,7 @@ __all__ = [
     "MemInfo",
     "PluginValidationError",
     "UnsupportedError",
+    "UseAfterUnmapError",
     "get_backend",
     "hookimpl",
     "list_backends",

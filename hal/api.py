@@ -181,7 +181,12 @@ def map(ptr: int, size: int, handle: Hashable) -> None:
 def unmap(ptr: int, size: int) -> None:
     """Undo exactly one earlier :func:`map` of ``size`` bytes at ``ptr``.
 
-    The range stays reserved; the chunk stays allocated.
+    The range stays reserved; the chunk stays allocated. Work queued on the
+    device before the call may still use the range: a backend whose unmap
+    waits for that work itself declares ``"unmap_waits"``; otherwise callers
+    wait first (``Backend.unmap(..., wait=True)`` synchronizes the device for
+    them). A backend that knows the range is still in use raises
+    :class:`hal.UseAfterUnmapError` and unmaps nothing.
 
     :raises DriverError: the driver refused.
     """
@@ -201,8 +206,12 @@ def capabilities() -> frozenset[str]:
     (:func:`route_captures` works), ``"use_pool"`` (:func:`use_pool` works),
     ``"graph_addresses"`` (:func:`graph_addresses` answers), ``"memory_sharing"``
     (:func:`export_phy_mem_handle` and :func:`import_phy_mem_handle` work: another
-    process can map this backend's chunks). A backend that lacks ``"custom_pool"`` still supports pools drawn from
-    its own allocator. Optional: a backend without it has no capabilities.
+    process can map this backend's chunks), ``"unmap_waits"`` (:func:`unmap`
+    returns only once the device work queued before it is done, as ROCm's
+    ``hipMemUnmap`` does: ``Backend.unmap(..., wait=True)`` and ``close()`` then
+    skip their own ``synchronize``; no built-in backend declares it). A backend
+    that lacks ``"custom_pool"`` still supports pools drawn from its own
+    allocator. Optional: a backend without it has no capabilities.
     An override in a subclass is a hook only when it is marked
     ``@hal.hookimpl`` again (an unmarked one is refused at load). Anything
     but a hal error raised here is reported as
@@ -528,8 +537,8 @@ GRAPH_HOOKS = (
 #: The hooks of the ``"memory_sharing"`` capability.
 SHARING_HOOKS = ("export_phy_mem_handle", "import_phy_mem_handle")
 
-#: Capability name -> the hooks it needs implemented. Every capability but ``"memory_sharing"``
-#: (a part of the vmm half) builds on ``"graphs"``.
+#: Capability name -> the hooks it needs implemented. Every capability but ``"memory_sharing"`` and
+#: ``"unmap_waits"`` (parts of the vmm half) builds on ``"graphs"``.
 CAPABILITY_HOOKS: dict[str, tuple[str, ...]] = {
     "graphs": GRAPH_HOOKS,
     "custom_pool": GRAPH_HOOKS,  # and create_pool accepts alloc/free callbacks
@@ -537,6 +546,7 @@ CAPABILITY_HOOKS: dict[str, tuple[str, ...]] = {
     "use_pool": (*GRAPH_HOOKS, "use_pool"),
     "graph_addresses": (*GRAPH_HOOKS, "graph_addresses"),
     "memory_sharing": SHARING_HOOKS,
+    "unmap_waits": (),  # a promise about the required unmap hook: no hook of its own
 }
 
 #: The capability names hal knows (``hal.get_backend(requires=...)`` accepts these).

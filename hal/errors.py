@@ -28,6 +28,17 @@ class InvalidStateError(HalError):
     """The call does not fit the object's state: double release, unmap of an unmapped range."""
 
 
+class UseAfterUnmapError(InvalidStateError):
+    """An unmap (or the release of a chunk still mapped) that did not wait for device work queued over the range.
+
+    A device runs behind the host: a kernel or a graph replay queued before the unmap may still read or
+    write the range, and a driver need not wait for it (a GPU then faults and the process is lost). The
+    asynchronous ``fake`` (option ``asynchronous``, ``HAL_FAKE_ASYNC=1``) raises this instead, naming the
+    range and the work; nothing is unmapped then. Synchronize the device (or the streams that used the
+    range) first, or unmap with ``wait=True``.
+    """
+
+
 class DeviceOutOfMemoryError(HalError, MemoryError):
     """The device (or the configured capacity of a simulated one) has no room left."""
 
@@ -79,6 +90,7 @@ __all__ = [
     "HalError",
     "InvalidArgumentError",
     "InvalidStateError",
+    "UseAfterUnmapError",
     "DeviceOutOfMemoryError",
     "BackendUnavailableError",
     "PluginValidationError",

@@ -58,7 +58,7 @@ class Backend(VmmCalls, GraphCalls):
     # -- lifecycle --------------------------------------------------------
 
     def close(self) -> None:
-        """Unmap, free ranges and release chunks still live, then shut the backend down.
+        """Wait for the device, then unmap, free ranges and release chunks still live, then shut the backend down.
 
         Idempotent. Leftovers are logged (they are a leak in the caller).
         """
@@ -71,6 +71,9 @@ class Backend(VmmCalls, GraphCalls):
                             self.name, *leftovers)
             errors: list[BaseException] = []
             collect = functools.partial(_collect, errors)
+            if leftovers[0] or self.accounting.graphs.alive() or self.accounting.pools.alive():
+                with collect():  # what is released below must not be pulled from under queued work
+                    self.wait_before_unmap(capture_check=False)
             graphs, pools = self._release_graphs(collect)  # graphs first: they hold their pools' memory
             if graphs or pools:
                 log.warning("%s: close() released %d graph(s) and %d pool(s) still live", self.name, graphs, pools)

@@ -82,17 +82,23 @@ class VmmCalls(HookCalls):
             self._handle_maps[handle] = 0
             return handle
 
-    def release_phy_mem_handle(self, handle: Any) -> None:
-        """Free a chunk; it must be mapped nowhere."""
+    def release_phy_mem_handle(self, handle: Any, *, wait: bool = False) -> None:
+        """Free a chunk; it must be mapped nowhere.
+
+        :param wait: first wait for the device work queued so far (:meth:`wait_before_unmap`).
+        """
         call = "release_phy_mem_handle"
         with self._lock:
             self._check_open(call)
+            self._check_wait(call, wait)
             if handle not in self._handles:
                 raise self._err(InvalidStateError, call,
                                 f"handle={handle!r} is not live (released twice?)")
             if self._handle_maps[handle]:
                 raise self._err(InvalidStateError, call,
                                 f"handle={handle!r} is still mapped {self._handle_maps[handle]} time(s)")
+            if wait:
+                self.wait_before_unmap()
             self._hook.release_phy_mem_handle(handle=handle)
             del self._handles[handle]
             del self._handle_maps[handle]
@@ -122,22 +128,50 @@ class VmmCalls(HookCalls):
             bisect.insort(self._map_starts, ptr)
             self._handle_maps[handle] += 1
 
-    def unmap(self, ptr: int, size: int) -> None:
-        """Undo exactly one earlier ``map(ptr, size, ...)``."""
+    def unmap(self, ptr: int, size: int, *, wait: bool = False) -> None:
+        """Undo exactly one earlier ``map(ptr, size, ...)``.
+
+        The device may still run work queued over the range, and a driver need not wait for it
+        (:func:`hal.api.unmap`): wait for the streams that used it first, or pass ``wait=True``.
+
+        :param wait: first wait for the device work queued so far (:meth:`wait_before_unmap`).
+        :raises UseAfterUnmapError: work queued over the range may still use it (the asynchronous
+            ``fake`` sees this); nothing was unmapped.
+        """
         call = "unmap"
         with self._lock:
             self._check_open(call)
             self._check_ptr(call, ptr)
+            self._check_wait(call, wait)
             m = self._mappings.get(ptr)
             if m is None:
                 raise self._err(InvalidStateError, call, f"nothing is mapped at ptr={ptr:#x}")
             if m.size != size:
                 raise self._err(InvalidArgumentError, call,
                                 f"size={size} differs from the mapping's size {m.size} (partial unmap)")
+            if wait:
+                self.wait_before_unmap()
             self._hook.unmap(ptr=ptr, size=size)
             del self._mappings[ptr]
             self._map_starts.remove(ptr)
             self._handle_maps[m.handle] -= 1
+
+    def wait_before_unmap(self, *, capture_check: bool = True) -> None:
+        """Wait for the device work queued so far, unless the backend's unmap waits for it itself
+        (capability ``"unmap_waits"``), it queues no work (no ``"graphs"``: no streams, no replays), or this
+        thread captures a graph now (a device-wide wait would end the capture; what it records runs later;
+        ``capture_check=False`` skips that question, as ``close()`` does: nothing captures a closing backend)."""
+        caps = self.capabilities
+        if "unmap_waits" in caps or "graphs" not in caps:
+            return
+        capturing = getattr(self, "capturing", None) if capture_check else None  # hal.Backend's stream calls
+        if callable(capturing) and capturing():
+            return
+        self._hook.synchronize(stream=None)
+
+    def _check_wait(self, call: str, wait: Any) -> None:
+        if not isinstance(wait, bool):
+            raise self._err(InvalidArgumentError, call, f"wait={wait!r} must be True or False")
 
     def export_phy_mem_handle(self, handle: Any) -> int:
         """A new file descriptor through which another process imports the chunk ``handle`` (yours to close).

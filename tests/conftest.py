@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Iterator
+
+# every fake backend of the suite, in this process and in the processes it starts, behaves as a device that runs
+# behind the host: an unmap that did not wait for the work queued over the range fails the test that did it
+os.environ.setdefault("HAL_FAKE_ASYNC", "1")
 
 import pytest
 

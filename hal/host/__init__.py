@@ -39,6 +39,10 @@ What the pieces are (see ``docs/plugins.md``, "Graphs", for the semantics):
   bytes carved from segments of ``segment_size`` bytes;
 * :class:`HostGraph` -- a graph: the recorded tape, its compiled replay
   program, and :meth:`HostGraph.addresses` (the memory its replay touches);
+* :class:`hal.host.inflight.InFlight` -- with ``init_host_graphs(...,
+  asynchronous=True)``: what queued work may still use until the next
+  ``synchronize``, for an ``unmap`` to refuse (as a device that runs behind
+  the host would fault);
 * :mod:`hal.host.vm` -- the vmm half for host memory, from the OS: ``PROT_NONE``
   reservations, ``memfd`` chunks mapped with ``MAP_FIXED``, plain memory for
   ``alloc``, with hal errors.

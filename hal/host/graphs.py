@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from hal.api import AllocFn, FreeFn, hookimpl
 from hal.errors import InvalidArgumentError, PluginValidationError
+from hal.host.inflight import InFlight
 from hal.host.pool import BlockPool
 from hal.routing import choose_route, process_route, watch_release
 from hal.types import CaptureRouter, GraphAddresses
@@ -69,8 +70,10 @@ class HostGraphs:
     _host_free: FreeFn
     _host_segment: int
     _host_routers: list[CaptureRouter]
+    _host_inflight: InFlight | None
 
-    def init_host_graphs(self, name: str, *, alloc: AllocFn, free: FreeFn, segment_size: int) -> None:
+    def init_host_graphs(self, name: str, *, alloc: AllocFn, free: FreeFn, segment_size: int,
+                         asynchronous: bool = False) -> None:
         """Wire the hooks to the device's memory.
 
         :param name: the backend's name, for errors.
@@ -83,6 +86,11 @@ class HostGraphs:
         :param free: ``free(address, nbytes)``, once per address ``alloc`` gave.
         :param segment_size: pools take memory from ``alloc`` (and from a custom
             pool's callbacks) in multiples of it: the device's granularity.
+        :param asynchronous: behave as a device that runs behind the host: keep
+            what queued work may still use until the next ``synchronize``
+            (:class:`hal.host.inflight.InFlight`, in :attr:`in_flight`), for the
+            plugin's ``unmap`` to refuse a range in use with
+            ``self.in_flight.check_unmap(ptr, size)``.
 
         ``alloc`` and ``free`` run on whichever thread allocates or drops a
         tensor (the capturing thread, any thread inside ``use_pool``, the
@@ -98,6 +106,7 @@ class HostGraphs:
         self._host_free = free
         self._host_segment = segment_size
         self._host_routers = []
+        self._host_inflight = InFlight(name) if asynchronous else None
 
     if not TYPE_CHECKING:  # at run time only: type checkers keep seeing the declared attributes
 
@@ -110,8 +119,19 @@ class HostGraphs:
                     "the device's own allocator", backend=type(self).__name__, call="init_host_graphs")
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
+    @property
+    def in_flight(self) -> InFlight | None:
+        """What queued work may still use (``asynchronous=True``); ``None`` when work is done when issued."""
+        inflight: InFlight | None = vars(self).get("_host_inflight")  # read by pluggy at register, maybe before init
+        return inflight
+
     def _pool(self, alloc: AllocFn, free: FreeFn, what: str) -> BlockPool:
-        return BlockPool(alloc, free, self._host_segment, f"{self._host_name} {what}", backend=self._host_name)
+        pool = BlockPool(alloc, free, self._host_segment, f"{self._host_name} {what}", backend=self._host_name)
+        inflight = self._host_inflight
+        if inflight is not None:
+            name = pool.name
+            pool.on_malloc = lambda ptr, nbytes: inflight.handed_out(ptr, nbytes, f"a block of the {name}")
+        return pool
 
     # -- capabilities and streams ---------------------------------------------------------
 
@@ -143,7 +163,10 @@ class HostGraphs:
 
     @hookimpl
     def synchronize(self, stream: HostStream | None) -> None:
-        """Nothing to wait for: host work is done when it is issued."""
+        """Host work is done when it is issued; an asynchronous device's queued work is done now (every stream
+        is one queue here, so waiting for one waits for all)."""
+        if self._host_inflight is not None:
+            self._host_inflight.waited()
 
     # -- pools ------------------------------------------------------------------------------
 
@@ -168,6 +191,8 @@ class HostGraphs:
         tensor, buf = tape.tensor_at(ptr, nbytes, torch.uint8, (nbytes,))
         if buf is not None:
             buf.owner = owner  # the tensor's storage holds the buffer, the buffer holds the owner
+        if self._host_inflight is not None:
+            self._host_inflight.handed_out(ptr, nbytes, "a tensor from tensor_at")
         return tensor
 
     @hookimpl
@@ -207,7 +232,7 @@ class HostGraphs:
         if pool is None:
             pool = graph.own_pool = self._pool(self._host_alloc, self._host_free, "private pool")
         try:
-            with tape.capture(graph, pool):
+            with tape.capture(graph, pool), self._host_capturing():
                 yield graph
         except BaseException:
             if private:  # a retry gets a fresh private pool; this one goes back now
@@ -224,9 +249,14 @@ class HostGraphs:
                 raise
             graph.on_release = watch_release(graph, route.on_release, reset_name=None)
 
+    def _host_capturing(self) -> AbstractContextManager[None]:
+        return self._host_inflight.capturing() if self._host_inflight is not None else contextlib.nullcontext()
+
     @hookimpl
     def replay(self, graph: tape.HostGraph) -> None:
         graph.replay()
+        if self._host_inflight is not None:
+            self._host_inflight.replayed(graph)
 
     @hookimpl
     def release_graph(self, graph: tape.HostGraph) -> None:

@@ -54,6 +54,9 @@ class BlockPool:
         self._free_blocks: list[tuple[int, int, int]] = []  # (size, ptr, segment base), sorted
         self._used: dict[int, tuple[int, int]] = {}  # ptr -> (size, segment base)
         self._released = False
+        self.on_malloc: Callable[[int, int], None] | None = None
+        """Told ``(address, nbytes)`` of each block handed out, after :meth:`malloc` (a device that runs behind
+        the host counts the block as in use by queued work: :class:`hal.host.inflight.InFlight`)."""
 
     # -- allocation ---------------------------------------------------------
 
@@ -84,7 +87,9 @@ class BlockPool:
             if bsize > size:
                 bisect.insort(self._free_blocks, (bsize - size, ptr + size, seg))
             self._used[ptr] = (size, seg)
-            return ptr
+        if self.on_malloc is not None:
+            self.on_malloc(ptr, size)
+        return ptr
 
     def free(self, ptr: int) -> None:
         """Give a block back; neighbours in the same segment coalesce."""

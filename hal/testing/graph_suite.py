@@ -35,9 +35,12 @@ __all__ = [
     "TestUsePool",
     "TestTensorAt",
     "TestGraphLifecycle",
+    "TestUnmapAfterQueuedWork",
 ]
 
 N = 1024  # elements of the test tensors
+QUEUED_BYTES = 16 << 20  # memory the queued-work tests write: enough that a device is still at it when the host goes on
+QUEUED_PASSES = 16  # passes of the replay over it
 SEGMENT_SPACE = 64 << 20  # address space the callback pools of these tests map chunks into
 
 
@@ -689,3 +692,62 @@ class TestGraphLifecycle(_NeedsCapabilities):
         assert be.closed and be.live.zero, be.live
         with pytest.raises(hal.InvalidStateError):
             be.create_graph()
+
+
+class TestUnmapAfterQueuedWork(_NeedsCapabilities):
+    """An unmap is ordered after the device work queued over the range: with ``wait=True`` (the facade waits
+    unless the backend declares ``"unmap_waits"``), and without it on a backend that declares ``"unmap_waits"``.
+
+    A replay queued over mapped memory, then the unmap at once: no fault, and the bytes the replay wrote are
+    complete when read through a second mapping of the same chunk made before the unmap. A plugin whose
+    unmap does not wait must not declare ``"unmap_waits"``: its callers wait.
+    """
+
+    def test_an_unmap_right_after_a_replay_waits_for_it(self, hal_backend: hal.Backend) -> None:
+        be = hal_backend
+        if not (be.implements("tensor_at") and be.implements("torch_device")):
+            pytest.skip(f"{be.name} does not implement tensor_at and torch_device (optional hooks); these tests "
+                        "replay work over mapped memory")
+        import torch
+
+        size = round_up(QUEUED_BYTES, be.granularity)
+        h = be.create_phy_mem_handle(size)
+        va1, va2 = be.create_vir_ptr(size), be.create_vir_ptr(size)
+        be.map(va2, size, h)
+        seen = be.tensor_at(va2, size).view(torch.float32)  # the second mapping: it stays
+        rounds = [True, False] if be.supports("unmap_waits") else [True]
+        mapped = False
+        try:
+            for value, wait in enumerate(rounds):
+                be.map(va1, size, h)
+                mapped = True
+                x = be.tensor_at(va1, size).view(torch.float32)
+                pool, graph = be.create_pool(), be.create_graph()
+                with be.capture(graph, pool, be.create_stream()):
+                    for _ in range(QUEUED_PASSES):
+                        x.add_(1.0)
+                x.fill_(float(value))  # after the capture: a host recorder runs the work it records
+                be.synchronize(None)
+                be.replay(graph)  # queued: a device is still writing x when the host unmaps
+                del x
+                be.unmap(va1, size, wait=wait)
+                mapped = False
+                be.synchronize(None)
+                expected = float(value + QUEUED_PASSES)
+                assert equals(seen, expected), (
+                    f"{be.name}: unmap(wait={wait}) right after a replay: the replay's writes are not complete "
+                    f"through another mapping of the chunk (expected every element {expected}); "
+                    + ("the facade waited first, so the replay itself lost bytes" if wait else
+                       "the backend declares 'unmap_waits' but its unmap did not wait for the queued replay"))
+                be.release_graph(graph)
+                settle(be)
+                be.release_pool(pool)
+        finally:
+            del seen
+            settle(be)
+            if mapped:
+                be.unmap(va1, size)
+            be.unmap(va2, size)
+            be.release_phy_mem_handle(h)
+            be.release_vir_ptr(va1, size)
+            be.release_vir_ptr(va2, size)

@@ -186,7 +186,7 @@ class TorchGlue:
 
     def synchronize(self, stream: Any) -> None:
         if stream is None:
-            self.ns.synchronize(self.torch_device())
+            self.ns.synchronize(self.device)  # the index, as torch.cuda.synchronize takes it too
         else:
             stream.synchronize()
 

@@ -14,6 +14,9 @@ from hal.types import MemInfo, fmt_bytes
 
 NAME = "fake"
 
+#: ``1`` makes ``asynchronous`` the default of every fake backend (a test suite turns it on this way).
+ASYNC_ENV = "HAL_FAKE_ASYNC"
+
 
 #: The fake device's stream is the host recorder's.
 FakeStream = HostStream
@@ -47,6 +50,14 @@ def set_device(device: int) -> None:
     _current.device = device
 
 
+def _async_default() -> bool:
+    value = os.environ.get(ASYNC_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise InvalidArgumentError(f"{ASYNC_ENV}={value!r} must be 1 (asynchronous) or 0", backend=NAME,
+                                   call="get_backend")
+    return value == "1"
+
+
 class FakeBackend(HostGraphs):
     """Host memory made to behave like a device with virtual memory management.
 
@@ -61,7 +72,17 @@ class FakeBackend(HostGraphs):
       16 GiB); creating past it raises :class:`hal.DeviceOutOfMemoryError`;
     * ``device_count`` -- how many simulated devices there are (default:
       ``$HAL_FAKE_DEVICE_COUNT``, else 1; the variable makes a machine of
-      several devices for every process that starts with it, as ranks do).
+      several devices for every process that starts with it, as ranks do);
+    * ``asynchronous`` -- behave as a device that runs behind the host
+      (default: on when the environment variable ``HAL_FAKE_ASYNC`` is ``1``).
+      Work still runs when it is issued, but the backend keeps what queued
+      work may still use until the next ``synchronize`` -- the spans of each
+      graph replayed, each block a pool handed out outside a capture, each
+      range given out by ``tensor_at`` -- and refuses an ``unmap`` of such a
+      range with :class:`hal.UseAfterUnmapError`, unmapping nothing (a GPU
+      faults there). A chunk is released only once unmapped everywhere, so
+      the unmap check covers ``release_phy_mem_handle`` too. Callers wait
+      first, or pass ``wait=True`` to ``unmap``/``release_phy_mem_handle``.
     """
 
     @classmethod
@@ -70,7 +91,8 @@ class FakeBackend(HostGraphs):
         return int(getattr(_current, "device", 0))
 
     def __init__(self, device: int = 0, *, granularity: int = 2 << 20,
-                 capacity: int = 16 << 30, device_count: int | None = None) -> None:
+                 capacity: int = 16 << 30, device_count: int | None = None,
+                 asynchronous: bool | None = None) -> None:
         def bad(arg: str, value: Any, why: str) -> InvalidArgumentError:
             return InvalidArgumentError(f"{arg}={value!r} {why}", backend=NAME, call="get_backend")
 
@@ -85,6 +107,10 @@ class FakeBackend(HostGraphs):
         if device >= device_count:
             raise bad("device", device, f"is out of range: this fake has {device_count} device(s) (give "
                       f"device_count=, or set {DEVICES_ENV} for every process)")
+        if asynchronous is None:
+            asynchronous = _async_default()
+        elif not isinstance(asynchronous, bool):
+            raise bad("asynchronous", asynchronous, "must be True or False")
         self.device = device
         self._granularity = granularity
         self._capacity = capacity
@@ -95,7 +121,8 @@ class FakeBackend(HostGraphs):
         self._imported: set[int] = set()  # handles of chunks another backend made (not charged here)
         self._anon: dict[int, int] = {}  # own allocations: ptr -> size
         self._handle_ids = itertools.count(1)
-        self.init_host_graphs(NAME, alloc=self.device_malloc, free=self.device_free, segment_size=granularity)
+        self.init_host_graphs(NAME, alloc=self.device_malloc, free=self.device_free, segment_size=granularity,
+                              asynchronous=asynchronous)
 
     @classmethod
     def probe(cls) -> str | None:
@@ -215,6 +242,8 @@ class FakeBackend(HostGraphs):
 
     @hookimpl
     def unmap(self, ptr: int, size: int) -> None:
+        if self.in_flight is not None:  # before anything changes: a refused unmap leaves the mapping as it was
+            self.in_flight.check_unmap(ptr, size)
         vm.unmap_chunk(ptr, size, backend=NAME)
 
     @hookimpl
