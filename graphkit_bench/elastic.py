@@ -99,7 +99,7 @@ class _Plain:
 def _release_plain(be: hal.Backend, ptr: int, size: int, handle: Any) -> None:
     if be.closed:
         return
-    be.unmap(ptr, size)
+    be.unmap(ptr, size, wait=True)  # the last tensor over it may have work still queued
     be.release_phy_mem_handle(handle)
     be.release_vir_ptr(ptr, size)
 
