@@ -36,8 +36,11 @@ ENGINE_STRATEGIES = {
     "own-kept": "the engine's own shared pool, outputs kept (nano-vllm, SGLang)",
     "own-weakref": "the engine's own shared pool, outputs weakly referenced (vLLM)",
     "graph_memory": "graphkit.graph_memory around the unchanged capture loop",
+    "graph_memory-replay": "the same, outputs declared valid until the next replay (outputs='replay')",
     "graph_pools": "pool=pools.pool(batch_size): a GraphPools handle per size",
 }
+#: the graph_memory strategies and the lifetime of the outputs each declares
+OUTPUTS = {"graph_memory": "kept", "graph_memory-replay": "replay"}
 ENGINE_ORDERS = ("descending", "ascending", "random", "on-demand")
 MAX_MODEL_LEN = {"reference": 128, "tiny": 32}
 _MODULE = "graphkit_engine_decode_example"
@@ -152,8 +155,8 @@ def run_engine_case(strategy: str, order: str, sizes: list[int], backend: hal.Ba
         _prime_capture(be)
         before = _used(be)
         t0 = time.perf_counter()
-        scope = (graphkit.graph_memory(be, verify=verifier.on()) if strategy == "graph_memory"
-                 else contextlib.nullcontext(pools))
+        scope = (graphkit.graph_memory(be, verify=verifier.on(), outputs=OUTPUTS[strategy])
+                 if strategy in OUTPUTS else contextlib.nullcontext(pools))
         with scope as pools, CAPTURE_TIMES.counting() as parts:
             if order == "on-demand":
                 seconds = _capture_on_demand(engine, sizes, batch, seed)

@@ -35,10 +35,10 @@ from hal.types import fmt_bytes
 
 log = logging.getLogger("graphkit.bench")
 
-ENGINE_STRATEGIES = ("own-kept", "own-weakref", "graph_memory", "graph_pools")
+ENGINE_STRATEGIES = ("own-kept", "own-weakref", "graph_memory", "graph_memory-replay", "graph_pools")
 ENGINE_ORDERS = ("descending", "ascending", "random", "on-demand")
 WORKLOADS = ("engine", "hf")
-GRAPHKIT = ("graph_memory", "graph_pools")
+GRAPHKIT = ("graph_memory", "graph_memory-replay", "graph_pools")
 #: the engines' best case, the memory target's reference
 BASELINE = ("own-weakref", "descending")
 CAPTURE_TIME_LIMIT = 1.1

@@ -63,7 +63,7 @@ from graphkit_bench.timing import median_ms
 from hal.gcguard import gc_disabled
 
 Size = Literal["tiny", "reference"]
-STRATEGIES = ("own-kept", "own-weakref", "graph_memory", "graph_pools")
+STRATEGIES = ("own-kept", "own-weakref", "graph_memory", "graph_memory-replay", "graph_pools")
 ORDERS = ("descending", "ascending", "random", "on-demand")
 
 #: largest error of captured logits against eager, relative to the largest eager logit
@@ -375,8 +375,11 @@ def _run_case(be: hal.Backend, strategy: str, order: str, sizes: list[int], plan
     stream = be.create_stream()
 
     own_pool = be.create_pool() if strategy in ("own-kept", "own-weakref") else None
-    pools = graphkit.GraphPools(be, verify=verifier.on()) if strategy in ("graph_memory", "graph_pools") else None
-    scope = graphkit.graph_memory(be, pools=pools) if strategy == "graph_memory" else contextlib.nullcontext()
+    replay_scoped = strategy == "graph_memory-replay"
+    pools = (graphkit.GraphPools(be, verify=verifier.on(), outputs="replay" if replay_scoped else "kept")
+             if strategy in ("graph_memory", "graph_memory-replay", "graph_pools") else None)
+    scope = (graphkit.graph_memory(be, pools=pools) if strategy in ("graph_memory", "graph_memory-replay")
+             else contextlib.nullcontext())
     graphs: dict[int, Any] = {}
     outputs: dict[int, torch.Tensor] = {}
     check = _Check()

@@ -22,6 +22,7 @@ for comparison: graph memory, the step at batch 1, and the cost of a turn
 
     python examples/turns/turns.py --backend fake
     python examples/turns/turns.py --backend fake --crash     # the importer dies holding the turn
+    python examples/turns/turns.py --backend cuda             # a GPU: chunks exported as file descriptors
 """
 
 from __future__ import annotations
@@ -57,8 +58,11 @@ from hal.types import fmt_bytes
 log = logging.getLogger("turns")
 
 ENGINE_PATH = Path(__file__).resolve().parents[1] / "engine-decode" / "engine.py"
-FAKE_OPTIONS = {"granularity": 1 << 16}
+#: backend options: small granules on ``fake``; exportable chunks on cuda (``shareable=True``: memory_sharing)
+BACKEND_OPTIONS: dict[str, dict[str, Any]] = {"fake": {"granularity": 1 << 16}, "cuda": {"shareable": True}}
 SIZES = (1, 2, 4, 8)
+#: the batch sizes each engine captures, per --config
+CONFIG_SIZES = {"tiny": SIZES, "reference": (1, 2, 4, 8, 16, 32, 48, 64)}
 MODES = ("shared", "independent")
 ROLES = ("exporter", "importer")
 #: seconds a child waits for its peer at each meeting point (the socket, the barrier)
@@ -81,13 +85,21 @@ def load_engine_module() -> ModuleType:
 engine_decode = load_engine_module()
 ModelConfig = engine_decode.ModelConfig
 
-#: one model per role; the exporter's graphs are the larger (the importer's must fit in its chunks)
-MODELS = {
-    "exporter": ModelConfig(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, mlp=256, vocab=4096,
-                            dtype="float32"),
-    "importer": ModelConfig(hidden=96, layers=3, heads=4, kv_heads=2, head_dim=24, mlp=192, vocab=4096,
-                            dtype="float32"),
+#: one model per role and --config; the exporter's graphs are the larger (the importer's must fit in its chunks).
+#: ``reference`` (a GPU): a Qwen3-0.6B-shaped exporter and a 12-layer, 768-wide importer, bf16.
+CONFIGS = {
+    "tiny": {
+        "exporter": ModelConfig(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, mlp=256, vocab=4096,
+                                dtype="float32"),
+        "importer": ModelConfig(hidden=96, layers=3, heads=4, kv_heads=2, head_dim=24, mlp=192, vocab=4096,
+                                dtype="float32"),
+    },
+    "reference": {
+        "exporter": ModelConfig(),
+        "importer": ModelConfig(hidden=768, layers=12, heads=12, kv_heads=4, head_dim=64, mlp=2048),
+    },
 }
+MODELS = CONFIGS["tiny"]
 
 
 class Turn:
@@ -186,14 +198,14 @@ def decode(engine: Any, batch_prompts: Sequence[Sequence[int]], steps: int,
 
 
 def engine_process(role: str, mode: str, paths: dict[str, str], options: dict[str, Any], results: Any,
-                   barrier: Any) -> None:
+                   barrier: Any, captured: Any) -> None:
     """One engine: capture, meet the other, decode taking turns, check against eager, report on ``results``."""
     logging.basicConfig(level=logging.WARNING, format=f"{role}: %(name)s: %(message)s")
     torch.set_num_threads(1)
     name = options["backend"]
-    be = hal.get_backend(name, **(FAKE_OPTIONS if name == "fake" else {}))
+    be = hal.get_backend(name, **BACKEND_OPTIONS.get(name, {}))
     try:
-        results.put({"role": role, **_serve(be, role, mode, paths, options, results, barrier)})
+        results.put({"role": role, **_serve(be, role, mode, paths, options, results, barrier, captured)})
     except BaseException as exc:
         results.put({"role": role, "error": f"{type(exc).__name__}: {exc}"})
         raise
@@ -202,9 +214,12 @@ def engine_process(role: str, mode: str, paths: dict[str, str], options: dict[st
 
 
 def _serve(be: hal.Backend, role: str, mode: str, paths: dict[str, str], options: dict[str, Any], results: Any,
-           barrier: Any) -> dict[str, Any]:
-    sizes = list(options.get("sizes", SIZES))
-    before = used(be)
+           barrier: Any, captured: Any) -> dict[str, Any]:
+    """One engine's life. The two processes build their engines side by side, then capture one at a time (the
+    exporter first), so that the device's used memory, which both processes move on a GPU, measures one
+    capture loop at a time."""
+    sizes = list(options.get("sizes", CONFIG_SIZES[options.get("config", "tiny")]))
+    models = CONFIGS[options.get("config", "tiny")]
     pools: graphkit.GraphPools | None = None
     imported: ImportedSpaces | None = None
     listener = None
@@ -216,16 +231,22 @@ def _serve(be: hal.Backend, role: str, mode: str, paths: dict[str, str], options
             listener = socket.socket(socket.AF_UNIX)
             listener.bind(paths["socket"])
             listener.listen(1)
-    engine = engine_decode.Engine(be, MODELS[role], max_batch=max(sizes), max_model_len=64,
+    engine = engine_decode.Engine(be, models[role], max_batch=max(sizes), max_model_len=64,
                                   seed=ROLES.index(role) + 1, pools=pools)
     turn = Turn(paths["turn"]) if mode == "shared" else None
     try:
+        barrier.wait(MEETING_TIMEOUT)  # both engines built (weights, caches): the captures follow, one at a time
+        if role == "importer" and not captured.wait(MEETING_TIMEOUT):
+            raise TimeoutError(f"the exporter did not capture within {MEETING_TIMEOUT:.0f} s")
+        before = used(be)
         if role == "importer" and mode == "shared":
             imported = engine.pools = _receive(be, paths["socket"])
         capture_s = engine.capture_graphs(sizes)
+        created = used(be) - before
+        if role == "exporter":
+            captured.set()
         if listener is not None:
             _send(pools, listener)
-        created = used(be) - before
         graph_bytes = pools.report().chunk_bytes if pools is not None else imported.size if imported else 0
         crash = role == "importer" and options.get("crash")
         if crash:
@@ -318,9 +339,9 @@ def run_pair(mode: str = "shared", backend: str = "fake", *, crash: bool = False
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="graphkit-turns-") as tmp:
         paths = {"socket": os.path.join(tmp, "chunks.sock"), "turn": os.path.join(tmp, "turn.lock")}
-        results, barrier = ctx.Queue(), ctx.Barrier(2)
+        results, barrier, captured = ctx.Queue(), ctx.Barrier(2), ctx.Event()
         opts = {"backend": backend, "crash": crash, **options}
-        procs = {role: ctx.Process(target=engine_process, args=(role, mode, paths, opts, results, barrier),
+        procs = {role: ctx.Process(target=engine_process, args=(role, mode, paths, opts, results, barrier, captured),
                                    name=f"turns-{role}", daemon=True) for role in ROLES}
         for proc in procs.values():
             proc.start()
@@ -384,17 +405,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--crash", action="store_true",
                         help="the importer dies (SIGKILL) holding the turn; the exporter must finish, exact")
+    parser.add_argument("--config", choices=sorted(CONFIGS), default=None,
+                        help="model sizes (default: tiny on fake, reference on a device)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    config = args.config or ("tiny" if args.backend == "fake" else "reference")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     if args.crash:
-        run = run_pair("shared", args.backend, crash=True, steps=args.steps)
+        run = run_pair("shared", args.backend, crash=True, steps=args.steps, config=config)
         print(json.dumps(run) if args.json else
               f"importer killed holding the turn; exporter waited {run['exporter']['longest_wait_s']:.2f} s, "
               f"then finished: tokens equal eager {run['exporter']['tokens_equal_eager']}")
         return 0 if run.get("exporter", {}).get("tokens_equal_eager") else 1
-    shared = run_pair("shared", args.backend, steps=args.steps)
-    independent = run_pair("independent", args.backend, steps=args.steps)
+    shared = run_pair("shared", args.backend, steps=args.steps, config=config)
+    independent = run_pair("independent", args.backend, steps=args.steps, config=config)
     failed = [run.get(r, {}).get("error") or run.get("error") for run in (shared, independent) for r in ROLES
               if "error" in run.get(r, {}) or "error" in run or r not in run]
     if failed:

@@ -71,3 +71,21 @@ def test_a_holder_killed_while_it_holds_the_turn_does_not_block_the_other() -> N
     assert exporter["longest_wait_s"] >= 0.9  # it really waited for the dead holder's turn
     assert exporter["tokens_equal_eager"] and exporter["max_abs_error"] <= 1e-5
     assert run["exitcodes"]["exporter"] == 0
+
+
+@pytest.mark.cuda
+def test_on_cuda_two_engines_share_one_set_of_chunks_and_decode_exactly() -> None:
+    """The same pair on a GPU (chunks exported as POSIX file descriptors): the importer creates no chunk of its
+    own, maps all of the exporter's, both decode as eagerly, and together they pay less than apart."""
+    shared = turns.run_pair("shared", "cuda", timeout=400, config="tiny")
+    independent = turns.run_pair("independent", "cuda", timeout=400, config="tiny")
+    for run in (shared, independent):
+        assert run["exitcodes"] == {"exporter": 0, "importer": 0}, run
+        assert all(run[r]["tokens_equal_eager"] for r in turns.ROLES), run
+    exporter, importer = shared["exporter"], shared["importer"]
+    assert importer["graph_bytes"] == importer["imported_bytes"] == exporter["graph_bytes"] > 0
+    # on a GPU the device's used memory also moves by the driver's memory per graph: the importer's growth
+    # is that alone, below what its own chunks cost when it captures apart
+    assert importer["created_bytes"] < independent["importer"]["created_bytes"]
+    together = sum(shared[r]["created_bytes"] for r in turns.ROLES)
+    assert together < sum(independent[r]["created_bytes"] for r in turns.ROLES)
