@@ -245,6 +245,8 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any]:
     result["plain_memory_is_graphkit"] = any(inside(out.data_ptr()) for _, out in plain.values())
     result["legacy_ipc_capable_graph_buffers"] = sorted({legacy_ipc_capable(p) for p in in_graph["h"]},
                                                         key=str)
+    result["legacy_ipc_capable_plain_buffers"] = sorted({legacy_ipc_capable(out.data_ptr())
+                                                         for _, out in plain.values()}, key=str)
     report = pools.report()
     result["pools_report"] = str(report).splitlines()[0] if str(report) else ""
     checks: dict[str, int] = {}
