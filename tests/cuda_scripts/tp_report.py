@@ -177,6 +177,8 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--append", action="store_true",
                         help="keep the runs of DIR/tp_report.json and add this call's (a report over several calls)")
+    parser.add_argument("--no-alone", action="store_true",
+                        help="skip the run that captures the largest size alone (the floor)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -201,7 +203,9 @@ def main() -> int:
                     mode = modes[(k + r) % len(modes)]
                     folder = out / f"tp{tp}-{mode}-{order}-{r}-{stamp}"
                     runs.append(run_one(args, mode, order, tp, folder, next(ports)))
-    for tp in tps:
+                    (out / "tp_runs.json").write_text(json.dumps(runs, indent=1))  # kept if this call is cut short
+                    print(json.dumps({k: v for k, v in runs[-1].items() if k != "tail"}), flush=True)
+    for tp in ([] if args.no_alone else tps):
         if not any(run["largest_alone"] and run["tp"] == tp and "ranks" in run for run in runs):
             runs.append(run_one(args, "own", "descending", tp, out / f"alone-tp{tp}-{stamp}", next(ports),
                                 largest=True))

@@ -227,6 +227,7 @@ STALE_SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # 13 s on an H100: a child process that dies on purpose
 def test_a_stale_handle_raises_through_torch(tmp_path) -> None:
     """In a process of its own: the error comes out of torch's argument conversion."""
     script = tmp_path / "stale.py"

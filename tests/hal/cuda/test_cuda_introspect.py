@@ -778,6 +778,7 @@ def test_walk_cost_and_coverage_on_a_decoder_step(be: hal.Backend) -> None:
 
 
 @pytest.mark.cuda
+@pytest.mark.slow  # 16 s on an H100: a whole transformers model
 def test_walk_cost_and_coverage_on_a_transformers_model(be: hal.Backend) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
