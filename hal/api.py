@@ -204,7 +204,8 @@ def capabilities() -> frozenset[str]:
     ``"graphs"`` (streams, pools and the graph hooks work), ``"custom_pool"``
     (:func:`create_pool` accepts allocator callbacks), ``"capture_routing"``
     (:func:`route_captures` works), ``"use_pool"`` (:func:`use_pool` works),
-    ``"graph_addresses"`` (:func:`graph_addresses` answers), ``"memory_sharing"``
+    ``"graph_addresses"`` (:func:`graph_addresses` answers), ``"lazy_graphs"``
+    (:func:`create_graph` takes ``lazy=True``), ``"memory_sharing"``
     (:func:`export_phy_mem_handle` and :func:`import_phy_mem_handle` work: another
     process can map this backend's chunks), ``"unmap_waits"`` (:func:`unmap`
     returns only once the device work queued before it is done, as ROCm's
@@ -359,8 +360,16 @@ def release_pool(pool: Pool) -> None:
 
 
 @hookspec(firstresult=True)
-def create_graph() -> Graph:
-    """Return a new, empty graph object."""
+def create_graph(lazy: bool) -> Graph:
+    """Return a new, empty graph object.
+
+    :param lazy: with ``"lazy_graphs"``: make the graph's executable form
+        (the driver's memory of an instantiated graph) at its first replay
+        instead of at the end of its capture, so that a graph never replayed
+        keeps none; that first replay pays the instantiation. Replays give
+        the same results either way. A backend without the capability never
+        sees ``True``, and its implementation may leave the parameter out.
+    """
 
 
 @hookspec(firstresult=True)
@@ -545,6 +554,7 @@ CAPABILITY_HOOKS: dict[str, tuple[str, ...]] = {
     "capture_routing": (*GRAPH_HOOKS, "route_captures"),
     "use_pool": (*GRAPH_HOOKS, "use_pool"),
     "graph_addresses": (*GRAPH_HOOKS, "graph_addresses"),
+    "lazy_graphs": GRAPH_HOOKS,  # and create_graph accepts lazy=True
     "memory_sharing": SHARING_HOOKS,
     "unmap_waits": (),  # a promise about the required unmap hook: no hook of its own
 }

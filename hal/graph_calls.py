@@ -137,12 +137,22 @@ class GraphCalls(StreamCalls):
 
     # -- graphs -----------------------------------------------------------
 
-    def create_graph(self) -> Any:
+    def create_graph(self, *, lazy: bool = False) -> Any:
         """A new, empty graph (capture into it with :meth:`capture`).
 
+        ``lazy=True`` (needs ``"lazy_graphs"``) makes the graph's executable form at its first replay
+        instead of at the end of its capture: a graph never replayed keeps none of the driver's memory of
+        an instantiated graph, and its first replay pays the instantiation.
+
         >>> graph = be.create_graph()
+        >>> rare = be.create_graph(lazy=True)   # instantiated only if it is ever replayed
         """
-        return self._graph_call("create_graph")
+        if not isinstance(lazy, bool):
+            raise self._err(InvalidArgumentError, "create_graph", f"lazy={lazy!r} must be True or False")
+        if lazy:
+            self._refuse_without("lazy_graphs", "create_graph",
+                                 "lazy=True: this backend instantiates every graph at the end of its capture")
+        return self._graph_call("create_graph", lazy=lazy)
 
     def capture(self, graph: Any, pool: Any = None, stream: Any = None,
                 capture_error_mode: str | None = None, *, inspect: bool = False) -> AbstractContextManager[Any]:

@@ -140,10 +140,15 @@ class HostGraph:
     captured: bool = False
     released: bool = False
     on_release: Any = None  # set by a routed capture: told once when the graph is released
+    #: compile the tape at the first replay rather than at the end of the capture (``create_graph(lazy=True)``)
+    lazy: bool = False
+    compiled: bool = False  # ``program`` is built (the tape's "instantiation")
 
     def replay(self) -> None:
         if not self.captured or self.released or (self.pool is not None and self.pool.released):
             raise self._not_replayable()
+        if not self.compiled:
+            self.program, self.compiled = _compile(self), True
         with torch.no_grad():  # a device graph's replay records no autograd either
             self._replay()
 
@@ -180,6 +185,7 @@ class HostGraph:
 
     def _forget(self) -> None:
         self.program.clear()
+        self.compiled = False
         self.ops.clear()
         self.entries.clear()
         self.tensors.clear()
@@ -661,6 +667,7 @@ def capture(graph: HostGraph, pool: BlockPool) -> Iterator[HostGraph]:
         graph.capturing = False
     _materialise(graph)
     graph.touched = _touched(graph)
-    graph.program = _compile(graph)
+    if not graph.lazy:
+        graph.program, graph.compiled = _compile(graph), True
     graph.pool = pool
     graph.captured = True

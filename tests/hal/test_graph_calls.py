@@ -71,3 +71,28 @@ def test_objects_of_the_backend_still_pass(be: hal.Backend) -> None:
     be.release_graph(graph)
     del y
     be.release_pool(pool)
+
+
+def test_a_lazy_graph_is_compiled_at_its_first_replay_and_replays_as_an_eager_one(be: hal.Backend) -> None:
+    x = torch.arange(8, dtype=torch.float32)
+    outs, graphs = {}, {}
+    for lazy in (False, True):
+        graphs[lazy] = be.create_graph(lazy=lazy)
+        with be.capture(graphs[lazy]):
+            outs[lazy] = torch.relu(x * 2 - 5).cumsum(0)
+    assert graphs[False].compiled and not graphs[True].compiled  # the tape's instantiation waits for a replay
+    x.copy_(torch.linspace(-3, 3, 8))
+    for graph in graphs.values():
+        be.replay(graph)
+    assert graphs[True].compiled
+    torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
+    torch.testing.assert_close(outs[True], torch.relu(x * 2 - 5).cumsum(0))
+
+
+def test_lazy_needs_its_capability_and_a_bool(be: hal.Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(hal.InvalidArgumentError, match="lazy=1 must be True or False"):
+        be.create_graph(lazy=1)  # type: ignore[arg-type]
+    monkeypatch.setattr(be, "_capabilities", be.capabilities - {"lazy_graphs"})
+    with pytest.raises(hal.UnsupportedError, match="lazy_graphs"):
+        be.create_graph(lazy=True)
+    assert be.create_graph() is not None

@@ -17,6 +17,7 @@ when a glue is created.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
@@ -51,9 +52,12 @@ class CudaGlue(TorchGlue):
     # -- what this torch offers ---------------------------------------------------------------
 
     def find_capabilities(self) -> frozenset[str]:
-        """The shared ones, plus ``"use_pool"`` wherever ``"custom_pool"`` works."""
+        """The shared ones, plus ``"lazy_graphs"`` where ``torch.cuda.CUDAGraph`` takes ``keep_graph`` and
+        ``"use_pool"`` wherever ``"custom_pool"`` works."""
         problem = self.custom_pool_problem()
         caps = super().find_capabilities()
+        if "graphs" in caps and self.keeps_graphs():
+            caps = caps | {"lazy_graphs"}
         if problem is not None:
             log.warning("cuda: no pools over allocator callbacks: %s", problem)
             return caps
@@ -99,8 +103,23 @@ class CudaGlue(TorchGlue):
 
     # -- graphs: the shared capture, with cuda's graph record, stream, private pool ids and errors ---------
 
-    def create_graph(self) -> CudaGraph:
-        return CudaGraph(super().create_graph(), self.device)
+    def keeps_graphs(self) -> bool:
+        """Whether ``torch.cuda.CUDAGraph(keep_graph=True)`` exists: a graph instantiated at its first replay."""
+        try:
+            return "keep_graph" in inspect.signature(self.ns.CUDAGraph).parameters
+        except (TypeError, ValueError):  # a signature torch does not expose
+            return False
+
+    def create_graph(self, lazy: bool = False) -> CudaGraph:
+        """A graph instantiated at the end of its capture, or with ``lazy`` at its first replay (torch keeps
+        the captured ``cudaGraph_t`` and instantiates it then)."""
+        if not lazy:
+            return CudaGraph(super().create_graph(), self.device)
+        if not self.keeps_graphs():
+            raise UnsupportedError(f"lazy=True: torch {self.torch.__version__}'s CUDAGraph has no keep_graph "
+                                   "(a newer torch has)", backend=NAME, call="create_graph")
+        with self.on_device():
+            return CudaGraph(self.ns.CUDAGraph(keep_graph=True), self.device, lazy=True)
 
     def capture(self, graph: CudaGraph, pool: TorchPool | None, stream: Any, capture_error_mode: str | None,
                 inspect: bool = False) -> AbstractContextManager[CudaGraph]:

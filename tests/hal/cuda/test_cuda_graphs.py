@@ -262,6 +262,31 @@ def test_device_pool_shared_by_captures(graph_backend: hal.Backend) -> None:
         bench.close()
 
 
+def test_a_lazy_graph_replays_as_an_eager_one(graph_backend: hal.Backend) -> None:
+    be = graph_backend
+    if not be.supports("lazy_graphs"):
+        pytest.skip(f"{be.name} has no lazy graphs here")
+    bench = Bench(be, sizes=[16])
+    graphs, outs = {}, {}
+    try:
+        for lazy in (False, True):
+            graphs[lazy] = be.create_graph(lazy=lazy)
+            with torch.no_grad(), be.capture(graphs[lazy], None, bench.stream):
+                outs[lazy] = step(bench.x[16], bench.w1, bench.w2)
+        bench.x[16].copy_(torch.randn_like(bench.x[16]))
+        for _ in range(2):  # the first replay of the lazy one instantiates it
+            for graph in graphs.values():
+                be.replay(graph)
+        be.synchronize()
+        ref = step(bench.x[16], bench.w1, bench.w2)
+        assert torch.equal(outs[True], outs[False])
+        assert float((outs[True] - ref).norm() / ref.norm()) < 1e-4
+    finally:
+        for graph in graphs.values():
+            be.release_graph(graph)
+        bench.close()
+
+
 @pytest.mark.cuda
 def test_cuda_custom_pool_refused_under_cuda_malloc_async() -> None:
     import os
