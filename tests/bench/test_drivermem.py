@@ -1,0 +1,98 @@
+"""The sweep of the driver's memory of graphs (python -m graphkit_bench.graphmem sweep): its parts, its outputs, and
+the lazy lever's results against the usual graphs'."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import hal
+from graphkit_bench import drivermem, graphmem
+from graphkit_bench.model import Decoder, DecoderConfig
+
+SMALL = ["--nodes", "1,10", "--sizes", "1,2", "--models", "1,2", "--pieces", "1,2", "--copies", "2",
+         "--lever-nodes", "10", "--rounds", "2", "--replayed", "1", "--no-progress"]
+
+
+def _sweep(tmp_path: Path, backend: str, *extra: str) -> tuple[dict[str, Any], str]:
+    assert graphmem.main(["sweep", "--backend", backend, "--out-dir", str(tmp_path), *SMALL, *extra]) == 0
+    return json.loads((tmp_path / "drivermem.json").read_text()), (tmp_path / "drivermem.md").read_text()
+
+
+def test_a_small_sweep_writes_its_tables_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result, text = _sweep(tmp_path, "fake")
+    assert capsys.readouterr().out.strip() == text.strip()  # the CLI prints what it wrote
+    assert result["machine"]["backend"] == "fake" and "--nodes 1,10" in result["command"]
+    assert f"`{result['command']}`" in text and "device: fake" in text
+    for head in (drivermem.NODES_HEAD, drivermem.VARIANTS_HEAD, drivermem.LEVERS_HEAD):
+        assert f"| {' | '.join(head)} |" in text
+    nodes = result["nodes"]
+    assert [r["nodes_asked"] for r in nodes] == [1, 10] and [r["nodes"] for r in nodes] == [1, 10]
+    assert all(r["graphs"] == 2 and r["driver_bytes"] is None and "host" in r["driver_why"] for r in nodes)
+    assert all(r["capture_ms_per_graph"] > 0 and r["replay_ms_per_graph"] > 0 for r in nodes)
+    variants = result["variants"]
+    assert [(r["models"], r["pieces"], r["graphs"]) for r in variants] == [(1, 1, 2), (1, 2, 4), (2, 1, 4),
+                                                                           (2, 2, 8)]
+    assert variants[2]["nodes"] == 2 * variants[0]["nodes"]  # two models of one shape: twice the nodes
+    assert [g["size"] for g in variants[0]["growth"]] == [2, 1]  # largest first
+    assert [r["graphs"] for r in result["levers"]] == [2, 2] and all(r["equal"] for r in result["levers"])
+    assert result["levers"][1]["replayed_graphs"] == 1  # only size 1 is used by the lever's run
+    assert "n/m: not measured: fake's device is the host" in text
+
+
+def test_parts_can_be_chosen_and_bad_flags_are_refused(tmp_path: Path) -> None:
+    result, text = _sweep(tmp_path, "fake", "--parts", "nodes")
+    assert "nodes" in result and "variants" not in result and "levers" not in result
+    assert "## Variants" not in text
+    for bad in (["--parts", "nodes,speed"], ["--nodes", "0,1"]):
+        with pytest.raises(SystemExit):
+            graphmem.main(["sweep", "--backend", "fake", "--out-dir", str(tmp_path), *bad])
+
+
+def test_pieces_of_a_step_give_the_step() -> None:
+    assert drivermem.piece_bounds(28, 4) == [(0, 7), (7, 14), (14, 21), (21, 28)]
+    assert drivermem.piece_bounds(2, 2) == [(0, 1), (1, 2)]
+    model = Decoder(DecoderConfig.tiny(), 4, torch.device("cpu"))
+    inputs = model.example_inputs(3)
+    want = model.step(**inputs)
+    for pieces in (1, 2):
+        model.reset_cache()
+        out = None
+        for work in drivermem.decoder_works(model, inputs, pieces):
+            out = work(out)
+        assert out is not None
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_the_lazy_lever_compares_results_and_sees_a_difference() -> None:
+    with hal.get_backend("fake") as be:
+        sweep = drivermem.Sweep(be, drivermem.Options(numel=16, copies=2, rounds=1, progress=False))
+        x = {k: torch.zeros(16) for k in ("usual", "lazy")}
+
+        def reset() -> None:
+            for t in x.values():
+                t.copy_(torch.linspace(-1, 1, 16))
+
+        same = sweep._lazy_lever("same", [(0, drivermem.elementwise_works(x["usual"], 5, 1))],
+                                 [(0, drivermem.elementwise_works(x["lazy"], 5, 1))], replayed=1, reset=reset,
+                                 pool=False)
+        assert same["equal"] and same["max_rel_error"] == 0.0 and same["lazy"]["first_replay_ms"] > 0
+        other = sweep._lazy_lever("other", [(0, drivermem.elementwise_works(x["usual"], 5, 1))],
+                                  [(0, drivermem.elementwise_works(x["lazy"], 6, 1))], replayed=1, reset=reset,
+                                  pool=False)
+        assert not other["equal"] and other["max_rel_error"] > 0
+
+
+@pytest.mark.cuda
+def test_a_small_sweep_on_a_gpu_measures_the_driver_and_the_lazy_graphs_keep_less(tmp_path: Path) -> None:
+    result, _ = _sweep(tmp_path, "cuda", "--config", "tiny", "--nodes", "1,100", "--copies", "8",
+                       "--lever-nodes", "200", "--no-count-nodes")
+    assert all(r["driver_bytes"] is not None for r in result["nodes"] + result["variants"])
+    assert result["nodes"][1]["driver_bytes"] > 0
+    for lever in result["levers"]:
+        assert lever["equal"], lever
+        assert lever["lazy"]["driver_after_capture"] < lever["usual"]["driver_after_capture"], lever
