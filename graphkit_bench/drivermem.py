@@ -149,11 +149,29 @@ def replay_ms(be: hal.Backend, graphs: Sequence[Any], rounds: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / (rounds * len(graphs))
 
 
-def _release(be: hal.Backend, captured: Sequence[Captured]) -> None:
-    be.synchronize()
-    for c in captured:
-        for graph in c.graphs:
-            be.release_graph(graph)
+@dataclasses.dataclass
+class Kept:
+    """Graphs and pools kept alive until a part ends: a graph released earlier would leave the driver memory to
+    reuse, which would hide the next measurement's."""
+
+    captured: list[Captured] = dataclasses.field(default_factory=list)
+    pools: list[Any] = dataclasses.field(default_factory=list)
+
+    def pool(self, be: hal.Backend) -> Any:
+        """A new pool of ``be``'s, kept."""
+        self.pools.append(be.create_pool())
+        return self.pools[-1]
+
+    def release(self, be: hal.Backend) -> None:
+        """Wait for the device, then release every graph, then every pool."""
+        be.synchronize()
+        for c in self.captured:
+            for graph in c.graphs:
+                be.release_graph(graph)
+        for pool in self.pools:
+            be.release_pool(pool)
+        self.captured.clear()
+        self.pools.clear()
 
 
 def _per(value: int | None, count: int | None) -> float | None:
@@ -249,7 +267,7 @@ class Sweep:
         warm_up(self.be, self.stream, works)
         primer = capture_all(self.be, works, pool=None, stream=self.stream, lazy=False, inspect=False)
         replay_each_ms(self.be, primer.graphs)
-        _release(self.be, [primer])
+        Kept([primer]).release(self.be)
 
     def _bar(self, total: int, desc: str) -> Any:
         return tqdm(total=total, desc=desc, unit="case", disable=not self.opts.progress, leave=False)
@@ -260,7 +278,7 @@ class Sweep:
         """For each node count, ``copies`` graphs: the driver's memory per graph and per node."""
         opts = self.opts
         rows: list[dict[str, Any]] = []
-        kept: list[Captured] = []
+        kept = Kept()
         try:
             with self._bar(len(opts.nodes), "driver memory: nodes") as bar:
                 for n in opts.nodes:
@@ -269,7 +287,7 @@ class Sweep:
                     warm_up(self.be, self.stream, works[:1])
                     before = self.meter.mark()
                     c = capture_all(self.be, works, pool=None, stream=self.stream, lazy=False, inspect=False)
-                    kept.append(c)
+                    kept.captured.append(c)
                     driver, why = self.meter.driver(before)
                     nodes = self._nodes_of(works[:1]) or n
                     replay = replay_ms(self.be, c.graphs, opts.rounds)
@@ -282,7 +300,7 @@ class Sweep:
                                  "replay_ms_per_graph": replay})
                     bar.update()
         finally:
-            _release(self.be, kept)
+            kept.release(self.be)
         return rows
 
     def _nodes_of(self, works: Sequence[Work]) -> int | None:
@@ -291,7 +309,7 @@ class Sweep:
             return None
         c = capture_all(self.be, works, pool=None, stream=self.stream, lazy=self.be.supports("lazy_graphs"),
                         inspect=True)
-        _release(self.be, [c])
+        Kept([c]).release(self.be)
         return c.nodes
 
     # -- variants
@@ -314,8 +332,7 @@ class Sweep:
         per node, and as the sizes were added."""
         opts = self.opts
         rows: list[dict[str, Any]] = []
-        kept: list[Captured] = []
-        pools: list[Any] = []
+        kept = Kept()
         models = self._models(max(opts.models))
         cases = [(m, p) for m in opts.models for p in opts.pieces]
         try:
@@ -324,16 +341,16 @@ class Sweep:
                     jobs = self._variant_works(models[:m], p)
                     for _, works in jobs:
                         warm_up(self.be, self.stream, works)
-                    pools.append(self.be.create_pool())  # one pool per case, as an engine has one
+                    pool = kept.pool(self.be)  # one pool per case, as an engine has one
                     before = self.meter.mark()
                     graphs = nodes = 0
                     seconds = 0.0
                     growth = []
                     driver, why = None, ""
                     for size, works in jobs:
-                        c = capture_all(self.be, works, pool=pools[-1], stream=self.stream, lazy=False,
+                        c = capture_all(self.be, works, pool=pool, stream=self.stream, lazy=False,
                                         inspect=self.inspect)
-                        kept.append(c)
+                        kept.captured.append(c)
                         graphs += len(c.graphs)
                         nodes += c.nodes or 0
                         seconds += c.capture_s
@@ -346,9 +363,7 @@ class Sweep:
                                  "capture_ms_per_graph": seconds * 1e3 / graphs, "growth": growth})
                     bar.update()
         finally:
-            _release(self.be, kept)
-            for pool in pools:
-                self.be.release_pool(pool)
+            kept.release(self.be)
         return rows
 
     # -- levers
@@ -357,79 +372,76 @@ class Sweep:
         """Lazy instantiation against the usual, on the elementwise workload and on the decoder's sizes."""
         opts = self.opts
         rows = []
-        with self._bar(2, "driver memory: levers") as bar:
-            x = {lazy: torch.zeros(opts.numel, device=self.device) for lazy in (False, True)}
-            works = {lazy: elementwise_works(x[lazy], opts.lever_nodes, opts.copies) for lazy in (False, True)}
+        kept = Kept()
+        try:
+            with self._bar(2, "driver memory: levers") as bar:
+                x = {lazy: torch.zeros(opts.numel, device=self.device) for lazy in (False, True)}
+                works = {lazy: elementwise_works(x[lazy], opts.lever_nodes, opts.copies) for lazy in (False, True)}
 
-            def reset() -> None:
-                for t in x.values():
-                    t.copy_(torch.linspace(-1, 1, opts.numel, device=self.device))
+                def reset() -> None:
+                    for t in x.values():
+                        t.copy_(torch.linspace(-1, 1, opts.numel, device=self.device))
 
-            rows.append(self._lazy_lever(f"{opts.copies} graphs of {opts.lever_nodes} elementwise kernels",
-                                         [(0, [w]) for w in works[False]], [(0, [w]) for w in works[True]],
-                                         replayed=opts.copies // 2, reset=reset, pool=False))
-            bar.update()
-            model = self._models(1)[0]
-            jobs = self._variant_works([model], 1)
-            used = sum(1 for size, _ in jobs if size <= opts.replayed)
-            rows.append(self._lazy_lever(f"decoder step, {len(jobs)} sizes (the run uses sizes <= {opts.replayed})",
-                                         jobs, jobs, replayed=used, reset=model.reset_cache, pool=True,
-                                         replay_order=[i for i, (size, _) in enumerate(jobs) if size <= opts.replayed]))
-            bar.update()
+                rows.append(self.lazy_lever(f"{opts.copies} graphs of {opts.lever_nodes} elementwise kernels",
+                                            [[w] for w in works[False]], [[w] for w in works[True]],
+                                            used=range(opts.copies // 2), reset=reset, kept=kept, pool=False))
+                bar.update()
+                model = self._models(1)[0]
+                sized = self._variant_works([model], 1)
+                jobs = [works for _, works in sized]
+                rows.append(self.lazy_lever(f"decoder step, {len(jobs)} sizes (a run that uses sizes <= "
+                                            f"{opts.replayed})", jobs, jobs,
+                                            used=[i for i, (size, _) in enumerate(sized) if size <= opts.replayed],
+                                            reset=model.reset_cache, kept=kept, pool=True))
+                bar.update()
+        finally:
+            kept.release(self.be)
         return rows
 
-    def _lazy_lever(self, workload: str, usual_jobs: Sequence[tuple[int, list[Work]]],
-                    lazy_jobs: Sequence[tuple[int, list[Work]]], *, replayed: int, reset: Callable[[], Any],
-                    pool: bool, replay_order: Sequence[int] | None = None) -> dict[str, Any]:
-        """The usual graphs and the lazy ones of the same jobs, measured one after the other."""
+    def lazy_lever(self, workload: str, usual_jobs: Sequence[list[Work]], lazy_jobs: Sequence[list[Work]], *,
+                   used: Sequence[int], reset: Callable[[], Any], kept: Kept, pool: bool) -> dict[str, Any]:
+        """The usual graphs of ``usual_jobs`` (a job: works captured one after the other), then the lazy ones of
+        ``lazy_jobs``: the driver's memory after their captures, after replaying the jobs ``used`` (from
+        ``reset()``), after replaying all; times; whether the used jobs' last outputs are equal."""
         be, opts = self.be, self.opts
-        for _, works in usual_jobs:
+        for works in usual_jobs:
             warm_up(be, self.stream, works)
-        order = list(replay_order) if replay_order is not None else list(range(replayed))
-        kept: list[Captured] = []
-        pools = []
+        used = list(used)
         got: dict[bool, dict[str, Any]] = {}
-        try:
-            for lazy, jobs in ((False, usual_jobs), (True, lazy_jobs)):
-                p = be.create_pool() if pool else None
-                if p is not None:
-                    pools.append(p)
-                before = self.meter.mark()
-                caps = [capture_all(be, works, pool=p, stream=self.stream, lazy=lazy, inspect=False)
-                        for _, works in jobs]
-                kept += caps
-                after_capture, why = self.meter.driver(before)
-                reset()
-                first = [t for i in order for t in replay_each_ms(be, caps[i].graphs)]
-                after_used, _ = self.meter.driver(before)
-                outs = [caps[i].outs[-1].clone() for i in order]
-                rest = [i for i in range(len(caps)) if i not in order]
-                for i in rest:
+        for lazy, jobs in ((False, usual_jobs), (True, lazy_jobs)):
+            p = kept.pool(be) if pool else None
+            before = self.meter.mark()
+            caps = [capture_all(be, works, pool=p, stream=self.stream, lazy=lazy, inspect=False) for works in jobs]
+            kept.captured += caps
+            after_capture, why = self.meter.driver(before)
+            reset()
+            first = [t for i in used for t in replay_each_ms(be, caps[i].graphs)]
+            after_used, _ = self.meter.driver(before)
+            outs = [caps[i].outs[-1].clone() for i in used]
+            for i in range(len(caps)):
+                if i not in used:
                     replay_each_ms(be, caps[i].graphs)
-                after_all, _ = self.meter.driver(before)
-                graphs = [g for c in caps for g in c.graphs]
-                got[lazy] = {"driver_after_capture": after_capture, "driver_after_used": after_used,
-                             "driver_after_all": after_all, "driver_why": why,
-                             "capture_ms_per_graph": sum(c.capture_s for c in caps) * 1e3 / len(graphs),
-                             "first_replay_ms": statistics.mean(first) if first else None,
-                             "replay_ms_per_graph": replay_ms(be, graphs, opts.rounds), "outs": outs,
-                             "graphs": len(graphs)}
-        finally:
-            _release(be, kept)
-            for p in pools:
-                be.release_pool(p)
+            after_all, _ = self.meter.driver(before)
+            graphs = [g for c in caps for g in c.graphs]
+            got[lazy] = {"driver_after_capture": after_capture, "driver_after_used": after_used,
+                         "driver_after_all": after_all, "driver_why": why,
+                         "capture_ms_per_graph": sum(c.capture_s for c in caps) * 1e3 / len(graphs),
+                         "first_replay_ms": statistics.mean(first) if first else None,
+                         "replay_ms_per_graph": replay_ms(be, graphs, opts.rounds), "outs": outs,
+                         "graphs": len(graphs)}
         usual, lazy_ = got[False], got[True]
-        err = max(rel_error(a.float(), b.float()) for a, b in zip(lazy_.pop("outs"), usual.pop("outs"), strict=True))
+        pairs = list(zip(lazy_.pop("outs"), usual.pop("outs"), strict=True))
+        err = max((rel_error(a.float(), b.float()) for a, b in pairs), default=0.0)
 
         def ratio(key: str) -> float | None:  # lazy against the usual at the same point
             base = usual[key]
             return lazy_[key] / base if lazy_[key] is not None and base else None
 
         return {"lever": "lazy instantiation (create_graph(lazy=True))", "workload": workload,
-                "graphs": usual["graphs"], "replayed_graphs": sum(len(usual_jobs[i][1]) for i in order),
+                "graphs": usual["graphs"], "replayed_graphs": sum(len(usual_jobs[i]) for i in used),
                 "usual": usual, "lazy": lazy_, "ratio_after_capture": ratio("driver_after_capture"),
                 "ratio_after_used": ratio("driver_after_used"), "ratio_after_all": ratio("driver_after_all"),
-                "max_rel_error": err, "equal": err == 0.0}
+                "max_rel_error": err, "equal": bool(pairs) and err == 0.0}
 
     # -- all
 
@@ -490,7 +502,7 @@ VARIANTS_HEAD = ("sizes", "models", "pieces", "graphs", "nodes", "driver", "per 
                  "capture ms/graph")
 LEVERS_HEAD = ("workload", "graphs", "replayed", "driver after capture, usual / lazy", "after replaying the used",
                "after replaying all", "ratio after capture", "ratio after the used", "ratio after all",
-               "capture ms/graph usual / lazy", "first replay ms (lazy)", "replay ms/graph usual / lazy", "equal")
+               "capture ms/graph usual / lazy", "first replay ms usual / lazy", "replay ms/graph usual / lazy", "equal")
 
 
 def _lever_row(r: dict[str, Any]) -> list[str]:
@@ -503,7 +515,7 @@ def _lever_row(r: dict[str, Any]) -> list[str]:
     return [r["workload"], str(r["graphs"]), str(r["replayed_graphs"]), pair("driver_after_capture", _b),
             pair("driver_after_used", _b), pair("driver_after_all", _b), _r(r["ratio_after_capture"]),
             _r(r["ratio_after_used"]), _r(r["ratio_after_all"]), pair("capture_ms_per_graph", _ms),
-            _ms(lz["first_replay_ms"]), pair("replay_ms_per_graph", _ms), equal]
+            pair("first_replay_ms", _ms), pair("replay_ms_per_graph", _ms), equal]
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -562,6 +574,9 @@ def parser() -> argparse.ArgumentParser:
                    help="decoder shape (default: reference on a GPU, tiny otherwise)")
     p.add_argument("--no-count-nodes", action="store_true", help="do not read the graphs' node counts")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--in-process", action="store_true",
+                   help="measure every part in this process (by default each runs in a fresh one: the driver keeps "
+                        "the memory of one part's graphs for reuse by the next)")
     return p
 
 
@@ -571,6 +586,46 @@ def options(args: argparse.Namespace, device_type: str) -> Options:
                    pieces=args.pieces, lever_nodes=args.lever_nodes, replayed=args.replayed, rounds=args.rounds,
                    config=args.config or ("reference" if device_type != "cpu" else "tiny"),
                    count_nodes=not args.no_count_nodes, progress=not args.no_progress, parts=parts)
+
+
+def measure(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """Every part asked for, in this process."""
+    with hal.get_backend(args.backend, requires=("graphs",)) as be:
+        opts = options(args, be.torch_device().type)
+        result: dict[str, Any] = {
+            "machine": machine(be), "options": dataclasses.asdict(opts), "command": command,
+            "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "config": (DecoderConfig() if opts.config == "reference" else DecoderConfig.tiny()).as_dict()}
+        result.update(Sweep(be, opts).run())
+    return result
+
+
+def measure_apart(argv: Sequence[str], parts: Sequence[str], out_dir: Path, command: str) -> dict[str, Any]:
+    """Each part in a fresh process (its files under ``out_dir/parts/PART``), merged; a part whose process fails
+    is left out, with its exit status."""
+    merged: dict[str, Any] = {}
+    failed: dict[str, str] = {}
+    for part in parts:
+        part_dir = out_dir / "parts" / part
+        child = [sys.executable, "-m", "graphkit_bench.graphmem", "sweep", *argv, "--parts", part, "--in-process",
+                 "--out-dir", str(part_dir)]
+        done = subprocess.run(child, stdout=subprocess.DEVNULL, check=False)  # progress and errors go to stderr
+        if done.returncode:
+            failed[part] = f"its process exited with status {done.returncode} (its error is above)"
+            log.error("drivermem: %s: %s", part, failed[part])
+            continue
+        result = json.loads((part_dir / "drivermem.json").read_text())
+        if not merged:
+            merged = result
+        else:
+            merged[part] = result[part]
+            merged["left_out"].update(result["left_out"])
+    if not merged:
+        raise hal.HalError(f"every part failed: {failed}")
+    merged["command"] = command
+    merged["options"]["parts"] = list(parts)
+    merged["left_out"].update(failed)
+    return merged
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -583,23 +638,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (args.nodes and args.sizes and args.models and args.pieces) or min(counts) < 1:
         p.error("--nodes, --sizes, --models, --pieces, --copies, --numel, --lever-nodes and --rounds need "
                 "positive integers")
-    unknown = set(x.strip() for x in args.parts.split(",") if x.strip()) - {"nodes", "variants", "levers"}
-    if unknown:
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    unknown = set(parts) - {"nodes", "variants", "levers"}
+    if unknown or not parts:
         p.error(f"--parts: unknown part(s) {', '.join(sorted(unknown))}; known: nodes, variants, levers")
-    with hal.get_backend(args.backend, requires=("graphs",)) as be:
-        opts = options(args, be.torch_device().type)
-        result: dict[str, Any] = {
-            "machine": machine(be), "options": dataclasses.asdict(opts),
-            "command": "python -m graphkit_bench.graphmem sweep " + shlex.join(argv),
-            "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "config": (DecoderConfig() if opts.config == "reference" else DecoderConfig.tiny()).as_dict()}
-        result.update(Sweep(be, opts).run())
+    command = "python -m graphkit_bench.graphmem sweep " + shlex.join(argv)
+    if args.in_process or len(parts) == 1:
+        result = measure(args, command)
+    else:
+        result = measure_apart(argv, parts, args.out_dir, command)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     text = markdown(result)
     (args.out_dir / "drivermem.md").write_text(text)
     (args.out_dir / "drivermem.json").write_text(json.dumps(result, indent=2))
     print(text)
-    return 0
+    return 1 if any("exited with status" in why for why in result["left_out"].values()) else 0
 
 
 if __name__ == "__main__":

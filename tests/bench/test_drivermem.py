@@ -24,8 +24,10 @@ def _sweep(tmp_path: Path, backend: str, *extra: str) -> tuple[dict[str, Any], s
 
 
 def test_a_small_sweep_writes_its_tables_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    result, text = _sweep(tmp_path, "fake")
+    result, text = _sweep(tmp_path, "fake")  # each part in a process of its own
     assert capsys.readouterr().out.strip() == text.strip()  # the CLI prints what it wrote
+    assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == ["levers", "nodes", "variants"]
+    assert result["left_out"] == {} and result["options"]["parts"] == ["nodes", "variants", "levers"]
     assert result["machine"]["backend"] == "fake" and "--nodes 1,10" in result["command"]
     assert f"`{result['command']}`" in text and "device: fake" in text
     for head in (drivermem.NODES_HEAD, drivermem.VARIANTS_HEAD, drivermem.LEVERS_HEAD):
@@ -53,6 +55,11 @@ def test_parts_can_be_chosen_and_bad_flags_are_refused(tmp_path: Path) -> None:
             graphmem.main(["sweep", "--backend", "fake", "--out-dir", str(tmp_path), *bad])
 
 
+def test_parts_that_fail_in_their_process_are_said(tmp_path: Path) -> None:
+    with pytest.raises(hal.HalError, match=r"every part failed.*nodes.*exited with status"):
+        drivermem.measure_apart(["--backend", "no-such-backend", *SMALL], ["nodes", "levers"], tmp_path, "cmd")
+
+
 def test_pieces_of_a_step_give_the_step() -> None:
     assert drivermem.piece_bounds(28, 4) == [(0, 7), (7, 14), (14, 21), (21, 28)]
     assert drivermem.piece_bounds(2, 2) == [(0, 1), (1, 2)]
@@ -77,14 +84,19 @@ def test_the_lazy_lever_compares_results_and_sees_a_difference() -> None:
             for t in x.values():
                 t.copy_(torch.linspace(-1, 1, 16))
 
-        same = sweep._lazy_lever("same", [(0, drivermem.elementwise_works(x["usual"], 5, 1))],
-                                 [(0, drivermem.elementwise_works(x["lazy"], 5, 1))], replayed=1, reset=reset,
-                                 pool=False)
-        assert same["equal"] and same["max_rel_error"] == 0.0 and same["lazy"]["first_replay_ms"] > 0
-        other = sweep._lazy_lever("other", [(0, drivermem.elementwise_works(x["usual"], 5, 1))],
-                                  [(0, drivermem.elementwise_works(x["lazy"], 6, 1))], replayed=1, reset=reset,
-                                  pool=False)
-        assert not other["equal"] and other["max_rel_error"] > 0
+        kept = drivermem.Kept()
+        try:
+            same = sweep.lazy_lever("same", [drivermem.elementwise_works(x["usual"], 5, 1)],
+                                    [drivermem.elementwise_works(x["lazy"], 5, 1)], used=[0], reset=reset,
+                                    kept=kept, pool=False)
+            assert same["equal"] and same["max_rel_error"] == 0.0 and same["lazy"]["first_replay_ms"] > 0
+            other = sweep.lazy_lever("other", [drivermem.elementwise_works(x["usual"], 5, 1)],
+                                     [drivermem.elementwise_works(x["lazy"], 6, 1)], used=[0], reset=reset,
+                                     kept=kept, pool=False)
+            assert not other["equal"] and other["max_rel_error"] > 0
+            assert len(kept.captured) == 4  # kept until the part ends
+        finally:
+            kept.release(be)
 
 
 @pytest.mark.cuda
