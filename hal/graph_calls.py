@@ -140,9 +140,7 @@ class GraphCalls(StreamCalls):
     def create_graph(self, *, lazy: bool = False) -> Any:
         """A new, empty graph (capture into it with :meth:`capture`).
 
-        ``lazy=True`` (needs ``"lazy_graphs"``) makes the graph's executable form at its first replay
-        instead of at the end of its capture: a graph never replayed keeps none of the driver's memory of
-        an instantiated graph, and its first replay pays the instantiation.
+        ``lazy=True`` (needs ``"lazy_graphs"``): instantiated at its first replay, not at its capture's end.
 
         >>> graph = be.create_graph()
         >>> rare = be.create_graph(lazy=True)   # instantiated only if it is ever replayed
@@ -323,6 +321,23 @@ class GraphCalls(StreamCalls):
         self.accounting.graphs.clear()  # what was collected unreleased is gone with the backend
         self.accounting.pools.clear()
         return len(graphs), len(pools)
+
+    def update_graph(self, graph: Any, source: Any) -> None:
+        """Make ``graph``'s replays run ``source``'s work (a lazy graph's, of the same topology) from now on, and
+        follow ``source``'s pool (see :func:`hal.api.update_graph`; needs ``"graph_update"``).
+
+        >>> be.update_graph(graph8, lazy16); be.replay(graph8)   # runs the capture at size 16
+        """
+        self._check_object("update_graph", "graph", graph)
+        self._check_object("update_graph", "source", source)
+        self._refuse_without("graph_update", "update_graph", "this backend cannot update an executable graph")
+        released = [name for name, g in (("graph", graph), ("source", source)) if self._graph_pool.get(g) is _RELEASED]
+        if released or graph is source:
+            raise self._err(InvalidStateError if released else InvalidArgumentError, "update_graph",
+                            f"{released[0]} was released" if released else "graph and source are the same graph")
+        self._graph_call("update_graph", graph=graph, source=source)
+        state = self._graph_pool.get(source)
+        self._graph_pool.put(graph, state) if state is not None else self._graph_pool.pop(graph)
 
     def release_graph(self, graph: Any) -> None:
         """Destroy a graph (its pool's memory stays with the pool); a later :meth:`replay` of it raises.

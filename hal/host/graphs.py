@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: What :class:`HostGraphs` provides, as :func:`hal.api.capabilities` names it.
 CAPABILITIES: frozenset[str] = frozenset({"graphs", "custom_pool", "capture_routing", "use_pool",
-                                          "graph_addresses", "lazy_graphs"})
+                                          "graph_addresses", "lazy_graphs", "graph_update"})
 
 
 class HostStream:
@@ -251,6 +251,12 @@ class HostGraphs:
 
     def _host_capturing(self) -> AbstractContextManager[None]:
         return self._host_inflight.capturing() if self._host_inflight is not None else contextlib.nullcontext()
+
+    @hookimpl
+    def update_graph(self, graph: tape.HostGraph, source: tape.HostGraph) -> None:
+        from hal.host import tape
+
+        tape.update(graph, source)
 
     @hookimpl
     def replay(self, graph: tape.HostGraph) -> None:

@@ -48,7 +48,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from hal.errors import CaptureError, InvalidStateError
+from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError
 from hal.host.pool import BlockPool
 from hal.types import GraphAddresses
 
@@ -638,6 +638,27 @@ def _host_reads_refused(backend: str) -> Iterator[None]:
 
 
 _ORIGINAL_DICT = {name for name in HOST_READ_METHODS if name in vars(torch.Tensor)}
+
+
+def update(graph: HostGraph, source: HostGraph) -> None:
+    """Make ``graph`` replay ``source``'s tape from now on: the same ops in the same order (the tape's topology),
+    on ``source``'s tensors. ``source`` stays uncompiled, as a device graph stays uninstantiated."""
+    for name, g in (("graph", graph), ("source", source)):
+        if g.released or not g.captured:
+            raise InvalidStateError(f"{name} is not captured", backend=graph.backend, call="update_graph")
+    if not source.lazy:
+        raise InvalidArgumentError("source was not created with create_graph(lazy=True): only a lazy graph keeps "
+                                   "the captured graph an update reads", backend=graph.backend, call="update_graph")
+    mine, theirs = [op.func for op in graph.ops], [op.func for op in source.ops]
+    if mine != theirs:
+        common = zip(mine, theirs, strict=False)
+        at = next((i for i, (a, b) in enumerate(common) if a != b), min(len(mine), len(theirs)))
+        raise InvalidArgumentError(f"source's topology differs from graph's: {len(theirs)} op(s) against "
+                                   f"{len(mine)}, first different at op {at}; capture it into a graph of its own",
+                                   backend=graph.backend, call="update_graph")
+    program = _compile(source)
+    graph.ops, graph.entries, graph.tensors = list(source.ops), list(source.entries), list(source.tensors)
+    graph.touched, graph.program, graph.compiled, graph.pool = list(source.touched), program, True, source.pool
 
 
 def refuse_capture(graph: HostGraph) -> None:

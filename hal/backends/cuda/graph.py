@@ -29,6 +29,8 @@ class CudaGraph:
     pool: TorchPool | None = None
     #: instantiated at its first replay rather than at the end of its capture (``create_graph(lazy=True)``)
     lazy: bool = False
+    #: has an executable form (a lazy graph gets one at its first replay or update)
+    instantiated: bool = False
     captured: bool = False
     released: bool = False
     #: what the graph uses, read at its capture (``inspect``), or why that could not be read

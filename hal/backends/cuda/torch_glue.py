@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
@@ -148,7 +149,7 @@ class CudaGlue(TorchGlue):
         return pool.id if pool is not None else tuple(self.ns.graph_pool_handle())
 
     def captured(self, graph: CudaGraph, stream: Any, pool: TorchPool | None) -> None:
-        graph.stream, graph.pool, graph.captured = stream, pool, True
+        graph.stream, graph.pool, graph.captured, graph.instantiated = stream, pool, True, not graph.lazy
         graph.addresses = graph.torch_graph.__dict__.get(ADDRESSES)  # ours, or what a route asked for
         if pool is not None:
             pool.graphs += 1
@@ -177,11 +178,36 @@ class CudaGlue(TorchGlue):
             stream = graph.stream
             if current == stream:
                 graph.torch_graph.replay()
-                return
-            stream.wait_stream(current)
-            with cuda.stream(stream):
-                graph.torch_graph.replay()
-            current.wait_stream(stream)
+            else:
+                stream.wait_stream(current)
+                with cuda.stream(stream):
+                    graph.torch_graph.replay()
+                current.wait_stream(stream)
+        graph.instantiated = True  # a lazy graph's first replay instantiated it
+
+    def can_update(self) -> bool:
+        """Whether this torch hands out a graph's executable form and a lazy graph's captured one."""
+        return "lazy_graphs" in self.capabilities and hasattr(self.ns.CUDAGraph, "raw_cuda_graph_exec")
+
+    def update_graph(self, graph: CudaGraph, source: CudaGraph, exec_update: Callable[[int, int], None]) -> None:
+        """Update ``graph``'s executable form with ``source``'s captured graph through
+        ``exec_update(graph_exec, source_graph)`` (instantiating ``graph`` first where it was not)."""
+        for name, g in (("graph", graph), ("source", source)):
+            if not g.captured or g.released:
+                raise InvalidStateError(f"{name}={g!r} is not captured", backend=NAME, call="update_graph")
+        if not source.lazy:
+            raise InvalidArgumentError(f"source={source!r} was not created with create_graph(lazy=True): only a "
+                                       "lazy graph keeps the captured graph an update reads", backend=NAME,
+                                       call="update_graph")
+        if source.device != graph.device:
+            raise InvalidArgumentError(f"source={source!r} is not on device {graph.device}", backend=NAME,
+                                       call="update_graph")
+        with self.ns.device(graph.device):
+            if not graph.instantiated:
+                graph.torch_graph.instantiate()
+                graph.instantiated = True
+            exec_update(int(graph.torch_graph.raw_cuda_graph_exec()), int(source.torch_graph.raw_cuda_graph()))
+        graph.addresses = source.addresses  # what its replays use from now on
 
     def release_graph(self, graph: CudaGraph) -> None:
         """Wait for the graph's last replay, then destroy it; idempotent."""
