@@ -420,8 +420,9 @@ def update_graph(graph: Graph, source: Graph) -> None:
     kernels are the same, with other arguments -- instead of one each.
     ``source`` was created with ``lazy=True`` and captured; it is not
     instantiated by this. ``graph`` (lazy or not) was captured; it is
-    instantiated first where it was not yet. Replays already queued run the
-    work they were launched with.
+    instantiated first where it was not yet. ``source`` may be ``graph``
+    itself (a lazy one): that instantiates it, or gives it its own work back.
+    Replays already queued run the work they were launched with.
 
     :raises InvalidArgumentError: ``source`` was not created lazily, or its
         topology differs from ``graph``'s (the text says how); ``graph`` is

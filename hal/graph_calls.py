@@ -324,20 +324,19 @@ class GraphCalls(StreamCalls):
 
     def update_graph(self, graph: Any, source: Any) -> None:
         """Make ``graph``'s replays run ``source``'s work (a lazy graph's, of the same topology) from now on, and
-        follow ``source``'s pool (see :func:`hal.api.update_graph`; needs ``"graph_update"``).
-
-        >>> be.update_graph(graph8, lazy16); be.replay(graph8)   # runs the capture at size 16
-        """
-        self._check_object("update_graph", "graph", graph)
-        self._check_object("update_graph", "source", source)
+        follow ``source``'s pool (see :func:`hal.api.update_graph`; needs ``"graph_update"``)."""
+        for kind, value in (("graph", graph), ("source", source)):
+            self._check_object("update_graph", kind, value)
         self._refuse_without("graph_update", "update_graph", "this backend cannot update an executable graph")
         released = [name for name, g in (("graph", graph), ("source", source)) if self._graph_pool.get(g) is _RELEASED]
-        if released or graph is source:
-            raise self._err(InvalidStateError if released else InvalidArgumentError, "update_graph",
-                            f"{released[0]} was released" if released else "graph and source are the same graph")
+        if released:
+            raise self._err(InvalidStateError, "update_graph", f"{released[0]} was released")
         self._graph_call("update_graph", graph=graph, source=source)
-        state = self._graph_pool.get(source)
-        self._graph_pool.put(graph, state) if state is not None else self._graph_pool.pop(graph)
+        state = self._graph_pool.get(source)  # graph's replays use source's memory from now on
+        if state is None:
+            self._graph_pool.pop(graph)
+        else:
+            self._graph_pool.put(graph, state)
 
     def release_graph(self, graph: Any) -> None:
         """Destroy a graph (its pool's memory stays with the pool); a later :meth:`replay` of it raises.

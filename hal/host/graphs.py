@@ -257,6 +257,8 @@ class HostGraphs:
         from hal.host import tape
 
         tape.update(graph, source)
+        if self._host_inflight is not None:
+            self._host_inflight.updated(graph)
 
     @hookimpl
     def replay(self, graph: tape.HostGraph) -> None:

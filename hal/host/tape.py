@@ -143,9 +143,12 @@ class HostGraph:
     #: compile the tape at the first replay rather than at the end of the capture (``create_graph(lazy=True)``)
     lazy: bool = False
     compiled: bool = False  # ``program`` is built (the tape's "instantiation")
+    #: the graph whose tape ``program`` runs since an update (``update_graph``); None: this graph's own
+    running: HostGraph | None = None
 
     def replay(self) -> None:
-        if not self.captured or self.released or (self.pool is not None and self.pool.released):
+        pool = (self.running or self).pool
+        if not self.captured or self.released or (pool is not None and pool.released):
             raise self._not_replayable()
         if not self.compiled:
             self.program, self.compiled = _compile(self), True
@@ -158,7 +161,8 @@ class HostGraph:
         elif not self.captured:
             why = "replay of a graph that was never captured"
         else:
-            why = (f"the pool the graph was captured into was released ({self.pool.name if self.pool else '?'}), "
+            pool = (self.running or self).pool
+            why = (f"the pool the graph was captured into was released ({pool.name if pool else '?'}), "
                    "so the memory its replay reads and writes is gone; capture the graph again into a live pool")
         return InvalidStateError(why, backend=self.backend, call="replay")
 
@@ -173,7 +177,8 @@ class HostGraph:
             raise InvalidStateError("graph_addresses of a graph that is not captured", backend=self.backend,
                                     call="graph_addresses")
         start = time.perf_counter()
-        used = (self.tensors[i] for i in self.touched)
+        tape = self.running or self  # what its replays use
+        used = (tape.tensors[i] for i in tape.touched)
         spans = {(s.data_ptr(), s.nbytes()) for s in
                  (t.untyped_storage() for t in used if t is not None and t.numel())}
         return GraphAddresses(tuple(sorted(spans)), nodes=len(self.ops), seconds=time.perf_counter() - start)
@@ -191,6 +196,7 @@ class HostGraph:
         self.tensors.clear()
         self.touched.clear()
         self.pool = None
+        self.running = None
 
     def release(self) -> None:
         """Drop the tape and the private pool; tell a routed capture's router once. Idempotent."""
@@ -656,9 +662,8 @@ def update(graph: HostGraph, source: HostGraph) -> None:
         raise InvalidArgumentError(f"source's topology differs from graph's: {len(theirs)} op(s) against "
                                    f"{len(mine)}, first different at op {at}; capture it into a graph of its own",
                                    backend=graph.backend, call="update_graph")
-    program = _compile(source)
-    graph.ops, graph.entries, graph.tensors = list(source.ops), list(source.entries), list(source.tensors)
-    graph.touched, graph.program, graph.compiled, graph.pool = list(source.touched), program, True, source.pool
+    graph.program, graph.compiled = _compile(source), True
+    graph.running = None if source is graph else source
 
 
 def refuse_capture(graph: HostGraph) -> None:

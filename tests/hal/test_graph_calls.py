@@ -157,3 +157,20 @@ def test_updates_need_their_capability(be: hal.Backend, monkeypatch: pytest.Monk
     monkeypatch.setattr(be, "_capabilities", be.capabilities - {"graph_update"})
     with pytest.raises(hal.UnsupportedError, match="graph_update"):
         be.update_graph(be.create_graph(), be.create_graph(lazy=True))
+
+
+def test_a_lazy_graph_updated_with_itself_is_compiled_and_gets_its_own_work_back(be: hal.Backend) -> None:
+    x = torch.ones(4)
+    a, b = be.create_graph(lazy=True), be.create_graph(lazy=True)
+    with be.capture(a):
+        out_a = x * 2
+    with be.capture(b):
+        out_b = x * 5
+    be.update_graph(a, a)
+    assert a.compiled
+    be.update_graph(a, b)
+    be.update_graph(a, a)
+    x.fill_(3)
+    be.replay(a)
+    torch.testing.assert_close(out_a, x * 2)
+    torch.testing.assert_close(out_b, torch.full((4,), 5.0))  # b's work did not run
