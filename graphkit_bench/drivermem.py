@@ -226,6 +226,54 @@ def warm_up(be: hal.Backend, stream: Any, works: Sequence[Work]) -> None:
     be.synchronize()
 
 
+class SharedExecs:
+    """Lazy captures served by as few executable graphs as their topologies allow: each capture goes to the first
+    executable graph that takes an update to it; one that none takes becomes an executable graph itself (updated
+    with itself: instantiated). :meth:`step` replays capture ``i``, updating its executable graph first when that
+    runs another capture."""
+
+    def __init__(self, be: hal.Backend, sources: Sequence[Any]) -> None:
+        self.be, self.sources = be, list(sources)
+        self.execs: list[Any] = []
+        self.exec_of: list[int] = []
+        self.running: list[int | None] = []  # the capture each executable graph runs now
+        self.refused = 0
+        self.update_s: list[float] = []
+        start = time.perf_counter()
+        for i, source in enumerate(self.sources):
+            self.exec_of.append(self._place(i, source))
+        self.group_s = time.perf_counter() - start
+
+    def _place(self, i: int, source: Any) -> int:
+        for e, graph in enumerate(self.execs):
+            try:
+                self.be.update_graph(graph, source)
+            except hal.InvalidArgumentError as exc:  # another topology
+                self.refused += 1
+                self.running[e] = None  # what it runs after a refusal is not counted on
+                log.debug("drivermem: capture %d is not of executable graph %d's topology: %s", i, e, exc)
+                continue
+            self.running[e] = i
+            return e
+        self.be.update_graph(source, source)
+        self.execs.append(source)
+        self.running.append(i)
+        return len(self.execs) - 1
+
+    def step(self, i: int) -> None:
+        e = self.exec_of[i]
+        if self.running[e] != i:
+            t0 = time.perf_counter()
+            self.be.update_graph(self.execs[e], self.sources[i])
+            self.update_s.append(time.perf_counter() - t0)
+            self.running[e] = i
+        self.be.replay(self.execs[e])
+
+    def groups(self) -> list[list[int]]:
+        """The captures of each executable graph."""
+        return [[i for i, e in enumerate(self.exec_of) if e == k] for k in range(len(self.execs))]
+
+
 # -- the three parts ------------------------------------------------------------------------------------------
 
 
@@ -369,34 +417,101 @@ class Sweep:
     # -- levers
 
     def levers(self) -> list[dict[str, Any]]:
-        """Lazy instantiation against the usual, on the elementwise workload and on the decoder's sizes."""
+        """Lazy instantiation, then one executable graph per topology, against the usual: on the elementwise
+        workload and on the decoder's sizes."""
         opts = self.opts
         rows = []
         kept = Kept()
         try:
-            with self._bar(2, "driver memory: levers") as bar:
-                x = {lazy: torch.zeros(opts.numel, device=self.device) for lazy in (False, True)}
-                works = {lazy: elementwise_works(x[lazy], opts.lever_nodes, opts.copies) for lazy in (False, True)}
+            with self._bar(4, "driver memory: levers") as bar:
+                x = {k: torch.zeros(opts.numel, device=self.device) for k in ("usual", "lever")}
 
                 def reset() -> None:
-                    for t in x.values():
+                    for t in (*x.values(), *xs["usual"], *xs["lever"]):
                         t.copy_(torch.linspace(-1, 1, opts.numel, device=self.device))
 
-                rows.append(self.lazy_lever(f"{opts.copies} graphs of {opts.lever_nodes} elementwise kernels",
-                                            [[w] for w in works[False]], [[w] for w in works[True]],
+                xs = {k: [torch.zeros(opts.numel, device=self.device) for _ in range(opts.copies)] for k in x}
+                works = {k: elementwise_works(x[k], opts.lever_nodes, opts.copies) for k in x}
+                what = f"{opts.copies} graphs of {opts.lever_nodes} elementwise kernels"
+                rows.append(self.lazy_lever(what, [[w] for w in works["usual"]], [[w] for w in works["lever"]],
                                             used=range(opts.copies // 2), reset=reset, kept=kept, pool=False))
+                bar.update()
+                if self.be.supports("graph_update"):  # each graph on a tensor of its own: one topology
+                    one = {k: [elementwise_works(t, opts.lever_nodes, 1)[0] for t in xs[k]] for k in xs}
+                    rows.append(self.update_lever(what + ", each on a tensor of its own", one["usual"],
+                                                  one["lever"], used=range(opts.copies // 2), reset=reset,
+                                                  kept=kept, pool=False))
                 bar.update()
                 model = self._models(1)[0]
                 sized = self._variant_works([model], 1)
                 jobs = [works for _, works in sized]
-                rows.append(self.lazy_lever(f"decoder step, {len(jobs)} sizes (a run that uses sizes <= "
-                                            f"{opts.replayed})", jobs, jobs,
-                                            used=[i for i, (size, _) in enumerate(sized) if size <= opts.replayed],
-                                            reset=model.reset_cache, kept=kept, pool=True))
+                used = [i for i, (size, _) in enumerate(sized) if size <= opts.replayed]
+                what = f"decoder step, {len(jobs)} sizes (a run that uses sizes <= {opts.replayed})"
+                rows.append(self.lazy_lever(what, jobs, jobs, used=used, reset=model.reset_cache, kept=kept,
+                                            pool=True))
+                bar.update()
+                if self.be.supports("graph_update"):
+                    steps = [works[0] for works in jobs]
+                    rows.append(self.update_lever(what, steps, steps, used=used, reset=model.reset_cache, kept=kept,
+                                                  pool=True))
                 bar.update()
         finally:
             kept.release(self.be)
         return rows
+
+    def update_lever(self, workload: str, usual_works: Sequence[Work], lever_works: Sequence[Work], *,
+                     used: Sequence[int], reset: Callable[[], Any], kept: Kept, pool: bool) -> dict[str, Any]:
+        """A graph per work, instantiated at its capture (the usual), against lazy captures of ``lever_works``
+        and one executable graph per topology among them, updated to the capture a step needs
+        (``update_graph``): the driver's memory, the time of an update and of a step, whether the used works'
+        outputs are equal."""
+        be, opts = self.be, self.opts
+        for work in usual_works:
+            warm_up(be, self.stream, [work])
+        used = list(used)
+        usual_pool = kept.pool(be) if pool else None
+        before = self.meter.mark()
+        usual = [capture_all(be, [w], pool=usual_pool, stream=self.stream, lazy=False, inspect=False)
+                 for w in usual_works]
+        kept.captured += usual
+        usual_driver, why = self.meter.driver(before)
+        reset()
+        replay_each_ms(be, [usual[i].graphs[0] for i in used])
+        usual_outs = [usual[i].outs[-1].clone() for i in used]
+        usual_ms = replay_ms(be, [usual[i].graphs[0] for i in used], opts.rounds)
+        lever_pool = kept.pool(be) if pool else None
+        before = self.meter.mark()
+        sources = [capture_all(be, [w], pool=lever_pool, stream=self.stream, lazy=True, inspect=False)
+                   for w in lever_works]
+        kept.captured += sources
+        after_capture, _ = self.meter.driver(before)
+        shared = SharedExecs(be, [c.graphs[0] for c in sources])
+        after_group, _ = self.meter.driver(before)
+        reset()
+        for i in used:
+            shared.step(i)
+        be.synchronize()
+        outs = [sources[i].outs[-1].clone() for i in used]
+        err = max((rel_error(a.float(), b.float()) for a, b in zip(outs, usual_outs, strict=True)), default=0.0)
+        shared.update_s.clear()
+        be.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(opts.rounds):
+            for i in used:
+                shared.step(i)
+        be.synchronize()
+        step_ms = (time.perf_counter() - t0) * 1e3 / max(1, opts.rounds * len(used))
+        return {"lever": "one executable graph per topology (update_graph)", "workload": workload,
+                "graphs": len(usual_works), "executable_graphs": len(shared.execs), "groups": shared.groups(),
+                "refused_updates": shared.refused, "replayed_graphs": len(used), "driver_why": why,
+                "usual": {"driver": usual_driver, "replay_ms": usual_ms,
+                          "capture_ms_per_graph": sum(c.capture_s for c in usual) * 1e3 / len(usual)},
+                "update": {"driver_after_capture": after_capture, "driver": after_group,
+                           "capture_ms_per_graph": sum(c.capture_s for c in sources) * 1e3 / len(sources),
+                           "group_s": shared.group_s, "step_ms": step_ms,
+                           "update_ms": statistics.mean(shared.update_s) * 1e3 if shared.update_s else None},
+                "ratio": after_group / usual_driver if after_group is not None and usual_driver else None,
+                "max_rel_error": err, "equal": bool(used) and err == 0.0}
 
     def lazy_lever(self, workload: str, usual_jobs: Sequence[list[Work]], lazy_jobs: Sequence[list[Work]], *,
                    used: Sequence[int], reset: Callable[[], Any], kept: Kept, pool: bool) -> dict[str, Any]:
@@ -505,6 +620,20 @@ LEVERS_HEAD = ("workload", "graphs", "replayed", "driver after capture, usual / 
                "capture ms/graph usual / lazy", "first replay ms usual / lazy", "replay ms/graph usual / lazy", "equal")
 
 
+UPDATE_HEAD = ("workload", "graphs", "executable graphs", "refused updates", "driver, usual / update", "ratio",
+               "update: driver after the lazy captures", "capture ms/graph usual / lazy", "grouping s",
+               "update ms", "replay ms usual / step ms (update + replay)", "equal")
+
+
+def _update_row(r: dict[str, Any]) -> list[str]:
+    u, up = r["usual"], r["update"]
+    equal = "yes" if r["equal"] else f"NO (max rel err {r['max_rel_error']:.2e})"
+    return [r["workload"], str(r["graphs"]), str(r["executable_graphs"]), str(r["refused_updates"]),
+            f"{_b(u['driver'])} / {_b(up['driver'])}", _r(r["ratio"]), _b(up["driver_after_capture"]),
+            f"{_ms(u['capture_ms_per_graph'])} / {_ms(up['capture_ms_per_graph'])}", _r(up["group_s"]),
+            _ms(up["update_ms"]), f"{_ms(u['replay_ms'])} / {_ms(up['step_ms'])}", equal]
+
+
 def _lever_row(r: dict[str, Any]) -> list[str]:
     u, lz = r["usual"], r["lazy"]
 
@@ -537,9 +666,14 @@ def markdown(result: dict[str, Any]) -> str:
             [str(r["sizes"]), str(r["models"]), str(r["pieces"]), str(r["graphs"]), str(r["nodes"] or "-"),
              _b(r["driver_bytes"]), _b(r["per_graph_bytes"]), _b(r["per_node_bytes"]),
              _ms(r["capture_ms_per_graph"])] for r in result["variants"]])
-    if "levers" in result:
-        lines += ["## Levers: lazy instantiation against instantiation at the capture's end", ""]
-        lines += _table(LEVERS_HEAD, [_lever_row(r) for r in result["levers"]])
+    lazy = [r for r in result.get("levers", []) if "lazy" in r]
+    if lazy:
+        lines += ["## Lever: lazy instantiation against instantiation at the capture's end", ""]
+        lines += _table(LEVERS_HEAD, [_lever_row(r) for r in lazy])
+    updates = [r for r in result.get("levers", []) if "update" in r]
+    if updates:
+        lines += ["## Lever: one executable graph per topology (update_graph) against one per capture", ""]
+        lines += _table(UPDATE_HEAD, [_update_row(r) for r in updates])
     why = next((r["driver_why"] for part in ("nodes", "variants") for r in result.get(part, [])
                 if r.get("driver_why")), None)
     if why:

@@ -41,8 +41,13 @@ def test_a_small_sweep_writes_its_tables_and_json(tmp_path: Path, capsys: pytest
                                                                            (2, 2, 8)]
     assert variants[2]["nodes"] == 2 * variants[0]["nodes"]  # two models of one shape: twice the nodes
     assert [g["size"] for g in variants[0]["growth"]] == [2, 1]  # largest first
-    assert [r["graphs"] for r in result["levers"]] == [2, 2] and all(r["equal"] for r in result["levers"])
-    assert result["levers"][1]["replayed_graphs"] == 1  # only size 1 is used by the lever's run
+    levers = result["levers"]
+    kinds = ["lazy instantiation", "one executable graph per topology"] * 2
+    assert [r["lever"].split(" (")[0] for r in levers] == kinds
+    assert [r["graphs"] for r in levers] == [2, 2, 2, 2] and all(r["equal"] for r in levers)
+    assert levers[2]["replayed_graphs"] == levers[3]["replayed_graphs"] == 1  # the lever's run uses size 1 only
+    assert levers[3]["executable_graphs"] == 1 and levers[3]["groups"] == [[0, 1]]  # on the host: one topology
+    assert "## Lever: one executable graph per topology" in text
     assert "n/m: not measured: fake's device is the host" in text
 
 
@@ -99,6 +104,30 @@ def test_the_lazy_lever_compares_results_and_sees_a_difference() -> None:
             kept.release(be)
 
 
+def test_captures_of_two_topologies_share_two_executable_graphs() -> None:
+    with hal.get_backend("fake") as be:
+        xs = [torch.linspace(-1, 1, 8) for _ in range(4)]
+        want = [x.clone() for x in xs]
+        nodes = [5, 6, 5, 6]
+        graphs = []
+        for x, n in zip(xs, nodes, strict=True):
+            graphs.append(be.create_graph(lazy=True))
+            with be.capture(graphs[-1]):
+                drivermem.elementwise_works(x, n, 1)[0](None)
+        shared = drivermem.SharedExecs(be, graphs)
+        assert len(shared.execs) == 2 and shared.groups() == [[0, 2], [1, 3]] and shared.refused == 2
+        for x, w in zip(xs, want, strict=True):
+            x.copy_(w)
+        for i in (2, 0, 3, 1, 2):
+            shared.step(i)
+            drivermem.elementwise_works(want[i], nodes[i], 1)[0](None)
+        for x, w in zip(xs, want, strict=True):
+            torch.testing.assert_close(x, w, rtol=0, atol=0)
+        assert len(shared.update_s) == 4  # capture 2 runs on capture 0's executable graph: every switch updates
+        for graph in graphs:
+            be.release_graph(graph)
+
+
 @pytest.mark.cuda
 def test_a_small_sweep_on_a_gpu_measures_the_driver_and_the_lazy_graphs_keep_less(tmp_path: Path) -> None:
     result, _ = _sweep(tmp_path, "cuda", "--config", "tiny", "--nodes", "1,100", "--copies", "8",
@@ -107,4 +136,7 @@ def test_a_small_sweep_on_a_gpu_measures_the_driver_and_the_lazy_graphs_keep_les
     assert result["nodes"][1]["driver_bytes"] > 0
     for lever in result["levers"]:
         assert lever["equal"], lever
-        assert lever["lazy"]["driver_after_capture"] < lever["usual"]["driver_after_capture"], lever
+        if "lazy" in lever:
+            assert lever["lazy"]["driver_after_capture"] < lever["usual"]["driver_after_capture"], lever
+    elementwise = result["levers"][1]  # graphs of one topology: one executable graph
+    assert elementwise["executable_graphs"] == 1 and elementwise["ratio"] < 1, elementwise
