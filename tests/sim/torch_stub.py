@@ -331,6 +331,12 @@ def cuda_stub(*, allocator_backend: str = "native", keep_graph: bool = False) ->
             CUDAGraph.__init__(self)
             self.keep_graph = keep_graph
 
+        def raw_cuda_graph(self) -> int:  # the kept cudaGraph_t: a made-up address
+            return 0x1000 + id(self) % 0x1000 * 0x10
+
+        def raw_cuda_graph_exec(self) -> int:
+            return 0x9000 + id(self) % 0x1000 * 0x10 if self.instantiated else 0
+
     class graph:
         default_capture_stream = None
 

@@ -213,12 +213,13 @@ class CudaBackend(TorchHooks):
 
     @hookimpl
     def capabilities(self) -> frozenset[str]:
-        """The glue's, plus ``"graph_addresses"`` where graphs under construction can be read and
-        ``"memory_sharing"`` where chunks are created exportable."""
+        """The glue's (``"graph_update"`` where cuda-python has ``cuGraphExecUpdate`` too), plus
+        ``"graph_addresses"`` where graphs under construction can be read and ``"memory_sharing"`` where chunks
+        are created exportable."""
         glue = self._current_glue()
         caps = glue.capabilities | ({"graph_addresses"} if glue.inspector is not None else set())
-        if glue.can_update() and hasattr(driver_module(), "cuGraphExecUpdate"):
-            caps |= {"graph_update"}
+        if "graph_update" in caps and not hasattr(driver_module(), "cuGraphExecUpdate"):
+            caps -= {"graph_update"}  # torch hands the graphs out, but this cuda-python cannot update them
         return caps | ({"memory_sharing"} if self.dev.unshareable_reason is None else set())
 
     @hookimpl

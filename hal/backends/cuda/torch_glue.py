@@ -53,12 +53,15 @@ class CudaGlue(TorchGlue):
     # -- what this torch offers ---------------------------------------------------------------
 
     def find_capabilities(self) -> frozenset[str]:
-        """The shared ones, plus ``"lazy_graphs"`` where ``torch.cuda.CUDAGraph`` takes ``keep_graph`` and
-        ``"use_pool"`` wherever ``"custom_pool"`` works."""
+        """The shared ones, plus ``"lazy_graphs"`` where ``torch.cuda.CUDAGraph`` takes ``keep_graph`` (and
+        ``"graph_update"`` where it also hands out its executable form) and ``"use_pool"`` wherever
+        ``"custom_pool"`` works."""
         problem = self.custom_pool_problem()
         caps = super().find_capabilities()
         if "graphs" in caps and self.keeps_graphs():
             caps = caps | {"lazy_graphs"}
+            if hasattr(self.ns.CUDAGraph, "raw_cuda_graph_exec"):  # the executable form an update changes
+                caps = caps | {"graph_update"}
         if problem is not None:
             log.warning("cuda: no pools over allocator callbacks: %s", problem)
             return caps
@@ -184,10 +187,6 @@ class CudaGlue(TorchGlue):
                     graph.torch_graph.replay()
                 current.wait_stream(stream)
         graph.instantiated = True  # a lazy graph's first replay instantiated it
-
-    def can_update(self) -> bool:
-        """Whether this torch hands out a graph's executable form and a lazy graph's captured one."""
-        return "lazy_graphs" in self.capabilities and hasattr(self.ns.CUDAGraph, "raw_cuda_graph_exec")
 
     def update_graph(self, graph: CudaGraph, source: CudaGraph, exec_update: Callable[[int, int], None]) -> None:
         """Update ``graph``'s executable form with ``source``'s captured graph through
