@@ -61,6 +61,8 @@ log = logging.getLogger("graphkit.bench.drivermem")
 Work = Callable[[Any], Any]
 
 DEFAULT_NODES = [1, 10, 100, 1000, 5000]
+LAZY = "lazy instantiation (create_graph(lazy=True))"
+UPDATE = "one executable graph per topology (update_graph)"
 DEFAULT_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 
 
@@ -418,46 +420,61 @@ class Sweep:
 
     def levers(self) -> list[dict[str, Any]]:
         """Lazy instantiation, then one executable graph per topology, against the usual: on the elementwise
-        workload and on the decoder's sizes."""
+        workload and on the decoder's sizes. A lever that fails gives a row with its error; the others go on."""
         opts = self.opts
-        rows = []
+        rows: list[dict[str, Any]] = []
         kept = Kept()
+        update = self.be.supports("graph_update")
+        if not update:
+            rows.append({"lever": UPDATE, "workload": "-", "error": f"{self.be.name} cannot update graphs here "
+                                                                     "(capability graph_update)"})
         try:
             with self._bar(4, "driver memory: levers") as bar:
                 x = {k: torch.zeros(opts.numel, device=self.device) for k in ("usual", "lever")}
+                xs = {k: [torch.zeros(opts.numel, device=self.device) for _ in range(opts.copies)] for k in x}
 
                 def reset() -> None:
                     for t in (*x.values(), *xs["usual"], *xs["lever"]):
                         t.copy_(torch.linspace(-1, 1, opts.numel, device=self.device))
 
-                xs = {k: [torch.zeros(opts.numel, device=self.device) for _ in range(opts.copies)] for k in x}
                 works = {k: elementwise_works(x[k], opts.lever_nodes, opts.copies) for k in x}
+                half = range(opts.copies // 2)
                 what = f"{opts.copies} graphs of {opts.lever_nodes} elementwise kernels"
-                rows.append(self.lazy_lever(what, [[w] for w in works["usual"]], [[w] for w in works["lever"]],
-                                            used=range(opts.copies // 2), reset=reset, kept=kept, pool=False))
+                rows.append(self._attempt(LAZY, what, lambda: self.lazy_lever(
+                    what, [[w] for w in works["usual"]], [[w] for w in works["lever"]], used=half, reset=reset,
+                    kept=kept, pool=False)))
                 bar.update()
-                if self.be.supports("graph_update"):  # each graph on a tensor of its own: one topology
+                if update:  # each graph on a tensor of its own: one topology, other arguments
                     one = {k: [elementwise_works(t, opts.lever_nodes, 1)[0] for t in xs[k]] for k in xs}
-                    rows.append(self.update_lever(what + ", each on a tensor of its own", one["usual"],
-                                                  one["lever"], used=range(opts.copies // 2), reset=reset,
-                                                  kept=kept, pool=False))
+                    what_one = what + ", each on a tensor of its own"
+                    rows.append(self._attempt(UPDATE, what_one, lambda: self.update_lever(
+                        what_one, one["usual"], one["lever"], used=half, reset=reset, kept=kept, pool=False)))
                 bar.update()
                 model = self._models(1)[0]
                 sized = self._variant_works([model], 1)
                 jobs = [works for _, works in sized]
                 used = [i for i, (size, _) in enumerate(sized) if size <= opts.replayed]
                 what = f"decoder step, {len(jobs)} sizes (a run that uses sizes <= {opts.replayed})"
-                rows.append(self.lazy_lever(what, jobs, jobs, used=used, reset=model.reset_cache, kept=kept,
-                                            pool=True))
+                rows.append(self._attempt(LAZY, what, lambda: self.lazy_lever(
+                    what, jobs, jobs, used=used, reset=model.reset_cache, kept=kept, pool=True)))
                 bar.update()
-                if self.be.supports("graph_update"):
+                if update:
                     steps = [works[0] for works in jobs]
-                    rows.append(self.update_lever(what, steps, steps, used=used, reset=model.reset_cache, kept=kept,
-                                                  pool=True))
+                    rows.append(self._attempt(UPDATE, what, lambda: self.update_lever(
+                        what, steps, steps, used=used, reset=model.reset_cache, kept=kept, pool=True)))
                 bar.update()
         finally:
             kept.release(self.be)
         return rows
+
+    def _attempt(self, lever: str, workload: str, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """``measure()``, or a row with its error where it fails (logged with its traceback)."""
+        try:
+            return measure()
+        except (hal.HalError, RuntimeError) as exc:
+            log.exception("drivermem: %s on %s failed", lever, workload)
+            self.be.synchronize()
+            return {"lever": lever, "workload": workload, "error": f"{type(exc).__name__}: {exc}"}
 
     def update_lever(self, workload: str, usual_works: Sequence[Work], lever_works: Sequence[Work], *,
                      used: Sequence[int], reset: Callable[[], Any], kept: Kept, pool: bool) -> dict[str, Any]:
@@ -501,7 +518,7 @@ class Sweep:
                 shared.step(i)
         be.synchronize()
         step_ms = (time.perf_counter() - t0) * 1e3 / max(1, opts.rounds * len(used))
-        return {"lever": "one executable graph per topology (update_graph)", "workload": workload,
+        return {"lever": UPDATE, "workload": workload,
                 "graphs": len(usual_works), "executable_graphs": len(shared.execs), "groups": shared.groups(),
                 "refused_updates": shared.refused, "replayed_graphs": len(used), "driver_why": why,
                 "usual": {"driver": usual_driver, "replay_ms": usual_ms,
@@ -552,7 +569,7 @@ class Sweep:
             base = usual[key]
             return lazy_[key] / base if lazy_[key] is not None and base else None
 
-        return {"lever": "lazy instantiation (create_graph(lazy=True))", "workload": workload,
+        return {"lever": LAZY, "workload": workload,
                 "graphs": usual["graphs"], "replayed_graphs": sum(len(usual_jobs[i]) for i in used),
                 "usual": usual, "lazy": lazy_, "ratio_after_capture": ratio("driver_after_capture"),
                 "ratio_after_used": ratio("driver_after_used"), "ratio_after_all": ratio("driver_after_all"),
@@ -678,6 +695,9 @@ def markdown(result: dict[str, Any]) -> str:
                 if r.get("driver_why")), None)
     if why:
         lines.append(f"n/m: {why}")
+    for r in result.get("levers", []):
+        if "error" in r:
+            lines.append(f"{r['lever']} on {r['workload']}: not measured: {r['error']}")
     for part, reason in result.get("left_out", {}).items():
         lines.append(f"{part}: left out: {reason}")
     return "\n".join(lines) + "\n"

@@ -140,3 +140,23 @@ def test_a_small_sweep_on_a_gpu_measures_the_driver_and_the_lazy_graphs_keep_les
             assert lever["lazy"]["driver_after_capture"] < lever["usual"]["driver_after_capture"], lever
     elementwise = result["levers"][1]  # graphs of one topology: one executable graph
     assert elementwise["executable_graphs"] == 1 and elementwise["ratio"] < 1, elementwise
+
+
+def test_a_lever_the_backend_lacks_or_that_fails_is_a_row_with_its_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    with hal.get_backend("fake") as be:
+        monkeypatch.setattr(be, "_capabilities", be.capabilities - {"graph_update"})
+        opts = drivermem.Options(numel=16, copies=2, rounds=1, sizes=[1, 2], lever_nodes=3, replayed=1,
+                                 config="tiny", progress=False)
+        sweep = drivermem.Sweep(be, opts)
+
+        def broken(*args: object, **kwargs: object) -> dict:
+            raise hal.InvalidStateError("the device fell over", call="replay")
+
+        monkeypatch.setattr(sweep, "lazy_lever", broken)
+        rows = sweep.levers()
+        assert [r["lever"] for r in rows] == [drivermem.UPDATE, drivermem.LAZY, drivermem.LAZY]
+        assert "capability graph_update" in rows[0]["error"] and "fell over" in rows[1]["error"]
+        assert be.live.graphs == 0  # what the levers captured is released
+        text = drivermem.markdown({"machine": {"backend": "fake", "torch": "-"}, "command": "c", "when": "w",
+                                   "levers": rows})
+        assert f"{drivermem.LAZY} on 2 graphs of 3 elementwise kernels: not measured: InvalidStateError" in text
