@@ -1,11 +1,11 @@
 """How the driver's memory of instantiated graphs grows with graph nodes and with the number of variants, and what
-instantiating lazily saves.
+two levers save: instantiating lazily, and one executable graph per topology.
 
     python -m graphkit_bench.graphmem sweep --out-dir DIR
 
-Three parts, in one process, every graph kept alive until the part ends (the
-driver keeps the memory of destroyed graphs for reuse, which would hide the
-next measurement's):
+Three parts, each in a fresh process (``--in-process``: all in this one),
+every graph kept alive until its part ends (the driver keeps the memory of
+destroyed graphs for reuse, which would hide the next measurement's):
 
 * **nodes**: for each ``N`` of ``--nodes``, ``--copies`` graphs of ``N``
   in-place elementwise kernels on a small tensor (nothing is allocated in the
@@ -16,12 +16,21 @@ next measurement's):
   layers, the first with the embedding, the last with the logits), for each
   ``M`` of ``--models`` and ``P`` of ``--pieces``: the driver's memory in all,
   per graph and per node.
-* **levers**: each workload captured twice, as usual (instantiated at the end
-  of the capture) and with ``create_graph(lazy=True)`` (instantiated at the
-  first replay): the driver's memory after the captures, after replaying the
-  sizes a run uses (``--replayed``), after replaying all, as ratios to the
-  usual; the capture, first-replay and replay times; and whether the lazy
-  graphs' results equal the usual ones.
+* **levers**, on ``--copies`` graphs of ``--lever-nodes`` elementwise kernels
+  and on the decoder's sizes, each against the usual graphs (instantiated at
+  the end of their captures) of the same work in the same process:
+
+  - *lazy instantiation* (``create_graph(lazy=True)``: instantiated at the
+    first replay): the driver's memory after the captures, after replaying
+    the sizes a run uses (``--replayed``), after replaying all, as ratios to
+    the usual; the capture, first-replay and replay times;
+  - *one executable graph per topology* (``update_graph``): every capture
+    lazy, each served by the first executable graph that takes an update to
+    it (:class:`SharedExecs`): the executable graphs it takes, the driver's
+    memory against one per capture, the time of an update and of a step
+    (update and replay) against a replay;
+
+  and whether the lever's results equal the usual graphs'.
 
 The driver's memory of graphs is the device's used-memory growth less the
 framework allocator's reserved-bytes growth (the pools' memory). A host
