@@ -16,8 +16,8 @@ device (``fake``) has no driver memory: every row says so instead of a number.
 
 ``python -m graphkit_bench.graphmem sweep --out-dir DIR`` measures instead how
 the driver's memory grows with graph nodes and with the number of variants
-(sizes x models x pieces), and what instantiating lazily saves
-(:mod:`graphkit_bench.drivermem`).
+(sizes x models x pieces), and what two levers save: lazy instantiation and
+one executable graph per topology (:mod:`graphkit_bench.drivermem`).
 """
 
 from __future__ import annotations
