@@ -13,6 +13,11 @@ per graph), sizes captured largest first:
 Each layer count runs in a fresh process (the driver keeps the memory of
 destroyed graphs for reuse, which would hide the next count's). A host
 device (``fake``) has no driver memory: every row says so instead of a number.
+
+``python -m graphkit_bench.graphmem sweep --out-dir DIR`` measures instead how
+the driver's memory grows with graph nodes and with the number of variants
+(sizes x models x pieces), and what two levers save: lazy instantiation and
+one executable graph per topology (:mod:`graphkit_bench.drivermem`).
 """
 
 from __future__ import annotations
@@ -126,6 +131,11 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sweep"]:
+        from graphkit_bench import drivermem
+
+        return drivermem.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m graphkit_bench.graphmem", description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default=None, help="hal backend (default: the best available)")
     parser.add_argument("--sizes", type=_ints, default=DEFAULT_SIZES, help="comma-separated batch sizes")

@@ -100,12 +100,21 @@ class Decoder:
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return self.head(self.run_layers(self.embed_tokens(tokens), positions, slots))
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The first part of a step: the hidden state of each sequence's new token."""
+        return self.embed[tokens]
+
+    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, first: int = 0,
+                   last: int | None = None) -> torch.Tensor:
+        """Layers ``first`` to ``last`` (excluded; all by default) of a step over the hidden state ``h``."""
         cfg = self.cfg
-        b = tokens.shape[0]
+        b = h.shape[0]
         q_size, kv_size = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         mask = (self.steps[None, :] <= positions[:, None])[:, None, None, :]  # (b, 1, 1, context)
-        h = self.embed[tokens]
-        for i, layer in enumerate(self.layers):
+        for i in range(first, cfg.layers if last is None else last):
+            layer = self.layers[i]
             x = F.rms_norm(h, (cfg.hidden,), layer["norm1"])
             q, k, v = F.linear(x, layer["wqkv"]).split([q_size, kv_size, kv_size], dim=-1)
             q = self._rope(q.view(b, cfg.heads, cfg.head_dim), positions)
@@ -119,7 +128,11 @@ class Decoder:
             x = F.rms_norm(h, (cfg.hidden,), layer["norm2"])
             gate, up = F.linear(x, layer["w_gate_up"]).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, layer["w_down"])
-        return F.linear(F.rms_norm(h, (cfg.hidden,), self.norm), self.lm_head)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The last part of a step: the logits of the hidden state ``h``."""
+        return F.linear(F.rms_norm(h, (self.cfg.hidden,), self.norm), self.lm_head)
 
     def example_inputs(self, batch: int, seed: int = 0) -> dict[str, torch.Tensor]:
         """Tokens, positions and distinct slots for ``batch`` sequences."""

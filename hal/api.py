@@ -204,7 +204,9 @@ def capabilities() -> frozenset[str]:
     ``"graphs"`` (streams, pools and the graph hooks work), ``"custom_pool"``
     (:func:`create_pool` accepts allocator callbacks), ``"capture_routing"``
     (:func:`route_captures` works), ``"use_pool"`` (:func:`use_pool` works),
-    ``"graph_addresses"`` (:func:`graph_addresses` answers), ``"memory_sharing"``
+    ``"graph_addresses"`` (:func:`graph_addresses` answers), ``"lazy_graphs"``
+    (:func:`create_graph` takes ``lazy=True``), ``"graph_update"``
+    (:func:`update_graph` works), ``"memory_sharing"``
     (:func:`export_phy_mem_handle` and :func:`import_phy_mem_handle` work: another
     process can map this backend's chunks), ``"unmap_waits"`` (:func:`unmap`
     returns only once the device work queued before it is done, as ROCm's
@@ -359,8 +361,16 @@ def release_pool(pool: Pool) -> None:
 
 
 @hookspec(firstresult=True)
-def create_graph() -> Graph:
-    """Return a new, empty graph object."""
+def create_graph(lazy: bool) -> Graph:
+    """Return a new, empty graph object.
+
+    :param lazy: with ``"lazy_graphs"``: make the graph's executable form
+        (the driver's memory of an instantiated graph) at its first replay
+        instead of at the end of its capture, so that a graph never replayed
+        keeps none; that first replay pays the instantiation. Replays give
+        the same results either way. A backend without the capability never
+        sees ``True``, and its implementation may leave the parameter out.
+    """
 
 
 @hookspec(firstresult=True)
@@ -398,6 +408,27 @@ def replay(graph: Graph) -> None:
 @hookspec(firstresult=True)
 def release_graph(graph: Graph) -> None:
     """Destroy a graph; the memory of its pool is not freed by this. Its replays are refused from then on."""
+
+
+@hookspec(firstresult=True)
+def update_graph(graph: Graph, source: Graph) -> None:
+    """Make ``graph``'s replays run ``source``'s work from now on (``"graph_update"``).
+
+    ``graph``'s executable form is updated in place with the nodes' arguments
+    of ``source`` (the driver's ``cuGraphExecUpdate`` on CUDA), so that one
+    executable graph serves every capture of one topology -- sizes whose
+    kernels are the same, with other arguments -- instead of one each.
+    ``source`` was created with ``lazy=True`` and captured; it is not
+    instantiated by this. ``graph`` (lazy or not) was captured; it is
+    instantiated first where it was not yet. ``source`` may be ``graph``
+    itself (a lazy one): that instantiates it, or gives it its own work back.
+    Replays already queued run the work they were launched with.
+
+    :raises InvalidArgumentError: ``source`` was not created lazily, or its
+        topology differs from ``graph``'s (the text says how); ``graph`` is
+        then left as it was.
+    :raises InvalidStateError: either graph is not captured, or was released.
+    """
 
 
 @hookspec(firstresult=True)
@@ -545,6 +576,8 @@ CAPABILITY_HOOKS: dict[str, tuple[str, ...]] = {
     "capture_routing": (*GRAPH_HOOKS, "route_captures"),
     "use_pool": (*GRAPH_HOOKS, "use_pool"),
     "graph_addresses": (*GRAPH_HOOKS, "graph_addresses"),
+    "lazy_graphs": GRAPH_HOOKS,  # and create_graph accepts lazy=True
+    "graph_update": (*GRAPH_HOOKS, "update_graph"),
     "memory_sharing": SHARING_HOOKS,
     "unmap_waits": (),  # a promise about the required unmap hook: no hook of its own
 }
@@ -558,5 +591,6 @@ HOOK_CAPABILITY: dict[str, str] = {
     "route_captures": "capture_routing",
     "use_pool": "use_pool",
     "graph_addresses": "graph_addresses",
+    "update_graph": "graph_update",
     **{hook: "memory_sharing" for hook in SHARING_HOOKS},
 }

@@ -137,12 +137,20 @@ class GraphCalls(StreamCalls):
 
     # -- graphs -----------------------------------------------------------
 
-    def create_graph(self) -> Any:
+    def create_graph(self, *, lazy: bool = False) -> Any:
         """A new, empty graph (capture into it with :meth:`capture`).
 
+        ``lazy=True`` (needs ``"lazy_graphs"``): instantiated at its first replay, not at its capture's end.
+
         >>> graph = be.create_graph()
+        >>> rare = be.create_graph(lazy=True)   # instantiated only if it is ever replayed
         """
-        return self._graph_call("create_graph")
+        if not isinstance(lazy, bool):
+            raise self._err(InvalidArgumentError, "create_graph", f"lazy={lazy!r} must be True or False")
+        if lazy:
+            self._refuse_without("lazy_graphs", "create_graph",
+                                 "lazy=True: this backend instantiates every graph at the end of its capture")
+        return self._graph_call("create_graph", lazy=lazy)
 
     def capture(self, graph: Any, pool: Any = None, stream: Any = None,
                 capture_error_mode: str | None = None, *, inspect: bool = False) -> AbstractContextManager[Any]:
@@ -313,6 +321,22 @@ class GraphCalls(StreamCalls):
         self.accounting.graphs.clear()  # what was collected unreleased is gone with the backend
         self.accounting.pools.clear()
         return len(graphs), len(pools)
+
+    def update_graph(self, graph: Any, source: Any) -> None:
+        """Make ``graph``'s replays run ``source``'s work (a lazy graph's, of the same topology) from now on, and
+        follow ``source``'s pool (see :func:`hal.api.update_graph`; needs ``"graph_update"``)."""
+        for kind, value in (("graph", graph), ("source", source)):
+            self._check_object("update_graph", kind, value)
+        self._refuse_without("graph_update", "update_graph", "this backend cannot update an executable graph")
+        released = [name for name, g in (("graph", graph), ("source", source)) if self._graph_pool.get(g) is _RELEASED]
+        if released:
+            raise self._err(InvalidStateError, "update_graph", f"{released[0]} was released")
+        self._graph_call("update_graph", graph=graph, source=source)
+        state = self._graph_pool.get(source)  # graph's replays use source's memory from now on
+        if state is None:
+            self._graph_pool.pop(graph)
+        else:
+            self._graph_pool.put(graph, state)
 
     def release_graph(self, graph: Any) -> None:
         """Destroy a graph (its pool's memory stays with the pool); a later :meth:`replay` of it raises.

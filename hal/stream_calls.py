@@ -13,7 +13,7 @@ from hal.hook_calls import HookCalls
 _PLAIN_VALUES = (bool, int, float, complex, str, bytes, bytearray, list, tuple, dict, set, frozenset)
 #: where each kind of object comes from, for the error's fix
 _MADE_BY = {"graph": "create_graph()", "pool": "create_pool() (a graphkit pool handle, or the framework's pool id)",
-            "stream": "create_stream() or current_stream()"}
+            "stream": "create_stream() or current_stream()", "source": "create_graph(lazy=True)"}
 
 
 class StreamCalls(HookCalls):

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: What :class:`HostGraphs` provides, as :func:`hal.api.capabilities` names it.
 CAPABILITIES: frozenset[str] = frozenset({"graphs", "custom_pool", "capture_routing", "use_pool",
-                                          "graph_addresses"})
+                                          "graph_addresses", "lazy_graphs", "graph_update"})
 
 
 class HostStream:
@@ -206,10 +206,10 @@ class HostGraphs:
     # -- graphs ------------------------------------------------------------------------------
 
     @hookimpl
-    def create_graph(self) -> tape.HostGraph:
+    def create_graph(self, lazy: bool) -> tape.HostGraph:
         from hal.host.tape import HostGraph
 
-        return HostGraph(backend=self._host_name)
+        return HostGraph(backend=self._host_name, lazy=lazy)
 
     @hookimpl
     def capture(self, graph: tape.HostGraph, pool: BlockPool | None, stream: HostStream,
@@ -251,6 +251,14 @@ class HostGraphs:
 
     def _host_capturing(self) -> AbstractContextManager[None]:
         return self._host_inflight.capturing() if self._host_inflight is not None else contextlib.nullcontext()
+
+    @hookimpl
+    def update_graph(self, graph: tape.HostGraph, source: tape.HostGraph) -> None:
+        from hal.host import tape
+
+        tape.update(graph, source)
+        if self._host_inflight is not None:
+            self._host_inflight.updated(graph)
 
     @hookimpl
     def replay(self, graph: tape.HostGraph) -> None:

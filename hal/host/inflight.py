@@ -15,6 +15,7 @@ block a pool hands out outside a capture (eager kernels may be writing it), and 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import weakref
 from collections.abc import Iterator
@@ -41,6 +42,7 @@ class InFlight:
         self._lock = threading.Lock()
         # id(graph) -> (weak reference to the graph, its spans, what it is): replayed since the last wait
         self._graphs: dict[int, tuple[Any, tuple[tuple[int, int], ...], str]] = {}
+        self._updates = itertools.count(1)  # keys of the queued replays of graphs updated since
         self._ranges: dict[int, tuple[int, str]] = {}  # address -> (nbytes, what): handed out since the last wait
         self._local = threading.local()  # per thread: how many captures are running
 
@@ -65,10 +67,19 @@ class InFlight:
         if entry is not None and entry[0]() is graph:  # already queued since the last wait: the hot path
             return
         spans = graph.addresses().spans
-        pool = graph.pool.name if graph.pool is not None else "no pool"
+        tape = graph.running or graph  # an updated graph runs another's tape
+        pool = tape.pool.name if tape.pool is not None else "no pool"
         what = f"the replay of a graph captured into the {pool}"
         with self._lock:
             self._graphs[key] = (weakref.ref(graph), spans, what)
+
+    def updated(self, graph: HostGraph) -> None:
+        """``graph`` runs other work from now on (``update_graph``): its next replay records what that uses."""
+        with self._lock:
+            entry = self._graphs.get(id(graph))
+            if entry is not None and entry[0]() is graph:  # its queued replays still count, under a key of their own
+                del self._graphs[id(graph)]
+                self._graphs[-next(self._updates)] = entry
 
     def handed_out(self, ptr: int, nbytes: int, what: str) -> None:
         """``nbytes`` at ``ptr`` went to the framework (a pool's block, a ``tensor_at`` view): eager work may be

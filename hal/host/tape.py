@@ -48,7 +48,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from hal.errors import CaptureError, InvalidStateError
+from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError
 from hal.host.pool import BlockPool
 from hal.types import GraphAddresses
 
@@ -140,10 +140,18 @@ class HostGraph:
     captured: bool = False
     released: bool = False
     on_release: Any = None  # set by a routed capture: told once when the graph is released
+    #: compile the tape at the first replay rather than at the end of the capture (``create_graph(lazy=True)``)
+    lazy: bool = False
+    compiled: bool = False  # ``program`` is built (the tape's "instantiation")
+    #: the graph whose tape ``program`` runs since an update (``update_graph``); None: this graph's own
+    running: HostGraph | None = None
 
     def replay(self) -> None:
-        if not self.captured or self.released or (self.pool is not None and self.pool.released):
+        pool = (self.running or self).pool
+        if not self.captured or self.released or (pool is not None and pool.released):
             raise self._not_replayable()
+        if not self.compiled:
+            self.program, self.compiled = _compile(self), True
         with torch.no_grad():  # a device graph's replay records no autograd either
             self._replay()
 
@@ -153,7 +161,8 @@ class HostGraph:
         elif not self.captured:
             why = "replay of a graph that was never captured"
         else:
-            why = (f"the pool the graph was captured into was released ({self.pool.name if self.pool else '?'}), "
+            pool = (self.running or self).pool
+            why = (f"the pool the graph was captured into was released ({pool.name if pool else '?'}), "
                    "so the memory its replay reads and writes is gone; capture the graph again into a live pool")
         return InvalidStateError(why, backend=self.backend, call="replay")
 
@@ -168,7 +177,8 @@ class HostGraph:
             raise InvalidStateError("graph_addresses of a graph that is not captured", backend=self.backend,
                                     call="graph_addresses")
         start = time.perf_counter()
-        used = (self.tensors[i] for i in self.touched)
+        tape = self.running or self  # what its replays use
+        used = (tape.tensors[i] for i in tape.touched)
         spans = {(s.data_ptr(), s.nbytes()) for s in
                  (t.untyped_storage() for t in used if t is not None and t.numel())}
         return GraphAddresses(tuple(sorted(spans)), nodes=len(self.ops), seconds=time.perf_counter() - start)
@@ -180,11 +190,13 @@ class HostGraph:
 
     def _forget(self) -> None:
         self.program.clear()
+        self.compiled = False
         self.ops.clear()
         self.entries.clear()
         self.tensors.clear()
         self.touched.clear()
         self.pool = None
+        self.running = None
 
     def release(self) -> None:
         """Drop the tape and the private pool; tell a routed capture's router once. Idempotent."""
@@ -634,6 +646,26 @@ def _host_reads_refused(backend: str) -> Iterator[None]:
 _ORIGINAL_DICT = {name for name in HOST_READ_METHODS if name in vars(torch.Tensor)}
 
 
+def update(graph: HostGraph, source: HostGraph) -> None:
+    """Make ``graph`` replay ``source``'s tape from now on: the same ops in the same order (the tape's topology),
+    on ``source``'s tensors. ``source`` stays uncompiled, as a device graph stays uninstantiated."""
+    for name, g in (("graph", graph), ("source", source)):
+        if g.released or not g.captured:
+            raise InvalidStateError(f"{name} is not captured", backend=graph.backend, call="update_graph")
+    if not source.lazy:
+        raise InvalidArgumentError("source was not created with create_graph(lazy=True): only a lazy graph keeps "
+                                   "the captured graph an update reads", backend=graph.backend, call="update_graph")
+    mine, theirs = [op.func for op in graph.ops], [op.func for op in source.ops]
+    if mine != theirs:
+        common = zip(mine, theirs, strict=False)
+        at = next((i for i, (a, b) in enumerate(common) if a != b), min(len(mine), len(theirs)))
+        raise InvalidArgumentError(f"source's topology differs from graph's: {len(theirs)} op(s) against "
+                                   f"{len(mine)}, first different at op {at}; capture it into a graph of its own",
+                                   backend=graph.backend, call="update_graph")
+    graph.program, graph.compiled = _compile(source), True
+    graph.running = None if source is graph else source
+
+
 def refuse_capture(graph: HostGraph) -> None:
     """Raise :class:`hal.InvalidStateError` when ``graph`` cannot be captured now (before anything is set up)."""
     if graph.capturing:
@@ -661,6 +693,7 @@ def capture(graph: HostGraph, pool: BlockPool) -> Iterator[HostGraph]:
         graph.capturing = False
     _materialise(graph)
     graph.touched = _touched(graph)
-    graph.program = _compile(graph)
+    if not graph.lazy:
+        graph.program, graph.compiled = _compile(graph), True
     graph.pool = pool
     graph.captured = True

@@ -33,6 +33,8 @@ __all__ = [
     "TestCustomPools",
     "TestCaptureRouting",
     "TestUsePool",
+    "TestLazyGraphs",
+    "TestGraphUpdate",
     "TestTensorAt",
     "TestGraphLifecycle",
     "TestUnmapAfterQueuedWork",
@@ -170,6 +172,8 @@ WHAT_NEEDS = {
     "capture_routing": "these tests route captures to the pool a router chooses",
     "use_pool": "these tests allocate torch tensors inside use_pool",
     "graph_addresses": "these tests ask a captured graph which addresses its replay touches",
+    "lazy_graphs": "these tests capture graphs instantiated at their first replay",
+    "graph_update": "these tests replay lazy captures through one graph updated to each",
 }
 
 
@@ -650,6 +654,74 @@ class TestUsePool(_NeedsCapabilities):
         be.release_pool(pool)
         settle(be)
         assert segments.errors == [] and segments.frees == segments.allocs
+
+
+class TestLazyGraphs(_NeedsCapabilities):
+    """create_graph(lazy=True): instantiated at the first replay; replays as a graph instantiated at its capture."""
+
+    capabilities = ("graphs", "lazy_graphs")
+
+    def test_a_lazy_graph_replays_as_the_usual_one(self, hal_backend: hal.Backend) -> None:
+        be = hal_backend
+        x = full(be, 1.0)
+        stream = be.create_stream()
+        graphs, outs = {}, {}
+        for lazy in (False, True):
+            graphs[lazy] = be.create_graph(lazy=lazy)
+            with be.capture(graphs[lazy], None, stream):
+                outs[lazy] = step(x)
+        for value, want in ((3.0, 7.0), (-1.0, -1.0)):
+            x.fill_(value)
+            for lazy in (True, False):
+                replay_and_wait(be, graphs[lazy])
+                assert equals(outs[lazy], want), f"the {'lazy' if lazy else 'usual'} graph did not recompute"
+        for graph in graphs.values():
+            be.release_graph(graph)
+        assert be.live.graphs == 0
+
+
+class TestGraphUpdate(_NeedsCapabilities):
+    """update_graph: one graph replays any lazy capture of its topology; another topology is refused."""
+
+    capabilities = ("graphs", "lazy_graphs", "graph_update")
+
+    def test_one_graph_replays_each_capture_it_is_updated_to(self, hal_backend: hal.Backend) -> None:
+        be = hal_backend
+        xs = [full(be, float(k)) for k in range(3)]
+        stream = be.create_stream()
+        graphs, outs = [], []
+        for k, x in enumerate(xs):
+            graphs.append(be.create_graph(lazy=k > 0))
+            with be.capture(graphs[-1], None, stream):
+                outs.append(step(x))
+        for k in (2, 1, 2):
+            xs[k].fill_(10.0 * k)
+            be.update_graph(graphs[0], graphs[k])
+            replay_and_wait(be, graphs[0])
+            assert equals(outs[k], 20.0 * k + 1), f"the updated graph did not run capture {k}"
+        assert equals(outs[0], 1.0), "capture 0's outputs changed, though it ran no more"
+        for graph in graphs:
+            be.release_graph(graph)
+
+    def test_another_topology_or_an_eager_source_is_refused(self, hal_backend: hal.Backend) -> None:
+        be = hal_backend
+        x = full(be, 2.0)
+        stream = be.create_stream()
+        eager, other = be.create_graph(), be.create_graph(lazy=True)
+        with be.capture(eager, None, stream):
+            y = step(x)
+        with be.capture(other, None, stream):
+            step(step(step(x)))  # other kernels, more of them
+        with pytest.raises(hal.InvalidArgumentError) as info:
+            be.update_graph(eager, other)
+        assert info.value.call == "update_graph"
+        with pytest.raises(hal.InvalidArgumentError):
+            be.update_graph(other, eager)
+        x.fill_(4.0)
+        replay_and_wait(be, eager)
+        assert equals(y, 9.0), "a refused update changed the graph"
+        for graph in (eager, other):
+            be.release_graph(graph)
 
 
 class TestTensorAt(_NeedsCapabilities):

@@ -171,8 +171,8 @@ def test_when_no_backend_has_them_every_one_is_named(vmm_only: Any, monkeypatch:
 
 
 @pytest.mark.parametrize("requires, match", [
-    (("graph",), ("unknown capability 'graph'; known: capture_routing, custom_pool, graph_addresses, graphs, "
-                  "memory_sharing, unmap_waits, use_pool")),
+    (("graph",), ("unknown capability 'graph'; known: capture_routing, custom_pool, graph_addresses, "
+                  "graph_update, graphs, lazy_graphs, memory_sharing, unmap_waits, use_pool")),
     (42, "requires=42 must be an iterable of capability names"),
 ])
 def test_bad_requires_are_refused(requires: Any, match: str) -> None:

@@ -71,3 +71,106 @@ def test_objects_of_the_backend_still_pass(be: hal.Backend) -> None:
     be.release_graph(graph)
     del y
     be.release_pool(pool)
+
+
+def test_a_lazy_graph_is_compiled_at_its_first_replay_and_replays_as_an_eager_one(be: hal.Backend) -> None:
+    x = torch.arange(8, dtype=torch.float32)
+    outs, graphs = {}, {}
+    for lazy in (False, True):
+        graphs[lazy] = be.create_graph(lazy=lazy)
+        with be.capture(graphs[lazy]):
+            outs[lazy] = torch.relu(x * 2 - 5).cumsum(0)
+    assert graphs[False].compiled and not graphs[True].compiled  # the tape's instantiation waits for a replay
+    x.copy_(torch.linspace(-3, 3, 8))
+    for graph in graphs.values():
+        be.replay(graph)
+    assert graphs[True].compiled
+    torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
+    torch.testing.assert_close(outs[True], torch.relu(x * 2 - 5).cumsum(0))
+
+
+def test_lazy_needs_its_capability_and_a_bool(be: hal.Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(hal.InvalidArgumentError, match="lazy=1 must be True or False"):
+        be.create_graph(lazy=1)  # type: ignore[arg-type]
+    monkeypatch.setattr(be, "_capabilities", be.capabilities - {"lazy_graphs"})
+    with pytest.raises(hal.UnsupportedError, match="lazy_graphs"):
+        be.create_graph(lazy=True)
+    assert be.create_graph() is not None
+
+
+def test_an_updated_graph_replays_its_sources_work(be: hal.Backend) -> None:
+    xs = [torch.arange(8, dtype=torch.float32) * k for k in (1, 2, 3)]
+    graphs, outs = [], []
+    for k, x in enumerate(xs):
+        graphs.append(be.create_graph(lazy=k > 0))  # the first is the one executable graph; the others its sources
+        with be.capture(graphs[-1], be.create_pool()):
+            outs.append(torch.relu(x - 4) * 2)
+    for x in xs:
+        x.add_(1)
+    for k in (2, 1, 2):
+        be.update_graph(graphs[0], graphs[k])
+        outs[k].zero_()
+        be.replay(graphs[0])
+        torch.testing.assert_close(outs[k], torch.relu(xs[k] - 4) * 2, rtol=0, atol=0)
+    assert not graphs[1].compiled and not graphs[2].compiled  # the sources are never instantiated
+
+
+def test_an_update_across_topologies_or_from_an_eager_graph_is_refused(be: hal.Backend) -> None:
+    x = torch.ones(4)
+    eager, other, lazy = be.create_graph(), be.create_graph(lazy=True), be.create_graph(lazy=True)
+    with be.capture(eager):
+        out = x * 2
+    with be.capture(other):
+        x * 2 + 1  # one op more
+    with be.capture(lazy):
+        x * 3
+    with pytest.raises(hal.InvalidArgumentError, match=r"topology differs.*2 op.*against 1"):
+        be.update_graph(eager, other)
+    with pytest.raises(hal.InvalidArgumentError, match="lazy=True"):
+        be.update_graph(lazy, eager)
+    with pytest.raises(hal.InvalidArgumentError, match="source=None is not a source"):
+        be.update_graph(eager, None)
+    be.replay(eager)  # left as it was
+    torch.testing.assert_close(out, x * 2)
+    be.release_graph(lazy)
+    with pytest.raises(hal.InvalidStateError, match="source was released"):
+        be.update_graph(eager, lazy)
+
+
+def test_an_updated_graph_follows_its_sources_pool(be: hal.Backend) -> None:
+    x = torch.ones(4)
+    graph, source = be.create_graph(), be.create_graph(lazy=True)
+    pool = be.create_pool()
+    with be.capture(graph):
+        x + 1
+    with be.capture(source, pool):
+        x + 2
+    be.update_graph(graph, source)
+    be.release_graph(source)  # its memory stays with its pool: the updated graph still replays
+    be.replay(graph)
+    be.release_pool(pool)
+    with pytest.raises(hal.InvalidStateError, match="pool the graph was captured into was released"):
+        be.replay(graph)
+
+
+def test_updates_need_their_capability(be: hal.Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(be, "_capabilities", be.capabilities - {"graph_update"})
+    with pytest.raises(hal.UnsupportedError, match="graph_update"):
+        be.update_graph(be.create_graph(), be.create_graph(lazy=True))
+
+
+def test_a_lazy_graph_updated_with_itself_is_compiled_and_gets_its_own_work_back(be: hal.Backend) -> None:
+    x = torch.ones(4)
+    a, b = be.create_graph(lazy=True), be.create_graph(lazy=True)
+    with be.capture(a):
+        out_a = x * 2
+    with be.capture(b):
+        out_b = x * 5
+    be.update_graph(a, a)
+    assert a.compiled
+    be.update_graph(a, b)
+    be.update_graph(a, a)
+    x.fill_(3)
+    be.replay(a)
+    torch.testing.assert_close(out_a, x * 2)
+    torch.testing.assert_close(out_b, torch.full((4,), 5.0))  # b's work did not run

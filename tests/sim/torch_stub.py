@@ -255,13 +255,14 @@ class _CudaStream:
         self.stub.calls.append(("synchronize", self))
 
 
-def cuda_stub(*, allocator_backend: str = "native") -> types.ModuleType:
+def cuda_stub(*, allocator_backend: str = "native", keep_graph: bool = False) -> types.ModuleType:
     """A stand-in for torch itself with the ``torch.cuda`` the cuda glue uses, to test that glue on a CPU.
 
     Pass it as ``CudaGlue(device, ext=stub)``. Like torch, ``cuda.graph`` makes the capture stream
     current on entry and leaves it current when ``capture_begin`` or ``capture_end`` raises (set
     ``stub.fail_begin`` / ``stub.fail_end`` to fail the next capture). ``stub.calls`` records what
-    the glue did.
+    the glue did. ``keep_graph=True``: ``CUDAGraph`` takes ``keep_graph`` (torch >= 2.7), and a kept
+    graph records its instantiation at its first replay.
     """
     stub = types.ModuleType("torch")
     stub.__version__ = "2.11.0+cu130"
@@ -298,6 +299,17 @@ def cuda_stub(*, allocator_backend: str = "native") -> types.ModuleType:
     class CUDAGraph(_CapturingGraph):
         def __init__(self) -> None:
             _Graph.__init__(self, calls)
+            self.keep_graph, self.instantiated = False, False
+
+        def instantiate(self) -> None:
+            self.instantiated = True
+            if self.keep_graph:  # the instantiation of a kept graph is the one a test looks for
+                calls.append(("instantiate", self))
+
+        def replay(self) -> None:
+            if not self.instantiated:  # a kept graph is instantiated at its first replay, as torch does
+                self.instantiate()
+            _CapturingGraph.replay(self)
 
         def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
             failure, stub.fail_begin = stub.fail_begin, None  # the next capture fails, later ones work
@@ -311,6 +323,19 @@ def cuda_stub(*, allocator_backend: str = "native") -> types.ModuleType:
             if failure is not None:
                 raise failure
             _CapturingGraph.capture_end(self)
+            if not self.keep_graph:
+                self.instantiate()
+
+    class KeptCUDAGraph(CUDAGraph):
+        def __init__(self, keep_graph: bool = False) -> None:
+            CUDAGraph.__init__(self)
+            self.keep_graph = keep_graph
+
+        def raw_cuda_graph(self) -> int:  # the kept cudaGraph_t: a made-up address
+            return 0x1000 + id(self) % 0x1000 * 0x10
+
+        def raw_cuda_graph_exec(self) -> int:
+            return 0x9000 + id(self) % 0x1000 * 0x10 if self.instantiated else 0
 
     class graph:
         default_capture_stream = None
@@ -342,7 +367,7 @@ def cuda_stub(*, allocator_backend: str = "native") -> types.ModuleType:
     cuda.empty_cache = lambda: calls.append(("empty_cache",))
     cuda.memory_snapshot = lambda mempool_id=None, include_traces=True: [
         s for s in stub.segments if mempool_id is None or s["segment_pool_id"] == mempool_id]
-    cuda.CUDAGraph, cuda.graph, cuda.MemPool = CUDAGraph, graph, MemPool
+    cuda.CUDAGraph, cuda.graph, cuda.MemPool = KeptCUDAGraph if keep_graph else CUDAGraph, graph, MemPool
     cuda.use_mem_pool = lambda pool, device=None: contextlib.nullcontext(calls.append(("use_mem_pool", pool, device)))
     stub._C = types.SimpleNamespace(
         _cuda_customAllocator=lambda alloc, free: ("allocator", alloc, free),

@@ -9,8 +9,8 @@ the driver's codes into hal errors in one place (docs/plugins.md, "Errors").
 
 The graph half comes from hal's host recorder (:class:`hal.host.HostGraphs`):
 wired to the device's own allocator (:meth:`HostMemBackend.device_malloc`),
-it gives the ``graphs``, ``custom_pool``, ``capture_routing``, ``use_pool``
-and ``graph_addresses`` capabilities. A chunk is a file descriptor, so it can
+it gives the ``graphs``, ``custom_pool``, ``capture_routing``, ``use_pool``,
+``graph_addresses``, ``lazy_graphs`` and ``graph_update`` capabilities. A chunk is a file descriptor, so it can
 be exported to another process and imported there: ``memory_sharing``.
 """
 

@@ -126,8 +126,9 @@ class TorchHooks:
         self._torch("release_pool").release_pool(pool)
 
     @hookimpl
-    def create_graph(self) -> Any:
-        return self._torch("create_graph").create_graph()
+    def create_graph(self, lazy: bool) -> Any:
+        # ``lazy`` has no default: pluggy passes only the arguments an implementation names without one
+        return self._torch("create_graph").create_graph(lazy=lazy)
 
     @hookimpl
     def capture(self, graph: Any, pool: Any, stream: Any,

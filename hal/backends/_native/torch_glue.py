@@ -272,7 +272,12 @@ class TorchGlue:
 
     # -- graphs -----------------------------------------------------------------------------
 
-    def create_graph(self) -> Any:
+    def create_graph(self, lazy: bool = False) -> Any:
+        """A framework graph, instantiated at the end of its capture (``lazy=True`` needs a glue of its own)."""
+        if lazy:
+            raise UnsupportedError(f"lazy=True: {self.extension.module}'s {self.extension.graph_class} is "
+                                   "instantiated at the end of its capture", backend=self.backend,
+                                   call="create_graph")
         with self.on_device():
             return getattr(self.ns, self.extension.graph_class)()
 

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from hal.api import hookimpl
 from hal.backends._native.hooks import TorchHooks
 from hal.backends._native.vmm import map_with_access
-from hal.backends.cuda.errors import NAME
+from hal.backends.cuda.driver import driver_module
+from hal.backends.cuda.errors import CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE, NAME, check
 from hal.backends.cuda.probe import probe_reason
 from hal.errors import InvalidArgumentError, UnsupportedError
 from hal.types import GraphAddresses, MemInfo
@@ -212,10 +213,13 @@ class CudaBackend(TorchHooks):
 
     @hookimpl
     def capabilities(self) -> frozenset[str]:
-        """The glue's, plus ``"graph_addresses"`` where graphs under construction can be read and
-        ``"memory_sharing"`` where chunks are created exportable."""
+        """The glue's (``"graph_update"`` where cuda-python has ``cuGraphExecUpdate`` too), plus
+        ``"graph_addresses"`` where graphs under construction can be read and ``"memory_sharing"`` where chunks
+        are created exportable."""
         glue = self._current_glue()
         caps = glue.capabilities | ({"graph_addresses"} if glue.inspector is not None else set())
+        if "graph_update" in caps and not hasattr(driver_module(), "cuGraphExecUpdate"):
+            caps -= {"graph_update"}  # torch hands the graphs out, but this cuda-python cannot update them
         return caps | ({"memory_sharing"} if self.dev.unshareable_reason is None else set())
 
     @hookimpl
@@ -223,6 +227,22 @@ class CudaBackend(TorchHooks):
                 inspect: bool) -> AbstractContextManager[Any]:
         # ``inspect`` has no default: pluggy passes only the arguments an implementation names without one
         return self._current_glue().capture(graph, pool, stream, capture_error_mode, inspect=inspect)
+
+    @hookimpl
+    def update_graph(self, graph: Any, source: Any) -> None:
+        self._current_glue().update_graph(graph, source, self._exec_update)
+
+    def _exec_update(self, graph_exec: int, source_graph: int) -> None:
+        """``cuGraphExecUpdate``; a refusal for the graphs' topologies is an invalid argument, saying why."""
+        d = driver_module()
+        with self.dev.current():
+            err, info = d.cuGraphExecUpdate(d.CUgraphExec(graph_exec), d.CUgraph(source_graph))
+        if int(err) == CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE:
+            why = getattr(getattr(info, "result", None), "name", None) or repr(getattr(info, "result", info))
+            raise InvalidArgumentError(f"source's topology differs from graph's: the driver refused the update "
+                                       f"({why}); capture it into a graph of its own", backend=NAME,
+                                       call="update_graph")
+        check((err,), "cuGraphExecUpdate", "update_graph")
 
     @hookimpl
     def graph_addresses(self, graph: Any) -> GraphAddresses:

@@ -12,6 +12,7 @@ NAME = "cuda"
 CUDA_SUCCESS = 0
 CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_OUT_OF_MEMORY = 2
+CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE = 910  # cuGraphExecUpdate: the graphs' topologies differ
 
 
 class CudaDriverError(DriverError):

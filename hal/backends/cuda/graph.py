@@ -27,6 +27,10 @@ class CudaGraph:
     device: int
     stream: Any = None
     pool: TorchPool | None = None
+    #: instantiated at its first replay rather than at the end of its capture (``create_graph(lazy=True)``)
+    lazy: bool = False
+    #: has an executable form (a lazy graph gets one at its first replay or update)
+    instantiated: bool = False
     captured: bool = False
     released: bool = False
     #: what the graph uses, read at its capture (``inspect``), or why that could not be read
@@ -34,7 +38,7 @@ class CudaGraph:
 
     def __repr__(self) -> str:
         state = "released" if self.released else "captured" if self.captured else "empty"
-        return f"<cuda graph device={self.device} {state}>"
+        return f"<cuda graph device={self.device} {state}{' lazy' if self.lazy else ''}>"
 
 
 def addresses(graph: CudaGraph | Any) -> GraphAddresses:

@@ -17,7 +17,9 @@ when a glue is created.
 
 from __future__ import annotations
 
+import inspect
 import logging
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
@@ -51,9 +53,15 @@ class CudaGlue(TorchGlue):
     # -- what this torch offers ---------------------------------------------------------------
 
     def find_capabilities(self) -> frozenset[str]:
-        """The shared ones, plus ``"use_pool"`` wherever ``"custom_pool"`` works."""
+        """The shared ones, plus ``"lazy_graphs"`` where ``torch.cuda.CUDAGraph`` takes ``keep_graph`` (and
+        ``"graph_update"`` where it also hands out its executable form) and ``"use_pool"`` wherever
+        ``"custom_pool"`` works."""
         problem = self.custom_pool_problem()
         caps = super().find_capabilities()
+        if "graphs" in caps and self.keeps_graphs():
+            caps = caps | {"lazy_graphs"}
+            if hasattr(self.ns.CUDAGraph, "raw_cuda_graph_exec"):  # the executable form an update changes
+                caps = caps | {"graph_update"}
         if problem is not None:
             log.warning("cuda: no pools over allocator callbacks: %s", problem)
             return caps
@@ -99,8 +107,23 @@ class CudaGlue(TorchGlue):
 
     # -- graphs: the shared capture, with cuda's graph record, stream, private pool ids and errors ---------
 
-    def create_graph(self) -> CudaGraph:
-        return CudaGraph(super().create_graph(), self.device)
+    def keeps_graphs(self) -> bool:
+        """Whether ``torch.cuda.CUDAGraph(keep_graph=True)`` exists: a graph instantiated at its first replay."""
+        try:
+            return "keep_graph" in inspect.signature(self.ns.CUDAGraph).parameters
+        except (TypeError, ValueError):  # a signature torch does not expose
+            return False
+
+    def create_graph(self, lazy: bool = False) -> CudaGraph:
+        """A graph instantiated at the end of its capture, or with ``lazy`` at its first replay (torch keeps
+        the captured ``cudaGraph_t`` and instantiates it then)."""
+        if not lazy:
+            return CudaGraph(super().create_graph(), self.device)
+        if not self.keeps_graphs():
+            raise UnsupportedError(f"lazy=True: torch {self.torch.__version__}'s CUDAGraph has no keep_graph "
+                                   "(a newer torch has)", backend=NAME, call="create_graph")
+        with self.on_device():
+            return CudaGraph(self.ns.CUDAGraph(keep_graph=True), self.device, lazy=True)
 
     def capture(self, graph: CudaGraph, pool: TorchPool | None, stream: Any, capture_error_mode: str | None,
                 inspect: bool = False) -> AbstractContextManager[CudaGraph]:
@@ -129,7 +152,7 @@ class CudaGlue(TorchGlue):
         return pool.id if pool is not None else tuple(self.ns.graph_pool_handle())
 
     def captured(self, graph: CudaGraph, stream: Any, pool: TorchPool | None) -> None:
-        graph.stream, graph.pool, graph.captured = stream, pool, True
+        graph.stream, graph.pool, graph.captured, graph.instantiated = stream, pool, True, not graph.lazy
         graph.addresses = graph.torch_graph.__dict__.get(ADDRESSES)  # ours, or what a route asked for
         if pool is not None:
             pool.graphs += 1
@@ -158,11 +181,32 @@ class CudaGlue(TorchGlue):
             stream = graph.stream
             if current == stream:
                 graph.torch_graph.replay()
-                return
-            stream.wait_stream(current)
-            with cuda.stream(stream):
-                graph.torch_graph.replay()
-            current.wait_stream(stream)
+            else:
+                stream.wait_stream(current)
+                with cuda.stream(stream):
+                    graph.torch_graph.replay()
+                current.wait_stream(stream)
+        graph.instantiated = True  # a lazy graph's first replay instantiated it
+
+    def update_graph(self, graph: CudaGraph, source: CudaGraph, exec_update: Callable[[int, int], None]) -> None:
+        """Update ``graph``'s executable form with ``source``'s captured graph through
+        ``exec_update(graph_exec, source_graph)`` (instantiating ``graph`` first where it was not)."""
+        for name, g in (("graph", graph), ("source", source)):
+            if not g.captured or g.released:
+                raise InvalidStateError(f"{name}={g!r} is not captured", backend=NAME, call="update_graph")
+        if not source.lazy:
+            raise InvalidArgumentError(f"source={source!r} was not created with create_graph(lazy=True): only a "
+                                       "lazy graph keeps the captured graph an update reads", backend=NAME,
+                                       call="update_graph")
+        if source.device != graph.device:
+            raise InvalidArgumentError(f"source={source!r} is not on device {graph.device}", backend=NAME,
+                                       call="update_graph")
+        with self.ns.device(graph.device):
+            if not graph.instantiated:
+                graph.torch_graph.instantiate()
+                graph.instantiated = True
+            exec_update(int(graph.torch_graph.raw_cuda_graph_exec()), int(source.torch_graph.raw_cuda_graph()))
+        graph.addresses = source.addresses  # what its replays use from now on
 
     def release_graph(self, graph: CudaGraph) -> None:
         """Wait for the graph's last replay, then destroy it; idempotent."""

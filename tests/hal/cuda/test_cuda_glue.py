@@ -100,7 +100,8 @@ def test_released_pair_forgets_callables_after_last_free() -> None:
 @pytest.mark.skipif(torch.version.cuda is not None, reason="checks a CPU build of torch")
 def test_a_cpu_torch_lacks_the_pool_apis_and_says_which() -> None:
     glue = CudaGlue(0)
-    assert glue.capabilities == {"graphs", "capture_routing"}
+    kept = {"lazy_graphs", "graph_update"} if glue.keeps_graphs() else set()
+    assert glue.capabilities == {"graphs", "capture_routing"} | kept
     assert glue.private(compat.END_ALLOCATE_TO_POOL) is None  # a dummy that raises when called counts as missing
     with pytest.raises(hal.UnsupportedError, match=r"torch\._C\._cuda_customAllocator is missing in torch 2\."):
         glue.create_pool(lambda n: 0, lambda p, n: None)
@@ -173,6 +174,49 @@ def test_capabilities_follow_the_allocator_backend() -> None:
     assert glue.capabilities == {"graphs", "capture_routing"}
     with pytest.raises(hal.UnsupportedError, match="cudaMallocAsync"):
         glue.create_pool(lambda n: 0, lambda p, n: None)
+
+
+def test_a_lazy_graph_is_instantiated_at_its_first_replay() -> None:
+    stub = cuda_stub(keep_graph=True)
+    glue = CudaGlue(0, ext=stub)
+    assert "lazy_graphs" in glue.capabilities
+    lazy, eager = glue.create_graph(lazy=True), glue.create_graph()
+    assert lazy.lazy and lazy.torch_graph.keep_graph and not eager.torch_graph.keep_graph and "lazy" in repr(lazy)
+    for graph in (lazy, eager):
+        with glue.capture(graph, None, None, None):
+            pass
+    assert eager.torch_graph.instantiated and not lazy.torch_graph.instantiated  # captured, not instantiated
+    glue.replay(lazy)
+    glue.replay(lazy)
+    assert [c[0] for c in stub.calls if c[0] in ("instantiate", "replay") and c[1] is lazy.torch_graph] == [
+        "instantiate", "replay", "replay"]
+
+
+def test_an_update_hands_the_driver_the_executable_graph_and_the_lazy_capture() -> None:
+    glue = CudaGlue(0, ext=cuda_stub(keep_graph=True))
+    assert {"lazy_graphs", "graph_update"} <= glue.capabilities
+    target, source, eager = glue.create_graph(lazy=True), glue.create_graph(lazy=True), glue.create_graph()
+    for graph in (target, source, eager):
+        with glue.capture(graph, None, None, None):
+            pass
+    updates: list[tuple[int, int]] = []
+    glue.update_graph(target, source, lambda exe, g: updates.append((exe, g)))
+    assert target.instantiated and not source.instantiated  # the target first, never the source
+    assert updates == [(target.torch_graph.raw_cuda_graph_exec(), source.torch_graph.raw_cuda_graph())]
+    assert all(updates[0])
+    with pytest.raises(hal.InvalidArgumentError, match="lazy=True"):
+        glue.update_graph(target, eager, lambda exe, g: updates.append((exe, g)))
+    glue.release_graph(source)
+    with pytest.raises(hal.InvalidStateError, match=r"source=.* is not captured"):
+        glue.update_graph(target, source, lambda exe, g: updates.append((exe, g)))
+    assert len(updates) == 1
+
+
+def test_lazy_graphs_need_a_torch_that_keeps_graphs() -> None:
+    glue = CudaGlue(0, ext=cuda_stub())
+    assert "lazy_graphs" not in glue.capabilities
+    with pytest.raises(hal.UnsupportedError, match="keep_graph"):
+        glue.create_graph(lazy=True)
 
 
 def test_a_capture_into_a_custom_pool_and_its_teardown() -> None:

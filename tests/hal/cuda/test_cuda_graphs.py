@@ -262,6 +262,55 @@ def test_device_pool_shared_by_captures(graph_backend: hal.Backend) -> None:
         bench.close()
 
 
+def test_a_lazy_graph_replays_as_an_eager_one(graph_backend: hal.Backend) -> None:
+    be = graph_backend
+    if not be.supports("lazy_graphs"):
+        pytest.skip(f"{be.name} has no lazy graphs here")
+    bench = Bench(be, sizes=[16])
+    graphs, outs = {}, {}
+    try:
+        for lazy in (False, True):
+            graphs[lazy] = be.create_graph(lazy=lazy)
+            with torch.no_grad(), be.capture(graphs[lazy], None, bench.stream):
+                outs[lazy] = step(bench.x[16], bench.w1, bench.w2)
+        bench.x[16].copy_(torch.randn_like(bench.x[16]))
+        for _ in range(2):  # the first replay of the lazy one instantiates it
+            for graph in graphs.values():
+                be.replay(graph)
+        be.synchronize()
+        ref = step(bench.x[16], bench.w1, bench.w2)
+        assert torch.equal(outs[True], outs[False])
+        assert float((outs[True] - ref).norm() / ref.norm()) < 1e-4
+    finally:
+        for graph in graphs.values():
+            be.release_graph(graph)
+        bench.close()
+
+
+def test_one_executable_graph_updated_across_captures_of_one_topology(graph_backend: hal.Backend) -> None:
+    be = graph_backend
+    if not be.supports("graph_update"):
+        pytest.skip(f"{be.name} cannot update graphs here")
+    stream = be.create_stream()
+    device = be.torch_device()
+    xs = [torch.randn(64, generator=torch.Generator().manual_seed(k)).to(device) for k in range(4)]
+    graphs, outs = [], []
+    try:
+        for k, x in enumerate(xs):  # elementwise kernels on tensors of one size: one topology
+            graphs.append(be.create_graph(lazy=k > 0))
+            with torch.no_grad(), be.capture(graphs[-1], None, stream):
+                outs.append(torch.sigmoid(x * 3 - 1) + x)
+        for k in (3, 1, 2, 3):  # (graph 0's own work is gone after the first update: it is no lazy source)
+            be.update_graph(graphs[0], graphs[k])
+            be.replay(graphs[0])
+            be.synchronize()
+            torch.testing.assert_close(outs[k], torch.sigmoid(xs[k] * 3 - 1) + xs[k])
+            xs[k].add_(1)  # the next replay of this capture sees new inputs
+    finally:
+        for graph in graphs:
+            be.release_graph(graph)
+
+
 @pytest.mark.cuda
 def test_cuda_custom_pool_refused_under_cuda_malloc_async() -> None:
     import os
