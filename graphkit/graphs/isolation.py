@@ -347,6 +347,8 @@ class Confirmation:
                                          "two plain replays of its graph differ (it is not deterministic)")
             if not _uses(run(canary), reference):
                 self.stats.dismissed += sum(len(w) for w in words.values())
+                log.debug("key %r: %d suspect word(s) dismissed: a replay over a canary changed nothing", ctx.key,
+                          sum(len(w) for w in words.values()))
                 return []
             confirmed = suspects
             if len(suspects) > 1:  # which of them: one space's granules over the canary at a time
