@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import hal
-from graphkit_bench.case_figures import PARTS
+from graphkit_bench.case_figures import CONFIRMATION, PARTS, confirmation_line
 from graphkit_bench.fair import fmt_spread, interleaved, judge_ratio, spread
 from hal.types import fmt_bytes
 
@@ -109,6 +109,7 @@ def summarise(results: list[dict]) -> list[dict]:
                                        if r.get("verify_seconds") is not None and r.get("capture_seconds")], "v"),
             "inspected_nodes": median_of(runs, "inspected_nodes"),
             "missed_nodes": median_of(runs, "missed_nodes"),
+            **{name: median_of(runs, name) for name in CONFIRMATION},
             "replay_ms_1": median_of(runs, "replay_ms_1"),
             "replay_ms_max": median_of(runs, "replay_ms_max"),
             "graphkit_seconds": {part: median_of([{"v": r["graphkit_seconds"][part]} for r in runs
@@ -178,6 +179,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['strategy']:<14}{r['order']:<12}{mem:>30}{chunks:>12}"
                      f"{capture:>21}{map_ms:>8}{verify:>8}{nodes:>8}{at1:>21}"
                      f"{atmax:>21}  {'yes' if r['correct'] else 'NO'}")
+    lines += [line for r in rows if (line := confirmation_line(f"verify {r['strategy']} {r['order']}", r))]
     return "\n".join(lines)
 
 

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from graphkit_bench.case_figures import confirmation_line
 from graphkit_bench.strategies import DESCRIPTIONS
 from hal.types import fmt_bytes
 
@@ -47,6 +48,7 @@ def summary_table(out: dict[str, Any]) -> str:
         lines.append(f"{r['strategy']:<15} {r['order']:<11} {fmt_bytes(r['graph_memory_bytes']):>13} {chunks:>10} "
                      f"{driver:>10} {r['capture_seconds']:>10.3f} {verify:>7} {ms1:>8} {hand:>8} "
                      f"{r['max_rel_error']:>11.2e}  {ok}")
+    lines += [line for r in out["results"] if (line := confirmation_line(f"verify {r['strategy']} {r['order']}", r))]
     driver_why = next((r["driver_why"] for r in out["results"] if r.get("driver_why")), None)
     if driver_why:
         lines.append(f"driver (the driver's own memory of the graphs): n/m = {driver_why}")

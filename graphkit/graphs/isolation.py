@@ -1,4 +1,4 @@
-"""Proving at capture end that a graph reads no other key's memory.
+"""The optional isolation verifier: at capture end, refuse a graph that really uses another key's memory.
 
 Graphs of different keys of one :class:`graphkit.GraphPools` (or sizes of one
 vmm :class:`graphkit.GraphRunner`) live in different virtual spaces mapped
@@ -11,24 +11,52 @@ The backend reads the addresses from the captured graph itself
 (:meth:`hal.Backend.graph_addresses`); :func:`foreign_uses` matches them
 against the live spaces and :func:`check` turns a match into an
 :class:`IsolationError` that names both keys and the fix, from the
-:class:`Context` that the pools' verifier
-(:class:`graphkit.graphs.keys.Verifier`) gathers at the capture's end.
+:class:`Context` that the pools' :class:`Verifier` gathers at the capture's
+end (:class:`KeyCheck`: the check of one key's captures).
+
+A span the backend knows the graph uses (a tensor of the host recorder, a
+memcpy or memset node) is a use. A bare word (an argument word of a kernel,
+``nbytes=1``) is only a *suspect*: a by-value argument may hold a number that
+happens to equal an address. :class:`Confirmation` decides by behaviour: the
+foreign granules the suspect words point into are backed, at the same
+addresses, by scratch chunks (:meth:`SharedVMMAllocator.stand_in`); the graph
+is replayed twice over a copy of their bytes (the reference; two replays that
+differ leave the suspects unconfirmed, and the graph is accepted with a
+warning), then once over a canary (every byte inverted). The word is a real
+use iff that replay's result -- the bytes of the checked key's space, and the
+scratch granules for a write -- differs from the reference. The foreign key's
+own chunks are never written; they are mapped back after the replays.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 import hal
 from graphkit.memory.ranges import VirtualSpace
 from hal.types import GraphAddresses, fmt_bytes
 
+if TYPE_CHECKING:
+    from graphkit.graphs.keys import KeyPool, PoolKeys
+    from graphkit.memory.allocator import SharedVMMAllocator
+
 log = logging.getLogger(__name__)
+
+#: what an isolation error advises, for a capture graph_memory routed and for one into pools.pool(key)
+FIX_ROUTED = ("Put the captures that pass tensors to each other (the pieces of one batch) in one space: "
+              "`with pools.group(key):` around them")
+FIX_KEYED = ("Use one key for the captures that pass tensors to each other (the pieces of one batch): "
+             "the same pools.pool(key), or `with pools.group(key):` around them")
 
 
 class IsolationError(hal.CaptureError):
@@ -45,10 +73,16 @@ class ForeignUse:
     first: int  # the lowest such address
     pointers: int = 0  # how many of them are bare pointers (sizes unknown)
     blocks: tuple[tuple[int, int], ...] = ()  # the live blocks of that space they fall in, where known
+    confirmed: bool = False  # bare pointers whose use a replay over a canary confirmed
+
+    @property
+    def suspect(self) -> bool:
+        """Whether every address is a bare pointer (a word of a kernel's arguments): a use only once confirmed."""
+        return self.pointers == self.addresses
 
     def __str__(self) -> str:
         if self.pointers == self.addresses:
-            return f"{self.pointers} pointer(s)"
+            return f"{self.pointers} pointer(s)" + (" (confirmed by a replay over a canary)" if self.confirmed else "")
         return f"{fmt_bytes(self.nbytes)} ({self.nbytes} bytes) of {self.addresses} tensor(s)"
 
 
@@ -59,8 +93,13 @@ class VerifyStats:
     graphs: int = 0  # graphs proven isolated (read and checked, or needing no reading)
     nodes: int = 0  # nodes (ops, kernels) the backend read
     missed: int = 0  # nodes the backend could not read
-    seconds: float = 0.0  # time spent reading graphs and checking
+    seconds: float = 0.0  # time spent reading graphs and checking (confirmation included)
     unread: int = 0  # of ``graphs``, those proven without reading them: no other key held memory then
+    suspects: int = 0  # bare words found in another key's live memory on the shared chunks: suspects
+    confirmed: int = 0  # of those, the words a replay over a canary confirmed (their graphs were refused)
+    dismissed: int = 0  # the words the replay showed unused (garbage that looks like an address)
+    unconfirmed: int = 0  # the words left undecided (two plain replays differ, or nothing to replay): accepted
+    confirm_seconds: float = 0.0  # of ``seconds``, the time spent confirming (replays and stand-ins)
 
     def skip(self) -> None:
         """Count a graph that needed no reading: when it was captured, no other key held live memory."""
@@ -144,6 +183,8 @@ class Context:
         inside one of them (see :func:`foreign_uses`).
     :param state_sizes: ``{bytes: what}`` of per-stream library state the backend makes ahead of captures
         (:meth:`hal.Backend.stream_state_sizes`), to name a block of that size.
+    :param allocator: the allocator of ``spaces``, to confirm suspect words over stand-ins (None: suspects are
+        not confirmed by :func:`verify`; they count as uses).
     """
 
     backend: hal.Backend
@@ -154,26 +195,38 @@ class Context:
     fix: str
     live_blocks: Callable[[int], list[tuple[int, int]] | None] | None = None
     state_sizes: Mapping[int, str] = field(default_factory=dict)
+    allocator: SharedVMMAllocator | None = None
 
 
 def verify(ctx: Context, graph: Any, stats: VerifyStats) -> None:
-    """Ask the backend which addresses ``graph`` uses, :func:`check` them, and count it in ``stats``."""
+    """Ask the backend which addresses ``graph`` uses, :func:`check` them (suspects confirmed by replaying
+    ``graph``, see :class:`Confirmation`), and count it in ``stats``."""
     start = time.perf_counter()
     found = ctx.backend.graph_addresses(graph)
     asked = time.perf_counter()
     try:
-        check(ctx, found)
+        check(ctx, found, Confirmation(ctx, graph, stats) if ctx.allocator is not None else None)
     finally:
         stats.add(found, asked - start, time.perf_counter() - asked)
 
 
-def check(ctx: Context, found: GraphAddresses) -> None:
+#: ``confirm(suspects, found) -> the suspects that are real uses``
+Confirm = Callable[[list[ForeignUse], GraphAddresses], list[ForeignUse]]
+
+
+def check(ctx: Context, found: GraphAddresses, confirm: Confirm | None = None) -> None:
     """Raise :class:`IsolationError` when the graph of ``ctx.key`` uses memory another key left alive in its space.
 
     The message says what the memory is -- its blocks and their sizes, the capture that allocated them, and
     where graphkit can tell, what made them (a library's per-stream workspace) -- and the fix for that case.
+
+    :param confirm: decides which suspects (bare words only, see :attr:`ForeignUse.suspect`) are real uses,
+        where no other use refuses the graph already. None: every match counts.
     """
     foreign = foreign_uses(found, ctx.spaces, ctx.own, ctx.live_blocks)
+    if foreign and confirm is not None:
+        sure = [use for use in foreign if not use.suspect]
+        foreign = sure or confirm([use for use in foreign if use.suspect], found)
     if not foreign:
         return
     parts, fixes = [], []
@@ -214,6 +267,233 @@ def _explain(use: ForeignUse, owner: str, state_sizes: Mapping[int, str]) -> tup
     return f"{text} -- the size of {named[0]} for one stream", fix
 
 
+# -- confirming suspects ------------------------------------------------------------------------
+
+
+def _suspect_words(found: GraphAddresses, use: ForeignUse, space: VirtualSpace) -> list[int]:
+    """The bare words of ``found`` that make up ``use``: in ``space``, in its live blocks where known."""
+    return sorted(ptr for ptr, nbytes in found.spans
+                  if nbytes <= 1 and not ptr & 1 and space.contains(ptr)
+                  and (not use.blocks or any(lo <= ptr < lo + size for lo, size in use.blocks)))
+
+
+def _replay(backend: hal.Backend, graph: Any) -> None:
+    """Replay ``graph``: one hal made through the backend, a framework's own (a routed capture's) by itself."""
+    if type(graph).__module__.split(".")[0] == "torch":
+        graph.replay()
+    else:
+        backend.replay(graph)
+
+
+class Confirmation:
+    """Tells which suspect words of one graph its replay really uses, by replaying it over stand-ins.
+
+    For the granules the suspect words point into, :meth:`SharedVMMAllocator.stand_in` maps scratch chunks at
+    the same addresses of the foreign spaces. Every replay starts from the same state: the checked key's space
+    as the capture left it, the scratch granules filled with a copy of the foreign bytes (the reference, twice:
+    two replays that differ leave the words unconfirmed) or with those bytes inverted (the canary). A word is a
+    use iff the canary replay leaves the key's space, or the scratch granules, otherwise than the reference.
+
+    :param ctx: the check's context (its ``allocator`` and ``own`` space).
+    :param graph: the captured graph, replayable (its capture ended).
+    :param stats: where the words and the seconds are counted.
+    """
+
+    def __init__(self, ctx: Context, graph: Any, stats: VerifyStats) -> None:
+        self.ctx, self.graph, self.stats = ctx, graph, stats
+
+    def __call__(self, suspects: list[ForeignUse], found: GraphAddresses) -> list[ForeignUse]:
+        """The suspects that are real uses (confirmed); the others are dismissed or left unconfirmed."""
+        start = time.perf_counter()
+        words = {use.space_id: _suspect_words(found, use, self.ctx.spaces[use.space_id]) for use in suspects}
+        count = sum(len(w) for w in words.values())
+        self.stats.suspects += count
+        try:
+            confirmed = self._decide(suspects, words)
+        finally:
+            self.stats.confirm_seconds += time.perf_counter() - start
+        real = {use.space_id for use in confirmed}
+        self.stats.confirmed += sum(len(w) for sid, w in words.items() if sid in real)
+        return [dataclasses.replace(use, confirmed=True) for use in confirmed]
+
+    def _decide(self, suspects: list[ForeignUse], words: dict[int, list[int]]) -> list[ForeignUse]:
+        ctx, alloc = self.ctx, self.ctx.allocator
+        count = sum(len(w) for w in words.values())
+        if alloc is None or alloc.closed or alloc.paused or ctx.own is None or ctx.own not in alloc.spaces:
+            return self._unconfirmed(count, "its memory cannot be backed by stand-ins now (paused or closed)")
+        g = alloc.granularity
+        granules = {sid: sorted({(w - ctx.spaces[sid].base) // g for w in ws}) for sid, ws in words.items()}
+        try:
+            return self._replays(suspects, words, granules)
+        except hal.HalError as exc:
+            return self._unconfirmed(count, f"replaying it over stand-ins failed ({exc})")
+
+    def _replays(self, suspects: list[ForeignUse], words: dict[int, list[int]],
+                 granules: dict[int, list[int]]) -> list[ForeignUse]:
+        ctx, be = self.ctx, self.ctx.backend
+        alloc = ctx.allocator
+        assert alloc is not None and ctx.own is not None
+        g = alloc.granularity
+        own = alloc.spaces[ctx.own]
+        places = {(sid, i): ctx.spaces[sid].base + i * g for sid, indices in granules.items() for i in indices}
+        saved = {key: be.tensor_at(ptr, g).clone() for key, ptr in places.items()}  # the foreign bytes, as they are
+        canary = {key: torch.bitwise_not(data) for key, data in saved.items()}
+        start = be.tensor_at(own.base, own.offset).clone() if own.offset else None
+        run = functools.partial(self._run, places, g, own.base, start)
+        with alloc.stand_in(granules), self._restored(own.base, start):
+            first, reference = run(saved), run(saved)
+            if not _same(first, reference):
+                return self._unconfirmed(sum(len(w) for w in words.values()),
+                                         "two plain replays of its graph differ (it is not deterministic)")
+            if not _uses(run(canary), reference):
+                self.stats.dismissed += sum(len(w) for w in words.values())
+                log.debug("key %r: %d suspect word(s) dismissed: a replay over a canary changed nothing", ctx.key,
+                          sum(len(w) for w in words.values()))
+                return []
+            confirmed = suspects
+            if len(suspects) > 1:  # which of them: one space's granules over the canary at a time
+                confirmed = [use for use in suspects if _uses(run(
+                    {key: canary[key] if key[0] == use.space_id else saved[key] for key in places}), reference)]
+                confirmed = confirmed or suspects  # only together: all of them
+        real = {use.space_id for use in confirmed}
+        self.stats.dismissed += sum(len(w) for sid, w in words.items() if sid not in real)
+        return confirmed
+
+    @contextlib.contextmanager
+    def _restored(self, base: int, start: torch.Tensor | None) -> Iterator[None]:
+        """The key's space holds ``start`` again after the block: as its capture left it."""
+        try:
+            yield
+        finally:
+            if start is not None:
+                self.ctx.backend.tensor_at(base, len(start)).copy_(start)
+
+    def _run(self, places: dict[tuple[int, int], int], g: int, base: int, start: torch.Tensor | None,
+             fill: dict[tuple[int, int], torch.Tensor]) -> tuple[torch.Tensor | None, bool]:
+        """Fill the scratch granules with ``fill`` and the key's space with ``start``, replay; return the key's
+        space as the replay left it, and whether the replay wrote into a scratch granule."""
+        be = self.ctx.backend
+        for key, ptr in places.items():
+            be.tensor_at(ptr, g).copy_(fill[key])
+        if start is not None:
+            be.tensor_at(base, len(start)).copy_(start)
+        _replay(be, self.graph)
+        left = be.tensor_at(base, len(start)).clone() if start is not None else None
+        return left, any(not torch.equal(be.tensor_at(ptr, g), fill[key]) for key, ptr in places.items())
+
+    def _unconfirmed(self, count: int, why: str) -> list[ForeignUse]:
+        log.warning("key %r: %d word(s) of its graph equal addresses in memory another key keeps on the shared "
+                    "chunks, but %s: unconfirmed, the graph is accepted", self.ctx.key, count, why)
+        self.stats.unconfirmed += count
+        return []
+
+
+def _same(left: tuple[torch.Tensor | None, bool], right: tuple[torch.Tensor | None, bool]) -> bool:
+    """Whether two replays left the same: the key's space byte for byte, and a write into the scratch or none."""
+    (a, wrote_a), (b, wrote_b) = left, right
+    return wrote_a == wrote_b and (a is None or b is None or torch.equal(a, b))
+
+
+def _uses(canary: tuple[torch.Tensor | None, bool], reference: tuple[torch.Tensor | None, bool]) -> bool:
+    """Whether the replay over the canary shows a use: it wrote into the scratch, or read it (the key's space
+    differs from the reference)."""
+    return canary[1] or reference[1] or not _same((canary[0], False), (reference[0], False))
+
+
+# -- the check of the keys of one GraphPools ---------------------------------------------------
+
+
+class KeyCheck:
+    """The isolation check of the captures of one key, decided before they begin (by :meth:`Verifier.check`).
+
+    A graph can only misuse memory that another key holds alive; when no other key holds any
+    (``read`` is False), the graph needs no reading and is counted as proven without it. Nothing
+    allocates in a key's space outside its captures, so a key found holding nothing holds nothing
+    until its next capture.
+
+    :param verifier: the pools' verifier (the other keys, the figures).
+    :param entry: the key the captures go to.
+    :param fix: what the caller should do when the graph reads another capture's output, for the message.
+    :param read: whether the graph must be read.
+    """
+
+    def __init__(self, verifier: Verifier, entry: KeyPool, fix: str, read: bool) -> None:
+        self.verifier, self.entry, self.fix, self.read = verifier, entry, fix, read
+
+    def __call__(self, graph: Any) -> None:
+        """Check ``graph`` (captured with its addresses recorded); raises :class:`IsolationError`."""
+        verify(self.verifier.context(self.entry, self.fix), graph, self.verifier.stats)
+
+    def accepted(self, graph: Any) -> None:
+        """The capture of ``graph`` ended well: check it where it must be read, then note it (:meth:`done`)."""
+        if self.read:
+            self(graph)
+        self.done()
+
+    def done(self) -> None:
+        """The captures into the key ended well (each checked where it had to be read): note what it holds."""
+        if not self.read:
+            self.verifier.stats.skip()
+        self.verifier.note_live(self.entry)
+
+
+class Verifier:
+    """The isolation check of the keys of one :class:`graphkit.GraphPools` and what it did (:attr:`stats`).
+
+    :param keys: the pools' key table, read under its lock.
+    :param enabled: check at all; it is on only where keys have spaces of their own (``vmm``) and the
+        backend can say which addresses a graph uses.
+    """
+
+    def __init__(self, keys: PoolKeys, enabled: bool) -> None:
+        self.keys = keys
+        self.stats = VerifyStats()
+        self.enabled = bool(enabled) and keys.allocator is not None and readable(keys.backend, [])
+
+    def check(self, entry: KeyPool, fix: str | None = None) -> KeyCheck | None:
+        """The check of a capture into ``entry`` starting now (None where there is nothing to check or no way
+        to); it reads the graph only where another key holds memory that may still be alive. Under the lock.
+
+        :param fix: what the caller should do, for the message (default: the advice for pools' keys).
+        """
+        if not self.enabled or entry.space_id is None:
+            return None
+        read = any(self.note_live(other) for other in reversed(list(self.keys.entries.values()))
+                   if other is not entry and other.space_id is not None and other.live != ())
+        return KeyCheck(self, entry, fix or (FIX_ROUTED if entry.auto else FIX_KEYED), read)
+
+    def context(self, entry: KeyPool, fix: str) -> Context:
+        """What checking a graph of ``entry`` against the other keys needs (read under the lock)."""
+        keys, alloc = self.keys, self.keys.allocator
+        assert alloc is not None and entry.space_id is not None
+        with keys.lock:
+            owners = {e.space_id: e for e in keys.entries.values() if e.space_id is not None}
+
+        def key_of(space_id: int) -> Hashable | None:
+            owner = owners.get(space_id)
+            return None if owner is None else owner.key
+
+        def live_blocks(space_id: int) -> list[tuple[int, int]] | None:
+            """The blocks of ``space_id`` another replay may overwrite: survivors with bytes of their own are not."""
+            owner = owners.get(space_id)
+            if owner is None:
+                return None
+            return alloc.on_shared_chunks(space_id, keys.backend.pool_active_blocks(owner.pool))
+
+        return Context(keys.backend, alloc.spaces, own=entry.space_id, key=entry.key, key_of=key_of, fix=fix,
+                       live_blocks=live_blocks, state_sizes=keys.backend.stream_state_sizes(), allocator=alloc)
+
+    def note_live(self, entry: KeyPool) -> bool:
+        """Note what ``entry``'s pool holds now (after its capture, or again before another key's, since
+        outputs die after their capture ends); whether it may hold anything (unknown where it cannot be read)."""
+        try:
+            entry.live = tuple(self.keys.backend.pool_active_blocks(entry.pool))
+        except hal.HalError as exc:
+            log.debug("key %r: its live blocks could not be read (%s): later captures are read", entry.key, exc)
+            entry.live = None
+        return entry.live != ()
+
+
 def readable(backend: hal.Backend, logged: list[bool]) -> bool:
     """Whether ``backend`` can say which addresses a graph uses; logs once (per ``logged``) when not."""
     if backend.supports("graph_addresses"):
@@ -225,4 +505,5 @@ def readable(backend: hal.Backend, logged: list[bool]) -> bool:
     return False
 
 
-__all__ = ["Context", "ForeignUse", "IsolationError", "VerifyStats", "check", "foreign_uses", "verify"]
+__all__ = ["FIX_KEYED", "FIX_ROUTED", "Confirmation", "Context", "ForeignUse", "IsolationError", "KeyCheck", "Verifier",
+           "VerifyStats", "check", "foreign_uses", "verify"]

@@ -1,4 +1,4 @@
-"""The keys of a :class:`graphkit.GraphPools`, the handles capture APIs take for them, and their isolation check.
+"""The keys of a :class:`graphkit.GraphPools` and the handles capture APIs take for them.
 
 :class:`PoolKeys` is the table: each key's :class:`KeyPool` (the key, the
 lease its pool strategy gave -- the backend pool, and for ``vmm`` its virtual
@@ -18,18 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import hal
-from graphkit.graphs.isolation import Context, VerifyStats, readable, verify
 from graphkit.graphs.strategies import Lease, PoolStrategy
 from graphkit.memory.allocator import SharedVMMAllocator
 from graphkit.memory.closing import close_step
 
 log = logging.getLogger(__name__)
-
-#: what an isolation error advises, for a capture graph_memory routed and for one into pools.pool(key)
-FIX_ROUTED = ("Put the captures that pass tensors to each other (the pieces of one batch) in one space: "
-              "`with pools.group(key):` around them")
-FIX_KEYED = ("Use one key for the captures that pass tensors to each other (the pieces of one batch): "
-             "the same pools.pool(key), or `with pools.group(key):` around them")
 
 _serial = itertools.count(1)  # made-up pool ids, unique in the process
 
@@ -327,92 +320,11 @@ class PoolKeys:
         self._pending.clear()
 
 
-class KeyCheck:
-    """The isolation check of the captures of one key, decided before they begin (by :meth:`Verifier.check`).
 
-    A graph can only misuse memory that another key holds alive; when no other key holds any
-    (``read`` is False), the graph needs no reading and is counted as proven without it. Nothing
-    allocates in a key's space outside its captures, so a key found holding nothing holds nothing
-    until its next capture.
+def __getattr__(name: str) -> Any:
+    """The isolation verifier's names, at home in :mod:`graphkit.graphs.isolation` (importable from here too)."""
+    if name in ("KeyCheck", "Verifier", "FIX_ROUTED", "FIX_KEYED"):
+        from graphkit.graphs import isolation
 
-    :param verifier: the pools' verifier (the other keys, the figures).
-    :param entry: the key the captures go to.
-    :param fix: what the caller should do when the graph reads another capture's output, for the message.
-    :param read: whether the graph must be read.
-    """
-
-    def __init__(self, verifier: Verifier, entry: KeyPool, fix: str, read: bool) -> None:
-        self.verifier, self.entry, self.fix, self.read = verifier, entry, fix, read
-
-    def __call__(self, graph: Any) -> None:
-        """Check ``graph`` (captured with its addresses recorded); raises :class:`IsolationError`."""
-        verify(self.verifier.context(self.entry, self.fix), graph, self.verifier.stats)
-
-    def accepted(self, graph: Any) -> None:
-        """The capture of ``graph`` ended well: check it where it must be read, then note it (:meth:`done`)."""
-        if self.read:
-            self(graph)
-        self.done()
-
-    def done(self) -> None:
-        """The captures into the key ended well (each checked where it had to be read): note what it holds."""
-        if not self.read:
-            self.verifier.stats.skip()
-        self.verifier.note_live(self.entry)
-
-
-class Verifier:
-    """The isolation check of the keys of one :class:`graphkit.GraphPools` and what it did (:attr:`stats`).
-
-    :param keys: the pools' key table, read under its lock.
-    :param enabled: check at all; it is on only where keys have spaces of their own (``vmm``) and the
-        backend can say which addresses a graph uses.
-    """
-
-    def __init__(self, keys: PoolKeys, enabled: bool) -> None:
-        self.keys = keys
-        self.stats = VerifyStats()
-        self.enabled = bool(enabled) and keys.allocator is not None and readable(keys.backend, [])
-
-    def check(self, entry: KeyPool, fix: str | None = None) -> KeyCheck | None:
-        """The check of a capture into ``entry`` starting now (None where there is nothing to check or no way
-        to); it reads the graph only where another key holds memory that may still be alive. Under the lock.
-
-        :param fix: what the caller should do, for the message (default: the advice for pools' keys).
-        """
-        if not self.enabled or entry.space_id is None:
-            return None
-        read = any(self.note_live(other) for other in reversed(list(self.keys.entries.values()))
-                   if other is not entry and other.space_id is not None and other.live != ())
-        return KeyCheck(self, entry, fix or (FIX_ROUTED if entry.auto else FIX_KEYED), read)
-
-    def context(self, entry: KeyPool, fix: str) -> Context:
-        """What checking a graph of ``entry`` against the other keys needs (read under the lock)."""
-        keys, alloc = self.keys, self.keys.allocator
-        assert alloc is not None and entry.space_id is not None
-        with keys.lock:
-            owners = {e.space_id: e for e in keys.entries.values() if e.space_id is not None}
-
-        def key_of(space_id: int) -> Hashable | None:
-            owner = owners.get(space_id)
-            return None if owner is None else owner.key
-
-        def live_blocks(space_id: int) -> list[tuple[int, int]] | None:
-            """The blocks of ``space_id`` another replay may overwrite: survivors with bytes of their own are not."""
-            owner = owners.get(space_id)
-            if owner is None:
-                return None
-            return alloc.on_shared_chunks(space_id, keys.backend.pool_active_blocks(owner.pool))
-
-        return Context(keys.backend, alloc.spaces, own=entry.space_id, key=entry.key, key_of=key_of, fix=fix,
-                       live_blocks=live_blocks, state_sizes=keys.backend.stream_state_sizes())
-
-    def note_live(self, entry: KeyPool) -> bool:
-        """Note what ``entry``'s pool holds now (after its capture, or again before another key's, since
-        outputs die after their capture ends); whether it may hold anything (unknown where it cannot be read)."""
-        try:
-            entry.live = tuple(self.keys.backend.pool_active_blocks(entry.pool))
-        except hal.HalError as exc:
-            log.debug("key %r: its live blocks could not be read (%s): later captures are read", entry.key, exc)
-            entry.live = None
-        return entry.live != ()
+        return getattr(isolation, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,8 +26,8 @@ from typing import Any, Literal
 
 import hal
 from graphkit.graphs.capture import CaptureHygieneError, leftover_blocks, report_leftovers, warm_up_checked
-from graphkit.graphs.isolation import IsolationError, VerifyStats
-from graphkit.graphs.keys import CaptureKey, KeyCheck, KeyPool, PoolHandle, PoolKeys, Verifier
+from graphkit.graphs.isolation import IsolationError, KeyCheck, Verifier, VerifyStats
+from graphkit.graphs.keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
 from graphkit.graphs.report import KeyReport, PoolsReport, pools_report
 from graphkit.graphs.routing import CaptureRouting
 from graphkit.graphs.scope import ScopeRouter

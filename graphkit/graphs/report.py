@@ -121,6 +121,11 @@ class PoolsReport:
     driver_bytes: int | None = None  # device_bytes less the chunks: the driver's memory of the keys' graphs
     driver_why: str = ""  # why driver_bytes is None
     survivor_bytes: int = 0  # of chunk_bytes: chunks of their own under memory that outlived its capture
+    suspect_words: int = 0  # bare words in another key's live memory on the shared chunks: confirmed by a replay
+    confirmed_words: int = 0  # of those, real uses (their graphs were refused)
+    dismissed_words: int = 0  # never dereferenced: garbage that looked like an address
+    unconfirmed_words: int = 0  # undecided (the graph's replays differ): accepted with a warning
+    confirm_seconds: float = 0.0  # of verify_seconds, the time the replays over stand-ins took
 
     @property
     def shared_bytes(self) -> int:
@@ -148,7 +153,10 @@ class PoolsReport:
                  + (f"; {self.verified_graphs} capture(s) verified isolated ({self.inspected_nodes} nodes read"
                     + (f", {self.missed_nodes} unreadable" if self.missed_nodes else "")
                     + (f", {self.unread_graphs} needed no reading" if self.unread_graphs else "")
-                    + f", {self.verify_seconds * 1e3:.1f} ms)" if self.verified_graphs else ""),
+                    + f", {self.verify_seconds * 1e3:.1f} ms)" if self.verified_graphs else "")
+                 + (f"; {self.suspect_words} suspect word(s): {self.confirmed_words} confirmed, "
+                    f"{self.dismissed_words} dismissed, {self.unconfirmed_words} unconfirmed, in "
+                    f"{self.confirm_seconds * 1e3:.1f} ms of replays" if self.suspect_words else ""),
                  _driver_line(f"the graphs of {len(self.keys)} key(s)", self.driver_bytes, self.driver_why)]
         width = max([16, *(len(k.label) for k in self.keys)])
         for k in self.keys:
@@ -176,4 +184,6 @@ def pools_report(backend: str, kind: str, keys: Iterable[tuple[Hashable, int | N
                        alloc.arena_reserved_bytes if alloc else 0, device_bytes,
                        alloc.map_calls if alloc else 0, alloc.map_seconds if alloc else 0.0,
                        stats.graphs, stats.nodes, stats.missed, stats.seconds, stats.unread, len(spaces), driver,
-                       why, alloc.survivor_bytes if alloc else 0)
+                       why, alloc.survivor_bytes if alloc else 0, suspect_words=stats.suspects,
+                       confirmed_words=stats.confirmed, dismissed_words=stats.dismissed,
+                       unconfirmed_words=stats.unconfirmed, confirm_seconds=stats.confirm_seconds)

@@ -20,7 +20,8 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 from graphkit.graphs.capture import framework_capturer
-from graphkit.graphs.keys import CaptureKey, KeyCheck, KeyPool, PoolHandle, PoolKeys, Verifier
+from graphkit.graphs.isolation import KeyCheck, Verifier
+from graphkit.graphs.keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
 from graphkit.memory.phases import CAPTURE_TIMES
 from hal.types import Route, fmt_bytes
 

@@ -38,9 +38,10 @@ release/restore machine of ``graphkit.memory.backing``, and parking at close).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import hal
@@ -50,6 +51,7 @@ from graphkit.memory.figures import figure
 from graphkit.memory.ranges import Arena as Arena  # re-exported: its home before the arenas had a module
 from graphkit.memory.ranges import SpaceTable, VirtualSpace
 from graphkit.memory.sharing import ExportedRange
+from graphkit.memory.stand_in import standing_in
 from graphkit.memory.survivors import granules_of
 from hal.types import fmt_bytes, round_up
 
@@ -303,6 +305,18 @@ class SharedVMMAllocator(Closable):
         with self._lock:
             space = self._table.spaces.get(space_id)
             return list(blocks) if space is None else self._chunks.survivors.on_shared(space, blocks)
+
+    @contextlib.contextmanager
+    def stand_in(self, granules: Mapping[int, Iterable[int]]) -> Iterator[list[int]]:
+        """Inside the block, the granules ``{space id: granule indices}`` map fresh scratch chunks at their
+        addresses instead of their own; yields the scratch granules' addresses. After it each space maps its own
+        chunks again, bytes untouched (``graphkit.memory.stand_in``). Holds the lock for the whole block; waits
+        for the device before the unmaps, both ways."""
+        with self._lock:
+            self._check_open("stand_in", awake=True)
+            spaces = [(self._table.get(space_id, "stand_in"), indices) for space_id, indices in granules.items()]
+            with standing_in(self._chunks.backing, spaces) as addresses:
+                yield addresses
 
     def precreate(self, nbytes: int) -> None:
         """Create chunks for ``nbytes`` more physical memory (all or nothing), mapped nowhere yet.

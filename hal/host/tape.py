@@ -136,6 +136,8 @@ class HostGraph:
     pool: BlockPool | None = None  # the pool the capture placed its results in
     # the tensors whose bytes a replay reads or writes (indices into ``tensors``), found at the end of the capture
     touched: list[int] = field(default_factory=list)
+    # integer arguments of the recorded ops that could be addresses (see :func:`_words`)
+    words: list[int] = field(default_factory=list)
     capturing: bool = False
     captured: bool = False
     released: bool = False
@@ -172,7 +174,9 @@ class HostGraph:
 
     def addresses(self) -> GraphAddresses:
         """Every byte span a replay reads or writes: the storage of each tensor whose bytes a recorded op reads
-        or writes (a tensor an op takes only for its shape and dtype, as ``zeros_like`` does, is not counted)."""
+        or writes (a tensor an op takes only for its shape and dtype, as ``zeros_like`` does, is not counted);
+        and, as bare words (``nbytes=1``), the integer arguments of the ops that could be addresses, as a device
+        backend reports the words of its kernels' arguments: whether an op dereferences one, only a replay tells."""
         if not self.captured or self.released:
             raise InvalidStateError("graph_addresses of a graph that is not captured", backend=self.backend,
                                     call="graph_addresses")
@@ -181,6 +185,7 @@ class HostGraph:
         used = (tape.tensors[i] for i in tape.touched)
         spans = {(s.data_ptr(), s.nbytes()) for s in
                  (t.untyped_storage() for t in used if t is not None and t.numel())}
+        spans.update((word, 1) for word in tape.words)
         return GraphAddresses(tuple(sorted(spans)), nodes=len(self.ops), seconds=time.perf_counter() - start)
 
     def discard(self) -> None:
@@ -195,6 +200,7 @@ class HostGraph:
         self.entries.clear()
         self.tensors.clear()
         self.touched.clear()
+        self.words.clear()
         self.pool = None
         self.running = None
 
@@ -450,6 +456,19 @@ def _touched(graph: HostGraph) -> list[int]:
     return sorted(found)
 
 
+#: an integer argument is a candidate address inside [WORD_LOW, WORD_HIGH): above small integers (sizes, dims)
+#: and below the top of a 57-bit user address space, as the cuda backend reads kernel arguments
+WORD_LOW, WORD_HIGH = 1 << 16, 1 << 57
+
+
+def _words(graph: HostGraph) -> list[int]:
+    """The distinct integer arguments of the recorded ops that could be addresses (a custom op may take one as
+    an ``int`` and read or write through it, or carry a number that only looks like one)."""
+    found = {leaf for op in graph.ops for leaf in tree_flatten((op.args, op.kwargs))[0]
+             if type(leaf) is int and WORD_LOW <= leaf < WORD_HIGH}
+    return sorted(found)
+
+
 def _materialise(graph: HostGraph) -> None:
     """Build the replay tensors: fresh views over the placed memory, constants as they are."""
     tensors: list[torch.Tensor | None] = []
@@ -693,6 +712,7 @@ def capture(graph: HostGraph, pool: BlockPool) -> Iterator[HostGraph]:
         graph.capturing = False
     _materialise(graph)
     graph.touched = _touched(graph)
+    graph.words = _words(graph)
     if not graph.lazy:
         graph.program, graph.compiled = _compile(graph), True
     graph.pool = pool

@@ -260,6 +260,18 @@ def test_a_tensor_whose_bytes_an_op_reads_is_an_address_of_the_graph(be: hal.Bac
         be.release_graph(graph)
 
 
+def test_an_integer_argument_that_could_be_an_address_is_a_bare_word_of_the_graph(be: hal.Backend) -> None:
+    """As a device backend reports its kernels' argument words: whether an op dereferences one, only a replay
+    tells (the verifier's confirmation); small integers (sizes, factors) are none."""
+    x = torch.zeros(8, dtype=torch.int64)
+    graph = be.create_graph()
+    with be.capture(graph, inspect=True):
+        (x + (1 << 40)) * 3
+    spans = be.graph_addresses(graph).spans
+    assert (1 << 40, 1) in spans and not any(n == 1 and a < 1 << 16 for a, n in spans)
+    be.release_graph(graph)
+
+
 # -- routing: hal.routing's choice, as the recorder asks for it ---------------------------------------------
 
 
