@@ -108,10 +108,18 @@ class Turn:
     Each process opens the file itself (a lock belongs to an open file, so
     two openers exclude each other). The kernel drops the lock when its
     holder exits or is killed, so a dead holder frees the turn.
+
+    The device is asynchronous: a step's kernels may still run when the
+    process that queued them is done with the step, and the other process's
+    replay would then overwrite the shared bytes under them. With
+    ``backend``, giving the turn back first waits for the device
+    (``backend.synchronize()``), so a turn ends when this process's work on
+    the device has ended, not when it was queued.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], backend: hal.Backend | None = None) -> None:
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.backend = backend
 
     def acquire(self) -> float:
         """Take the turn, waiting for the holder; return the seconds waited."""
@@ -120,7 +128,12 @@ class Turn:
         return time.perf_counter() - t0
 
     def release(self) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        """Give the turn back, once the device has run everything this process queued (with a backend)."""
+        try:
+            if self.backend is not None:
+                self.backend.synchronize()
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[None]:
@@ -233,7 +246,7 @@ def _serve(be: hal.Backend, role: str, mode: str, paths: dict[str, str], options
             listener.listen(1)
     engine = engine_decode.Engine(be, models[role], max_batch=max(sizes), max_model_len=64,
                                   seed=ROLES.index(role) + 1, pools=pools)
-    turn = Turn(paths["turn"]) if mode == "shared" else None
+    turn = Turn(paths["turn"], be) if mode == "shared" else None
     try:
         barrier.wait(MEETING_TIMEOUT)  # both engines built (weights, caches): the captures follow, one at a time
         if role == "importer" and not captured.wait(MEETING_TIMEOUT):
