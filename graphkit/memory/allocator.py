@@ -338,12 +338,12 @@ class SharedVMMAllocator(Closable):
                                             "first", backend=self.backend.name, call="allocate")
             space = self._table.get(sid, "allocate")
             _check_allocation(self.backend, nbytes, alignment)
-            start, end = space.next_block(nbytes, alignment, self.backend)
-            if end > space.mapped * self.granularity:
-                self._chunks.map_up_to(space, -(-end // self.granularity), self.max_physical_bytes)
-            space.offset = end
-            space.live_allocations += 1
-            return space.base + start
+            return space.allocate(nbytes, alignment, self.backend, lambda end: self._reach(space, end))
+
+    def _reach(self, space: VirtualSpace, end: int) -> None:
+        """Map the chunks ``space`` needs up to offset ``end`` (an allocation about to be handed out)."""
+        if end > space.mapped * self.granularity:
+            self._chunks.map_up_to(space, -(-end // self.granularity), self.max_physical_bytes)
 
     def deallocate(self, ptr: int) -> None:
         """Accept a free: it only counts (a bump region's memory goes with its space), so it may come at any moment."""
