@@ -173,7 +173,7 @@ class PoolKeys:
         self._pending: list[KeyPool] = []  # automatic keys whose release failed: dropped again at the next one
 
     @property
-    def lock(self) -> Any:
+    def lock(self) -> threading.RLock:
         """The table's lock (reentrant): every verb takes it; a caller holds it to make several calls one step."""
         return self._lock
 
