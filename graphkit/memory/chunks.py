@@ -85,7 +85,9 @@ class SharedChunks:
 
     def map_up_to(self, space: VirtualSpace, count: int, limit: int | None) -> None:
         """Map chunks ``space.mapped .. count-1`` into ``space``, creating those missing within ``limit`` bytes
-        (all or nothing)."""
+        (all or nothing); nothing when it maps them already."""
+        if count <= space.mapped:
+            return
         self.check_limit(max(count - len(self.chunks), 0), limit, "allocate")
         with Transaction() as tx:
             for index in range(space.mapped, count):
