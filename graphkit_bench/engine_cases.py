@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -40,7 +40,7 @@ ENGINE_STRATEGIES = {
     "graph_pools": "pool=pools.pool(batch_size): a GraphPools handle per size",
 }
 #: the graph_memory strategies and the lifetime of the outputs each declares
-OUTPUTS = {"graph_memory": "kept", "graph_memory-replay": "replay"}
+OUTPUTS: dict[str, Literal["kept", "replay"]] = {"graph_memory": "kept", "graph_memory-replay": "replay"}
 ENGINE_ORDERS = ("descending", "ascending", "random", "on-demand")
 MAX_MODEL_LEN = {"reference": 128, "tiny": 32}
 _MODULE = "graphkit_engine_decode_example"

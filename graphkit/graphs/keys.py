@@ -13,8 +13,9 @@ import itertools
 import logging
 import threading
 from collections import deque
-from collections.abc import Hashable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import hal
@@ -107,19 +108,28 @@ class PoolHandle(tuple):
 
 @dataclass(eq=False)
 class KeyPool:
-    """One key's pool: its handle and the lease it draws from."""
+    """One key's pool: its handle and the lease it draws from.
+
+    Its counts are written by its :class:`PoolKeys` alone (through the table's verbs); others read them.
+    """
 
     key: Hashable
     handle: PoolHandle
     lease: Lease
     auto: bool = False  # made by graph_memory for one capture: released with its graph
-    graphs: int = 0  # routed captures alive in it
     #: blocks of its pool allocated at the end of its last capture (None: unknown): a bound of what it holds
     #: later, since nothing allocates in a key's space outside its captures
     live: tuple[tuple[int, int], ...] | None = ()
+    _graphs: int = field(default=0, init=False)  # routed captures alive in it
     #: blocks its owner reads only right after its own replay (replay-scoped outputs): they stay on shared memory
-    shared: frozenset[tuple[int, int]] = frozenset()
-    survivors: bool = False  # its space holds granules of their own (given back once their blocks are freed)
+    _shared: frozenset[tuple[int, int]] = field(default=frozenset(), init=False)
+    #: its space holds granules of their own (given back once their blocks are freed)
+    _survivors: bool = field(default=False, init=False)
+
+    @property
+    def graphs(self) -> int:
+        """Routed captures alive in it (counted from their start until their graph is released)."""
+        return self._graphs
 
     @property
     def pool(self) -> Any:
@@ -139,8 +149,12 @@ class KeyPool:
 class PoolKeys:
     """The keys of one :class:`graphkit.GraphPools`: each key's pool, leased from the pools' strategy.
 
-    Every method runs under :attr:`lock` (held by the caller where it reads
-    several entries); the owner sets :attr:`closed` when it closes.
+    Its state (the entries, the routed graphs that died, the closed flag) is written by its own verbs alone:
+    :meth:`lease`, :meth:`get` and :meth:`new` make keys; :meth:`begin_capture`, :meth:`capture_ended`
+    and :meth:`graph_released` follow a capture and its graph; :meth:`seal` trims a key's space;
+    :meth:`settle` is the safe point; :meth:`drop`, :meth:`closing`, :meth:`forget` and :meth:`close`
+    end keys. Every verb runs under :attr:`lock`, held by a caller that reads several entries or makes
+    several calls one step; :attr:`entries` is a read-only view.
     """
 
     def __init__(self, backend: hal.Backend, strategy: PoolStrategy, owner: Any, name: str,
@@ -152,37 +166,59 @@ class PoolKeys:
         self.backend, self.strategy, self.owner, self.name = backend, strategy, owner, name
         self.outputs = outputs
         self.allocator: SharedVMMAllocator | None = strategy.allocator
-        self.entries: dict[Hashable, KeyPool] = {}
-        self.lock = threading.RLock()
-        self.closed = False
-        self.dead: deque[KeyPool] = deque()  # routed graphs destroyed: accounted for at the next safe point
+        self._entries: dict[Hashable, KeyPool] = {}
+        self._lock = threading.RLock()
+        self._closed = False
+        self._dead: deque[KeyPool] = deque()  # routed graphs destroyed: accounted for at the next safe point
         self._pending: list[KeyPool] = []  # automatic keys whose release failed: dropped again at the next one
 
+    @property
+    def lock(self) -> threading.RLock:
+        """The table's lock (reentrant): every verb takes it; a caller holds it to make several calls one step."""
+        return self._lock
+
+    @property
+    def entries(self) -> Mapping[Hashable, KeyPool]:
+        """The live keys' entries, read only (a view: read it under :attr:`lock`)."""
+        return MappingProxyType(self._entries)
+
+    @property
+    def closed(self) -> bool:
+        """Whether the owner closes or closed (:meth:`closing`): every call raises from then on."""
+        return self._closed
+
     def check_open(self, call: str) -> None:
-        if self.closed:
+        if self._closed:
             raise hal.InvalidStateError(f"the {self.name} is closed", backend=self.backend.name,
                                         call=f"{self.name}.{call}")
 
     def lookup(self, key: Hashable, call: str) -> KeyPool | None:
         """The entry of ``key`` or None; a key that cannot be hashed or compared is a hal error."""
         try:
-            return self.entries.get(key)
+            return self._entries.get(key)
         except Exception as exc:  # noqa: BLE001 - whatever the key's __hash__ or __eq__ raises
             raise hal.InvalidArgumentError(f"key={key!r} must be hashable and comparable ({type(exc).__name__}: "
                                            f"{exc})", backend=self.backend.name, call=f"{self.name}.{call}") from None
 
     def lease(self, key: Hashable, call: str) -> KeyPool:
         """``key``'s entry, made on first use, after the safe point; ``call`` names the caller in errors."""
-        with self.lock:
+        with self._lock:
             self.check_open(call)
             self.settle()
             return self.lookup(key, call) or self.new(key, auto=False)
+
+    def get(self, key: Hashable, auto: bool) -> KeyPool:
+        """``key``'s entry, made on first use (``auto``: released with its graphs), within a step that already
+        passed the safe point (a routed capture's start)."""
+        with self._lock:
+            return self._entries.get(key) or self.new(key, auto)
 
     def new(self, key: Hashable, auto: bool) -> KeyPool:
         """A lease from the strategy for ``key``; ``auto``: made by graph_memory, released with its graph."""
         lease = self.strategy.lease()
         entry = KeyPool(key, PoolHandle(self._ident(lease.pool), self, key), lease, auto=auto)
-        self.entries[key] = entry
+        with self._lock:
+            self._entries[key] = entry
         return entry
 
     def _ident(self, pool: Any) -> tuple[int, int]:
@@ -191,7 +227,7 @@ class PoolKeys:
         ident = getattr(pool, "id", None)
         if isinstance(ident, tuple) and len(ident) == 2:
             return tuple(ident)
-        same = next((entry.handle for entry in list(self.entries.values()) if entry.pool is pool), None)
+        same = next((entry.handle for entry in list(self._entries.values()) if entry.pool is pool), None)
         if same is not None:
             return tuple.__getitem__(same, 0), tuple.__getitem__(same, 1)
         return 0, next(_serial)
@@ -202,9 +238,9 @@ class PoolKeys:
         :param framework: the framework's capture API reads the handle: a capture starting on another device
             than the pools' is refused (it would silently take a private pool of that device).
         """
-        entry = self.entries.get(key)
+        entry = self._entries.get(key)
         if entry is None or entry.handle is not handle:
-            why = f"the {self.name} was closed" if self.closed else f"key {key!r} was released"
+            why = f"the {self.name} was closed" if self._closed else f"key {key!r} was released"
             raise hal.InvalidStateError(f"pool handle of key {key!r} used after release ({why}): ask "
                                         "pools.pool(key) for a live one", backend=self.backend.name, call=call)
         if framework and entry.lease.space_id is not None:
@@ -229,39 +265,76 @@ class PoolKeys:
 
     def drop(self, entry: KeyPool) -> None:
         """Give the key's lease back; a failed pool release keeps the key, to drop again."""
-        self.strategy.give_back(entry.lease)
-        del self.entries[entry.key]
+        with self._lock:
+            self.strategy.give_back(entry.lease)
+            del self._entries[entry.key]
 
     def entry_of(self, pool: Any) -> KeyPool | None:
         """The live key whose handle or backend pool ``pool`` is."""
         if isinstance(pool, PoolHandle):
-            entry = self.entries.get(pool.key) if pool._keys is self else None
+            entry = self._entries.get(pool.key) if pool._keys is self else None
             return entry if entry is not None and entry.handle is pool else None
         if pool is None or isinstance(pool, tuple):
             return None
-        return next((e for e in list(self.entries.values()) if e.pool is pool and e.space_id is not None), None)
+        return next((e for e in list(self._entries.values()) if e.pool is pool and e.space_id is not None), None)
 
-    # -- survivors ------------------------------------------------------------------------
+    # -- a capture and its graph ------------------------------------------------------------
+
+    def begin_capture(self, entry: KeyPool, call: str) -> None:
+        """A routed capture into ``entry`` begins: refused while its memory sleeps; its graph counts in the
+        key's report (and keeps an automatic key) until :meth:`graph_released`."""
+        with self._lock:
+            self.check_awake(entry, call)
+            entry._graphs += 1
+
+    def graph_released(self, entry: KeyPool, collected: bool = False) -> None:
+        """A routed graph of ``entry`` is gone (released, garbage-collected, or its capture failed or was refused):
+        accounted for at the next safe point, now where the lock is free.
+
+        :param collected: called from the garbage collector: only noted (``deque.append`` is atomic), never
+            waiting for the lock.
+        """
+        self._dead.append(entry)
+        if not collected and self._lock.acquire(blocking=False):
+            try:
+                if not self._closed:
+                    self.settle()
+            finally:
+                self._lock.release()
 
     def capture_ended(self, entry: KeyPool, shared: Iterable[tuple[int, int]] = ()) -> None:
         """A capture into ``entry`` ended well: the memory still allocated in its space (outputs kept, caches
         made in the capture) gets physical memory of its own, so that no other key's replay overwrites it and
-        any graph may read it (under the lock).
+        any graph may read it. Nothing for a key released or pools closed meanwhile.
 
         :param shared: blocks the owner reads only right after this key's own replay (a runner's outputs,
             copied out at each call): they stay on the shared chunks.
         """
-        entry.shared = entry.shared | frozenset(shared)
-        self._keep_survivors(entry)
+        with self._lock:
+            if self._closed or self._entries.get(entry.key) is not entry:
+                return
+            entry._shared = entry._shared | frozenset(shared)
+            self._keep_survivors(entry)
+
+    def seal(self, entry: KeyPool, why: str) -> None:
+        """No more captures go to ``entry``'s space: it takes the address space it used, no more (``why`` is
+        logged, and named by a later out-of-memory error)."""
+        alloc = self.allocator
+        with self._lock:
+            if (entry.space_id is not None and alloc is not None and not alloc.closed
+                    and entry.space_id in alloc.spaces):
+                alloc.seal(entry.space_id, why)
+
+    # -- survivors ------------------------------------------------------------------------
 
     def _keep_survivors(self, entry: KeyPool) -> None:
         alloc = self.allocator
         if alloc is None or entry.space_id is None or self.outputs == "replay" or alloc.closed:
             return
         try:
-            blocks = [b for b in self.backend.pool_active_blocks(entry.pool) if b not in entry.shared]
+            blocks = [b for b in self.backend.pool_active_blocks(entry.pool) if b not in entry._shared]
             alloc.keep_private(entry.space_id, blocks)
-            entry.survivors = bool(blocks)
+            entry._survivors = bool(blocks)
         except hal.HalError as exc:
             log.error("key %r: memory still allocated after its capture could not be given bytes of its own "
                       "(retried at the next capture): %s", entry.key, str(exc))
@@ -271,8 +344,8 @@ class PoolKeys:
         alloc = self.allocator
         if alloc is None or alloc.closed:
             return
-        for entry in list(self.entries.values()):
-            if entry.survivors:
+        for entry in list(self._entries.values()):
+            if entry._survivors:
                 self._keep_survivors(entry)
 
     # -- the safe point --------------------------------------------------------------------
@@ -280,25 +353,26 @@ class PoolKeys:
     def settle(self) -> None:
         """Release what routed graphs that died left behind, give the granules of survivors that died back to
         the shared chunks (a safe point: no allocator call is running)."""
-        self._release_dead()
-        self._share_back()
-        try:
-            self.strategy.settle()
-        except hal.HalError as exc:
-            log.error("a released key's space could not be released yet (retried): %s", str(exc))
-        if self.allocator is not None and not self.allocator.closed:
-            self.allocator.reap()
+        with self._lock:
+            self._release_dead()
+            self._share_back()
+            try:
+                self.strategy.settle()
+            except hal.HalError as exc:
+                log.error("a released key's space could not be released yet (retried): %s", str(exc))
+            if self.allocator is not None and not self.allocator.closed:
+                self.allocator.reap()
 
     def _release_dead(self) -> None:
         """Count the routed graphs that died; release the automatic keys left without one."""
         retry, self._pending = self._pending, []
         for entry in retry:
-            if self.entries.get(entry.key) is entry:
+            if self._entries.get(entry.key) is entry:
                 self._try_drop(entry)
-        while self.dead:
-            entry = self.dead.popleft()
-            entry.graphs -= 1
-            if entry.auto and entry.graphs <= 0 and self.entries.get(entry.key) is entry:
+        while self._dead:
+            entry = self._dead.popleft()
+            entry._graphs -= 1
+            if entry.auto and entry._graphs <= 0 and self._entries.get(entry.key) is entry:
                 self._try_drop(entry)
 
     def _try_drop(self, entry: KeyPool) -> None:
@@ -308,16 +382,29 @@ class PoolKeys:
         except hal.HalError as exc:
             log.error("key %r: its pool could not be released yet (retried at the next call): %s", entry.key,
                       str(exc))
-            if self.entries.get(entry.key) is entry:
+            if self._entries.get(entry.key) is entry:
                 self._pending.append(entry)
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def closing(self) -> None:
+        """The owner closes: from now on every call raises :class:`hal.InvalidStateError` (then :meth:`close`)."""
+        with self._lock:
+            self._closed = True
+
+    def forget(self) -> None:
+        """Forget every key without releasing it: the backend's close released every pool and space."""
+        with self._lock:
+            self._entries.clear()
 
     def close(self, errors: list[BaseException]) -> None:
         """Drop every key (the pools close; the routed graphs that died go with the others); a key whose pool
         would not go stays, its error in ``errors``."""
-        for entry in list(self.entries.values()):
-            close_step(errors, self.drop, entry)
-        self.dead.clear()
-        self._pending.clear()
+        with self._lock:
+            for entry in list(self._entries.values()):
+                close_step(errors, self.drop, entry)
+            self._dead.clear()
+            self._pending.clear()
 
 
 

@@ -21,7 +21,7 @@ import contextlib
 import gc
 import logging
 import weakref
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import hal
@@ -79,7 +79,7 @@ def _adopt(saver: MemorySaver, strategy: PoolStrategy, caller: str, be: hal.Back
         raise
 
 
-def _abandoned(backend_name: str, entries: dict) -> None:
+def _abandoned(backend_name: str, entries: Mapping[Hashable, KeyPool]) -> None:
     if entries:
         log.warning("a GraphPools on %s with %d live key(s) was garbage-collected without close(): its memory "
                     "stays mapped for the graphs that may still use it (call close() when they are gone)",
@@ -162,11 +162,10 @@ class GraphPools(Closable):
         if saver is not None:
             _adopt(saver, self.strategy, caller, be)
         self._keys = keys = PoolKeys(be, self.strategy, self, caller, outputs)
-        self._entries, self._lock = keys.entries, keys.lock
         self._close_done = False
         self._verifier = Verifier(keys, verify)
         self._routing = CaptureRouting(keys, self._verifier, hygiene=hygiene, watch=not runner)
-        self._finalizer = weakref.finalize(self, _abandoned, be.name, self._entries if not runner else {})
+        self._finalizer = weakref.finalize(self, _abandoned, be.name, keys.entries if not runner else {})
 
     # -- keys -----------------------------------------------------------------------
 
@@ -201,7 +200,7 @@ class GraphPools(Closable):
 
         :param fix: what the caller should do when a graph reads another key's memory, for the message.
         """
-        with self._lock:
+        with self._keys.lock:
             return self._verifier.check(self._entry(key, "isolation_check"), fix)
 
     def seal(self, key: Hashable, why: str = "when pools.seal(key) was called") -> None:
@@ -210,8 +209,8 @@ class GraphPools(Closable):
         :meth:`group` does it when its block ends; an owner that captures into :meth:`lease` does it once
         the key's captures are done. ``why`` is logged with the trimmed space.
         """
-        with self._lock:
-            self._routing.seal(self._entry(key, "seal"), why)
+        with self._keys.lock:
+            self._keys.seal(self._entry(key, "seal"), why)
 
     def _entry(self, key: Hashable, call: str) -> KeyPool:
         """``key``'s entry; closed pools or a key without a pool are hal errors naming ``call``."""
@@ -223,17 +222,17 @@ class GraphPools(Closable):
         return entry
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._entries
+        return key in self._keys.entries
 
     @property
     def keys(self) -> list[Hashable]:
-        return list(self._entries)
+        return list(self._keys.entries)
 
     def capture_ended(self, key: Hashable, shared: Sequence[tuple[int, int]] = ()) -> None:
         """After captures into :meth:`lease` (routed and handle captures need no call): what they left allocated
         gets memory of its own (see ``outputs``), except ``shared`` blocks, read only right after the key's own
         replay."""
-        with self._lock:
+        with self._keys.lock:
             self._check_open("capture_ended")
             self._keys.capture_ended(self._entry(key, "capture_ended"), shared)
 
@@ -243,7 +242,7 @@ class GraphPools(Closable):
         Release a key after its graphs are reset: the space's addresses stay
         reserved until the framework frees the last block in it.
         """
-        with self._lock:
+        with self._keys.lock:
             self._check_open("release")
             entry = self._keys.lookup(key, "release")
             if entry is None:
@@ -255,7 +254,7 @@ class GraphPools(Closable):
 
     def collect(self) -> None:
         """Release now what graphs that were garbage-collected left behind (done at every call anyway)."""
-        with self._lock:
+        with self._keys.lock:
             if not self.closed:
                 self._keys.settle()
 
@@ -305,7 +304,7 @@ class GraphPools(Closable):
 
         :raises CaptureHygieneError: ``strict`` and something other than the outputs is left.
         """
-        with self._lock:
+        with self._keys.lock:
             entry = self._keys.lookup(key, "leftovers")
             if entry is None:
                 raise hal.InvalidStateError(f"key={key!r} has no pool", backend=self.backend.name,
@@ -322,10 +321,10 @@ class GraphPools(Closable):
         :param measure: ``False``: no device call (no synchronisation, no driver query; ``device_bytes`` is
             None), so that it can be asked from any thread while another captures.
         """
-        with self._lock:
+        with self._keys.lock:
             self._check_open("report")
             self._keys.settle()
-            keys = [(entry.key, entry.space_id, entry.graphs) for entry in self._entries.values()]
+            keys = [(entry.key, entry.space_id, entry.graphs) for entry in self._keys.entries.values()]
             device_bytes = None
             if measure:
                 self.backend.synchronize()
@@ -350,22 +349,22 @@ class GraphPools(Closable):
         first; ``close()`` again finishes the job. After the backend's close
         it only forgets its keys (the backend released them), with a warning.
         """
-        with self._lock:
+        with self._keys.lock:
             if self._close_done:
                 return
-            self._keys.closed = True  # from here on every call raises InvalidStateError
+            self._keys.closing()  # from here on every call raises InvalidStateError
             self._finalizer.detach()
             self._routing.stop()
             errors: list[BaseException] = []
             if after_backend(self.backend, log, self._caller):  # its close released every pool, space and chunk
-                self._entries.clear()
+                self._keys.forget()
             else:
                 close_step(errors, self.backend.synchronize)
             gc.collect()  # framework tensors of these pools caught in reference cycles go while the pools exist
             self._keys.close(errors)
             if self.saver is not None and self.allocator is not None:
                 self.saver.forget(self.allocator)  # a pause must not reach an allocator being closed
-            if not self._entries:  # a key whose pool would not go keeps its space for the retry
+            if not self._keys.entries:  # a key whose pool would not go keeps its space for the retry
                 close_step(errors, self.strategy.close)
             raise_first_failure(log, errors, f"{self._caller}.close")
             self._close_done = True
@@ -383,7 +382,7 @@ class GraphPools(Closable):
             self._finalizer.atexit = False
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else f"{len(self._entries)} key(s)"
+        state = "closed" if self.closed else f"{len(self._keys.entries)} key(s)"
         return f"<graphkit.GraphPools {self.backend.name} {self.kind} {state}>"
 
 

@@ -76,19 +76,26 @@ class CaptureRouting:
         entry = keys.entry_of(requested_pool)
         if entry is None or keys.closed:
             return None
-        keys.check_awake(entry, "capture")
         with keys.lock:
-            check = self.verifier.check(entry)
+            keys.begin_capture(entry, "capture")  # the key's report counts it until it dies (see _on_release)
+            try:
+                check = self.verifier.check(entry)
+            except BaseException:
+                keys.graph_released(entry)
+                raise
 
         def on_end(ok: bool) -> None:
-            if not ok:
-                return
             with keys.lock:
-                if check is not None:
-                    check.accepted(graph)
-                entry.graphs += 1  # the key's report counts it until it dies (see _on_release)
-                if not keys.closed and keys.entries.get(entry.key) is entry:
-                    keys.capture_ended(entry)
+                if not ok:
+                    keys.graph_released(entry)
+                    return
+                try:
+                    if check is not None:
+                        check.accepted(graph)
+                except BaseException:  # refused: the backend releases the graph, never to report it again
+                    keys.graph_released(entry)
+                    raise
+                keys.capture_ended(entry)
 
         return Route(entry.pool, on_end, self._on_release(entry), inspect=check is not None and check.read)
 
@@ -109,7 +116,7 @@ class CaptureRouting:
                     entry = self.keys.entries.get(key)
                     if entry is not None:
                         self.keys.capture_ended(entry)
-                        self.seal(entry, "when its pools.group() block ended")
+                        self.keys.seal(entry, "when its pools.group() block ended")
 
     def _group_stack(self) -> list[Hashable]:
         stack = getattr(self._groups, "stack", None)
@@ -133,8 +140,7 @@ class CaptureRouting:
             self.keys.check_open("graph_memory")
             self.keys.settle()
             entry, grouped = self._entry_for(capturer, requested_pool)
-            self.keys.check_awake(entry, "graph_memory")
-            entry.graphs += 1
+            self.keys.begin_capture(entry, "graph_memory")
             try:
                 before = self._blocks(entry) if self.hygiene else set()
                 check = self.verifier.check(entry)
@@ -149,10 +155,10 @@ class CaptureRouting:
         """The key a starting capture goes to, and whether it is shared with other captures."""
         keys, stack = self.keys, self._group_stack()
         if stack:
-            return keys.entries.get(stack[-1]) or keys.new(stack[-1], auto=False), True
+            return keys.get(stack[-1], auto=False), True
         if capturer == "graphed_callables":  # one key per call: the pool id it made for its graphs
             key = ("make_graphed_callables", _pool_ident(requested_pool))
-            return keys.entries.get(key) or keys.new(key, auto=True), True
+            return keys.get(key, auto=True), True
         return keys.new(CaptureKey(next(self._auto)), auto=True), False
 
     def _on_end(self, graph: Any, entry: KeyPool, grouped: bool, before: set[tuple[int, int]],
@@ -179,34 +185,21 @@ class CaptureRouting:
                     raise
                 if not grouped:
                     self.keys.capture_ended(entry)
-                    self.seal(entry, "when its capture ended")
+                    self.keys.seal(entry, "when its capture ended")
 
         return on_end
 
     def _gone(self, entry: KeyPool) -> None:
         """A routed capture into ``entry`` failed or was refused: no graph of it will be released (under the lock)."""
-        self.keys.dead.append(entry)
-        self.keys.settle()
+        self.keys.graph_released(entry)
 
     def _on_release(self, entry: KeyPool) -> Callable[[bool], None]:
         keys = self.keys
 
         def on_release(collected: bool) -> None:
-            keys.dead.append(entry)  # deque.append is atomic: safe from the garbage collector
-            if not collected and keys.lock.acquire(blocking=False):
-                try:
-                    if not keys.closed:
-                        keys.settle()
-                finally:
-                    keys.lock.release()
+            keys.graph_released(entry, collected)
 
         return on_release
-
-    def seal(self, entry: KeyPool, why: str) -> None:
-        """No more captures go to ``entry``'s space: it takes the address space it used, no more."""
-        alloc = self.keys.allocator
-        if entry.space_id is not None and alloc is not None and not alloc.closed and entry.space_id in alloc.spaces:
-            alloc.seal(entry.space_id, why)
 
     # -- hygiene ---------------------------------------------------------------------------
 

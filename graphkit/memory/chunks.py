@@ -85,22 +85,24 @@ class SharedChunks:
 
     def map_up_to(self, space: VirtualSpace, count: int, limit: int | None) -> None:
         """Map chunks ``space.mapped .. count-1`` into ``space``, creating those missing within ``limit`` bytes
-        (all or nothing)."""
+        (all or nothing); nothing when it maps them already."""
+        if count <= space.mapped:
+            return
         self.check_limit(max(count - len(self.chunks), 0), limit, "allocate")
         with Transaction() as tx:
             for index in range(space.mapped, count):
                 self.ensure(index, tx)
                 place = Place(space.base + index * self.granularity, self.chunks[index])
                 self.backing.map(place)
-                space.places.append(place)
+                space.grow(place)
                 tx.append(functools.partial(self._ungrow, space, place))
             tx.commit()
 
     def _ungrow(self, space: VirtualSpace, place: Place) -> None:
-        if space.places[-1] is not place:  # a later granule would not unmap: this one stays mapped below it
+        if space.place(space.mapped - 1) is not place:  # a later granule would not unmap: this one stays below it
             return
         self.backing.unmap(place)
-        space.places.pop()
+        space.ungrow(place)
 
     def unmap_space(self, space: VirtualSpace) -> None:
         """Unmap every granule mapped in ``space`` (each becomes a hole), last first (all or nothing), after the
@@ -117,13 +119,13 @@ class SharedChunks:
         """The chunks behind ``[ptr, ptr + nbytes)`` of ``space``, exported (see :mod:`graphkit.memory.sharing`)."""
         g = self.granularity
         first, end = (ptr - space.base) // g, -(-(ptr - space.base + nbytes) // g)
-        unmapped = [i for i in range(first, end) if i >= space.mapped or not space.places[i].mapped]
+        unmapped = [i for i in range(first, end) if i >= space.mapped or not space.place(i).mapped]
         if unmapped:
             raise hal.InvalidArgumentError(
                 f"[{ptr:#x}, {ptr + nbytes:#x}) reaches granule(s) {unmapped[:4]} of space {space.id}, which are not "
                 f"mapped (it maps {space.mapped}): export memory its allocations reached", backend=self.backend.name,
                 call="export")
-        return export_handles(self.backend, [space.places[i].chunk.handle for i in range(first, end)], g,
+        return export_handles(self.backend, [space.place(i).chunk.handle for i in range(first, end)], g,
                               ptr - space.base - first * g, nbytes)
 
     # -- creating and releasing ---------------------------------------------------

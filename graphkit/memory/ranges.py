@@ -6,8 +6,7 @@ import bisect
 import functools
 import itertools
 import logging
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 
 import hal
 from graphkit.memory.backing import Place
@@ -48,57 +47,137 @@ class Arena:
         return self.holes == [(self.base, self.size)]
 
 
-@dataclass
 class VirtualSpace:
-    """One range of an arena, its bump pointer and the chunks mapped into it."""
+    """One range of an arena, its bump pointer and the chunks mapped into it.
 
-    id: int
-    base: int
-    size: int
-    arena: Arena = field(repr=False)
-    offset: int = 0  # bump pointer: bytes handed out so far
-    live_allocations: int = 0
-    dying: bool = False  # release requested while allocations were still live
-    sealed: bool = False  # trimmed to its use: it cannot grow any more
-    sealed_why: str = ""  # when and why it was sealed, for the out-of-memory error of a capture that outgrows it
-    places: list[Place] = field(default_factory=list, repr=False)  # place i: chunk i at base + i * granularity
+    Only the space writes its state; owners use its verbs: :meth:`allocate` (bump), :meth:`grow` and
+    :meth:`ungrow` (a chunk mapped at its end, or taken back), :meth:`swap` (another chunk at a granule),
+    :meth:`seal` (trim to its use), :meth:`free` and :meth:`mark_dying` (frees counted, a release waiting
+    for them). The rest reads it through read-only properties.
+    """
+
+    def __init__(self, id: int, base: int, size: int, arena: Arena) -> None:
+        self.id, self.base, self.arena = id, base, arena
+        self._size = size
+        self._offset = 0  # bump pointer: bytes handed out so far
+        self._live = 0  # allocations not freed yet
+        self._dying = False  # release requested while allocations were still live
+        self._sealed = False  # trimmed to its use: it cannot grow any more
+        self._sealed_why = ""  # when and why it was sealed, for the out-of-memory error of a capture that outgrows it
+        self._places: list[Place] = []  # place i: chunk i at base + i * granularity
+
+    def __repr__(self) -> str:
+        return (f"VirtualSpace(id={self.id}, base={self.base:#x}, size={self._size}, offset={self._offset}, "
+                f"live_allocations={self._live}, dying={self._dying}, sealed={self._sealed})")
+
+    @property
+    def size(self) -> int:
+        """Bytes of address space it holds (trimmed by :meth:`seal`)."""
+        return self._size
+
+    @property
+    def offset(self) -> int:
+        """The bump pointer: bytes handed out so far."""
+        return self._offset
+
+    @property
+    def live_allocations(self) -> int:
+        """Allocations handed out and not freed yet."""
+        return self._live
+
+    @property
+    def dying(self) -> bool:
+        """Its release was asked for while allocations were still live (:meth:`mark_dying`)."""
+        return self._dying
+
+    @property
+    def sealed(self) -> bool:
+        """Trimmed to its use (:meth:`seal`): it cannot grow any more."""
+        return self._sealed
+
+    @property
+    def places(self) -> tuple[Place, ...]:
+        """Its places: place ``i`` maps a chunk at ``base + i * granularity`` (or is a hole)."""
+        return tuple(self._places)
+
+    def place(self, index: int) -> Place:
+        """Place ``index`` (below :attr:`mapped`)."""
+        return self._places[index]
 
     @property
     def mapped(self) -> int:
         """How many chunks it reaches: chunks 0 .. mapped-1 are mapped at ``base + i * granularity`` (or holes)."""
-        return len(self.places)
+        return len(self._places)
 
     @property
     def holes(self) -> set[int]:
         """Granules below :attr:`mapped` that are not mapped now (released by a pause, or a failed rollback)."""
-        return {i for i, place in enumerate(self.places) if not place.mapped}
+        return {i for i, place in enumerate(self._places) if not place.mapped}
 
     def contains(self, ptr: int) -> bool:
-        return self.base <= ptr < self.base + self.size
+        return self.base <= ptr < self.base + self._size
+
+    # -- verbs ------------------------------------------------------------------------------
 
     def next_block(self, nbytes: int, alignment: int, backend: hal.Backend) -> tuple[int, int]:
         """Offsets ``(start, end)`` of the next bump allocation; out of memory when it does not fit."""
-        start = round_up(self.offset, alignment)
+        start = round_up(self._offset, alignment)
         end = start + max(nbytes, 1)
-        if end > self.size:
-            why = (f"space {self.id} was sealed at {fmt_bytes(self.size)} {self.sealed_why}" if self.sealed
-                   else f"the space can grow to {fmt_bytes(self.size)}; make the allocator's "
+        if end > self._size:
+            why = (f"space {self.id} was sealed at {fmt_bytes(self._size)} {self._sealed_why}" if self._sealed
+                   else f"the space can grow to {fmt_bytes(self._size)}; make the allocator's "
                         "reserve_bytes larger")
             raise hal.DeviceOutOfMemoryError(f"{fmt_bytes(nbytes)} at offset {fmt_bytes(start)} does not fit: "
                                              f"{why}", backend=backend.name, call="allocate")
         return start, end
+
+    def allocate(self, nbytes: int, alignment: int, backend: hal.Backend, reach: Callable[[int], None]) -> int:
+        """Bump-allocate ``nbytes``; return the address. ``reach(end)`` runs first, so that the owner maps the
+        chunks up to offset ``end`` (:meth:`grow`); when it raises, nothing is handed out."""
+        start, end = self.next_block(nbytes, alignment, backend)
+        reach(end)
+        self._offset = end
+        self._live += 1
+        return self.base + start
+
+    def grow(self, place: Place) -> None:
+        """``place`` (mapped by the owner) is its next granule."""
+        self._places.append(place)
+
+    def ungrow(self, place: Place) -> bool:
+        """Undo of :meth:`grow`: forget ``place`` if it is the last granule; whether it was (a later granule that
+        would not unmap keeps this one below it)."""
+        if not self._places or self._places[-1] is not place:
+            return False
+        self._places.pop()
+        return True
+
+    def swap(self, index: int, place: Place) -> None:
+        """``place`` (mapped by the owner) stands at granule ``index`` now, in place of :meth:`place` ``(index)``."""
+        self._places[index] = place
 
     def seal(self, granularity: int, why: str) -> None:
         """Trim to what it used (at least one granule), giving the rest back to its arena; idempotent.
 
         :param why: when and why, for the error of an allocation that no longer fits ("when its capture ended").
         """
-        if self.sealed:
+        if self._sealed:
             return
-        keep = max(round_up(self.offset, granularity), granularity, self.mapped * granularity)
-        self.arena.give(self.base + keep, self.size - keep)
-        self.size = keep
-        self.sealed, self.sealed_why = True, why
+        keep = max(round_up(self._offset, granularity), granularity, self.mapped * granularity)
+        self.arena.give(self.base + keep, self._size - keep)
+        self._size = keep
+        self._sealed, self._sealed_why = True, why
+
+    def free(self) -> None:
+        """Count one free of an allocation in it (a bump region's memory goes with the space)."""
+        self._live = max(self._live - 1, 0)
+
+    def mark_dying(self) -> bool:
+        """Whether it is idle (nothing allocated in it is live); else mark it, to release once it is."""
+        if self._live == 0:
+            return True
+        self._dying = True
+        return False
 
 
 class SpaceTable:
@@ -212,13 +291,12 @@ class SpaceTable:
         if space is None:
             log.debug("deallocate(%#x): not in a live space (already released with its space)", ptr)
         else:
-            space.live_allocations = max(space.live_allocations - 1, 0)
+            space.free()
 
     def mark_dying(self, space: VirtualSpace) -> bool:
         """Whether ``space`` is idle (nothing allocated in it is live); else mark it, to release once it is."""
-        if space.live_allocations == 0:
+        if space.mark_dying():
             return True
-        space.dying = True
         log.info("space %d still has %d live allocation(s): released when they are freed",
                  space.id, space.live_allocations)
         return False

@@ -27,11 +27,11 @@ if TYPE_CHECKING:
 
 def _swap(backing: Backing, space: VirtualSpace, index: int, place: Place, tx: Transaction) -> None:
     """Map ``place`` at granule ``index`` of ``space`` instead of what is mapped there (undone by ``tx``)."""
-    old = space.places[index]
+    old = space.place(index)
     backing.unmap(old, tx)
     backing.map(place, tx)
-    space.places[index] = place
-    tx.append(functools.partial(space.places.__setitem__, index, old))
+    space.swap(index, place)
+    tx.append(functools.partial(space.swap, index, old))
 
 
 @contextlib.contextmanager
@@ -47,12 +47,12 @@ def standing_in(backing: Backing, granules: Iterable[tuple[VirtualSpace, Iterabl
     swaps: list[tuple[VirtualSpace, int, Place]] = []
     for space, indices in granules:
         for index in sorted(set(indices)):
-            if not 0 <= index < space.mapped or not space.places[index].mapped:
+            if not 0 <= index < space.mapped or not space.place(index).mapped:
                 raise hal.InvalidStateError(f"granule {index} of space {space.id} is not mapped now: nothing to stand "
                                             "in for", backend=backing.backend.name, call="stand_in")
-            old = space.places[index]
+            old = space.place(index)
             swaps.append((space, index, Place(old.ptr, Chunk(old.size))))
-    originals = [space.places[index] for space, index, _ in swaps]
+    originals = [space.place(index) for space, index, _ in swaps]
     with backing.ordered(), Transaction() as tx:
         for space, index, scratch in swaps:
             backing.create(scratch.chunk, tx)

@@ -70,8 +70,8 @@ class Survivors:
         other space maps a newer one; else ``space`` maps that one and its own is released.
         """
         have = self.private.setdefault(space.id, {})
-        add = sorted(i for i in wanted - have.keys() if i < space.mapped and space.places[i].mapped
-                     and space.places[i].chunk is self.shared[i])
+        add = sorted(i for i in wanted - have.keys() if i < space.mapped and space.place(i).mapped
+                     and space.place(i).chunk is self.shared[i])
         back = sorted(have.keys() - wanted)
         others = [s for s in spaces if s is not space]
         freed: list[Chunk] = []
@@ -105,7 +105,7 @@ class Survivors:
         """``space`` keeps the shared chunk ``index``; the other spaces mapping it get a new one (undone by ``tx``)."""
         old = self.shared[index]
         fresh = Chunk(self.granularity)
-        mapping = [s for s in others if index < s.mapped and s.places[index].chunk is old]
+        mapping = [s for s in others if index < s.mapped and s.place(index).chunk is old]
         if mapping:
             self.backing.create(fresh, tx)
             for other in mapping:
@@ -128,10 +128,10 @@ class Survivors:
 
     def _swap(self, space: VirtualSpace, index: int, chunk: Chunk, tx: Transaction) -> None:
         """Map ``chunk`` at granule ``index`` of ``space`` in place of what is mapped there (undone by ``tx``)."""
-        old = space.places[index]
+        old = space.place(index)
         if old.mapped:
             self.backing.unmap(old, tx)
         new = Place(old.ptr, chunk)
         self.backing.map(new, tx)
-        space.places[index] = new
-        tx.append(functools.partial(space.places.__setitem__, index, old))
+        space.swap(index, new)
+        tx.append(functools.partial(space.swap, index, old))

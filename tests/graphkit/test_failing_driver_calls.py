@@ -62,7 +62,7 @@ def holds_exactly(be: hal.Backend, pools: graphkit.GraphPools | None, graphs: in
     allocator) and the caller (``graphs``) still hold: nothing leaked mid-life, nothing counted twice."""
     alloc = pools.allocator if pools is not None else None
     spaces = list(alloc.spaces.values()) if alloc is not None else []
-    held = (sum(e.pool is not None for e in pools._entries.values()) if pools is not None else 0,
+    held = (sum(e.pool is not None for e in pools._keys.entries.values()) if pools is not None else 0,
             alloc.num_arenas if alloc is not None else 0,
             len(alloc.chunks) + alloc.pending_release + alloc.survivor_bytes // alloc.granularity
             if alloc is not None else 0,

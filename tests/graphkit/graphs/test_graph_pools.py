@@ -64,7 +64,7 @@ def test_each_capture_in_the_scope_gets_its_own_space_over_shared_chunks(be: hal
             graphs[n] = (graph, x, out)
     report = pools.report()
     assert len(report.keys) == len(SIZES)
-    spaces = [pools.allocator.spaces[e.space_id] for e in pools._entries.values()]
+    spaces = [pools.allocator.spaces[e.space_id] for e in pools._keys.entries.values()]
     assert len({s.base for s in spaces}) == len(spaces)
     assert be.pool_active_blocks(engine_pool) == []  # nothing was drawn from the engine's pool
     # N captures cost at most the largest one plus the outputs the engine keeps (each its key's alone, as in the
@@ -114,7 +114,7 @@ def test_same_key_same_handle_and_space(be: hal.Backend) -> None:
         x = torch.zeros(8, 256)
         g1, o1 = capture(be, step, x, pool=h)
         g2, o2 = capture(be, lambda t: step(t) * 2, x, pool=h)
-        space = pools.allocator.spaces[pools._entries[8].space_id]
+        space = pools.allocator.spaces[pools._keys.entries[8].space_id]
         assert len(pools.report().keys) == 1 and space.contains(o1.data_ptr()) and space.contains(o2.data_ptr())
         x.copy_(torch.randn(8, 256))
         be.replay(g1)
@@ -193,7 +193,7 @@ def test_handles_asked_for_up_front_keep_room_for_their_captures(be: hal.Backend
             graphs[n] = (x, *capture(be, step, x, pool=handles[n]))
         mid = graphs[64][2]
         g1, out = capture(be, step, mid, pool=handles[64])  # piece 2 of key 64, reading piece 1's output
-        assert not any(pools.allocator.spaces[pools._entries[n].space_id].sealed for n in handles)
+        assert not any(pools.allocator.spaces[pools.lease(n).space_id].sealed for n in handles)
         for n, (x, graph, o) in graphs.items():
             x.copy_(torch.randn(n, 256))
             be.replay(graph)
@@ -320,7 +320,7 @@ def test_misuse_is_loud(be: hal.Backend, caplog: pytest.LogCaptureFixture) -> No
     pools = graphkit.GraphPools(be, hygiene=True)
     pools.pool("k")
     wrong = be.create_pool()
-    pools._entries["k"].pool = wrong  # as if the framework ignored graphkit's pool
+    pools._keys.entries["k"].pool = wrong  # as if the framework ignored graphkit's pool
     cache: dict = {}
 
     def step(x: torch.Tensor) -> torch.Tensor:
@@ -335,7 +335,7 @@ def test_misuse_is_loud(be: hal.Backend, caplog: pytest.LogCaptureFixture) -> No
     be.release_graph(graph)
     cache.clear()
     be.release_pool(wrong)
-    pools._entries["k"].pool = be.create_pool(*pools.allocator.pool_callbacks(pools._entries["k"].space_id))
+    pools._keys.entries["k"].pool = be.create_pool(*pools.allocator.pool_callbacks(pools._keys.entries["k"].space_id))
     pools.release("k")
     # exact check with the outputs known: a kept cache raises in strict mode
     with graphkit.graph_memory(pools=pools):
@@ -514,7 +514,7 @@ def test_torch_npu_captures_are_routed_through_the_ascend_glue(monkeypatch: pyte
             with be.capture(hal_graph, pool=engine_pool):
                 pass
         assert dict(vars(cls)) == before
-        ids = [tuple(e.handle) for e in pools._entries.values()]
+        ids = [tuple(e.handle) for e in pools._keys.entries.values()]
         assert len(ids) == 4 and len(set(ids)) == 4
         assert [g.pool() for g in graphs] == ids[:3]  # each capture began in its own graphkit pool
         assert engine_pool not in [g.pool() for g in graphs]

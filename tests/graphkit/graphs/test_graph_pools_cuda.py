@@ -279,7 +279,7 @@ FRESH_STREAM_SCRIPT = textwrap.dedent('''
         graphs[n] = (g, x, out)
     if scope is not None:
         scope.__exit__(None, None, None)
-    big = [size for entry in pools._entries.values() for _, size in be.pool_active_blocks(entry.pool)
+    big = [size for entry in pools._keys.entries.values() for _, size in be.pool_active_blocks(entry.pool)
            if size >= 1 << 20]
     assert not big, f"a block of a library's per-stream state was born in a capture: {big}"
     for n, (g, x, out) in graphs.items():
