@@ -16,7 +16,10 @@ two processes replay at once. The kernel releases the lock of a process that
 dies, so a crashed holder never blocks the other: its next replay writes the
 bytes it reads afresh, and its results stay exact.
 
-``--mode independent`` runs the same two engines each with pools of its own,
+The KV caches are elastic (``--kv elastic``): each engine maps the blocks of
+the batch it decodes for that decoding and gives them back after it.
+
+The independent run starts the same two engines each with pools of its own,
 for comparison: graph memory, the step at batch 1, and the cost of a turn
 (taking and giving back the uncontended lock) against the step.
 
@@ -33,6 +36,7 @@ import fcntl
 import importlib.util
 import json
 import logging
+import math
 import multiprocessing
 import os
 import queue
@@ -61,6 +65,8 @@ ENGINE_PATH = Path(__file__).resolve().parents[1] / "engine-decode" / "engine.py
 #: backend options: small granules on ``fake``; exportable chunks on cuda (``shareable=True``: memory_sharing)
 BACKEND_OPTIONS: dict[str, dict[str, Any]] = {"fake": {"granularity": 1 << 16}, "cuda": {"shareable": True}}
 SIZES = (1, 2, 4, 8)
+#: tokens per sequence at most; an elastic KV cache reserves (not maps) this much for the largest batch
+MAX_MODEL_LEN = 64
 #: the batch sizes each engine captures, per --config
 CONFIG_SIZES = {"tiny": SIZES, "reference": (1, 2, 4, 8, 16, 32, 48, 64)}
 MODES = ("shared", "independent")
@@ -178,12 +184,46 @@ def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (2 + i % 3,), generator=gen).tolist() for i in range(n)]
 
 
+def kv_bytes(engine: Any) -> int:
+    """Device memory the engine's KV cache maps now (the elastic ranges; all of it for a static cache)."""
+    if engine.kv == "elastic":
+        return sum(buf.mapped_bytes for buf in engine.kv_buffers)
+    return sum(t.nbytes for t in (*engine.k_cache, *engine.v_cache))
+
+
+@contextlib.contextmanager
+def kv_for(engine: Any, sequences: int, tokens: int, peaks: list[int] | None = None) -> Iterator[None]:
+    """An elastic KV cache holds the blocks of ``sequences`` sequences of ``tokens`` tokens for the block, and
+    only the scratch block afterwards: what one engine does not use now, the other may."""
+    if engine.kv != "elastic":
+        yield
+        return
+    engine.resize_kv(1 + sequences * math.ceil(tokens / engine.block_size))
+    if peaks is not None:
+        peaks.append(kv_bytes(engine))
+    try:
+        yield
+    finally:
+        engine.resize_kv(1)  # waits for the device before it unmaps (graphkit's elastic buffers do)
+
+
 @torch.no_grad()
 def decode(engine: Any, batch_prompts: Sequence[Sequence[int]], steps: int,
            around_step: Callable[[], contextlib.AbstractContextManager[Any]] | None,
-           times: list[float] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
+           times: list[float] | None = None, kv_peaks: list[int] | None = None
+           ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy decoding as ``Engine.generate`` does it, each step inside ``around_step()`` (the turn; None: eager
-    on the rows a graph would see, no turn). The logits are copied out inside the turn."""
+    on the rows a graph would see, no turn). The logits are copied out inside the turn. An elastic KV cache
+    maps the batch's blocks for the decoding and gives them back after it."""
+    n, lengths = len(batch_prompts), [len(p) for p in batch_prompts]
+    total = max(lengths) + steps
+    with kv_for(engine, n, total, kv_peaks):
+        return _decode(engine, batch_prompts, steps, around_step, times)
+
+
+def _decode(engine: Any, batch_prompts: Sequence[Sequence[int]], steps: int,
+            around_step: Callable[[], contextlib.AbstractContextManager[Any]] | None,
+            times: list[float] | None) -> tuple[list[list[int]], list[torch.Tensor]]:
     n, lengths = len(batch_prompts), [len(p) for p in batch_prompts]
     seqs = [list(p) for p in batch_prompts]
     total = max(lengths) + steps
@@ -235,6 +275,7 @@ def _serve(be: hal.Backend, role: str, mode: str, paths: dict[str, str], options
     models = CONFIGS[options.get("config", "tiny")]
     pools: graphkit.GraphPools | None = None
     imported: ImportedSpaces | None = None
+    imported_inodes: list[int] | None = None
     listener = None
     if mode == "independent" or role == "exporter":
         pools = graphkit.GraphPools(be, outputs="replay")  # outputs are read right after their replay, in the turn
@@ -244,8 +285,11 @@ def _serve(be: hal.Backend, role: str, mode: str, paths: dict[str, str], options
             listener = socket.socket(socket.AF_UNIX)
             listener.bind(paths["socket"])
             listener.listen(1)
-    engine = engine_decode.Engine(be, models[role], max_batch=max(sizes), max_model_len=64,
-                                  seed=ROLES.index(role) + 1, pools=pools)
+    kv = options.get("kv", "elastic")
+    engine = engine_decode.Engine(be, models[role], max_batch=max(sizes), max_model_len=MAX_MODEL_LEN,
+                                  seed=ROLES.index(role) + 1, pools=pools, kv=kv,
+                                  kv_max_blocks=max(sizes) * math.ceil(MAX_MODEL_LEN / 16) + 1
+                                  if kv == "elastic" else None)
     turn = Turn(paths["turn"], be) if mode == "shared" else None
     try:
         barrier.wait(MEETING_TIMEOUT)  # both engines built (weights, caches): the captures follow, one at a time
@@ -253,7 +297,9 @@ def _serve(be: hal.Backend, role: str, mode: str, paths: dict[str, str], options
             raise TimeoutError(f"the exporter did not capture within {MEETING_TIMEOUT:.0f} s")
         before = used(be)
         if role == "importer" and mode == "shared":
+            held = memfd_inodes() if be.name == "fake" else set()
             imported = engine.pools = _receive(be, paths["socket"])
+            imported_inodes = sorted(memfd_inodes() - held) if be.name == "fake" else None
         capture_s = engine.capture_graphs(sizes)
         created = used(be) - before
         if role == "exporter":
@@ -275,7 +321,9 @@ def _serve(be: hal.Backend, role: str, mode: str, paths: dict[str, str], options
             return _timed_turn(turn, waits) if turn is not None else contextlib.nullcontext()
 
         batch = prompts(options.get("seqs", 3), engine.cfg.vocab, seed=ROLES.index(role))
-        tokens, logits = decode(engine, batch, options.get("steps", 8), around)
+        kv_idle = kv_bytes(engine)
+        kv_peaks: list[int] = []
+        tokens, logits = decode(engine, batch, options.get("steps", 8), around, kv_peaks=kv_peaks)
         eager_tokens, eager_logits = decode(engine, batch, options.get("steps", 8), None)
         worst = max(float((a - b).abs().max()) for a, b in zip(logits, eager_logits, strict=True))
         one = prompts(1, engine.cfg.vocab, seed=7)
@@ -284,7 +332,10 @@ def _serve(be: hal.Backend, role: str, mode: str, paths: dict[str, str], options
                 "max_abs_error": worst, "created_bytes": created, "graph_bytes": graph_bytes,
                 "imported_bytes": imported.size if imported is not None else 0,
                 "chunk_inodes": sorted(memfd_inodes()) if be.name == "fake" else None,
-                "capture_seconds": capture_s, "step_ms_batch1": 1e3 * statistics.median(step_times),
+                "imported_inodes": imported_inodes,
+                "kv": engine.kv, "kv_idle_bytes": kv_idle, "kv_peak_bytes": max(kv_peaks, default=kv_idle),
+                "kv_after_bytes": kv_bytes(engine), "capture_seconds": capture_s,
+                "step_ms_batch1": 1e3 * statistics.median(step_times),
                 "longest_wait_s": max(waits, default=0.0), "pid": os.getpid()}
     finally:
         engine.close()
@@ -334,6 +385,8 @@ def _receive(be: hal.Backend, path: str) -> ImportedSpaces:
 def _hold_and_wait(engine: Any, results: Any) -> None:
     """Holding the turn: replay a step (the shared bytes now hold this process's activations), say so, and
     wait to be killed."""
+    if engine.kv == "elastic":
+        engine.resize_kv(1 + 2 * math.ceil(engine.max_model_len / engine.block_size))
     engine.step(engine.example_batch(2))
     results.put({"role": "importer", "holding": True, "pid": os.getpid()})
     time.sleep(3600)
@@ -399,6 +452,10 @@ def summary(shared: dict[str, Any], independent: dict[str, Any]) -> list[str]:
         steps = ", ".join(f"{r['role']} {r['step_ms_batch1']:.3f} ms" for r in roles)
         lines.append(f"{run['mode']:>11}: graph memory created {fmt_bytes(created)} ({parts}); step at batch 1 "
                      f"{steps}; tokens equal eager: {all(r['tokens_equal_eager'] for r in roles)}")
+    for run in (shared,):
+        kv = ", ".join(f"{r} {fmt_bytes(run[r]['kv_idle_bytes'])} idle, {fmt_bytes(run[r]['kv_peak_bytes'])} "
+                       f"decoding, {fmt_bytes(run[r]['kv_after_bytes'])} after" for r in ROLES)
+        lines.append(f"{'KV caches':>11}: {shared[ROLES[0]]['kv']}: {kv}")
     both = sum(shared[r]["created_bytes"] for r in ROLES)
     apart = sum(independent[r]["created_bytes"] for r in ROLES)
     ratio = both / apart if apart else float("nan")
@@ -420,18 +477,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the importer dies (SIGKILL) holding the turn; the exporter must finish, exact")
     parser.add_argument("--config", choices=sorted(CONFIGS), default=None,
                         help="model sizes (default: tiny on fake, reference on a device)")
+    parser.add_argument("--kv", choices=("elastic", "static"), default="elastic",
+                        help="KV caches: elastic (each maps the blocks of the batch it decodes, then gives them "
+                             "back) or static (allocated whole)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     config = args.config or ("tiny" if args.backend == "fake" else "reference")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     if args.crash:
-        run = run_pair("shared", args.backend, crash=True, steps=args.steps, config=config)
+        run = run_pair("shared", args.backend, crash=True, steps=args.steps, config=config, kv=args.kv)
         print(json.dumps(run) if args.json else
               f"importer killed holding the turn; exporter waited {run['exporter']['longest_wait_s']:.2f} s, "
               f"then finished: tokens equal eager {run['exporter']['tokens_equal_eager']}")
         return 0 if run.get("exporter", {}).get("tokens_equal_eager") else 1
-    shared = run_pair("shared", args.backend, steps=args.steps, config=config)
-    independent = run_pair("independent", args.backend, steps=args.steps, config=config)
+    shared = run_pair("shared", args.backend, steps=args.steps, config=config, kv=args.kv)
+    independent = run_pair("independent", args.backend, steps=args.steps, config=config, kv=args.kv)
     failed = [run.get(r, {}).get("error") or run.get("error") for run in (shared, independent) for r in ROLES
               if "error" in run.get(r, {}) or "error" in run or r not in run]
     if failed:

@@ -76,7 +76,32 @@ def test_both_engines_decode_exactly_as_eagerly_over_one_set_of_chunks(shared) -
     # the importer created no graph memory: it maps the exporter's chunks, the very same memfds
     assert importer["created_bytes"] == 0 and importer["imported_bytes"] == exporter["graph_bytes"] > 0
     assert exporter["created_bytes"] == exporter["graph_bytes"]
-    assert importer["chunk_inodes"] and set(importer["chunk_inodes"]) <= set(exporter["chunk_inodes"])
+    # the chunks it maps are the exporter's memfds (its own are those of its elastic KV cache)
+    assert importer["imported_inodes"] and set(importer["imported_inodes"]) <= set(exporter["chunk_inodes"])
+
+
+def test_the_kv_caches_are_elastic_and_given_back_after_decoding(shared) -> None:
+    for role in turns.ROLES:
+        run = shared[role]
+        assert run["kv"] == "elastic"
+        assert run["kv_idle_bytes"] == run["kv_after_bytes"] <= run["kv_peak_bytes"], run
+
+
+def test_an_elastic_kv_cache_maps_the_batch_for_the_decoding_only() -> None:
+    import hal
+
+    with hal.get_backend("fake", granularity=4096) as be:
+        engine = turns.engine_decode.Engine(be, turns.MODELS["importer"], max_batch=4, max_model_len=64,
+                                            kv="elastic", kv_max_blocks=17)
+        try:
+            idle, peaks = turns.kv_bytes(engine), []
+            with turns.kv_for(engine, 4, 64, peaks):
+                assert engine.num_blocks >= 1 + 4 * 4
+                engine.block_tables_for(4, 64)  # the batch fits
+            assert peaks and peaks[0] > idle
+            assert turns.kv_bytes(engine) == idle and engine.num_blocks < 1 + 4 * 4
+        finally:
+            engine.close()
 
 
 def test_two_engines_taking_turns_pay_the_larger_graph_memory_not_both(shared, independent) -> None:
