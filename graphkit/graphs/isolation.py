@@ -94,7 +94,7 @@ class VerifyStats:
     nodes: int = 0  # nodes (ops, kernels) the backend read
     missed: int = 0  # nodes the backend could not read
     seconds: float = 0.0  # time spent reading graphs and checking (confirmation included)
-    unread: int = 0  # of ``graphs``, those proven without reading them: no other key held memory then
+    unread: int = 0  # of ``graphs``, those proven without reading them: no other key held shared memory then
     suspects: int = 0  # bare words found in another key's live memory on the shared chunks: suspects
     confirmed: int = 0  # of those, the words a replay over a canary confirmed (their graphs were refused)
     dismissed: int = 0  # the words the replay showed unused (garbage that looks like an address)
@@ -102,7 +102,8 @@ class VerifyStats:
     confirm_seconds: float = 0.0  # of ``seconds``, the time spent confirming (replays and stand-ins)
 
     def skip(self) -> None:
-        """Count a graph that needed no reading: when it was captured, no other key held live memory."""
+        """Count a graph that needed no reading: when it was captured, no other key held live memory on the
+        shared chunks."""
         self.graphs += 1
         self.unread += 1
 
@@ -406,8 +407,9 @@ def _uses(canary: tuple[torch.Tensor | None, bool], reference: tuple[torch.Tenso
 class KeyCheck:
     """The isolation check of the captures of one key, decided before they begin (by :meth:`Verifier.check`).
 
-    A graph can only misuse memory that another key holds alive; when no other key holds any
-    (``read`` is False), the graph needs no reading and is counted as proven without it. Nothing
+    A graph can only misuse memory that another key holds alive on the shared chunks; when no other key
+    holds any there (``read`` is False: nothing, or only survivors on chunks of their own), the graph needs
+    no reading and is counted as proven without it. Nothing
     allocates in a key's space outside its captures, so a key found holding nothing holds nothing
     until its next capture.
 
@@ -458,9 +460,20 @@ class Verifier:
         """
         if not self.enabled or entry.space_id is None:
             return None
-        read = any(self.note_live(other) for other in reversed(list(self.keys.entries.values()))
+        read = any(self.on_shared(other) for other in reversed(list(self.keys.entries.values()))
                    if other is not entry and other.space_id is not None and other.live != ())
         return KeyCheck(self, entry, fix or (FIX_ROUTED if entry.auto else FIX_KEYED), read)
+
+    def on_shared(self, entry: KeyPool) -> bool:
+        """Whether ``entry`` may hold memory on the shared chunks now, where another key's replay can overwrite
+        it (:meth:`note_live`, then the blocks on granules it does not map alone). Survivors, on chunks of
+        their own, are not: a graph may read them however it got the address, so their holder alone never
+        makes a capture worth reading."""
+        if not self.note_live(entry):
+            return False
+        if entry.live is None or entry.space_id is None or self.keys.allocator is None:
+            return True
+        return bool(self.keys.allocator.on_shared_chunks(entry.space_id, entry.live))
 
     def context(self, entry: KeyPool, fix: str) -> Context:
         """What checking a graph of ``entry`` against the other keys needs (read under the lock)."""

@@ -386,6 +386,27 @@ def test_a_capture_is_read_only_when_another_key_holds_live_memory(be: hal.Backe
     del h, out
 
 
+def test_memory_kept_on_chunks_of_its_own_makes_no_capture_worth_reading(be: hal.Backend) -> None:
+    """With outputs kept (the default), what a capture leaves alive becomes its key's alone when the capture
+    ends: no later replay can overwrite it, so the verifier reads nothing, even for a graph that reads it."""
+    first, second = pieces()
+    x = torch.randn(16, 256)
+    with graphkit.graph_memory(be, verify=True) as pools:
+        g1, h = capture(be, first, x)  # key 1 keeps h, on a chunk of its own
+        g2, out = capture(be, second, h)  # key 2 reads it: nothing of key 1 is on the shared chunks
+    stats = pools.verify_stats
+    assert pools.report().survivor_bytes > 0
+    assert stats.graphs == 2 and stats.unread == 2 and stats.nodes == 0
+    want = second(first(x))
+    be.replay(g1)
+    be.replay(g2)
+    be.synchronize()
+    torch.testing.assert_close(out, want)
+    for g in (g1, g2):
+        be.release_graph(g)
+    del h, out
+
+
 def test_a_graph_that_takes_only_the_shape_of_another_keys_output_is_accepted(be: hal.Backend) -> None:
     pools = graphkit.GraphPools(be, verify=True, outputs="replay")
     x = torch.randn(8, 64)
