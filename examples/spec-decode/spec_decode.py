@@ -47,6 +47,7 @@ import contextlib
 import importlib.util
 import json
 import logging
+import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -435,6 +436,27 @@ def table(results: list[dict[str, Any]], alone: dict[str, dict[str, int]]) -> st
     return "\n".join(lines)
 
 
+def _in_fresh_processes(backend: str, pairs: list[tuple[str, str]], args: argparse.Namespace) -> dict[str, Any]:
+    """Each (setup, order) in a process of its own, then both models alone in one more; their figures together.
+    Raises RuntimeError naming the part whose process failed."""
+    common = ["--backend", backend, "-k", str(args.k), "--max-seqs", str(args.max_seqs), "--steps", str(args.steps),
+              "--outputs", args.outputs] + (["--config", args.config] if args.config else [])
+    parts = [(f"{setup}/{order}", ["--only", "pairs", "--setup", setup, "--order", order]) for setup, order in pairs]
+    parts.append(("draft and target alone", ["--only", "alone"]))
+    figures: dict[str, Any] = {"results": [], "alone": {}}
+    for label, extra in parts:
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *common, *extra], capture_output=True,
+                              text=True, timeout=900)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if not lines:
+            raise RuntimeError(f"{label}: its process exited {proc.returncode} without figures: "
+                               f"{(proc.stdout + proc.stderr).strip()[-600:]}")
+        part = json.loads(lines[-1])
+        figures["results"] += part["results"]
+        figures["alone"].update(part["alone"])
+    return figures
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default=None, help="hal backend (default: the best available)")
@@ -452,6 +474,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "right after its own replay) or kept (graphkit's default: what a capture leaves "
                              "allocated gets memory of its own)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    parser.add_argument("--fresh-processes", choices=("auto", "yes", "no"), default="auto",
+                        help="measure each setup and order in a process of its own (auto: on a device, whose driver "
+                             "keeps the memory of released graphs for the next setup of the same process)")
+    parser.add_argument("--only", choices=("pairs", "alone"), default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     if graphkit.switch.active() is not None and set(args.setup or SETUPS) - {"switch"}:
@@ -459,22 +485,36 @@ def main(argv: Sequence[str] | None = None) -> int:
               "setups cannot be measured; unset it, or pass --setup switch")
         return 2
     name = select_backend_name(args.backend, requires=("graphs",))
-    be = hal.get_backend(name, **(FAKE_OPTIONS if name == "fake" else {}))
-    try:
-        config = args.config or ("reference" if be.torch_device().type == "cuda" else "tiny")
-        options = {"max_seqs": args.max_seqs, "k": args.k, "outputs": args.outputs}
-        results = [run_setup(be, setup, order, config, steps=args.steps, **options)
-                   for order in args.order or ORDERS for setup in args.setup or SETUPS]
-        alone = {m: run_alone(be, m, config, **options) for m in ("draft", "target")}
-    except hal.HalError as exc:
-        print(f"error: {exc}")
-        return 2
-    finally:
-        be.close()
+    pairs = [(setup, order) for order in args.order or ORDERS for setup in args.setup or SETUPS]
+    if args.only is None and (args.fresh_processes == "yes" or (args.fresh_processes == "auto" and name != "fake")):
+        try:
+            figures = _in_fresh_processes(name, pairs, args)
+        except RuntimeError as exc:
+            print(f"error: {exc}")
+            return 2
+        results, alone = figures["results"], figures["alone"]
+        config = results[0]["config"]
+    else:
+        be = hal.get_backend(name, **(FAKE_OPTIONS if name == "fake" else {}))
+        try:
+            config = args.config or ("reference" if be.torch_device().type == "cuda" else "tiny")
+            options = {"max_seqs": args.max_seqs, "k": args.k, "outputs": args.outputs}
+            results = ([run_setup(be, setup, order, config, steps=args.steps, **options) for setup, order in pairs]
+                       if args.only != "alone" else [])
+            alone = ({m: run_alone(be, m, config, **options) for m in ("draft", "target")}
+                     if args.only != "pairs" else {})
+        except hal.HalError as exc:
+            print(f"error: {exc}")
+            return 2
+        finally:
+            be.close()
+    if args.only is not None:
+        print(json.dumps({"results": results, "alone": alone}))
+        return 0 if all(r["tokens_equal_eager"] for r in results) else 1
     if args.json:
         print(json.dumps({"results": results, "alone": alone, "targets": judge(results, alone)}))
     else:
-        print(f"{be.name}, config {config}: draft sizes {results[0]['draft_sizes']}, "
+        print(f"{name}, config {config}: draft sizes {results[0]['draft_sizes']}, "
               f"target sizes {results[0]['target_sizes']}; graphkit's outputs={args.outputs}")
         print(table(results, alone))
         print(f"tokens: {results[0]['tokens']}")

@@ -165,6 +165,19 @@ def test_the_command_line_prints_the_figures(capsys) -> None:
     assert all(line.endswith("met") for line in out["targets"]) and len(out["targets"]) == 2
 
 
+def test_each_setup_in_a_fresh_process_gives_the_figures_of_one_process(capsys) -> None:
+    """On a device the driver keeps released graphs' memory for the next setup of a process, so there each
+    setup runs in a process of its own by default; the figures are those of the same setup run here."""
+    argv = ["--backend", "fake", "--setup", "scope", "--setup", "separate", "--order", "draft-first", "--json"]
+    assert spec_decode.main([*argv, "--fresh-processes", "yes"]) == 0
+    fresh = json.loads(capsys.readouterr().out)
+    assert spec_decode.main([*argv, "--fresh-processes", "no"]) == 0
+    here = json.loads(capsys.readouterr().out)
+    keys = ("setup", "order", "graphs", "graph_bytes", "pool_bytes", "tokens", "tokens_equal_eager")
+    assert [{k: r[k] for k in keys} for r in fresh["results"]] == [{k: r[k] for k in keys} for r in here["results"]]
+    assert fresh["alone"] == here["alone"] and fresh["targets"] == here["targets"]
+
+
 @pytest.mark.cuda
 def test_on_cuda_tokens_equal_eager_and_graphkit_costs_the_larger_model() -> None:
     results, alone, be = run_all("cuda")
