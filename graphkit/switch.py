@@ -27,6 +27,9 @@ engine reads its graphs' outputs only right after their own replay),
 :func:`start_from_environment`; the start-up hook and :func:`plugin` log it
 once per process instead and leave the switch off.
 
+:func:`graphkit.graph_memory` sets the variable for the processes started inside
+its block (an engine's spawned ranks), with the block's options.
+
 :func:`start` does the same from code, and the engines' own plugin entry
 points call :func:`plugin` (vLLM's ``vllm.general_plugins`` in every worker,
 SGLang's ``sglang.srt.plugins`` in every scheduler), which works without the
@@ -49,6 +52,7 @@ from typing import Any
 import hal
 from _graphkit_startup import ENV, OFF, ON
 from graphkit.graphs.pools import GraphPools
+from graphkit.graphs.scope import set_by_own_block
 from graphkit.graphs.strategies import POOL_KINDS
 from hal.process_routing import patch_imported
 from hal.types import Route
@@ -302,7 +306,7 @@ def start_from_environment() -> ProcessGraphMemory | None:
     """:func:`start` when ``GRAPHKIT_GRAPH_MEMORY`` asks for it (the start-up hook and the engines' plugins call
     this); None when it is off."""
     options = parse(os.environ.get(ENV))
-    if options is None:
+    if options is None or set_by_own_block():  # a graph_memory() block of this process serves it already
         return None
     patch_imported()  # extensions imported since (torch_npu after torch)
     return start(options)

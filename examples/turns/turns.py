@@ -68,7 +68,8 @@ SIZES = (1, 2, 4, 8)
 #: tokens per sequence at most; an elastic KV cache reserves (not maps) this much for the largest batch
 MAX_MODEL_LEN = 64
 #: the batch sizes each engine captures, per --config
-CONFIG_SIZES = {"tiny": SIZES, "reference": (1, 2, 4, 8, 16, 32, 48, 64)}
+REFERENCE_SIZES = (1, 2, 4, 8, 16, 32, 48, 64)
+CONFIG_SIZES = {"tiny": SIZES, "reference": REFERENCE_SIZES, "twins": REFERENCE_SIZES}
 MODES = ("shared", "independent")
 ROLES = ("exporter", "importer")
 #: seconds a child waits for its peer at each meeting point (the socket, the barrier)
@@ -104,6 +105,8 @@ CONFIGS = {
         "exporter": ModelConfig(),
         "importer": ModelConfig(hidden=768, layers=12, heads=12, kv_heads=4, head_dim=64, mlp=2048),
     },
+    # two models of one shape with weights of their own (kvcached's case: several models of one size on a GPU)
+    "twins": {"exporter": ModelConfig(), "importer": ModelConfig()},
 }
 MODELS = CONFIGS["tiny"]
 
@@ -171,6 +174,18 @@ def memfd_inodes() -> set[int]:
             if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:"):
                 found.add(os.stat(f"/proc/self/fd/{name}").st_ino)
     return found
+
+
+def warm_up(engine: Any, sizes: Sequence[int]) -> None:
+    """Each size's step once, eagerly, on the capture stream, before the capture loop is measured -- the
+    warm-up engines run before they capture (nano-vllm's ``warmup_model``, vLLM's profile run): kernels are
+    loaded and library workspaces made here, so the capture loop's memory is what its graphs hold."""
+    be = engine.backend
+    be.synchronize()
+    with be.use_stream(engine.capture_stream):
+        for bs in sizes:
+            engine.forward(**engine.static_inputs(bs))
+    be.synchronize(engine.capture_stream)
 
 
 def used(be: hal.Backend) -> int:
@@ -295,6 +310,7 @@ def _serve(be: hal.Backend, role: str, mode: str, paths: dict[str, str], options
         barrier.wait(MEETING_TIMEOUT)  # both engines built (weights, caches): the captures follow, one at a time
         if role == "importer" and not captured.wait(MEETING_TIMEOUT):
             raise TimeoutError(f"the exporter did not capture within {MEETING_TIMEOUT:.0f} s")
+        warm_up(engine, sizes)
         before = used(be)
         if role == "importer" and mode == "shared":
             held = memfd_inodes() if be.name == "fake" else set()
@@ -331,6 +347,7 @@ def _serve(be: hal.Backend, role: str, mode: str, paths: dict[str, str], options
         return {"mode": mode, "tokens": tokens, "tokens_equal_eager": tokens == eager_tokens,
                 "max_abs_error": worst, "created_bytes": created, "graph_bytes": graph_bytes,
                 "imported_bytes": imported.size if imported is not None else 0,
+                "outside_pools_bytes": created - (graph_bytes if pools is not None else 0),
                 "chunk_inodes": sorted(memfd_inodes()) if be.name == "fake" else None,
                 "imported_inodes": imported_inodes,
                 "kv": engine.kv, "kv_idle_bytes": kv_idle, "kv_peak_bytes": max(kv_peaks, default=kv_idle),
@@ -448,7 +465,9 @@ def summary(shared: dict[str, Any], independent: dict[str, Any]) -> list[str]:
     for run in (shared, independent):
         roles = [run[r] for r in ROLES if r in run]
         created = sum(r["created_bytes"] for r in roles)
-        parts = ", ".join(f"{r['role']} {fmt_bytes(r['created_bytes'])}" for r in roles)
+        parts = ", ".join(f"{r['role']} {fmt_bytes(r['created_bytes'])}: {fmt_bytes(r['graph_bytes'])} of chunks"
+                          f"{' (imported)' if r['imported_bytes'] else ''} + {fmt_bytes(r['outside_pools_bytes'])} "
+                          "outside the pools" for r in roles)
         steps = ", ".join(f"{r['role']} {r['step_ms_batch1']:.3f} ms" for r in roles)
         lines.append(f"{run['mode']:>11}: graph memory created {fmt_bytes(created)} ({parts}); step at batch 1 "
                      f"{steps}; tokens equal eager: {all(r['tokens_equal_eager'] for r in roles)}")

@@ -30,7 +30,7 @@ from graphkit.graphs.isolation import IsolationError, KeyCheck, Verifier, Verify
 from graphkit.graphs.keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
 from graphkit.graphs.report import KeyReport, PoolsReport, pools_report
 from graphkit.graphs.routing import CaptureRouting
-from graphkit.graphs.scope import ScopeRouter
+from graphkit.graphs.scope import ScopeRouter, served_children
 from graphkit.graphs.strategies import POOL_KINDS, Lease, PoolStrategy, make_pool_strategy
 from graphkit.memory.allocator import SharedVMMAllocator
 from graphkit.memory.closing import Closable, after_backend, close_step, raise_first_failure
@@ -388,7 +388,7 @@ class GraphPools(Closable):
 
 @contextlib.contextmanager
 def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None = None, kind: Kind = "vmm",
-                 hygiene: bool = False, verify: bool = False, outputs: Outputs = "kept",
+                 hygiene: bool = False, verify: bool = False, outputs: Outputs = "kept", children: bool = True,
                  **allocator_options: Any) -> Iterator[GraphPools]:
     """Every capture started inside the block draws from a fresh vmm space of the yielded :class:`GraphPools`.
 
@@ -407,6 +407,9 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
         gets bytes of its own, so a piecewise forward captured without
         ``pools.group(key)`` replays right.
     :param verify: the optional verifier of :class:`GraphPools`.
+    :param children: processes started inside the block (an engine's tensor-parallel ranks, its engine-core
+        process) serve their own captures the same way, through ``GRAPHKIT_GRAPH_MEMORY`` set for the
+        block's duration (:func:`graphkit.graphs.scope.served_children`; a value set already wins).
     :raises hal.UnsupportedError: the backend cannot route the framework's captures.
     """
     if pools is not None and not isinstance(pools, GraphPools):
@@ -419,7 +422,10 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
         pools = GraphPools(chosen, kind, hygiene=hygiene, verify=verify, outputs=outputs, **allocator_options)
         if backend is None:
             pools.own_backend()
-    with pools.backend.route_captures(pools.route), hal.route_every_capture(ScopeRouter(pools)):
+    if not isinstance(children, bool):
+        raise hal.InvalidArgumentError(f"children={children!r} must be a bool", call="graph_memory")
+    with (pools.backend.route_captures(pools.route), hal.route_every_capture(ScopeRouter(pools)),
+          served_children(pools) if children else contextlib.nullcontext()):
         yield pools
 
 

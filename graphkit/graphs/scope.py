@@ -1,12 +1,16 @@
-"""The process router of a :func:`graphkit.graph_memory` block: what it does with the captures that no
-router of a backend object takes (see :class:`ScopeRouter`)."""
+"""What a :func:`graphkit.graph_memory` block does beyond its own pools: the captures that no router of a
+backend object takes (:class:`ScopeRouter`), and the processes started inside it (:func:`served_children`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import hal
+from _graphkit_startup import ENV
 from hal.types import Route
 
 if TYPE_CHECKING:
@@ -49,4 +53,40 @@ class ScopeRouter:
         return None
 
 
-__all__ = ["ScopeRouter"]
+#: set beside ``GRAPHKIT_GRAPH_MEMORY`` by a block: the process whose block set it (served by the block already)
+FROM_ENV = "GRAPHKIT_GRAPH_MEMORY_FROM"
+
+
+@contextlib.contextmanager
+def served_children(pools: GraphPools) -> Iterator[None]:
+    """While the block is open, the processes it starts -- an engine's spawned ranks and workers, which never
+    run the block's code -- start under ``GRAPHKIT_GRAPH_MEMORY`` with the block's kind, outputs, verify and
+    hygiene (:mod:`graphkit.switch`), so each serves its own device's captures as the block serves this one's.
+
+    The variable is set in ``os.environ`` for the block's duration, with :data:`FROM_ENV` naming this process
+    (its own switch stays off: the block serves it) and put back after. Where the variable is set already --
+    ``0`` included -- it is left alone: the user's value wins. Allocator options (``granularity=``,
+    ``shareable=``...) do not reach the children; they use the defaults.
+    """
+    if ENV in os.environ:
+        yield
+        return
+    value = (f"kind={pools.kind},outputs={pools._keys.outputs},verify={int(pools._verifier.enabled)},"
+             f"hygiene={int(pools.hygiene)}")
+    me = str(os.getpid())
+    os.environ[ENV], os.environ[FROM_ENV] = value, me
+    try:
+        yield
+    finally:
+        if os.environ.get(ENV) == value:
+            del os.environ[ENV]
+        if os.environ.get(FROM_ENV) == me:
+            del os.environ[FROM_ENV]
+
+
+def set_by_own_block() -> bool:
+    """Whether ``GRAPHKIT_GRAPH_MEMORY`` was set by a :func:`graph_memory` block of this very process."""
+    return os.environ.get(FROM_ENV) == str(os.getpid())
+
+
+__all__ = ["FROM_ENV", "ScopeRouter", "served_children", "set_by_own_block"]

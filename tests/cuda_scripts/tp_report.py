@@ -86,7 +86,8 @@ def run_one(args: argparse.Namespace, mode: str, order: str, tp: int, out: Path,
     result = json.loads(line[len("RESULT "):])
     shared = shared_bytes(mode, result, output)
     ranks = {rank: {"device": f["device"], "graph_bytes": f["graph_bytes"], "capture_s": f["capture_s"],
-                    "contexts": f.get("contexts"), "shared_bytes": shared.get(rank)}
+                    "contexts": f.get("contexts"), "shared_bytes": shared.get(rank),
+                    **{k: f.get(k) for k in ("torch_default_bytes", "torch_pool_bytes", "graphs", "graph_nodes")}}
              for rank, f in result["ranks"].items()}
     print(f"tp={tp} {mode:6s} {order:10s}", {r: (f["graph_bytes"] >> 20, round(f["capture_s"], 2))
                                               for r, f in ranks.items()}, flush=True)
@@ -96,7 +97,7 @@ def run_one(args: argparse.Namespace, mode: str, order: str, tp: int, out: Path,
 def shared_bytes(mode: str, result: dict[str, Any], output: str) -> dict[str, int]:
     """Per rank, the bytes of graphkit's shared chunks (the last report line of each device), where it served."""
     found: dict[str, int] = {}
-    if mode == "switch":
+    if mode in ("switch", "scope"):  # the scope's spawned ranks are served through the variable it sets
         for match in SWITCH_LINE.finditer(output):
             found[match.group(1)] = int(float(match.group(3)) * UNITS[match.group(4)])
     for rank, figures in result["ranks"].items():
@@ -116,8 +117,26 @@ def spread(values: list[float]) -> dict[str, float] | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def items(mode: str, f: dict[str, Any]) -> dict[str, float] | None:
+    """One rank's graph memory split per item, in MiB: the graph pool (graphkit's chunks, or the engine's own
+    pool's segments), torch's default pool (workspaces made during the capture) and the rest (the driver's
+    memory of the executable graphs, libraries' own allocations, kernels first loaded by the capture); None
+    where the run did not record the parts."""
+    if f.get("torch_default_bytes") is None:
+        return None
+    pool = f["shared_bytes"] if mode != "own" else f.get("torch_pool_bytes")
+    if pool is None:
+        return None
+    rest = f["graph_bytes"] - pool - f["torch_default_bytes"]
+    split = {"pool": pool / 2**20, "torch_default": f["torch_default_bytes"] / 2**20, "driver_rest": rest / 2**20}
+    if f.get("graph_nodes"):
+        split["nodes"] = float(f["graph_nodes"])
+        split["rest_kib_per_node"] = rest / 1024 / f["graph_nodes"]
+    return split
+
+
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per (tp, mode, order, rank): the spread of graph MiB, capture seconds and shared MiB."""
+    """Per (tp, mode, order, rank): the spread of graph MiB, capture seconds, shared MiB and of each item."""
     cells: dict[str, dict[str, list[float]]] = {}
     for run in runs:
         if "ranks" not in run or run["largest_alone"]:
@@ -129,7 +148,10 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             cell["s"].append(f["capture_s"])
             if f["shared_bytes"] is not None:
                 cell["shared"].append(f["shared_bytes"] / 2**20)
-    return {key: {"graph_mib": spread(c["mib"]), "capture_s": spread(c["s"]), "shared_mib": spread(c["shared"])}
+            for name, value in (items(run["mode"], f) or {}).items():
+                cell.setdefault(name, []).append(value)
+    return {key: {"graph_mib": spread(c.pop("mib")), "capture_s": spread(c.pop("s")),
+                  "shared_mib": spread(c.pop("shared")), "items": {k: spread(v) for k, v in c.items()}}
             for key, c in cells.items()}
 
 
@@ -162,6 +184,22 @@ def markdown(table: dict[str, Any], alone: dict[int, dict[str, float]], meta: di
                     f"({mib['n']}) | {shared_text} | {fixed} | {ratio(mib['median'], own)} | "
                     f"{ratio(mib['median'], own_asc)} | {ratio(mib['median'], alone.get(tp, {}).get(rank))} | "
                     f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}] | {ratio(s['median'], own_s)} |")
+    legend = ("Per rank, per item (medians, MiB): *pool* = graphkit's chunks or the engine's own graph pool, "
+              "*torch default* = what torch's default pool grew by during the capture (workspaces), *rest* = the "
+              "driver and libraries (the executable graphs' memory, kernels first loaded by the capture).")
+    rows += ["", legend, "",
+             "| TP | mode | order | rank | pool | torch default | rest | nodes | rest KiB per node |",
+             "|" + "---|" * 9]
+    for key in sorted(table, key=lambda k: (int(k.split("|")[0]), k)):
+        parts = table[key].get("items") or {}
+        if "pool" not in parts:
+            continue
+
+        def med(name: str, digits: int = 1, parts: dict[str, Any] = parts) -> str:
+            return f"{parts[name]['median']:.{digits}f}" if parts.get(name) else "--"
+
+        rows.append(f"| {' | '.join(key.split('|'))} | {med('pool')} | {med('torch_default')} | {med('driver_rest')} "
+                    f"| {med('nodes', 0)} | {med('rest_kib_per_node', 2)} |")
     rows += ["", f"Largest size alone (MiB per rank): {json.dumps(alone)}", f"Command: `{meta['command']}`"]
     return "\n".join(rows) + "\n"
 
@@ -177,13 +215,15 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--append", action="store_true",
                         help="keep the runs of DIR/tp_report.json and add this call's (a report over several calls)")
+    parser.add_argument("--no-own", action="store_true",
+                        help="do not add the engine's own pool to --modes (with --append: its runs are there already)")
     parser.add_argument("--no-alone", action="store_true",
                         help="skip the run that captures the largest size alone (the floor)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     modes, orders = args.modes.split(","), args.orders.split(",")
-    if "own" not in modes:
+    if "own" not in modes and not args.no_own:
         modes.insert(0, "own")  # the reference of every ratio
     have = gpus()
     tps = [tp for tp in map(int, args.tps.split(",")) if have is None or tp <= have]

@@ -1,12 +1,14 @@
 """An engine that never calls graphkit: its ranks capture a step on ``fake`` through hal, in processes it starts.
 
-    python tests/graphkit/switch_engine.py [spawn|fork|none]...
+    python tests/graphkit/switch_engine.py [spawn|fork|none|scope]...
 
 Run with ``GRAPHKIT_GRAPH_MEMORY`` set, the start-up hook installed with the
 package has to reach every rank by itself. Each rank (``none``: this process)
 captures ``relu(x @ W)`` for three batch sizes, replays each against eager and
 reports what it saw of the switch, read from ``sys.modules`` (the rank never
-imports graphkit). The launcher prints one JSON line: its own view and the
+imports graphkit). ``scope``: the launcher starts a spawned rank inside a
+``graphkit.graph_memory()`` block, without the variable, then one after the
+block. The launcher prints one JSON line: its own view and the
 ranks'. Each process's report line lands on stderr at exit; the forked rank
 sets up its logging after the switch started (as engines' workers do), and its
 line goes through that logging instead.
@@ -36,6 +38,7 @@ def switch_seen() -> dict[str, Any]:
     scope = switch.active() if switch is not None else None  # type: ignore[attr-defined]
     return {"pid": os.getpid(), "graphkit_imported": "graphkit" in sys.modules,
             "served": sorted(f"{b}:{d}" for b, d in scope.pools) if scope is not None else None,
+            "outputs": scope.options.outputs if scope is not None else None,
             "files": {name: getattr(sys.modules.get(name), "__file__", None) for name in ("_graphkit_startup", "hal")}}
 
 
@@ -62,19 +65,31 @@ def _rank_main(queue: Any, configure_logging: bool) -> None:
     queue.put(rank())
 
 
+def started(method: str) -> dict[str, Any]:
+    """A rank started by ``method`` (spawn, fork), what it saw and its exit code."""
+    ctx = multiprocessing.get_context(method)
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_rank_main, args=(queue, method == "fork"))
+    proc.start()
+    seen = {"method": method, **queue.get(timeout=300)}
+    proc.join(timeout=60)
+    return {**seen, "exitcode": proc.exitcode}
+
+
 def main(methods: list[str]) -> None:
     ranks = []
     for method in methods:
         if method == "none":
             ranks.append({"method": method, **rank()})
-            continue
-        ctx = multiprocessing.get_context(method)
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_rank_main, args=(queue, method == "fork"))
-        proc.start()
-        ranks.append({"method": method, **queue.get(timeout=300)})
-        proc.join(timeout=60)
-        ranks[-1]["exitcode"] = proc.exitcode
+        elif method == "scope":  # ``with graph_memory(): llm = LLM(...)``: the engine spawns its ranks in the block
+            import graphkit
+
+            with graphkit.graph_memory(hal.get_backend("fake"), outputs="replay"):
+                graphkit.switch.plugin()  # an engine's plugin entry point in the launcher: the block serves it
+                ranks.append({**started("spawn"), "method": "scope", "launcher_switch": switch_seen()["served"]})
+            ranks.append({**started("spawn"), "method": "after-scope"})
+        else:
+            ranks.append(started(method))
     print(json.dumps({"launcher": switch_seen(), "ranks": ranks}), flush=True)
 
 

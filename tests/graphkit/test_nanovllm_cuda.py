@@ -74,7 +74,7 @@ def test_nanovllm_starts_and_generates_under_graphkit(tmp_path: Path, mode: str,
 @needs_engine
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("order", ["descending", "ascending"])
-@pytest.mark.parametrize("mode", ["switch", "port"])
+@pytest.mark.parametrize("mode", ["switch", "port", "scope"])
 def test_nanovllm_tensor_parallel_ranks_each_use_graphkit_on_their_device(tmp_path: Path, mode: str,
                                                                          order: str) -> None:
     """TP=2: rank 1 is a process nano-vllm spawns; each rank's graphs replay right and live on its own device.
@@ -84,7 +84,8 @@ def test_nanovllm_tensor_parallel_ranks_each_use_graphkit_on_their_device(tmp_pa
 
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, found {torch.cuda.device_count()}")
-    result = start(tmp_path, mode, order, tp=2, port=29600 + (mode == "port") * 10 + (order == "ascending"))
+    result = start(tmp_path, mode, order, tp=2,
+                   port=29600 + ("switch", "port", "scope").index(mode) * 10 + (order == "ascending"))
     print(json.dumps({rank: {k: f[k] for k in ("device", "graph_bytes", "capture_s")}
                       for rank, f in result["ranks"].items()}))
     check(result, tp=2)
@@ -92,8 +93,11 @@ def test_nanovllm_tensor_parallel_ranks_each_use_graphkit_on_their_device(tmp_pa
         lines = [x for x in result["output"].splitlines() if x.startswith("graphkit: process")]
         for device in (0, 1):
             assert any(f"cuda:{device}" in x and "8 key(s)" in x for x in lines), lines
-    else:
+    elif mode == "port":
         assert all("8 key(s)" in (f["pools_report"] or "") for f in result["ranks"].values()), result["ranks"]
+    else:  # rank 0 is the block's process; rank 1, spawned inside the block, is served with its options
+        assert "8 key(s)" in (result["scope_report"] or ""), result["scope_report"]
+        assert result["ranks"]["1"]["served"] == ["cuda:1"], result["ranks"]["1"]
 
 
 #: the engine's own figures per (tp, order), measured once per test session
@@ -125,10 +129,10 @@ def against_own(result: dict, own: dict) -> dict:
 @pytest.mark.parametrize("order", ["descending", "ascending"])
 @pytest.mark.parametrize("mode", ["switch", "port", "scope"])
 def test_nanovllm_four_ranks_each_use_graphkit_on_their_device(tmp_path: Path, mode: str, order: str) -> None:
-    """TP=4: ranks 1-3 are processes nano-vllm spawns. Under the switch and with the port every rank's graphs
-    come from graphkit on its own device; the scope around ``LLM(...)`` reaches rank 0 only (the launcher's
-    process: the others never run the block), which this test records. Each rank's graph memory and capture
-    time are printed next to the engine's own pool's, in the same order."""
+    """TP=4: ranks 1-3 are processes nano-vllm spawns. Under the switch, with the port and under the scope
+    around ``LLM(...)`` every rank's graphs come from graphkit on its own device (the scope reaches the ranks
+    the engine spawns inside it, which never run the block, through the variable it sets for them). Each
+    rank's graph memory and capture time are printed next to the engine's own pool's, in the same order."""
     port = 29700 + 10 * ("switch", "port", "scope").index(mode) + (order == "ascending")
     result = start(tmp_path, mode, order, tp=4, port=port)
     own = own_pool(tmp_path, order, tp=4, port=29690 + (order == "ascending"))
@@ -143,8 +147,9 @@ def test_nanovllm_four_ranks_each_use_graphkit_on_their_device(tmp_path: Path, m
     elif mode == "port":
         assert all("8 key(s)" in (f["pools_report"] or "") for f in result["ranks"].values()), result["ranks"]
     else:
-        assert "8 key(s)" in (result["scope_report"] or ""), result["scope_report"]
-        assert all(f["served"] is None and f["pools_device"] is None for f in result["ranks"].values())
-    served = ["0", "1", "2", "3"] if mode != "scope" else ["0"]
-    for rank in served:  # graphkit never pays more than the engine's own pool, in either order
+        assert "8 key(s)" in (result["scope_report"] or ""), result["scope_report"]  # rank 0: the block itself
+        assert result["ranks"]["0"]["served"] is None, result["ranks"]["0"]
+        for rank in ("1", "2", "3"):  # the spawned ranks: the switch, with the block's options
+            assert result["ranks"][rank]["served"] == [f"cuda:{rank}"], result["ranks"][rank]
+    for rank in ("0", "1", "2", "3"):  # graphkit never pays more than the engine's own pool, in either order
         assert table[rank]["mib"] <= table[rank]["own_mib"] + 32, table

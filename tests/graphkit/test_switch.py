@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 import _graphkit_startup
+import graphkit
 import hal
 from _graphkit_startup import StartupHook
 from graphkit import switch
@@ -318,6 +319,44 @@ def test_spawned_and_forked_ranks_are_served_with_the_variable_alone() -> None:
         assert "fake:0: graph pools on fake (vmm): 3 key(s)" in lines[0] and lines[0].endswith("(at exit)")
         configured = rank["method"] == "fork"  # that rank set up logging of its own: the line went through it
         assert lines[0].startswith("INFO graphkit.switch: ") == configured, lines[0]
+
+
+def test_ranks_an_engine_spawns_inside_graph_memory_are_served_with_the_blocks_options() -> None:
+    """``with graph_memory(): llm = LLM(...)`` reaches the ranks the engine spawns in the block, which never run
+    the block's code; the launcher's own switch stays off (the block serves it), and after the block a new
+    rank is the framework's again."""
+    _installed_hook()
+    out = subprocess.run([sys.executable, str(ENGINE), "scope"], capture_output=True, text=True, timeout=400,
+                         env=_env(None, GRAPHKIT_GRAPH_MEMORY_FROM=""), cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.splitlines()[-1])
+    inside, after = seen["ranks"]
+    assert inside["served"] == ["fake:0"] and inside["outputs"] == "replay", inside
+    assert inside["worst"] == 0.0 and inside["exitcode"] == 0, inside
+    assert inside["launcher_switch"] is None, inside  # the plugin called in the block's process started nothing
+    assert after["served"] is None and after["worst"] == 0.0, after
+
+
+def test_a_value_set_already_wins_over_the_blocks(monkeypatch) -> None:
+    """A block leaves a variable the user set alone (``0`` included), and puts back what it set."""
+    from graphkit.graphs.scope import FROM_ENV
+
+    be = hal.get_backend("fake")
+    monkeypatch.setenv(ENV, "0")
+    with graphkit.graph_memory(be):
+        assert os.environ[ENV] == "0" and FROM_ENV not in os.environ
+    monkeypatch.delenv(ENV)
+    with graphkit.graph_memory(be, outputs="replay") as pools:
+        assert switch.parse(os.environ[ENV]) == Options(outputs="replay")
+        assert os.environ[FROM_ENV] == str(os.getpid())
+        assert switch.start_from_environment() is None  # this process is the block's
+    assert ENV not in os.environ and FROM_ENV not in os.environ
+    with graphkit.graph_memory(be, children=False):
+        assert ENV not in os.environ
+    with pytest.raises(hal.InvalidArgumentError, match="children="):
+        with graphkit.graph_memory(be, children="yes"):  # type: ignore[arg-type]
+            pass
+    pools.close()
 
 
 FORKED_CHILD = """

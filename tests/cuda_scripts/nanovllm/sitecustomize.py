@@ -5,7 +5,9 @@ ranks nano-vllm spawns too. They change nothing the engine computes:
 
 * ``ModelRunner.capture_cudagraph`` is timed and the device memory it takes is measured
   (the driver's free memory before and after), per rank, into ``rank<N>.json``, with the devices
-  the rank holds a context on and the devices graphkit serves in it;
+  the rank holds a context on and the devices graphkit serves in it; beside it, what torch's caching
+  allocator grew by in its default pool (workspaces made during the capture) and in its other pools
+  (the graph pool), and the graphs' node count, so that the growth can be split per item;
 * ``NANOVLLM_ORDER=ascending`` makes the engine's capture loop run smallest first (the engine
   iterates ``reversed(graph_bs)``; the module-level name is replaced); ``NANOVLLM_LARGEST_ALONE=1``
   captures the largest size only (a measurement of one graph: nothing is replayed or generated);
@@ -81,11 +83,38 @@ if os.environ.get("NANOVLLM_HARNESS_OUT"):
         scope = switch.active() if switch is not None else None
         return sorted(f"{b}:{d}" for b, d in scope.pools) if scope is not None else None
 
+    def _segments():
+        """Bytes of torch's caching allocator, split into its default pool and every other pool (graph pools,
+        graphkit's pools: their virtual reservations)."""
+        default = other = 0
+        for segment in torch.cuda.memory_snapshot():
+            if tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0):
+                default += segment["total_size"]
+            else:
+                other += segment["total_size"]
+        return default, other
+
+    def _nodes(graphs):
+        """Kernel and other nodes of the captured graphs (cuGraphGetNodes), or None where it cannot be read."""
+        try:
+            from cuda.bindings import driver
+
+            total = 0
+            for graph in graphs:
+                err, _, count = driver.cuGraphGetNodes(driver.CUgraph(graph.raw_cuda_graph()), 0)
+                if int(err):
+                    return None
+                total += count
+            return total
+        except Exception:  # noqa: BLE001 -- an older torch (no raw_cuda_graph) or no cuda-python: the figure is left out
+            return None
+
     _capture = _mr.ModelRunner.capture_cudagraph
 
     def _measured_capture(self):
         torch.cuda.synchronize()
         free0, _ = torch.cuda.mem_get_info()
+        default0, other0 = _segments()
         start = time.perf_counter()
         profile = os.environ.get("NANOVLLM_PROFILE")
         if profile:
@@ -101,8 +130,11 @@ if os.environ.get("NANOVLLM_HARNESS_OUT"):
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         free1, _ = torch.cuda.mem_get_info()
+        default1, other1 = _segments()
         pools = getattr(self, "graphkit_pools", None)
         _write(self.rank, device=torch.cuda.current_device(), graph_bytes=free0 - free1, capture_s=seconds,
+               torch_default_bytes=default1 - default0, torch_pool_bytes=other1 - other0,
+               graphs=len(self.graphs), graph_nodes=_nodes(self.graphs.values()),
                sizes=sorted(self.graphs), order=os.environ.get("NANOVLLM_ORDER", "descending"),
                pools_report=str(pools.report()) if pools is not None else None, contexts=_contexts(),
                served=_served(), pools_device=pools.backend.device if pools is not None else None)
