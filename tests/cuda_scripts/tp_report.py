@@ -39,9 +39,9 @@ from typing import Any
 RUN = Path(__file__).resolve().parent / "nanovllm" / "run.py"
 ROOT = Path(__file__).resolve().parents[2]
 #: the switch's report line (``graphkit: process N, cuda:R: graph pools on cuda (vmm): K key(s), X MiB of chunks``)
-SWITCH_LINE = re.compile(r"graphkit: process \d+, cuda:(\d+): graph pools on \w+ \(\w+\): (\d+) key\(s\), "
-                         r"([\d.]+) (B|KiB|MiB|GiB) of chunks")
-POOLS_REPORT = re.compile(r"(\d+) key\(s\), ([\d.]+) (B|KiB|MiB|GiB) of chunks")
+SWITCH_LINE = re.compile(r"graphkit: process \d+, cuda:(\d+): graph pools on \w+ \(\w+\): (\d+) key\(s\)[^;]*; "
+                         r"memory ([\d.]+) (B|KiB|MiB|GiB) of chunks")
+POOLS_REPORT = re.compile(r"(\d+) key\(s\)[^;]*; memory ([\d.]+) (B|KiB|MiB|GiB) of chunks")
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
@@ -87,7 +87,9 @@ def run_one(args: argparse.Namespace, mode: str, order: str, tp: int, out: Path,
     shared = shared_bytes(mode, result, output)
     ranks = {rank: {"device": f["device"], "graph_bytes": f["graph_bytes"], "capture_s": f["capture_s"],
                     "contexts": f.get("contexts"), "shared_bytes": shared.get(rank),
-                    **{k: f.get(k) for k in ("torch_default_bytes", "torch_pool_bytes", "graphs", "graph_nodes")}}
+                    **{k: f.get(k) for k in ("torch_default_bytes", "torch_pool_bytes", "graphs", "graph_nodes")},
+                    "survivor_bytes": (f.get("served_chunks") or (result.get("scope_chunks") if rank == "0" else None)
+                                       or {}).get("survivor_bytes")}
              for rank, f in result["ranks"].items()}
     print(f"tp={tp} {mode:6s} {order:10s}", {r: (f["graph_bytes"] >> 20, round(f["capture_s"], 2))
                                               for r, f in ranks.items()}, flush=True)
@@ -95,7 +97,8 @@ def run_one(args: argparse.Namespace, mode: str, order: str, tp: int, out: Path,
 
 
 def shared_bytes(mode: str, result: dict[str, Any], output: str) -> dict[str, int]:
-    """Per rank, the bytes of graphkit's shared chunks (the last report line of each device), where it served."""
+    """Per rank, the bytes of graphkit's chunks where it served: what the rank recorded (the switch's pools, the
+    scope's), else the last report line of each device."""
     found: dict[str, int] = {}
     if mode in ("switch", "scope"):  # the scope's spawned ranks are served through the variable it sets
         for match in SWITCH_LINE.finditer(output):
@@ -108,6 +111,11 @@ def shared_bytes(mode: str, result: dict[str, Any], output: str) -> dict[str, in
         match = POOLS_REPORT.search(result["scope_report"])
         if match is not None:
             found["0"] = int(float(match.group(2)) * UNITS[match.group(3)])
+    if mode == "scope" and result.get("scope_chunks"):
+        found["0"] = result["scope_chunks"]["chunk_bytes"]
+    for rank, figures in result["ranks"].items():
+        if figures.get("served_chunks"):
+            found[rank] = figures["served_chunks"]["chunk_bytes"]
     return found
 
 
@@ -129,6 +137,8 @@ def items(mode: str, f: dict[str, Any]) -> dict[str, float] | None:
         return None
     rest = f["graph_bytes"] - pool - f["torch_default_bytes"]
     split = {"pool": pool / 2**20, "torch_default": f["torch_default_bytes"] / 2**20, "driver_rest": rest / 2**20}
+    if f.get("survivor_bytes") is not None:
+        split["survivors"] = f["survivor_bytes"] / 2**20
     if f.get("graph_nodes"):
         split["nodes"] = float(f["graph_nodes"])
         split["rest_kib_per_node"] = rest / 1024 / f["graph_nodes"]
@@ -188,8 +198,8 @@ def markdown(table: dict[str, Any], alone: dict[int, dict[str, float]], meta: di
               "*torch default* = what torch's default pool grew by during the capture (workspaces), *rest* = the "
               "driver and libraries (the executable graphs' memory, kernels first loaded by the capture).")
     rows += ["", legend, "",
-             "| TP | mode | order | rank | pool | torch default | rest | nodes | rest KiB per node |",
-             "|" + "---|" * 9]
+             "| TP | mode | order | rank | pool | of it survivors | torch default | rest | nodes | rest KiB per node |",
+             "|" + "---|" * 10]
     for key in sorted(table, key=lambda k: (int(k.split("|")[0]), k)):
         parts = table[key].get("items") or {}
         if "pool" not in parts:
@@ -198,7 +208,8 @@ def markdown(table: dict[str, Any], alone: dict[int, dict[str, float]], meta: di
         def med(name: str, digits: int = 1, parts: dict[str, Any] = parts) -> str:
             return f"{parts[name]['median']:.{digits}f}" if parts.get(name) else "--"
 
-        rows.append(f"| {' | '.join(key.split('|'))} | {med('pool')} | {med('torch_default')} | {med('driver_rest')} "
+        rows.append(f"| {' | '.join(key.split('|'))} | {med('pool')} | {med('survivors')} | {med('torch_default')} "
+                    f"| {med('driver_rest')} "
                     f"| {med('nodes', 0)} | {med('rest_kib_per_node', 2)} |")
     rows += ["", f"Largest size alone (MiB per rank): {json.dumps(alone)}", f"Command: `{meta['command']}`"]
     return "\n".join(rows) + "\n"

@@ -107,16 +107,18 @@ def start(args: argparse.Namespace) -> dict:
 
     kwargs = dict(tensor_parallel_size=args.tp, max_num_seqs=64, max_model_len=256, max_num_batched_tokens=4096,
                   gpu_memory_utilization=0.6, tokenizer=Tokenizer())
-    report = None
+    report = chunks = None
     if args.mode == "scope":
         import graphkit
 
         with graphkit.graph_memory() as pools:
             llm = LLM(args.model, **kwargs)
-        report = str(pools.report())
+        figures = pools.report()
+        report = str(figures)
+        chunks = {"chunk_bytes": figures.chunk_bytes, "survivor_bytes": figures.survivor_bytes}
     else:
         llm = LLM(args.model, **kwargs)
-    result = {"mode": args.mode, "order": args.order, "tp": args.tp, "scope_report": report}
+    result = {"mode": args.mode, "order": args.order, "tp": args.tp, "scope_report": report, "scope_chunks": chunks}
     if args.largest_alone or args.measure_only:
         return result
     result["check_worst"] = llm.model_runner.call("harness_check", 1234)

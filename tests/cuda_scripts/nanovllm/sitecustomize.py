@@ -109,6 +109,19 @@ if os.environ.get("NANOVLLM_HARNESS_OUT"):
         except Exception:  # noqa: BLE001 -- an older torch (no raw_cuda_graph) or no cuda-python: the figure is left out
             return None
 
+    def _served_chunks():
+        """This device's chunks under the switch (all, and those under memory that outlived its capture), or
+        None where the switch does not serve it."""
+        import sys
+
+        switch = sys.modules.get("graphkit.switch")
+        scope = switch.active() if switch is not None else None
+        pools = scope.pools.get(("cuda", torch.cuda.current_device())) if scope is not None else None
+        if pools is None:
+            return None
+        report = pools.report(measure=False)
+        return {"chunk_bytes": report.chunk_bytes, "survivor_bytes": report.survivor_bytes}
+
     _capture = _mr.ModelRunner.capture_cudagraph
 
     def _measured_capture(self):
@@ -135,6 +148,7 @@ if os.environ.get("NANOVLLM_HARNESS_OUT"):
         _write(self.rank, device=torch.cuda.current_device(), graph_bytes=free0 - free1, capture_s=seconds,
                torch_default_bytes=default1 - default0, torch_pool_bytes=other1 - other0,
                graphs=len(self.graphs), graph_nodes=_nodes(self.graphs.values()),
+               served_chunks=_served_chunks(),
                sizes=sorted(self.graphs), order=os.environ.get("NANOVLLM_ORDER", "descending"),
                pools_report=str(pools.report()) if pools is not None else None, contexts=_contexts(),
                served=_served(), pools_device=pools.backend.device if pools is not None else None)
