@@ -287,6 +287,16 @@ class GraphPools(Closable):
         """What the isolation check of the captures into these pools did so far."""
         return self._verifier.stats
 
+    @property
+    def outputs(self) -> str:
+        """``"kept"`` or ``"replay"``: what a key's memory still allocated when its capture ends becomes."""
+        return self._keys.outputs
+
+    @property
+    def verifying(self) -> bool:
+        """Whether the optional isolation verifier reads the captures into these pools."""
+        return self._verifier.enabled
+
     # -- hygiene helpers ----------------------------------------------------------------
 
     def warm_up(self, fn: Callable[..., Any], *args: Any, runs: int = 1, stream: Any = None,

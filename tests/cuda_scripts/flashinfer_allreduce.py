@@ -61,6 +61,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script, also where this one is imported
+from custom_allreduce import compare  # noqa: E402  (the latency statistics both scripts report)
 
 #: elements (bf16) per all-reduce: 8 KiB, 128 KiB, 1 MiB (the last takes the two-stage kernel on 4 ranks)
 SIZES = (4096, 65536, 524288)
@@ -113,27 +115,6 @@ def jit_env(jit_dir: Path, environ: dict[str, str] | None = None) -> dict[str, s
     if "CUDA_HOME" not in environ and Path("/usr/local/cuda/bin/nvcc").exists():
         environ["CUDA_HOME"] = "/usr/local/cuda"
     return environ
-
-
-def stats(samples: Sequence[float]) -> dict[str, float | int]:
-    """Median, minimum, maximum and count of ``samples``, and the spread (max - min) relative to the median."""
-    if not samples:
-        raise ValueError("stats() of no samples")
-    median = statistics.median(samples)
-    return {"median": median, "min": min(samples), "max": max(samples), "n": len(samples),
-            "spread": (max(samples) - min(samples)) / median if median else 0.0}
-
-
-def compare(graphkit_us: Sequence[float], plain_us: Sequence[float]) -> dict[str, Any]:
-    """Latency over graphkit memory against plain memory: both sides' stats, the ratio of the medians and the
-    median of the per-repetition ratios (the repetitions are interleaved, so pairs share the machine's state)."""
-    if len(graphkit_us) != len(plain_us):
-        raise ValueError(f"compare(): {len(graphkit_us)} graphkit samples against {len(plain_us)} plain ones")
-    pairs = [g / p for g, p in zip(graphkit_us, plain_us, strict=True) if p > 0]
-    gk, plain = stats(graphkit_us), stats(plain_us)
-    return {"graphkit_us": gk, "plain_us": plain,
-            "ratio": gk["median"] / plain["median"] if plain["median"] else float("nan"),
-            "paired_ratio": statistics.median(pairs) if pairs else float("nan")}
 
 
 def markdown_line(summary: dict[str, Any]) -> str:
