@@ -157,7 +157,7 @@ class GraphPools(Closable):
                                                        **allocator_options)
         self.kind: str = self.strategy.kind
         self.allocator: SharedVMMAllocator | None = self.strategy.allocator
-        self.hygiene = hygiene
+        self.hygiene, self.outputs, self.verify = hygiene, outputs, verify  # as asked (read, never written)
         self.saver = saver
         if saver is not None:
             _adopt(saver, self.strategy, caller, be)
@@ -286,16 +286,6 @@ class GraphPools(Closable):
     def verify_stats(self) -> VerifyStats:
         """What the isolation check of the captures into these pools did so far."""
         return self._verifier.stats
-
-    @property
-    def outputs(self) -> str:
-        """``"kept"`` or ``"replay"``: what a key's memory still allocated when its capture ends becomes."""
-        return self._keys.outputs
-
-    @property
-    def verifying(self) -> bool:
-        """Whether the optional isolation verifier reads the captures into these pools."""
-        return self._verifier.enabled
 
     # -- hygiene helpers ----------------------------------------------------------------
 

@@ -71,7 +71,7 @@ def served_children(pools: GraphPools) -> Iterator[None]:
     if ENV in os.environ:
         yield
         return
-    value = f"kind={pools.kind},outputs={pools.outputs},verify={int(pools.verifying)},hygiene={int(pools.hygiene)}"
+    value = f"kind={pools.kind},outputs={pools.outputs},verify={int(pools.verify)},hygiene={int(pools.hygiene)}"
     me = str(os.getpid())
     os.environ[ENV], os.environ[FROM_ENV] = value, me
     try:
