@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,36 @@ class ScopeRouter:
 
 #: set beside ``GRAPHKIT_GRAPH_MEMORY`` by a block: the process whose block set it (served by the block already)
 FROM_ENV = "GRAPHKIT_GRAPH_MEMORY_FROM"
+#: the start-up hook the package installs at the root of site-packages (``setup.py``)
+HOOK_FILE = "graphkit-startup.pth"
+_hook_warned = False  # the missing hook is said once per process
+
+
+def hook_folders() -> list[str]:
+    """The folders whose ``.pth`` files this interpreter reads when a process of it starts."""
+    import site
+
+    folders = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        folders.append(site.getusersitepackages())
+    return folders
+
+
+def startup_hook_installed() -> bool:
+    """Whether a process of this interpreter reads ``GRAPHKIT_GRAPH_MEMORY`` when it starts (the hook is in
+    one of :func:`hook_folders`)."""
+    return any(os.path.exists(os.path.join(folder, HOOK_FILE)) for folder in hook_folders())
+
+
+def _warn_without_hook() -> None:
+    global _hook_warned
+    if _hook_warned or startup_hook_installed():
+        return
+    _hook_warned = True
+    log.warning("graph_memory(): processes started inside the block (an engine's spawned ranks) will not be "
+                "served: this Python (%s) has no %s in %s, so it never reads %s when a process starts. Install "
+                "the package into it (%s -m pip install ...), or call graphkit.switch.plugin() in those processes",
+                sys.executable, HOOK_FILE, " or ".join(hook_folders()) or "its site-packages", ENV, sys.executable)
 
 
 @contextlib.contextmanager
@@ -66,7 +97,9 @@ def served_children(pools: GraphPools) -> Iterator[None]:
     The variable is set in ``os.environ`` for the block's duration, with :data:`FROM_ENV` naming this process
     (its own switch stays off: the block serves it) and put back after. Where the variable is set already --
     ``0`` included -- it is left alone: the user's value wins. Allocator options (``granularity=``,
-    ``shareable=``...) do not reach the children; they use the defaults.
+    ``shareable=``...) do not reach the children; they use the defaults. Where this interpreter has no
+    start-up hook installed (:func:`startup_hook_installed`), the children cannot read the variable: a warning
+    says so, once per process.
     """
     if ENV in os.environ:
         yield
@@ -74,6 +107,7 @@ def served_children(pools: GraphPools) -> Iterator[None]:
     value = f"kind={pools.kind},outputs={pools.outputs},verify={int(pools.verify)},hygiene={int(pools.hygiene)}"
     me = str(os.getpid())
     os.environ[ENV], os.environ[FROM_ENV] = value, me
+    _warn_without_hook()
     try:
         yield
     finally:
@@ -88,4 +122,5 @@ def set_by_own_block() -> bool:
     return os.environ.get(FROM_ENV) == str(os.getpid())
 
 
-__all__ = ["FROM_ENV", "ScopeRouter", "served_children", "set_by_own_block"]
+__all__ = ["FROM_ENV", "HOOK_FILE", "ScopeRouter", "hook_folders", "served_children", "set_by_own_block",
+           "startup_hook_installed"]

@@ -359,6 +359,35 @@ def test_a_value_set_already_wins_over_the_blocks(monkeypatch) -> None:
     pools.close()
 
 
+def test_a_block_says_once_when_this_python_cannot_serve_the_processes_it_starts(monkeypatch, tmp_path: Path,
+                                                                                  caplog) -> None:
+    """Without the start-up hook in this interpreter's site-packages (``pip`` of another Python installed the
+    package), processes started inside a block never read the variable: the block says so, naming this Python
+    and the fix, once per process; with the hook there it says nothing."""
+    from graphkit.graphs import scope
+
+    be = hal.get_backend("fake")
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(scope, "_hook_warned", False)
+    monkeypatch.setattr(scope, "hook_folders", lambda: [str(tmp_path)])
+    with caplog.at_level(logging.WARNING, logger="graphkit.graphs.scope"):
+        for _ in range(2):
+            with graphkit.graph_memory(be) as pools:
+                pass
+            pools.close()
+    said = [r.getMessage() for r in caplog.records if "will not be served" in r.getMessage()]
+    assert len(said) == 1 and sys.executable in said[0] and "-m pip install" in said[0], said
+    caplog.clear()
+    monkeypatch.setattr(scope, "_hook_warned", False)
+    (tmp_path / scope.HOOK_FILE).write_text("")
+    with caplog.at_level(logging.WARNING, logger="graphkit.graphs.scope"):
+        with graphkit.graph_memory(be) as pools:
+            pass
+        pools.close()
+    assert not [r for r in caplog.records if "will not be served" in r.getMessage()]
+    assert scope.startup_hook_installed()
+
+
 FORKED_CHILD = """
 import multiprocessing, os, sys
 def child():
