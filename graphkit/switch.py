@@ -21,7 +21,8 @@ options, which also turns it on: ``kind=vmm|shared|private``,
 ``outputs=kept|replay`` (see :class:`graphkit.GraphPools`: ``replay`` when the
 engine reads its graphs' outputs only right after their own replay),
 ``verify=0|1`` (the optional isolation verifier), ``hygiene=0|1``,
-``report=SECONDS`` (0: at exit only). ``0``, ``false``,
+``report=SECONDS`` (0: at exit only), ``executables=N|off`` (the executables
+budget of :class:`graphkit.GraphPools`: N executable graphs kept per topology). ``0``, ``false``,
 ``off``, ``no`` or empty: off. A bad value raises
 :class:`hal.InvalidArgumentError` naming the variable from :func:`parse` and
 :func:`start_from_environment`; the start-up hook and :func:`plugin` log it
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import math
 import multiprocessing.util
@@ -51,6 +53,7 @@ from typing import Any
 
 import hal
 from _graphkit_startup import ENV, OFF, ON
+from graphkit.graphs.executables import DEFAULT_PER_TOPOLOGY, checked_per_topology
 from graphkit.graphs.pools import GraphPools
 from graphkit.graphs.scope import set_by_own_block
 from graphkit.graphs.strategies import POOL_KINDS
@@ -70,16 +73,22 @@ class Options:
     hygiene: bool = False
     outputs: str = "kept"
     report: float = 2.0
+    #: the pools' executables budget (executable graphs kept per topology; None: one per graph)
+    executables: int | None = DEFAULT_PER_TOPOLOGY
 
     def __post_init__(self) -> None:
         bad = []
+        try:
+            checked_per_topology(self.executables, "graphkit.switch.Options")
+        except hal.InvalidArgumentError as exc:
+            bad.append(exc.message)
         if self.kind not in POOL_KINDS:
             bad.append(f"kind={self.kind!r} must be one of {', '.join(POOL_KINDS)}")
         for name in ("verify", "hygiene"):
             if not isinstance(getattr(self, name), bool):
                 bad.append(f"{name}={getattr(self, name)!r} must be a bool")
         if not _report_seconds(self.report):
-            bad.append(f"report={self.report!r} must be seconds in [0, {_MAX_REPORT:g}] (0: at exit only)")
+            bad.append(f"report={self.report!r} must be seconds >= 0 that a timer can wait (0: at exit only)")
         if bad:
             raise hal.InvalidArgumentError("; ".join(bad), call="graphkit.switch.Options")
 
@@ -128,12 +137,13 @@ def parse(value: str | None) -> Options | None:
             if key in fields:
                 raise ValueError(key)
             fields[key] = _option(key, raw)
-        except (KeyError, ValueError):
-            what = "is given twice" if key in fields else "is not an option"
+        except (KeyError, ValueError) as exc:
+            what = ("is given twice" if key in fields else "is not an option" if isinstance(exc, KeyError)
+                    else "has a value the option does not take")
             raise hal.InvalidArgumentError(
                 f"{item!r} {what} (the value is {value!r}); give 1, or a comma-separated list of "
                 f"kind={'|'.join(POOL_KINDS)}, outputs=kept|replay, verify=0|1, hygiene=0|1, "
-                f"report=SECONDS (0 to {_MAX_REPORT:g})",
+                "report=SECONDS (0: at exit only), executables=N|off (N >= 1 per topology)",
                 call=ENV) from None
     return Options(**fields)
 
@@ -156,6 +166,12 @@ def _option(key: str, raw: str) -> Any:
         if not _report_seconds(seconds):
             raise ValueError(raw)
         return seconds
+    if key == "executables":
+        if raw in ("off", "none"):
+            return None
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(raw)
+        return int(raw)
     raise KeyError(key)
 
 
@@ -190,7 +206,7 @@ class ProcessGraphMemory:
             if ok:
                 self._captured((backend, device))
 
-        return Route(route.pool, ended, route.on_release, inspect=route.inspect)
+        return dataclasses.replace(route, on_end=ended)
 
     def _pools(self, backend: str, device: int) -> GraphPools | None:
         where = (backend, device)
@@ -202,7 +218,7 @@ class ProcessGraphMemory:
             try:
                 be = hal.get_backend(backend, device=device, requires=("graphs", "capture_routing"))
                 pools = GraphPools(be, opts.kind, hygiene=opts.hygiene, verify=opts.verify,  # type: ignore[arg-type]
-                                   outputs=opts.outputs)  # type: ignore[arg-type]
+                                   outputs=opts.outputs, executables=opts.executables)  # type: ignore[arg-type]
             except hal.HalError as exc:
                 self._refused[where] = str(exc)
                 log.warning("%s=%s: the captures on %s:%d are not served (they take the framework's own memory): "

@@ -305,6 +305,16 @@ def stream_state_sizes() -> dict[int, str]:
     """
 
 
+@hookspec(firstresult=True)
+def stream_state_bytes() -> int:
+    """Return the bytes of per-stream state :func:`prepare_capture_stream` made so far on this device, over every
+    stream and thread it prepared (measured as the framework's allocator grew).
+
+    Reports count it as the capture streams' workspaces: memory every graph of those streams uses, made once
+    per stream. Optional: 0 when absent.
+    """
+
+
 # ---------------------------------------------------------------------------
 # Memory pools ("graphs"; callbacks need "custom_pool", use_pool needs "use_pool")
 # ---------------------------------------------------------------------------
@@ -556,7 +566,7 @@ RESULT_HOOKS = frozenset({
     "device_count", "granularity", "mem_info", "create_vir_ptr", "create_phy_mem_handle", "capabilities",
     "torch_device", "tensor_at", "create_stream", "current_stream", "use_stream", "default_capture_stream",
     "create_pool", "use_pool", "pool_active_blocks", "create_graph", "capture", "route_captures",
-    "graph_addresses", "stream_state_sizes", "export_phy_mem_handle", "import_phy_mem_handle",
+    "graph_addresses", "stream_state_sizes", "stream_state_bytes", "export_phy_mem_handle", "import_phy_mem_handle",
 })
 
 #: The hooks of the ``"graphs"`` capability.

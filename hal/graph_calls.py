@@ -41,10 +41,9 @@ from typing import Any
 from hal import api
 from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError, PluginValidationError
 from hal.hook_calls import ADDRESS_LIMIT
-from hal.plugin_class import current_device
 from hal.routing import noting_routes
 from hal.stream_calls import StreamCalls
-from hal.types import CaptureRouter, GraphAddresses, Route
+from hal.types import ON_REPLAY, CaptureRouter, GraphAddresses, Route
 
 
 #: what a graph, pool or stream never is: plain values (a pool given as its number, a stream as its name...)
@@ -247,66 +246,35 @@ class GraphCalls(StreamCalls):
                             f"the backend returned {type(found).__name__}, not a hal.types.GraphAddresses")
         return found
 
-    def default_capture_stream(self) -> Any:
-        """The stream the framework's own capture API uses when it is given none."""
-        if "default_capture_stream" not in self._implemented:
-            return self.current_stream()
-        return self._graph_call("default_capture_stream")
-
-    def current_device(self) -> int:
-        """The device the backend's framework calls current in this thread now (captures start there), as
-        :func:`hal.get_backend` means it by default; this backend's own device where the plugin cannot tell."""
-        self._check_open("current_device")
-        ask = getattr(type(self.plugin), "current_device", None)
-        if ask is None:
-            return self.device
-        return current_device(type(self.plugin))
-
-    def prepare_capture_stream(self, stream: Any = None) -> None:
-        """Make, outside any capture, the per-stream state the framework's libraries create lazily on ``stream``.
-
-        cuBLAS and cuBLASLt allocate a workspace per stream (and library handle, one per thread) at their
-        first GEMM there; inside a capture it would land in the capture's pool. hal does this itself before
-        every capture it starts or routes; call it for a capture it never sees. ``stream`` defaults to the
-        stream the framework's capture API uses when given none. Idempotent and cheap once done.
-
-        :raises InvalidStateError: ``stream`` is capturing now.
-        """
-        self._check_open("prepare_capture_stream")
-        self._check_object("prepare_capture_stream", "stream", stream, optional=True)
-        if "prepare_capture_stream" not in self._implemented:
-            return
-        stream = stream if stream is not None else self.default_capture_stream()
-        self._graph_call("prepare_capture_stream", stream=stream)
-
-    def stream_state_sizes(self) -> dict[int, str]:
-        """``{bytes: what}`` of the per-stream state :meth:`prepare_capture_stream` makes (``{}`` where none)."""
-        self._check_open("stream_state_sizes")
-        if "stream_state_sizes" not in self._implemented:
-            return {}
-        return dict(self._graph_call("stream_state_sizes"))
-
     def replay(self, graph: Any) -> None:
-        """Launch a captured graph.
+        """Launch a captured graph (through its router where a route owns its replays: ``Route.on_replay``).
 
-        :raises InvalidStateError: the graph was released, the pool it was
-            captured into was released, or that pool's memory is paused (see
-            ``create_pool(paused=...)``).
+        :raises InvalidStateError: the graph was released, the pool it was captured into was released, or
+            that pool's memory is paused (see ``create_pool(paused=...)``).
 
         >>> x.copy_(batch)                   # the static input the graph was captured with
         >>> be.replay(graph)                 # its outputs hold the result (until the next replay)
         """
-        state = self._graph_pool.get(graph)
-        if state is None:  # not captured through this facade: at least a graph (a captured one is known)
-            self._check_object("replay", "graph", graph)
-        elif state.released or (state.paused is not None and state.paused()):
-            raise self._err(InvalidStateError, "replay", state.why_not())
+        (getattr(graph, ON_REPLAY, None) or self.launch)(graph)
+
+    def launch(self, graph: Any) -> None:
+        """:meth:`replay` without a router's say: ``graph``'s executable as it is now (after
+        ``update_graph(graph, source)``, ``source``'s work; a lazy graph's own at its first launch)."""
+        self.check_replayable(graph)
         direct = self._direct_replay()
         if direct is not None:
             self._check_open("replay")
             direct(graph)
             return
         self._graph_call("replay", graph=graph)
+
+    def check_replayable(self, graph: Any) -> None:
+        """Raise what :meth:`replay` raises before it launches ``graph`` (its memory released or paused)."""
+        state = self._graph_pool.get(graph)
+        if state is None:  # not captured through this facade: at least a graph (a captured one is known)
+            self._check_object("replay", "graph", graph)
+        elif state.released or (state.paused is not None and state.paused()):
+            raise self._err(InvalidStateError, "replay", state.why_not())
 
     def _release_graphs(self, collect: Callable[[], AbstractContextManager[None]]) -> tuple[int, int]:
         """Close's graph steps: release the graphs still live, then their pools (each inside ``collect()``,
@@ -323,8 +291,7 @@ class GraphCalls(StreamCalls):
         return len(graphs), len(pools)
 
     def update_graph(self, graph: Any, source: Any) -> None:
-        """Make ``graph``'s replays run ``source``'s work (a lazy graph's, of the same topology) from now on, and
-        follow ``source``'s pool (see :func:`hal.api.update_graph`; needs ``"graph_update"``)."""
+        """``graph``'s launches run ``source``'s work (see :func:`hal.api.update_graph`; ``"graph_update"``)."""
         for kind, value in (("graph", graph), ("source", source)):
             self._check_object("update_graph", kind, value)
         self._refuse_without("graph_update", "update_graph", "this backend cannot update an executable graph")

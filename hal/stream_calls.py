@@ -1,5 +1,6 @@
-"""The stream calls of :class:`hal.Backend` (the device, its streams, waiting for them, whether a capture is under
-way), and the check of the objects the graph calls are handed (:class:`hal.graph_calls.GraphCalls` builds on it)."""
+"""The stream calls of :class:`hal.Backend` (the device, its streams, waiting for them, the state libraries make on a
+capture stream, whether a capture is under way), and the check of the objects the graph calls are handed
+(:class:`hal.graph_calls.GraphCalls` builds on it)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from hal.errors import InvalidArgumentError
 from hal.hook_calls import HookCalls
+from hal.plugin_class import current_device
 
 _PLAIN_VALUES = (bool, int, float, complex, str, bytes, bytearray, list, tuple, dict, set, frozenset)
 #: where each kind of object comes from, for the error's fix
@@ -64,6 +66,7 @@ class StreamCalls(HookCalls):
         """
         self._check_object("synchronize", "stream", stream, optional=True)
         self._graph_call("synchronize", stream=stream)
+
     def capturing(self) -> bool:
         """Whether the current stream of this thread captures a graph on this backend's device now (through
         :meth:`capture`, or the framework's own capture). Work queued now is recorded, not run, and a
@@ -73,6 +76,52 @@ class StreamCalls(HookCalls):
         device = self._graph_call("torch_device")
         probe = getattr(getattr(sys.modules.get("torch"), device.type, None), "is_current_stream_capturing", None)
         return bool(probe()) if callable(probe) and device.type != "cpu" else False
+
+    def default_capture_stream(self) -> Any:
+        """The stream the framework's own capture API uses when it is given none."""
+        if "default_capture_stream" not in self._implemented:
+            return self.current_stream()
+        return self._graph_call("default_capture_stream")
+
+    def current_device(self) -> int:
+        """The device the backend's framework calls current in this thread now (captures start there), as
+        :func:`hal.get_backend` means it by default; this backend's own device where the plugin cannot tell."""
+        self._check_open("current_device")
+        ask = getattr(type(self.plugin), "current_device", None)
+        if ask is None:
+            return self.device
+        return current_device(type(self.plugin))
+
+    def prepare_capture_stream(self, stream: Any = None) -> None:
+        """Make, outside any capture, the per-stream state the framework's libraries create lazily on ``stream``.
+
+        cuBLAS and cuBLASLt allocate a workspace per stream (and library handle, one per thread) at their
+        first GEMM there; inside a capture it would land in the capture's pool. hal does this itself before
+        every capture it starts or routes; call it for a capture it never sees. ``stream`` defaults to the
+        stream the framework's capture API uses when given none. Idempotent and cheap once done.
+
+        :raises InvalidStateError: ``stream`` is capturing now.
+        """
+        self._check_open("prepare_capture_stream")
+        self._check_object("prepare_capture_stream", "stream", stream, optional=True)
+        if "prepare_capture_stream" not in self._implemented:
+            return
+        stream = stream if stream is not None else self.default_capture_stream()
+        self._graph_call("prepare_capture_stream", stream=stream)
+
+    def stream_state_sizes(self) -> dict[int, str]:
+        """``{bytes: what}`` of the per-stream state :meth:`prepare_capture_stream` makes (``{}`` where none)."""
+        self._check_open("stream_state_sizes")
+        if "stream_state_sizes" not in self._implemented:
+            return {}
+        return dict(self._graph_call("stream_state_sizes"))
+
+    def stream_state_bytes(self) -> int:
+        """The bytes of per-stream state (the capture streams' BLAS workspaces) made so far on this device."""
+        self._check_open("stream_state_bytes")
+        if "stream_state_bytes" not in self._implemented:
+            return 0
+        return int(self._graph_call("stream_state_bytes"))
 
 
 def _framework_pool_id(value: Any) -> bool:

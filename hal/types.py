@@ -79,6 +79,11 @@ class GraphAddresses:
         return self.missed == 0
 
 
+#: the attribute of a backend graph object whose replays a router owns: ``graph.on_replay(graph)`` runs it
+#: (set by the backend from :attr:`Route.on_replay`; see :meth:`hal.Backend.replay`)
+ON_REPLAY = "on_replay"
+
+
 def _nothing(*_: Any) -> None:
     return None
 
@@ -101,12 +106,25 @@ class Route:
     it as usual), lets the error through, and never calls ``on_release``. With ``inspect`` set, a backend
     with ``"graph_addresses"`` records the graph's addresses before it calls
     ``on_end(True)``, so the router can ask for them there.
+
+    With ``on_replay`` set, the router owns the graph's executable form: a
+    backend with ``"lazy_graphs"`` leaves the graph uninstantiated at the end
+    of its capture and hands every later replay of it -- :meth:`hal.Backend.replay`
+    and the framework's own ``graph.replay()`` alike -- to ``on_replay(graph)``,
+    ``graph`` being the backend's graph object (what ``create_graph`` returns;
+    for a graph the framework made, one the backend made for it). The router
+    then runs it with :meth:`hal.Backend.launch`, after :meth:`hal.Backend.update_graph`
+    where it wants another executable to run this graph's work. Where the
+    backend cannot leave the graph uninstantiated (no ``"lazy_graphs"``, a
+    framework graph made before routing began), ``on_replay`` is never called
+    and the graph replays as usual.
     """
 
     pool: Any
     on_end: Callable[[bool], None] = field(default=_nothing)
     on_release: Callable[[bool], None] = field(default=_nothing)
     inspect: bool = False
+    on_replay: Callable[[Any], None] | None = None
 
 
 #: ``router(graph, requested_pool) -> Route | None``: chooses the pool of a capture that is starting,

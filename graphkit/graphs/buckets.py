@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_map
 import hal
 from graphkit.graphs import capture as cap
 from graphkit.graphs.buffers import StaticInputs
+from graphkit.graphs.executables import Executables
 from graphkit.graphs.outputs import Layout, Outputs
 from graphkit.graphs.report import SizeReport
 from graphkit.graphs.strategies import Lease
@@ -63,6 +64,15 @@ class Pieces:
     between: list[Callable[..., Any]]
     max_size: int
     weak_outputs: bool = False  # keep non-owning aliases of the outputs (vLLM's way)
+    #: the executables budget that runs the graphs (None: each graph its own executable, replayed by the backend)
+    executables: Executables | None = None
+
+    def replay_graph(self, graph: Any) -> None:
+        """Run one captured graph: through the executables budget where there is one."""
+        if self.executables is not None:
+            self.executables.replay(graph)
+        else:
+            self.backend.replay(graph)
 
     def eager(self, **inputs: torch.Tensor) -> Any:
         """Run the step without graphs."""
@@ -84,7 +94,8 @@ class Pieces:
             captured = cap.capture(self.backend, fn, args, bucket.lease, stream,
                                    capture_error_mode=capture_error_mode,
                                    what=f"batch {size}" + (f" piece {k}" if len(self.pieces) > 1 else ""),
-                                   strict_hygiene=strict_hygiene, verify=verify)
+                                   strict_hygiene=strict_hygiene, verify=verify,
+                                   lazy=self.executables is not None)
             bucket.graphs.append(captured.graph)
             outputs = captured.outputs
             del captured
@@ -111,14 +122,13 @@ class Pieces:
 
         :param views: the static inputs at a size (asked only for a piecewise step).
         """
-        be = self.backend
         graphs = bucket.graphs
         if len(graphs) == 1:  # a full graph: the call's path, kept short
-            be.replay(graphs[0])
+            self.replay_graph(graphs[0])
             return bucket.outputs[-1]
         inputs = None
         for k, graph in enumerate(graphs):
-            be.replay(graph)
+            self.replay_graph(graph)
             if k + 1 < len(graphs):
                 if not inputs:
                     inputs = views(bucket.size)
@@ -133,6 +143,8 @@ class Pieces:
         kept = []
         for graph in bucket.graphs:
             try:
+                if self.executables is not None:
+                    self.executables.forget(graph)  # an executable it holds goes with it
                 self.backend.release_graph(graph)
             except hal.HalError as exc:
                 log.error("batch %d: a graph could not be released: %s", bucket.size, str(exc))
@@ -169,7 +181,7 @@ class CallPlan:
             if padding is not None:
                 padding.fill_(fill)
         if self.single is not None:
-            step.backend.replay(self.graph)
+            step.replay_graph(self.graph)
             return self.single[:self.batch] if self.sliced else self.single
         step.replay(self.bucket, views)
         return outputs.deliver(self.layout, self.batch)

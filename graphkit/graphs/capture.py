@@ -166,16 +166,18 @@ def warm_up_checked(backend: hal.Backend, fn: Callable[..., Any], args: tuple[An
 
 def capture(backend: hal.Backend, fn: Callable[..., Any], inputs: dict[str, Any], lease: Lease,
             stream: Any, *, capture_error_mode: str | None = None, what: str = "capture",
-            strict_hygiene: bool = False, verify: Callable[[Any], None] | None = None) -> Captured:
+            strict_hygiene: bool = False, verify: Callable[[Any], None] | None = None,
+            lazy: bool = False) -> Captured:
     """Capture ``fn(**inputs)`` into a new graph drawing from ``lease``'s pool.
 
     :param verify: called with the captured graph (recorded with
         ``inspect=True``); it raises to refuse the graph.
+    :param lazy: leave the graph uninstantiated (``create_graph(lazy=True)``): an executables budget owns it.
 
     The graph is released again if the capture fails or is refused.
     """
     before = active_blocks(backend, lease)
-    graph = backend.create_graph()
+    graph = backend.create_graph(lazy=lazy)
     t0 = time.perf_counter()
     outputs: Any = None
     try:

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import hal
 from graphkit.graphs.capture import CaptureHygieneError, leftover_blocks, report_leftovers, warm_up_checked
+from graphkit.graphs.executables import DEFAULT_PER_TOPOLOGY, Executables, checked_per_topology
 from graphkit.graphs.isolation import IsolationError, KeyCheck, Verifier, VerifyStats
 from graphkit.graphs.keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
 from graphkit.graphs.report import KeyReport, PoolsReport, pools_report
@@ -79,6 +80,24 @@ def _adopt(saver: MemorySaver, strategy: PoolStrategy, caller: str, be: hal.Back
         raise
 
 
+_unbudgeted: set[str] = set()  # backends whose missing capabilities were said (once each)
+
+
+def budget(be: hal.Backend, per_topology: int | None) -> Executables | None:
+    """The executables budget of ``per_topology`` on ``be``; None without one (asked for none, or the backend
+    cannot leave graphs uninstantiated and update them: said once per backend)."""
+    if per_topology is None:
+        return None
+    missing = [c for c in ("lazy_graphs", "graph_update") if not be.supports(c)]
+    if missing:
+        if be.name not in _unbudgeted:
+            _unbudgeted.add(be.name)
+            log.info("%s lacks %s: every graph keeps the executable its framework makes at the end of its capture "
+                     "(no executables budget)", be.name, " and ".join(repr(c) for c in missing))
+        return None
+    return Executables(be, per_topology)
+
+
 def _abandoned(backend_name: str, entries: Mapping[Hashable, KeyPool]) -> None:
     if entries:
         log.warning("a GraphPools on %s with %d live key(s) was garbage-collected without close(): its memory "
@@ -115,19 +134,22 @@ class GraphPools(Closable):
     :param verify: the optional verifier: refuse a graph (:class:`graphkit.IsolationError`) that uses
         memory another key keeps on the shared chunks, read from the graph (``"graph_addresses"``;
         skipped with one log line without it; handle captures seen through ``"capture_routing"``).
+    :param executables: the executables budget (:mod:`graphkit.graphs.executables`): executable graphs kept
+        per topology, none for a graph never replayed; ``None``: one per graph, made at its capture's end.
     :param allocator_options: options of :class:`SharedVMMAllocator`
         (``reserve_bytes``, ``max_physical_bytes``, ``arena_bytes``).
     """
 
     def __init__(self, backend: hal.Backend | None = None, kind: Kind = "vmm", *, hygiene: bool = False,
                  saver: MemorySaver | None = None, verify: bool = False, outputs: Outputs = "kept",
-                 **allocator_options: Any) -> None:
+                 executables: int | None = DEFAULT_PER_TOPOLOGY, **allocator_options: Any) -> None:
         self._open(backend, kind, None, hygiene=hygiene, saver=saver, verify=verify, outputs=outputs,
-                   allocator_options=allocator_options, runner=False)
+                   executables=executables, allocator_options=allocator_options, runner=False)
 
     @classmethod
     def for_runner(cls, backend: hal.Backend, kind: Kind = "vmm", *, strategy: PoolStrategy | None = None,
-                   saver: MemorySaver | None = None, verify: bool = False, **allocator_options: Any) -> GraphPools:
+                   saver: MemorySaver | None = None, verify: bool = False,
+                   executables: int | None = DEFAULT_PER_TOPOLOGY, **allocator_options: Any) -> GraphPools:
         """Pools whose keys a :class:`graphkit.GraphRunner` captures into itself, through :meth:`lease`.
 
         As ``GraphPools(backend, kind, ...)``, except that captures into handles are not watched (the runner
@@ -140,19 +162,20 @@ class GraphPools(Closable):
         """
         pools = cls.__new__(cls)
         pools._open(backend, kind, strategy, hygiene=False, saver=saver, verify=verify, outputs="kept",
-                    allocator_options=allocator_options, runner=True)
+                    executables=executables, allocator_options=allocator_options, runner=True)
         return pools
 
     def _open(self, backend: hal.Backend | None, kind: Kind, strategy: PoolStrategy | None, *, hygiene: bool,
-              saver: MemorySaver | None, verify: bool, outputs: Outputs, allocator_options: dict[str, Any],
-              runner: bool) -> None:
+              saver: MemorySaver | None, verify: bool, outputs: Outputs, executables: int | None,
+              allocator_options: dict[str, Any], runner: bool) -> None:
         """Set the pools up (see :meth:`for_runner` for what ``runner`` changes)."""
         self._caller = caller = "GraphRunner" if runner else "GraphPools"
         _check_arguments(backend, kind if strategy is None else None, saver, allocator_options, caller, outputs)
+        per_topology = checked_per_topology(executables, caller, getattr(backend, "name", None))
         self._owns_backend = backend is None
         self.backend = be = backend if backend is not None else hal.get_backend(requires=("graphs",))
         be.synchronize()
-        self._used_at_start = be.mem_info().used
+        self._used_at_start, self._workspaces_at_start = be.mem_info().used, be.stream_state_bytes()
         self.strategy = strategy or make_pool_strategy(kind, be, caller, park_live=runner, collect=runner,
                                                        **allocator_options)
         self.kind: str = self.strategy.kind
@@ -164,7 +187,10 @@ class GraphPools(Closable):
         self._keys = keys = PoolKeys(be, self.strategy, self, caller, outputs)
         self._close_done = False
         self._verifier = Verifier(keys, verify)
-        self._routing = CaptureRouting(keys, self._verifier, hygiene=hygiene, watch=not runner)
+        self.per_topology = per_topology  # as asked; the budget itself (None: each graph the framework's own):
+        self.executables = budget(be, per_topology)
+        self._routing = CaptureRouting(keys, self._verifier, hygiene=hygiene, watch=not runner,
+                                       executables=self.executables)
         self._finalizer = weakref.finalize(self, _abandoned, be.name, keys.entries if not runner else {})
 
     # -- keys -----------------------------------------------------------------------
@@ -272,14 +298,8 @@ class GraphPools(Closable):
         return self._routing.group(key)
 
     def route(self, graph: Any, requested_pool: Any) -> Route | None:
-        """The router :func:`graph_memory` installs: a fresh space per capture, or the current group's.
-
-        Two captures of torch's own are special: torch.compile's CUDA graph
-        trees keep one pool of their own and check it, so their captures are
-        left to torch (logged once); the forward and backward graphs of one
-        ``torch.cuda.make_graphed_callables`` call share one space, as they
-        share one pool without graphkit (backward reads forward's memory).
-        """
+        """The router :func:`graph_memory` installs: a fresh space per capture, or the current group's
+        (torch.compile's graph trees are left to torch; ``make_graphed_callables`` shares one space per call)."""
         return self._routing.route(graph, requested_pool)
 
     @property
@@ -330,7 +350,9 @@ class GraphPools(Closable):
                 self.backend.synchronize()
                 device_bytes = self.backend.mem_info().used - self._used_at_start
             return pools_report(self.backend.name, self.kind, keys, self.allocator, device_bytes,
-                                self.verify_stats, self.backend)
+                                self.verify_stats, self.backend,
+                                self.executables.stats if self.executables is not None else None,
+                                self.backend.stream_state_bytes() - self._workspaces_at_start)
 
     # -- teardown -------------------------------------------------------------------------
 
@@ -355,6 +377,8 @@ class GraphPools(Closable):
             self._keys.closing()  # from here on every call raises InvalidStateError
             self._finalizer.detach()
             self._routing.stop()
+            if self.executables is not None:
+                self.executables.close()  # a replay of a graph of these pools raises from now on
             errors: list[BaseException] = []
             if after_backend(self.backend, log, self._caller):  # its close released every pool, space and chunk
                 self._keys.forget()
@@ -389,7 +413,7 @@ class GraphPools(Closable):
 @contextlib.contextmanager
 def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None = None, kind: Kind = "vmm",
                  hygiene: bool = False, verify: bool = False, outputs: Outputs = "kept", children: bool = True,
-                 **allocator_options: Any) -> Iterator[GraphPools]:
+                 executables: int | None = DEFAULT_PER_TOPOLOGY, **allocator_options: Any) -> Iterator[GraphPools]:
     """Every capture started inside the block draws from a fresh vmm space of the yielded :class:`GraphPools`.
 
     Whatever pool the engine passes -- none, its own shared pool, or
@@ -407,6 +431,8 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
         gets bytes of its own, so a piecewise forward captured without
         ``pools.group(key)`` replays right.
     :param verify: the optional verifier of :class:`GraphPools`.
+    :param executables: the executables budget of :class:`GraphPools` (executable graphs kept per topology;
+        None: the framework's own, one per graph).
     :param children: processes started inside the block (an engine's tensor-parallel ranks, its engine-core
         process) serve their own captures the same way, through ``GRAPHKIT_GRAPH_MEMORY`` set for the
         block's duration (:func:`graphkit.graphs.scope.served_children`; a value set already wins).
@@ -419,7 +445,8 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
                                        call="graph_memory")
     if pools is None:
         chosen = backend if backend is not None else hal.get_backend(requires=("graphs", "capture_routing"))
-        pools = GraphPools(chosen, kind, hygiene=hygiene, verify=verify, outputs=outputs, **allocator_options)
+        pools = GraphPools(chosen, kind, hygiene=hygiene, verify=verify, outputs=outputs, executables=executables,
+                           **allocator_options)
         if backend is None:
             pools.own_backend()
     if not isinstance(children, bool):

@@ -11,6 +11,7 @@ from hal.types import fmt_bytes
 
 if TYPE_CHECKING:
     import hal
+    from graphkit.graphs.executables import ExecutableStats
     from graphkit.graphs.isolation import VerifyStats
     from graphkit.memory.allocator import SharedVMMAllocator
 
@@ -32,6 +33,45 @@ def driver_memory(backend: hal.Backend, device_bytes: int | None, pool_bytes: in
 
 def _driver_line(what: str, driver_bytes: int | None, why: str) -> str:
     return f"  driver memory of {what}: {fmt_bytes(driver_bytes) if driver_bytes is not None else why}"
+
+
+@dataclass(frozen=True)
+class Accounting:
+    """Where the device memory of some graphs went: the whole cost an engine pays for them, item by item.
+
+    ``device`` is the device's used-memory growth (None where not measured: a host device, ``measure=False``);
+    ``chunks`` the physical memory the pools mapped, of which ``survivors`` lie under memory that outlived its
+    capture; ``executables`` the driver's memory of the executable graphs, measured around each instantiation
+    and update (None where the graphs keep their framework's own, or on a host device); ``workspaces`` the capture
+    streams' library state made meanwhile (cuBLAS/cuBLASLt workspaces). ``rest``: what the device grew by beyond
+    those (graphs instantiated outside a budget, collectives' state, kernels loaded by the captures).
+    """
+
+    device: int | None
+    chunks: int
+    survivors: int = 0
+    executables: int | None = None
+    workspaces: int = 0
+
+    @property
+    def rest(self) -> int | None:
+        if self.device is None:
+            return None
+        return self.device - self.chunks - (self.executables or 0) - self.workspaces
+
+    def line(self) -> str:
+        parts = [f"chunks {fmt_bytes(self.chunks)}"
+                 + (f" ({fmt_bytes(self.survivors)} of them survivors)" if self.survivors else "")]
+        if self.executables is not None:
+            parts.append(f"executables {fmt_bytes(self.executables)}")
+        if self.workspaces:
+            parts.append(f"workspaces {fmt_bytes(self.workspaces)}")
+        if self.device is None:
+            return "  accounting: " + " + ".join(parts) + " (the device's growth not measured)"
+        rest = self.rest
+        assert rest is not None
+        return (f"  accounting: device +{fmt_bytes(self.device)} = " + " + ".join(parts)
+                + f" + the rest {fmt_bytes(rest)}")
 
 
 @dataclass(frozen=True)
@@ -59,6 +99,18 @@ class RunnerReport:
     driver_bytes: int | None = None
     """``graph_bytes`` less the pools' bytes: the driver's own memory of the graphs (None: see ``driver_why``)."""
     driver_why: str = ""
+    executables: ExecutableStats | None = None
+    """What the executables budget holds and did (None: every graph its own executable)."""
+    workspace_bytes: int = 0
+    """The capture stream's workspaces made since the first capture's measurement began."""
+
+    @property
+    def accounting(self) -> Accounting:
+        measured = self.driver_bytes is not None
+        return Accounting(self.graph_bytes if measured else None, self.pool_figures.get("chunk_bytes", 0),
+                          self.pool_figures.get("survivor_bytes", 0),
+                          self.executables.driver_bytes if self.executables is not None else None,
+                          self.workspace_bytes)
 
     @property
     def capture_seconds(self) -> float:
@@ -69,6 +121,9 @@ class RunnerReport:
                   f"{len(self.sizes)} size(s) captured in {self.capture_seconds:.3f} s, "
                   f"graph memory {fmt_bytes(self.graph_bytes)}"),
                  _driver_line(f"{self.graphs} graph(s)", self.driver_bytes, self.driver_why)]
+        if self.executables is not None:
+            lines.append(f"  {self.executables}")
+        lines.append(self.accounting.line())
         for key, value in self.pool_figures.items():
             lines.append(f"  {key}: {fmt_bytes(value) if key.endswith('bytes') else value}")
         lines.append(f"  {'batch':>6} {'capture s':>10} {'memory +':>11} {'chunks':>11}")
@@ -126,6 +181,14 @@ class PoolsReport:
     dismissed_words: int = 0  # never dereferenced: garbage that looked like an address
     unconfirmed_words: int = 0  # undecided (the graph's replays differ): accepted with a warning
     confirm_seconds: float = 0.0  # of verify_seconds, the time the replays over stand-ins took
+    executables: ExecutableStats | None = None  # the executables budget (None: each graph its framework's own)
+    workspace_bytes: int = 0  # capture streams' workspaces made since the pools opened
+
+    @property
+    def accounting(self) -> Accounting:
+        return Accounting(self.device_bytes, self.chunk_bytes, self.survivor_bytes,
+                          self.executables.driver_bytes if self.executables is not None else None,
+                          self.workspace_bytes)
 
     @property
     def shared_bytes(self) -> int:
@@ -158,6 +221,9 @@ class PoolsReport:
                     f"{self.dismissed_words} dismissed, {self.unconfirmed_words} unconfirmed, in "
                     f"{self.confirm_seconds * 1e3:.1f} ms of replays" if self.suspect_words else ""),
                  _driver_line(f"the graphs of {len(self.keys)} key(s)", self.driver_bytes, self.driver_why)]
+        if self.executables is not None:
+            lines.append(f"  {self.executables}")
+        lines.append(self.accounting.line())
         width = max([16, *(len(k.label) for k in self.keys)])
         for k in self.keys:
             lines.append(f"  {k.label:>{width}}  used {fmt_bytes(k.used_bytes):>10}  mapped "
@@ -167,7 +233,8 @@ class PoolsReport:
 
 def pools_report(backend: str, kind: str, keys: Iterable[tuple[Hashable, int | None, int]],
                  alloc: SharedVMMAllocator | None, device_bytes: int | None, stats: VerifyStats,
-                 device: hal.Backend | None = None) -> PoolsReport:
+                 device: hal.Backend | None = None, executables: ExecutableStats | None = None,
+                 workspace_bytes: int = 0) -> PoolsReport:
     """The report of pools whose ``keys`` are ``(key, space id or None, routed graphs)``, over ``alloc`` (vmm);
     ``device``: the backend ``device_bytes`` was measured on (for the driver's memory)."""
     spaces = alloc.spaces if alloc is not None else {}
@@ -186,4 +253,5 @@ def pools_report(backend: str, kind: str, keys: Iterable[tuple[Hashable, int | N
                        stats.graphs, stats.nodes, stats.missed, stats.seconds, stats.unread, len(spaces), driver,
                        why, alloc.survivor_bytes if alloc else 0, suspect_words=stats.suspects,
                        confirmed_words=stats.confirmed, dismissed_words=stats.dismissed,
-                       unconfirmed_words=stats.unconfirmed, confirm_seconds=stats.confirm_seconds)
+                       unconfirmed_words=stats.unconfirmed, confirm_seconds=stats.confirm_seconds,
+                       executables=executables, workspace_bytes=workspace_bytes)

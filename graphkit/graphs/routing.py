@@ -20,6 +20,7 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 from graphkit.graphs.capture import framework_capturer
+from graphkit.graphs.executables import Executables
 from graphkit.graphs.isolation import KeyCheck, Verifier
 from graphkit.graphs.keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
 from graphkit.memory.phases import CAPTURE_TIMES
@@ -38,9 +39,11 @@ class CaptureRouting:
         its keys itself: a :class:`graphkit.GraphRunner`).
     """
 
-    def __init__(self, keys: PoolKeys, verifier: Verifier, *, hygiene: bool, watch: bool) -> None:
+    def __init__(self, keys: PoolKeys, verifier: Verifier, *, hygiene: bool, watch: bool,
+                 executables: Executables | None = None) -> None:
         self.keys, self.verifier = keys, verifier
         self.hygiene, self.watches = hygiene, watch
+        self.executables = executables  # owns the executable forms of the graphs routed (None: the framework)
         self._groups = threading.local()
         self._auto = itertools.count(1)
         self._watching: contextlib.ExitStack | None = None
@@ -97,7 +100,21 @@ class CaptureRouting:
                     raise
                 keys.capture_ended(entry)
 
-        return Route(entry.pool, on_end, self._on_release(entry), inspect=check is not None and check.read)
+        return self._route(entry.pool, on_end, self._on_release(entry), inspect=check is not None and check.read)
+
+    def _route(self, pool: Any, on_end: Callable[[bool], None], on_release: Callable[[bool], None], *,
+               inspect: bool) -> Route:
+        """A capture's route; with an executables budget, its replays go through it (the graph keeps no
+        executable of its own until it is replayed)."""
+        if self.executables is None:
+            return Route(pool, on_end, on_release, inspect=inspect)
+        on_replay, forget = self.executables.serving()
+
+        def released(collected: bool) -> None:
+            forget(collected)
+            on_release(collected)
+
+        return Route(pool, on_end, released, inspect=inspect, on_replay=on_replay)
 
     # -- groups ---------------------------------------------------------------------------
 
@@ -148,8 +165,8 @@ class CaptureRouting:
                 self._gone(entry)
                 raise
         CAPTURE_TIMES.stop(counted)
-        return Route(entry.pool, self._on_end(graph, entry, grouped, before, check), self._on_release(entry),
-                     inspect=check is not None and check.read)
+        return self._route(entry.pool, self._on_end(graph, entry, grouped, before, check), self._on_release(entry),
+                           inspect=check is not None and check.read)
 
     def _entry_for(self, capturer: str | None, requested_pool: Any) -> tuple[KeyPool, bool]:
         """The key a starting capture goes to, and whether it is shared with other captures."""

@@ -33,6 +33,7 @@ from graphkit.graphs import capture as cap
 from graphkit.graphs import isolation
 from graphkit.graphs.buckets import Bucket, CallPlan, CallPlans, Pieces
 from graphkit.graphs.buffers import StaticInputs
+from graphkit.graphs.executables import DEFAULT_PER_TOPOLOGY
 from graphkit.graphs.outputs import Outputs
 from graphkit.graphs.pools import GraphPools, Kind
 from graphkit.graphs.report import RunnerReport, SizeReport, driver_memory
@@ -94,6 +95,9 @@ class RunnerOptions:
         ``kind="vmm"`` (``reserve_bytes``, ``max_physical_bytes``, ...).
     :param pool_strategy: a ready :class:`graphkit.graphs.strategies.PoolStrategy`
         (overrides ``kind`` and ``allocator_options``).
+    :param executables: the executables budget (:mod:`graphkit.graphs.executables`): at most this many
+        executable graphs per topology stay instantiated, the least recently used one updated to the size a
+        call needs, and a size never called has none; ``None``: every size keeps its own, made at its capture.
     """
 
     mode: Mode = "full"
@@ -112,6 +116,7 @@ class RunnerOptions:
     measure_memory: bool = False
     allocator_options: Mapping[str, Any] | None = None
     pool_strategy: PoolStrategy | None = None
+    executables: int | None = DEFAULT_PER_TOPOLOGY
 
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(RunnerOptions))
@@ -248,9 +253,10 @@ def _runner_report(runner: GraphRunner, reports: list[SizeReport], figures: dict
     what they made are outside), less the pools'."""
     driver, why = driver_memory(runner.backend, sum(r.memory_delta for r in reports) if reports else None,
                                 figures.get("chunk_bytes"))
+    executables = runner.pools.executables if runner.pools is not None else None
     return RunnerReport(runner.backend.name, runner.kind, runner.mode, reports, runner.graph_bytes(), figures,
                         sum(len(b.graphs) for b in map(runner.bucket, runner.captured_sizes) if b is not None), driver,
-                        why)
+                        why, executables.stats if executables is not None else None, runner.workspace_bytes())
 
 
 def _replay_scoped(be: hal.Backend, bucket: Bucket) -> list[tuple[int, int]]:
@@ -308,7 +314,8 @@ def _runner_pools(be: hal.Backend, opts: RunnerOptions, kind: str, saver: Memory
     """A runner's pools, keyed by size (None for ``mode="none"``); ``saver`` adopts their allocator."""
     if opts.mode != "none":
         return GraphPools.for_runner(be, cast("Kind", kind), strategy=opts.pool_strategy, saver=saver,
-                                     verify=opts.verify, **dict(opts.allocator_options or {}))
+                                     verify=opts.verify, executables=opts.executables,
+                                     **dict(opts.allocator_options or {}))
     if saver is not None and not isinstance(saver, MemorySaver):
         raise hal.InvalidArgumentError(f"saver={saver!r} must be a graphkit.MemorySaver", backend=be.name,
                                        call="GraphRunner")
@@ -364,11 +371,13 @@ class GraphRunner(Closable):
         self._stream = be.create_stream() if opts.mode != "none" else None
         self._lock = threading.RLock()  # graphs of one pool never run concurrently
         self._mem_before: int | None = None
+        self._workspaces_before: int | None = None
         self._pending: list[Bucket] = []  # buckets whose release failed: finished by close()
         self._closed = self._close_done = False
         self.pools = _runner_pools(be, opts, kind, saver)
         self.keep_outputs = _kept_outputs(opts, self.kind)
         self.step.weak_outputs = self.keep_outputs == "weak"
+        self.step.executables = self.pools.executables if self.pools is not None else None
 
     @property
     def strategy(self) -> PoolStrategy | None:
@@ -435,7 +444,7 @@ class GraphRunner(Closable):
         if self._mem_before is None:
             be.synchronize()
             cap.release_cached_memory(be)
-            self._mem_before = be.mem_info().used
+            self._mem_before, self._workspaces_before = be.mem_info().used, be.stream_state_bytes()
         views = inputs.views(size)
         if opts.warmup:
             cap.warm_up(be, self.step.eager, views, self._stream, opts.warmup)
@@ -529,6 +538,10 @@ class GraphRunner(Closable):
     def bucket(self, size: int) -> Bucket | None:
         """What ``size`` captured, to read: its graphs and their outputs, one per piece (None: not captured)."""
         return self._buckets.get(size)
+
+    def workspace_bytes(self) -> int:
+        """The capture stream's workspaces made since before the first capture (bytes)."""
+        return 0 if self._workspaces_before is None else self.backend.stream_state_bytes() - self._workspaces_before
 
     def graph_bytes(self) -> int:
         """Device memory used now beyond what was used before the first capture (bytes)."""

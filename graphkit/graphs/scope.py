@@ -104,7 +104,9 @@ def served_children(pools: GraphPools) -> Iterator[None]:
     if ENV in os.environ:
         yield
         return
-    value = f"kind={pools.kind},outputs={pools.outputs},verify={int(pools.verify)},hygiene={int(pools.hygiene)}"
+    budget = pools.per_topology if pools.per_topology is not None else "off"
+    value = (f"kind={pools.kind},outputs={pools.outputs},verify={int(pools.verify)},hygiene={int(pools.hygiene)},"
+             f"executables={budget}")
     me = str(os.getpid())
     os.environ[ENV], os.environ[FROM_ENV] = value, me
     _warn_without_hook()

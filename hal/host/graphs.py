@@ -228,6 +228,8 @@ class HostGraphs:
                  or process_route(self._host_name, getattr(self, "device", 0), graph, pool))
         if route is not None:
             pool = route.pool
+            if route.on_replay is not None:
+                graph.lazy = True  # its router owns its executable form: made at its first launch, if ever
         private = pool is None
         if pool is None:
             pool = graph.own_pool = self._pool(self._host_alloc, self._host_free, "private pool")
@@ -248,6 +250,7 @@ class HostGraphs:
                 graph.discard()  # refused by the router: empty, as after a failed capture (released by its caller)
                 raise
             graph.on_release = watch_release(graph, route.on_release, reset_name=None)
+            graph.on_replay = route.on_replay
 
     def _host_capturing(self) -> AbstractContextManager[None]:
         return self._host_inflight.capturing() if self._host_inflight is not None else contextlib.nullcontext()

@@ -147,6 +147,8 @@ class HostGraph:
     compiled: bool = False  # ``program`` is built (the tape's "instantiation")
     #: the graph whose tape ``program`` runs since an update (``update_graph``); None: this graph's own
     running: HostGraph | None = None
+    #: set by a route that owns the graph's replays (:attr:`hal.types.Route.on_replay`)
+    on_replay: Any = None
 
     def replay(self) -> None:
         pool = (self.running or self).pool

@@ -307,8 +307,8 @@ def cuda_stub(*, allocator_backend: str = "native", keep_graph: bool = False) ->
                 calls.append(("instantiate", self))
 
         def replay(self) -> None:
-            if not self.instantiated:  # a kept graph is instantiated at its first replay, as torch does
-                self.instantiate()
+            if not self.instantiated:  # a kept graph is instantiated at its first replay, as torch does (in C++,
+                CUDAGraph.instantiate(self)  # past an instantiate set on the instance)
             _CapturingGraph.replay(self)
 
         def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:

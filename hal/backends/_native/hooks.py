@@ -153,6 +153,11 @@ class TorchHooks:
         return glue.stream_state_sizes() if glue is not None else {}
 
     @hookimpl
+    def stream_state_bytes(self) -> int:
+        glue = self._current_glue()
+        return glue.stream_state.made(glue.device) if glue is not None else 0
+
+    @hookimpl
     def replay(self, graph: Any) -> None:
         self._torch("replay").replay(graph)
 

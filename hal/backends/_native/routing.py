@@ -22,11 +22,22 @@ capture, so that the route's ``on_end(True)`` can check them. When
 (:data:`REFUSED`), its route's ``on_release`` is never called, the stream
 that ``torch.<device>.graph`` made current is given back, and the error
 leaves ``capture_end``.
+
+A route with ``on_replay`` (:attr:`hal.types.Route.on_replay`) owns the
+graph's executable form. Where the backend says how to make its graph object
+for a framework graph (``adopt``) and the graph class takes ``keep_graph``,
+graphs made while the class is routed keep their captured graph and are not
+instantiated at the end of their capture (``__init__`` is wrapped to ask for
+``keep_graph=True``): a served graph's ``replay`` and ``instantiate`` are
+wrapped on the instance and its replays go to ``on_replay``; any other graph
+made so is instantiated as soon as its capture ends, as the framework would
+have done.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import sys
 import threading
@@ -48,6 +59,22 @@ REFUSED = "_hal_refused"
 
 #: reads the graph being captured on the current stream: ``inspector(graph) -> GraphAddresses``
 Inspector = Callable[[Any], GraphAddresses]
+#: attribute of a framework graph that routing made with ``keep_graph=True`` in place of the caller's ``False``
+KEPT = "_hal_kept"
+#: attribute of a framework graph: a weak reference to the backend's graph object wrapping it (hal's own graphs)
+RECORD = "_hal_record"
+#: attribute of a framework graph whose replays a route serves: the backend graph object made for it
+SERVED = "_hal_served"
+#: ``adopt(framework_graph, device) -> backend graph``: the backend's graph object for a framework graph
+Adopt = Callable[[Any, int], Any]
+
+
+def takes_keep_graph(graph_class: Any) -> bool:
+    """Whether ``graph_class(keep_graph=True)`` keeps the captured graph (``torch.cuda.CUDAGraph`` since 2.8)."""
+    try:
+        return "keep_graph" in inspect.signature(graph_class).parameters
+    except (TypeError, ValueError):  # a signature the class does not expose
+        return False
 
 
 class GraphClassRouting:
@@ -65,13 +92,16 @@ class GraphClassRouting:
 
     def __init__(self, graph_class: type, current_device: Callable[[], int],
                  pool_id: Callable[[Any], Any], inspector: Inspector | None = None,
-                 prepare: Callable[[], None] | None = None, backend: str | None = None) -> None:
+                 prepare: Callable[[], None] | None = None, backend: str | None = None,
+                 adopt: Adopt | None = None) -> None:
         self.graph_class = graph_class
         self.current_device = current_device
         self.pool_id = pool_id
         self.inspector = inspector
         self.prepare = prepare
         self.backend = backend  # the backend whose captures these are, for the process's routers
+        self.adopt = adopt  # where the backend can serve a route's on_replay (see the module's doc)
+        self._keeps = takes_keep_graph(graph_class)
         self._lock = threading.Lock()
         self._routers: dict[int, list[CaptureRouter]] = {}
         self._originals: dict[str, Any] | None = None
@@ -107,14 +137,22 @@ class GraphClassRouting:
         with self._lock:
             return list(reversed(self._routers.get(device, ())))
 
+    @property
+    def serves_replays(self) -> bool:
+        """Whether graphs made while the class is routed can have their replays served (see the module's doc)."""
+        return self.adopt is not None and self._keeps
+
     def _patch(self) -> None:
         cls: Any = self.graph_class  # a framework's graph class: routable() checked its two methods; patched here
-        self._originals = {name: cls.__dict__.get(name) for name in ("capture_begin", "capture_end")}
-        begin, end = cls.capture_begin, cls.capture_end
+        names = ("capture_begin", "capture_end") + (("__init__",) if self.serves_replays else ())
+        self._originals = {name: cls.__dict__.get(name) for name in names}
+        begin, end, init = cls.capture_begin, cls.capture_end, cls.__init__
         routing = self
 
         def capture_begin(graph: Any, pool: Any = None, *args: Any, **kwargs: Any) -> Any:
             forget(graph, ADDRESSES, REFUSED)  # of an earlier capture of the same graph object
+            if SERVED in getattr(graph, "__dict__", ()):  # captured again after a reset: replays as the class's
+                forget(graph, SERVED, RECORD, "replay", "instantiate")
             if getattr(graph, _ROUTE, None) is None and not getattr(graph, UNROUTED, False):
                 chosen = routing.begin(graph, pool, routing.current_device())
                 if chosen is not None:
@@ -133,11 +171,21 @@ class GraphClassRouting:
             except BaseException:
                 routing.end(graph, False)
                 raise
-            routing.end(graph, True)
+            try:
+                routing.end(graph, True)
+            finally:
+                routing.instantiate_unserved(graph)
             return result
+
+        def __init__(graph: Any, keep_graph: bool = False, *args: Any, **kwargs: Any) -> None:
+            init(graph, True, *args, **kwargs)
+            if not keep_graph:  # the caller's graph: instantiated at its capture's end unless a route serves it
+                graph.__dict__[KEPT] = True
 
         cls.capture_begin = capture_begin
         cls.capture_end = capture_end
+        if "__init__" in names:
+            cls.__init__ = __init__
         log.debug("routing the captures of %s", cls.__qualname__)
 
     def _unpatch(self) -> None:
@@ -215,6 +263,41 @@ class GraphClassRouting:
             self.refuse(graph)
             raise
         watch_release(graph, _forgetting(graph, route.on_release))
+        if route.on_replay is not None:
+            self.serve(graph, route.on_replay)
+
+    def serve(self, graph: Any, on_replay: Callable[[Any], None]) -> None:
+        """Hand the replays of ``graph`` (captured, kept uninstantiated) to ``on_replay``, where it can be done."""
+        attrs = graph.__dict__
+        ref = attrs.get(RECORD)
+        record = ref() if ref is not None else None
+        if record is not None:  # a backend graph captured through hal: the backend reads its on_replay
+            record.on_replay = on_replay
+            return
+        if not attrs.get(KEPT) or self.adopt is None:
+            return  # made before routing began (or by a caller that manages its own instantiation)
+        record = self.adopt(graph, self.current_device())
+        record.on_replay = on_replay
+
+        def replay() -> None:
+            record.on_replay(record)
+
+        def instantiate() -> None:
+            """Served: the owner of its replays instantiates it when it must."""
+
+        attrs["replay"], attrs["instantiate"] = replay, instantiate
+        attrs[RECORD] = weakref.ref(record)
+        attrs[SERVED] = record  # the graph keeps its record alive (the record holds the graph weakly)
+
+    def instantiate_unserved(self, graph: Any) -> None:
+        """A graph that routing made to keep its captured graph, and no route serves: instantiated now, as
+        the framework would have done at the end of its capture."""
+        attrs = getattr(graph, "__dict__", {})
+        if attrs.get(KEPT) and SERVED not in attrs and not attrs.get(REFUSED):
+            try:
+                type(graph).instantiate(graph)
+            except Exception as exc:  # noqa: BLE001 - as the framework: its first replay instantiates it
+                log.debug("instantiating an unserved graph at the end of its capture: %s", exc)
 
     def refuse(self, graph: Any) -> None:
         """Reset a graph whose route refused it, as after a failed capture, and mark it :data:`REFUSED`.
@@ -278,6 +361,9 @@ def _forgetting(graph: Any, on_release: Callable[[bool], None]) -> Callable[[boo
         target = ref()
         if target is not None:
             forget(target, ADDRESSES)
+            served = target.__dict__.get(SERVED)
+            if served is not None:  # its replays raise from now on, as a reset graph's do
+                served.released = True
         on_release(collected)
 
     return released
@@ -288,17 +374,19 @@ _by_class_lock = threading.Lock()
 
 
 def routing_for(graph_class: type, current_device: Callable[[], int], pool_id: Callable[[Any], Any],
-                prepare: Callable[[], None] | None = None, backend: str | None = None) -> GraphClassRouting:
+                prepare: Callable[[], None] | None = None, backend: str | None = None,
+                adopt: Adopt | None = None) -> GraphClassRouting:
     """The one :class:`GraphClassRouting` of ``graph_class`` in this process (patched at once while the
     process has routers, see :func:`hal.routing.add_process_router`)."""
     with _by_class_lock:
         routing = _by_class.get(graph_class)
         if routing is None:
             routing = _by_class[graph_class] = GraphClassRouting(graph_class, current_device, pool_id,
-                                                                 prepare=prepare, backend=backend)
+                                                                 prepare=prepare, backend=backend, adopt=adopt)
         else:
             routing.prepare = routing.prepare or prepare
             routing.backend = routing.backend or backend
+            routing.adopt = routing.adopt or adopt
         with routing._lock:
             routing._sync_patch()
         return routing

@@ -42,11 +42,16 @@ class StreamState:
         self.torch, self.ns, self.device_type = torch, ns, device_type
         self._prepared: set[tuple[int, Any, Any]] = set()
         self._sizes: dict[int, dict[int, str]] = {}  # device -> {bytes: what}, measured at its first preparation
+        self._made: dict[int, int] = {}  # device -> bytes made by every preparation so far
         self._lock = threading.Lock()
 
     def sizes(self, device: int) -> dict[int, str]:
         """``{bytes: what}`` that preparing a stream of ``device`` allocated (empty before the first one)."""
         return dict(self._sizes.get(device, {}))
+
+    def made(self, device: int) -> int:
+        """The bytes every preparation on ``device`` made so far (all streams and threads)."""
+        return self._made.get(device, 0)
 
     def prepare(self, stream: Any) -> None:
         """Prepare ``stream`` (made current for the call) on this thread."""
@@ -61,20 +66,23 @@ class StreamState:
             return  # inside a capture it would land in the capture's pool
         current_device = getattr(ns, "current_device", None)
         device = current_device() if current_device is not None else 0
-        with self._lock:
-            measure = device not in self._sizes
-        allocated = getattr(ns, "memory_allocated", None) if measure else None
-        # the first time on a device, what the GEMMs leave is measured: their inputs are made first, and
-        # the count starts before the library handle is asked for (asking may make the workspace)
-        inputs = self._inputs(device) if allocated is not None else None
+        allocated = getattr(ns, "memory_allocated", None)
+        # measured from before the library handle is asked for: asking may make the workspace already
         start = allocated(device) if allocated is not None else 0
         key = (device, _stream_key(ns.current_stream()), self._handle())
         if key in self._prepared:
             return
-        made = self._run_gemms(inputs if inputs is not None else self._inputs(device), device, allocated, start)
+        by_handle = allocated(device) - start if allocated is not None else 0
+        inputs = self._inputs(device)  # made before the GEMMs are measured
+        before = allocated(device) if allocated is not None else 0
+        made = self._run_gemms(inputs, device, allocated, before)
+        total = by_handle + (allocated(device) - before if allocated is not None else 0)
+        if by_handle > 0:
+            made[by_handle] = made.get(by_handle, _WHAT.get(self.device_type, ("BLAS state",))[0])
         with self._lock:
             self._prepared.add(key)
-            if made:  # a stream that had its state already tells nothing: measured on the next fresh one
+            self._made[device] = self._made.get(device, 0) + max(0, total)
+            if made and device not in self._sizes:  # a stream that had its state already tells nothing
                 self._sizes[device] = made
         log.debug("%s:%d: stream state prepared on stream %s (%s)", self.device_type, device, key[1],
                   ", ".join(f"{size} bytes: {what}" for size, what in made.items()) or "not measured")

@@ -19,6 +19,7 @@ import functools
 import importlib
 import logging
 import sys
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -48,6 +49,9 @@ class TorchExtension:
     #: where one process drives several GPUs); False: make the device current once, when the glue
     #: opens (torch_npu and torch_mlu initialise their runtime for it then)
     scoped: bool = False
+    #: ``adopt(framework_graph, device)``: the backend's graph object for a framework graph whose replays a
+    #: route serves (:attr:`hal.types.Route.on_replay`); None where the backend cannot serve them
+    adopt: Callable[[Any, int], Any] | None = None
 
     def private(self, api: compat.PrivateApi, ext: Any) -> Any | None:
         """The private API ``api`` of this device type in ``ext`` (the imported ``module``), or None."""
@@ -77,7 +81,8 @@ class TorchExtension:
         if ns is None or graph_class is None or not routable(graph_class):
             return None
         return routing_for(graph_class, ns.current_device, lambda pool: pool.id,
-                           prepare=stream_state(torch, ns, self.device_type).prepare_current, backend=backend)
+                           prepare=stream_state(torch, ns, self.device_type).prepare_current, backend=backend,
+                           adopt=self.adopt)
 
 
 @dataclass(eq=False)
@@ -132,7 +137,7 @@ class TorchGlue:
         if "capture_routing" in names.capabilities(self.ext, self.ns):
             self.routing = routing_for(getattr(self.ns, names.graph_class), self.ns.current_device,
                                        lambda pool: pool.id, prepare=self.stream_state.prepare_current,
-                                       backend=self.backend)
+                                       backend=self.backend, adopt=names.adopt)
 
     # -- what this build offers ------------------------------------------------------------
 

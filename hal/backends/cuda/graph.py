@@ -9,6 +9,8 @@ its replay and release are :class:`~hal.backends.cuda.torch_glue.CudaGlue`'s.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,10 +37,46 @@ class CudaGraph:
     released: bool = False
     #: what the graph uses, read at its capture (``inspect``), or why that could not be read
     addresses: GraphAddresses | str | None = None
+    #: whether its work draws random numbers, told by its first replay (None: not known yet)
+    draws_random: bool | None = None
+    #: the owner of its replays, where a route asked for them (:attr:`hal.types.Route.on_replay`)
+    on_replay: Any = None
 
     def __repr__(self) -> str:
         state = "released" if self.released else "captured" if self.captured else "empty"
         return f"<cuda graph device={self.device} {state}{' lazy' if self.lazy else ''}>"
+
+
+class FrameworkGraph(CudaGraph):
+    """The backend's graph object for a ``torch.cuda.CUDAGraph`` an engine made and captured itself, whose
+    replays a route serves: kept uninstantiated at its capture's end, replayed on the caller's current stream
+    (as ``torch.cuda.CUDAGraph.replay`` does), holding the torch graph weakly (the engine owns it: it resets
+    or drops it)."""
+
+    def __init__(self, torch_graph: Any, device: int) -> None:
+        self._ref: Callable[[], Any] = weakref.ref(torch_graph)
+        super().__init__(torch_graph, device, lazy=True, captured=True)
+
+    @property
+    def torch_graph(self) -> Any:
+        """The torch graph, or None once it was garbage-collected."""
+        return self._ref()
+
+    @torch_graph.setter
+    def torch_graph(self, value: Any) -> None:
+        self._ref = weakref.ref(value) if value is not None else _none
+
+    def __repr__(self) -> str:
+        return "<cuda framework graph " + super().__repr__()[len("<cuda graph "):]
+
+
+def _none() -> None:
+    return None
+
+
+def adopt(torch_graph: Any, device: int) -> FrameworkGraph:
+    """The backend's graph object for ``torch_graph`` (see :class:`FrameworkGraph`)."""
+    return FrameworkGraph(torch_graph, device)
 
 
 def addresses(graph: CudaGraph | Any) -> GraphAddresses:

@@ -19,22 +19,23 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 from hal.backends._native import torch_compat as compat
 from hal.backends._native.capture import BODY, Phase, first_line
-from hal.backends._native.routing import ADDRESSES, forget
+from hal.backends._native.routing import ADDRESSES, RECORD, forget
 from hal.backends._native.torch_glue import TorchExtension, TorchGlue, TorchPool
 from hal.backends.cuda.errors import NAME
-from hal.backends.cuda.graph import CudaGraph, addresses
+from hal.backends.cuda.graph import CudaGraph, addresses, adopt
 from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError, UnsupportedError
 from hal.types import GraphAddresses
 
 log = logging.getLogger("hal.cuda")
 
-EXTENSION = TorchExtension(module="torch", device_type="cuda", graph_class="CUDAGraph", scoped=True)
+EXTENSION = TorchExtension(module="torch", device_type="cuda", graph_class="CUDAGraph", scoped=True, adopt=adopt)
 
 
 class CudaGlue(TorchGlue):
@@ -49,6 +50,7 @@ class CudaGlue(TorchGlue):
         """:param ext: a stand-in for the torch module (tests); torch itself by default."""
         super().__init__(device, ext)
         self._capture_stream: Any = None
+        self._random_said = False  # graphs drawing random numbers keep their executables: said once
 
     # -- what this torch offers ---------------------------------------------------------------
 
@@ -115,15 +117,21 @@ class CudaGlue(TorchGlue):
             return False
 
     def create_graph(self, lazy: bool = False) -> CudaGraph:
-        """A graph instantiated at the end of its capture, or with ``lazy`` at its first replay (torch keeps
-        the captured ``cudaGraph_t`` and instantiates it then)."""
-        if not lazy:
-            return CudaGraph(super().create_graph(), self.device)
+        """A graph instantiated at the end of its capture, or with ``lazy`` at its first replay.
+
+        Where torch keeps the captured ``cudaGraph_t`` (``keep_graph=True``) every graph is made so, and one
+        that is not lazy is instantiated by :meth:`captured` -- unless its route took its replays
+        (:attr:`hal.types.Route.on_replay`), which leaves it lazy.
+        """
         if not self.keeps_graphs():
-            raise UnsupportedError(f"lazy=True: torch {self.torch.__version__}'s CUDAGraph has no keep_graph "
-                                   "(a newer torch has)", backend=NAME, call="create_graph")
+            if lazy:
+                raise UnsupportedError(f"lazy=True: torch {self.torch.__version__}'s CUDAGraph has no keep_graph "
+                                       "(a newer torch has)", backend=NAME, call="create_graph")
+            return CudaGraph(super().create_graph(), self.device)
         with self.on_device():
-            return CudaGraph(self.ns.CUDAGraph(keep_graph=True), self.device, lazy=True)
+            graph = CudaGraph(self.ns.CUDAGraph(keep_graph=True), self.device, lazy=lazy)
+        graph.torch_graph.__dict__[RECORD] = weakref.ref(graph)  # routing finds the graph object it wraps
+        return graph
 
     def capture(self, graph: CudaGraph, pool: TorchPool | None, stream: Any, capture_error_mode: str | None,
                 inspect: bool = False) -> AbstractContextManager[CudaGraph]:
@@ -152,10 +160,19 @@ class CudaGlue(TorchGlue):
         return pool.id if pool is not None else tuple(self.ns.graph_pool_handle())
 
     def captured(self, graph: CudaGraph, stream: Any, pool: TorchPool | None) -> None:
-        graph.stream, graph.pool, graph.captured, graph.instantiated = stream, pool, True, not graph.lazy
-        graph.addresses = graph.torch_graph.__dict__.get(ADDRESSES)  # ours, or what a route asked for
+        """Record the capture; a graph neither lazy nor served by its route is instantiated now (torch kept
+        its captured graph, see :meth:`create_graph`)."""
+        tg = graph.torch_graph
+        graph.stream, graph.pool, graph.captured = stream, pool, True
+        graph.addresses = tg.__dict__.get(ADDRESSES)  # ours, or what a route asked for
         if pool is not None:
             pool.graphs += 1
+        if graph.on_replay is not None:
+            graph.lazy = True
+        if not graph.lazy and not graph.instantiated and RECORD in tg.__dict__:
+            with self.ns.device(graph.device):
+                type(tg).instantiate(tg)
+        graph.instantiated = not graph.lazy
 
     def capture_error(self, exc: BaseException, phase: Phase) -> CaptureError | None:
         """Inside the block, torch's errors about the capture (not its out-of-memory error)."""
@@ -172,28 +189,57 @@ class CudaGlue(TorchGlue):
         return addresses(graph)
 
     def replay(self, graph: CudaGraph) -> None:
-        """Launch ``graph`` on its capture stream, ordered after (and before) the current stream's work."""
+        """Launch ``graph`` on its capture stream, ordered after (and before) the current stream's work; a graph
+        the framework made (:class:`~hal.backends.cuda.graph.FrameworkGraph`) on the current stream, as torch's
+        own replay does. A lazy graph's first replay instantiates it and tells whether it draws random numbers
+        (torch's replay then advances the device's generator)."""
         cuda = self.ns
-        if not graph.captured or graph.released:
-            raise InvalidStateError(f"{graph!r} cannot be replayed", backend=NAME, call="replay")
+        tg = graph.torch_graph
+        if not graph.captured or graph.released or tg is None:
+            raise InvalidStateError(f"{graph!r} cannot be replayed: "
+                                    + ("it was released (reset), so its executable is gone" if graph.captured
+                                       else "it was never captured"), backend=NAME, call="replay")
+        launch = type(tg).replay  # the class's: a served graph's own replay goes to its route
         with cuda.device(graph.device):
+            first = None if graph.instantiated or graph.draws_random is not None else self._rng_offset(graph.device)
             current = cuda.current_stream()
             stream = graph.stream
-            if current == stream:
-                graph.torch_graph.replay()
+            if stream is None or current == stream:
+                launch(tg)
             else:
                 stream.wait_stream(current)
                 with cuda.stream(stream):
-                    graph.torch_graph.replay()
+                    launch(tg)
                 current.wait_stream(stream)
+            if first is not None:
+                after = self._rng_offset(graph.device)
+                graph.draws_random = None if after is None else after != first
         graph.instantiated = True  # a lazy graph's first replay instantiated it
+
+    def _rng_offset(self, device: int) -> int | None:
+        """The offset of ``device``'s default random generator (torch's replay advances it by what the graph
+        draws), or None where it cannot be read (inside a capture, a torch without it)."""
+        try:
+            return int(self.ns.default_generators[device].get_offset())
+        except Exception:  # noqa: BLE001 - then whether the graph draws random numbers stays unknown
+            return None
 
     def update_graph(self, graph: CudaGraph, source: CudaGraph, exec_update: Callable[[int, int], None]) -> None:
         """Update ``graph``'s executable form with ``source``'s captured graph through
         ``exec_update(graph_exec, source_graph)`` (instantiating ``graph`` first where it was not)."""
         for name, g in (("graph", graph), ("source", source)):
-            if not g.captured or g.released:
+            if not g.captured or g.released or g.torch_graph is None:
                 raise InvalidStateError(f"{name}={g!r} is not captured", backend=NAME, call="update_graph")
+        random = next((name for name, g in (("graph", graph), ("source", source)) if g.draws_random), None)
+        if random is not None and graph is not source:
+            if not self._random_said:
+                self._random_said = True
+                log.info("cuda: graphs that draw random numbers keep executable graphs of their own: torch's "
+                         "replay advances the random generators by what each graph drew, per graph")
+            raise InvalidArgumentError(f"{random} draws random numbers: torch's replay of a graph advances the "
+                                       "random generators by what that graph drew, so another graph's "
+                                       "executable cannot run its work; it keeps one of its own",
+                                       backend=NAME, call="update_graph")
         if not source.lazy:
             raise InvalidArgumentError(f"source={source!r} was not created with create_graph(lazy=True): only a "
                                        "lazy graph keeps the captured graph an update reads", backend=NAME,
@@ -201,11 +247,12 @@ class CudaGlue(TorchGlue):
         if source.device != graph.device:
             raise InvalidArgumentError(f"source={source!r} is not on device {graph.device}", backend=NAME,
                                        call="update_graph")
+        tg = graph.torch_graph
         with self.ns.device(graph.device):
             if not graph.instantiated:
-                graph.torch_graph.instantiate()
+                type(tg).instantiate(tg)  # the class's: a served graph's own instantiate waits for its route
                 graph.instantiated = True
-            exec_update(int(graph.torch_graph.raw_cuda_graph_exec()), int(source.torch_graph.raw_cuda_graph()))
+            exec_update(int(tg.raw_cuda_graph_exec()), int(source.torch_graph.raw_cuda_graph()))
         graph.addresses = source.addresses  # what its replays use from now on
 
     def release_graph(self, graph: CudaGraph) -> None:
@@ -216,11 +263,16 @@ class CudaGlue(TorchGlue):
         if graph.pool is not None:  # before the reset: a routed graph's reset may release its pool
             graph.pool.graphs -= 1
             graph.pool = None
+        tg = graph.torch_graph
         with self.ns.device(graph.device):
             if graph.captured and graph.stream is not None:
                 graph.stream.synchronize()
-            graph.torch_graph.reset()
-        forget(graph.torch_graph, ADDRESSES)
+            elif graph.captured:  # a framework graph replays on the caller's streams
+                self.ns.synchronize()
+            if tg is not None:
+                tg.reset()
+        if tg is not None:
+            forget(tg, ADDRESSES)
         graph.addresses = None
         graph.torch_graph = None
         graph.stream = None

@@ -8,6 +8,7 @@ import gc
 import logging
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -181,7 +182,9 @@ def test_a_lazy_graph_is_instantiated_at_its_first_replay() -> None:
     glue = CudaGlue(0, ext=stub)
     assert "lazy_graphs" in glue.capabilities
     lazy, eager = glue.create_graph(lazy=True), glue.create_graph()
-    assert lazy.lazy and lazy.torch_graph.keep_graph and not eager.torch_graph.keep_graph and "lazy" in repr(lazy)
+    # both keep their captured graph (a route may take either's replays); the eager one is instantiated at its end
+    assert lazy.lazy and lazy.torch_graph.keep_graph and eager.torch_graph.keep_graph and not eager.lazy
+    assert "lazy" in repr(lazy)
     for graph in (lazy, eager):
         with glue.capture(graph, None, None, None):
             pass
@@ -290,3 +293,75 @@ def test_out_of_memory_in_a_capture_carries_the_pools_reason() -> None:
             assert ALLOC_FN(pool.callbacks.addresses[0])(4 << 20, 0, None) is None
             raise torch.OutOfMemoryError("CUDA out of memory")
     assert any("no segment" in note and "capacity" in note for note in info.value.__notes__)
+
+
+def test_a_route_that_owns_replays_gets_the_replays_of_the_engines_own_graphs() -> None:
+    """An engine's CUDAGraph made while captures are routed keeps its captured graph; a route with on_replay
+    gets every ``graph.replay()`` (with the backend's graph object for it), which the glue then launches,
+    instantiating it at its first launch; one that no route serves is instantiated at its capture's end, as
+    torch would, and one made before routing began is left as the class makes it."""
+    from hal.backends.cuda.graph import FrameworkGraph
+    from hal.types import Route
+
+    stub = cuda_stub(keep_graph=True)
+    glue = CudaGlue(0, ext=stub)
+    assert glue.routing is not None and glue.routing.serves_replays
+    cuda = stub.cuda
+    before = cuda.CUDAGraph()
+    served: list[object] = []
+    pools = [types.SimpleNamespace(id=(0, n)) for n in (1, 2)]
+    routes = iter([Route(pools[0], on_replay=served.append), Route(pools[1]), None])
+    with glue.routing.activate(0, lambda graph, pool: next(routes)):
+        mine, theirs, left = cuda.CUDAGraph(), cuda.CUDAGraph(), cuda.CUDAGraph()
+        for graph in (mine, theirs, left):
+            with cuda.graph(graph):
+                pass
+    assert not before.keep_graph and mine.keep_graph and theirs.keep_graph
+    assert not mine.instantiated and theirs.instantiated and left.instantiated  # served: left to its route
+    mine.replay()
+    mine.instantiate()  # the route instantiates it when it must: nothing happens now
+    assert not mine.instantiated
+    record = served[0]
+    assert isinstance(record, FrameworkGraph) and record.torch_graph is mine and served == [record]
+    glue.replay(record)  # the route's launch: torch's own replay of the class, on the current stream
+    assert mine.instantiated and record.instantiated
+    assert [c[0] for c in stub.calls if c[0] in ("instantiate", "replay") and c[1] is mine] == ["instantiate",
+                                                                                                 "replay"]
+    mine.reset()  # the engine resets it: the route hears of it, and its record refuses to launch
+    assert record.released
+    with pytest.raises(hal.InvalidStateError, match="released"):
+        glue.replay(record)
+
+
+def test_a_graph_that_draws_random_numbers_keeps_its_own_executable() -> None:
+    stub = cuda_stub(keep_graph=True)
+    offset = [0]
+
+    class Generator:
+        def get_offset(self) -> int:
+            return offset[0]
+
+    stub.cuda.default_generators = [Generator()]
+    glue = CudaGlue(0, ext=stub)
+    plain, random, other = (glue.create_graph(lazy=True) for _ in range(3))
+    for graph in (plain, random, other):
+        with glue.capture(graph, None, None, None):
+            pass
+    glue.replay(plain)
+    original = type(random.torch_graph).replay
+
+    def drawing(self: object) -> None:  # torch's replay advances the generator by what the graph drew
+        original(self)
+        offset[0] += 4
+
+    type(random.torch_graph).replay = drawing  # type: ignore[method-assign]
+    glue.replay(random)
+    type(random.torch_graph).replay = original  # type: ignore[method-assign]
+    assert plain.draws_random is False and random.draws_random is True and other.draws_random is None
+    updates: list[tuple[int, int]] = []
+    with pytest.raises(hal.InvalidArgumentError, match="draws random numbers"):
+        glue.update_graph(random, other, lambda exe, g: updates.append((exe, g)))
+    with pytest.raises(hal.InvalidArgumentError, match="draws random numbers"):
+        glue.update_graph(plain, random, lambda exe, g: updates.append((exe, g)))
+    glue.update_graph(plain, other, lambda exe, g: updates.append((exe, g)))
+    assert len(updates) == 1
