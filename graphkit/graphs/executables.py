@@ -183,6 +183,16 @@ class Executables:
             if member is not None and member.ref() is graph:
                 self._drop(member)
 
+    def executable_of(self, graph: Any) -> Any:
+        """The graph object whose executable runs ``graph``'s work now (``graph`` itself where it holds its
+        own), or None where none does: what a hand-written loop would launch to run it as the budget does."""
+        with self._lock:
+            member = self._members.get(id(graph))
+            if member is None or member.ref() is not graph or member.topology is None:
+                return None
+            host = next((h for h in member.topology.hosts if h.running is member), None)
+            return host.ref() if host is not None else None
+
     def close(self) -> None:
         """Forget every graph (their owners release them); later replays raise."""
         with self._lock:
