@@ -187,8 +187,7 @@ class GraphPools(Closable):
         self._keys = keys = PoolKeys(be, self.strategy, self, caller, outputs)
         self._close_done = False
         self._verifier = Verifier(keys, verify)
-        self.per_topology = per_topology  # as asked; the budget itself (None: each graph the framework's own):
-        self.executables = budget(be, per_topology)
+        self.per_topology, self.executables = per_topology, budget(be, per_topology)  # as asked; the budget
         self._routing = CaptureRouting(keys, self._verifier, hygiene=hygiene, watch=not runner,
                                        executables=self.executables)
         self._finalizer = weakref.finalize(self, _abandoned, be.name, keys.entries if not runner else {})
@@ -198,10 +197,9 @@ class GraphPools(Closable):
     def pool(self, key: Hashable) -> PoolHandle:
         """The handle of ``key``'s pool: the same handle for the same key until it is released.
 
-        With ``verify``, captures into handles (of this method and of
-        :meth:`group`) are watched from the first one made until
-        :meth:`close` (the framework's graph class is wrapped meanwhile,
-        where the backend routes captures). A key's space keeps room to grow
+        Captures into handles (of this method and of :meth:`group`) are watched (verified, their replays
+        served by the executables budget) from the first handle made until :meth:`close`, where the
+        backend routes captures. A key's space keeps room to grow
         until the key is released: handles may be asked for in any order,
         and captures into several keys may run in several threads at once.
         """
@@ -320,10 +318,8 @@ class GraphPools(Closable):
         return warm_up_checked(self.backend, fn, args, kwargs, runs=runs, stream=stream, call="GraphPools.warm_up")
 
     def leftovers(self, key: Hashable, outputs: Any, strict: bool = False) -> list[tuple[int, int]]:
-        """Blocks of ``key``'s pool still allocated that hold none of ``outputs``; logged (raised when ``strict``).
-
-        :raises CaptureHygieneError: ``strict`` and something other than the outputs is left.
-        """
+        """Blocks of ``key``'s pool still allocated that hold none of ``outputs``; logged (raised,
+        :class:`CaptureHygieneError`, when ``strict``)."""
         with self._keys.lock:
             entry = self._keys.lookup(key, "leftovers")
             if entry is None:

@@ -35,6 +35,39 @@ def _driver_line(what: str, driver_bytes: int | None, why: str) -> str:
     return f"  driver memory of {what}: {fmt_bytes(driver_bytes) if driver_bytes is not None else why}"
 
 
+class Baseline:
+    """What a device held before some captures began (taken once, at :meth:`take`): the device's used memory and
+    the capture streams' workspaces made so far, so that later figures count the captures' own growth."""
+
+    def __init__(self, backend: hal.Backend) -> None:
+        self.backend = backend
+        self.used: int | None = None
+        self.workspaces = 0
+
+    def take(self) -> None:
+        """Record the baseline (once: later calls keep the first), the framework's cached memory given back."""
+        if self.used is None:
+            from graphkit.graphs.capture import release_cached_memory
+
+            self.backend.synchronize()
+            release_cached_memory(self.backend)
+            self.used, self.workspaces = self.backend.mem_info().used, self.backend.stream_state_bytes()
+
+    def device_bytes(self) -> int:
+        """Device memory used now beyond the baseline (0 before it was taken); the framework's cache given back."""
+        if self.used is None:
+            return 0
+        from graphkit.graphs.capture import release_cached_memory
+
+        self.backend.synchronize()
+        release_cached_memory(self.backend)
+        return self.backend.mem_info().used - self.used
+
+    def workspace_bytes(self) -> int:
+        """Capture-stream workspaces made since the baseline (0 before it was taken)."""
+        return 0 if self.used is None else self.backend.stream_state_bytes() - self.workspaces
+
+
 @dataclass(frozen=True)
 class Accounting:
     """Where the device memory of some graphs went: the whole cost an engine pays for them, item by item.

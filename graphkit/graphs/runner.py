@@ -36,7 +36,7 @@ from graphkit.graphs.buffers import StaticInputs
 from graphkit.graphs.executables import DEFAULT_PER_TOPOLOGY
 from graphkit.graphs.outputs import Outputs
 from graphkit.graphs.pools import GraphPools, Kind
-from graphkit.graphs.report import RunnerReport, SizeReport, driver_memory
+from graphkit.graphs.report import Baseline, RunnerReport, SizeReport, driver_memory
 from graphkit.graphs.strategies import PoolStrategy
 from graphkit.memory.closing import Closable, close_step, raise_first_failure
 from graphkit.saver import GRAPHS, MemorySaver
@@ -248,7 +248,8 @@ def _merged_examples(example: Mapping[str, torch.Tensor] | None, example_inputs:
     return {**example, **example_inputs}
 
 
-def _runner_report(runner: GraphRunner, reports: list[SizeReport], figures: dict[str, Any]) -> RunnerReport:
+def _runner_report(runner: GraphRunner, reports: list[SizeReport], figures: dict[str, Any],
+                   workspaces: int) -> RunnerReport:
     """The runner's report; its driver memory is the device's growth over the captures themselves (warm-ups and
     what they made are outside), less the pools'."""
     driver, why = driver_memory(runner.backend, sum(r.memory_delta for r in reports) if reports else None,
@@ -256,7 +257,7 @@ def _runner_report(runner: GraphRunner, reports: list[SizeReport], figures: dict
     executables = runner.pools.executables if runner.pools is not None else None
     return RunnerReport(runner.backend.name, runner.kind, runner.mode, reports, runner.graph_bytes(), figures,
                         sum(len(b.graphs) for b in map(runner.bucket, runner.captured_sizes) if b is not None), driver,
-                        why, executables.stats if executables is not None else None, runner.workspace_bytes())
+                        why, executables.stats if executables is not None else None, workspaces)
 
 
 def _replay_scoped(be: hal.Backend, bucket: Bucket) -> list[tuple[int, int]]:
@@ -370,8 +371,7 @@ class GraphRunner(Closable):
         self._capture_order: list[int] = []  # sizes in the order they were captured
         self._stream = be.create_stream() if opts.mode != "none" else None
         self._lock = threading.RLock()  # graphs of one pool never run concurrently
-        self._mem_before: int | None = None
-        self._workspaces_before: int | None = None
+        self._baseline = Baseline(be)  # the device before the first capture
         self._pending: list[Bucket] = []  # buckets whose release failed: finished by close()
         self._closed = self._close_done = False
         self.pools = _runner_pools(be, opts, kind, saver)
@@ -441,10 +441,7 @@ class GraphRunner(Closable):
     def _capture_size(self, size: int) -> Bucket:
         be, inputs, opts, pools = self.backend, self.inputs, self.options, self.pools
         assert inputs is not None and pools is not None  # sized by capture(); pools exist whenever mode != "none"
-        if self._mem_before is None:
-            be.synchronize()
-            cap.release_cached_memory(be)
-            self._mem_before, self._workspaces_before = be.mem_info().used, be.stream_state_bytes()
+        self._baseline.take()
         views = inputs.views(size)
         if opts.warmup:
             cap.warm_up(be, self.step.eager, views, self._stream, opts.warmup)
@@ -539,22 +536,15 @@ class GraphRunner(Closable):
         """What ``size`` captured, to read: its graphs and their outputs, one per piece (None: not captured)."""
         return self._buckets.get(size)
 
-    def workspace_bytes(self) -> int:
-        """The capture stream's workspaces made since before the first capture (bytes)."""
-        return 0 if self._workspaces_before is None else self.backend.stream_state_bytes() - self._workspaces_before
-
     def graph_bytes(self) -> int:
         """Device memory used now beyond what was used before the first capture (bytes)."""
-        if self._mem_before is None:
-            return 0
-        self.backend.synchronize()
-        cap.release_cached_memory(self.backend)
-        return self.backend.mem_info().used - self._mem_before
+        return self._baseline.device_bytes()
 
     def report(self) -> RunnerReport:
         """Capture seconds and memory per size (in capture order), and totals."""
         reports = [r for r in (self._buckets[s].report for s in self._capture_order if s in self._buckets) if r]
-        return _runner_report(self, reports, self.pools.strategy.figures() if self.pools else {})
+        return _runner_report(self, reports, self.pools.strategy.figures() if self.pools else {},
+                              self._baseline.workspace_bytes())
 
     def _release_bucket(self, bucket: Bucket) -> None:
         """Release every graph of a bucket, then its size's key; goes on past failures and raises the first.

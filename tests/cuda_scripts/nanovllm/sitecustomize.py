@@ -122,11 +122,41 @@ if os.environ.get("NANOVLLM_HARNESS_OUT"):
         report = pools.report(measure=False)
         return {"chunk_bytes": report.chunk_bytes, "survivor_bytes": report.survivor_bytes}
 
+    def _served_pools(runner):
+        """The graphkit pools serving this rank's device: the port's, the switch's, or a scope's (found among the
+        live objects: the block's pools are the caller's), or None."""
+        import gc
+        import sys
+
+        pools = getattr(runner, "graphkit_pools", None)
+        if pools is not None:
+            return pools
+        switch = sys.modules.get("graphkit.switch")
+        scope = switch.active() if switch is not None else None
+        if scope is not None:
+            return scope.pools.get(("cuda", torch.cuda.current_device()))
+        graphkit = sys.modules.get("graphkit")
+        if graphkit is None:
+            return None
+        return next((o for o in gc.get_objects() if isinstance(o, graphkit.GraphPools) and not o.closed
+                     and o.backend.device == torch.cuda.current_device()), None)
+
+    def _executables(runner):
+        """This device's executables budget after the check (graphkit's pools, scope or switch), or None."""
+        pools = _served_pools(runner)
+        stats = pools.executables.stats if pools is not None and pools.executables is not None else None
+        if stats is None:
+            return None
+        return {"executables": stats.executables, "topologies": stats.topologies, "graphs": stats.graphs,
+                "instantiations": stats.instantiations, "updates": stats.updates, "refused": stats.refused,
+                "own": stats.own, "driver_bytes": stats.driver_bytes}
+
     _capture = _mr.ModelRunner.capture_cudagraph
 
     def _measured_capture(self):
         torch.cuda.synchronize()
         free0, _ = torch.cuda.mem_get_info()
+        self._harness_free0 = free0  # the check measures again once every graph was replayed
         default0, other0 = _segments()
         start = time.perf_counter()
         profile = os.environ.get("NANOVLLM_PROFILE")
@@ -184,7 +214,11 @@ if os.environ.get("NANOVLLM_HARNESS_OUT"):
             torch.cuda.synchronize()
             diff = (v["outputs"][:bs].float() - eager).abs().max().item()
             worst[str(bs)] = diff / max(eager.abs().max().item(), 1e-6)
-        _write(self.rank, check_relative_error=worst)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the eager model's temporaries: cached by torch, not the graphs'
+        free2, _ = torch.cuda.mem_get_info()
+        _write(self.rank, check_relative_error=worst, graph_bytes_replayed=self._harness_free0 - free2,
+               executables=_executables(self))
         return max(worst.values())
 
     _mr.ModelRunner.harness_check = harness_check
