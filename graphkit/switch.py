@@ -249,8 +249,11 @@ class ProcessGraphMemory:
         for (backend, device), pools in items:
             if pools.closed:
                 continue
-            first = str(pools.report(measure=False)).splitlines()[0]
-            lines.append(f"graphkit: process {os.getpid()}, {backend}:{device}: {first}")
+            report = pools.report(measure=False)
+            first, savings = str(report).splitlines()[0], report.savings
+            executables = f"; {report.executables}" if report.executables is not None else ""
+            saved = f"; {savings.line().strip()}" if savings is not None else ""
+            lines.append(f"graphkit: process {os.getpid()}, {backend}:{device}: {first}{executables}{saved}")
         return lines
 
     def log_reports(self) -> None:

@@ -270,6 +270,7 @@ class GraphCalls(StreamCalls):
 
     def check_replayable(self, graph: Any) -> None:
         """Raise what :meth:`replay` raises before it launches ``graph`` (its memory released or paused)."""
+        self._check_open("replay")  # a closed backend released every graph: it says so, not "released"
         state = self._graph_pool.get(graph)
         if state is None:  # not captured through this facade: at least a graph (a captured one is known)
             self._check_object("replay", "graph", graph)

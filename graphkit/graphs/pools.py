@@ -83,6 +83,11 @@ def _adopt(saver: MemorySaver, strategy: PoolStrategy, caller: str, be: hal.Back
 _unbudgeted: set[str] = set()  # backends whose missing capabilities were said (once each)
 
 
+def _kept(pools: GraphPools, entry: KeyPool) -> int:
+    """Bytes still allocated in ``entry``'s own pool (0 where keys share one: it cannot be told apart)."""
+    return 0 if pools.kind != "vmm" else sum(n for _, n in pools.backend.pool_active_blocks(entry.pool))
+
+
 def budget(be: hal.Backend, per_topology: int | None) -> Executables | None:
     """The executables budget of ``per_topology`` on ``be``; None without one (asked for none, or the backend
     cannot leave graphs uninstantiated and update them: said once per backend)."""
@@ -340,7 +345,7 @@ class GraphPools(Closable):
         with self._keys.lock:
             self._check_open("report")
             self._keys.settle()
-            keys = [(entry.key, entry.space_id, entry.graphs) for entry in self._keys.entries.values()]
+            keys = [(e.key, e.space_id, e.graphs, _kept(self, e)) for e in self._keys.entries.values()]
             device_bytes = None
             if measure:
                 self.backend.synchronize()

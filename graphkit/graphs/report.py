@@ -35,6 +35,44 @@ def _driver_line(what: str, driver_bytes: int | None, why: str) -> str:
     return f"  driver memory of {what}: {fmt_bytes(driver_bytes) if driver_bytes is not None else why}"
 
 
+def _shared_pool_bytes(keys: Iterable[KeyReport]) -> int:
+    """What one shared pool of the framework holds for ``keys`` captured in that order: each capture reuses what
+    earlier ones freed (not what they kept allocated) and grows the pool by the rest of its peak."""
+    reserved = kept = 0
+    for k in keys:
+        reserved += max(0, k.used_bytes - (reserved - kept))
+        kept += k.kept_bytes
+    return reserved
+
+
+@dataclass(frozen=True)
+class Savings:
+    """What the same captures would cost the framework's own ways, from each key's peak (its space's bytes: the
+    segments its capture took) and what it keeps allocated after its capture -- a model of the caching
+    allocator's reuse, not a measurement -- against what graphkit's chunks cost."""
+
+    largest_first: int  # one shared pool, the largest capture first (the engines' best order)
+    in_order: int  # one shared pool, the captures in the order they came
+    per_capture: int  # a pool per capture (torch's default without pool=)
+    chunks: int  # graphkit's chunks (shared and survivors)
+
+    @classmethod
+    def of(cls, keys: list[KeyReport], chunks: int) -> Savings | None:
+        if not keys:
+            return None
+        return cls(_shared_pool_bytes(sorted(keys, key=lambda k: -k.used_bytes)), _shared_pool_bytes(keys),
+                   sum(k.used_bytes for k in keys), chunks)
+
+    def line(self) -> str:
+        def against(what: str, bytes_: int) -> str:
+            return f"{what} {fmt_bytes(bytes_)} ({self.chunks / bytes_:.2f} x)" if bytes_ else f"{what} 0 B"
+
+        return (f"  saved: chunks {fmt_bytes(self.chunks)} against " + ", ".join(
+            [against("one shared pool largest first", self.largest_first),
+             against("in the order they came", self.in_order), against("a pool per capture", self.per_capture)])
+            + " (estimated from each key's peak and kept bytes)")
+
+
 class Baseline:
     """What a device held before some captures began (taken once, at :meth:`take`): the device's used memory and
     the capture streams' workspaces made so far, so that later figures count the captures' own growth."""
@@ -136,11 +174,12 @@ class RunnerReport:
     """What the executables budget holds and did (None: every graph its own executable)."""
     workspace_bytes: int = 0
     """The capture stream's workspaces made since the first capture's measurement began."""
+    savings: Savings | None = None
+    """The framework's own ways for the same captures (vmm only)."""
 
     @property
     def accounting(self) -> Accounting:
-        measured = self.driver_bytes is not None
-        return Accounting(self.graph_bytes if measured else None, self.pool_figures.get("chunk_bytes", 0),
+        return Accounting(self.graph_bytes, self.pool_figures.get("chunk_bytes", 0),
                           self.pool_figures.get("survivor_bytes", 0),
                           self.executables.driver_bytes if self.executables is not None else None,
                           self.workspace_bytes)
@@ -157,6 +196,8 @@ class RunnerReport:
         if self.executables is not None:
             lines.append(f"  {self.executables}")
         lines.append(self.accounting.line())
+        if self.savings is not None:
+            lines.append(self.savings.line())
         for key, value in self.pool_figures.items():
             lines.append(f"  {key}: {fmt_bytes(value) if key.endswith('bytes') else value}")
         lines.append(f"  {'batch':>6} {'capture s':>10} {'memory +':>11} {'chunks':>11}")
@@ -175,6 +216,7 @@ class KeyReport:
     mapped_bytes: int  # chunk bytes mapped into its space
     reserved_bytes: int  # address space of its space
     graphs: int  # graphs captured into it that are alive (routed by graph_memory or into its handle)
+    kept_bytes: int = 0  # of used_bytes, what is still allocated (outputs kept, caches): a shared pool cannot reuse it
 
     @property
     def label(self) -> str:
@@ -218,6 +260,11 @@ class PoolsReport:
     workspace_bytes: int = 0  # capture streams' workspaces made since the pools opened
 
     @property
+    def savings(self) -> Savings | None:
+        """The framework's own ways for the same captures, against the chunks (vmm only)."""
+        return Savings.of(self.keys, self.chunk_bytes) if self.kind == "vmm" else None
+
+    @property
     def accounting(self) -> Accounting:
         return Accounting(self.device_bytes, self.chunk_bytes, self.survivor_bytes,
                           self.executables.driver_bytes if self.executables is not None else None,
@@ -257,6 +304,8 @@ class PoolsReport:
         if self.executables is not None:
             lines.append(f"  {self.executables}")
         lines.append(self.accounting.line())
+        if self.savings is not None:
+            lines.append(self.savings.line())
         width = max([16, *(len(k.label) for k in self.keys)])
         for k in self.keys:
             lines.append(f"  {k.label:>{width}}  used {fmt_bytes(k.used_bytes):>10}  mapped "
@@ -264,19 +313,20 @@ class PoolsReport:
         return "\n".join(lines)
 
 
-def pools_report(backend: str, kind: str, keys: Iterable[tuple[Hashable, int | None, int]],
+def pools_report(backend: str, kind: str, keys: Iterable[tuple[Hashable, int | None, int, int]],
                  alloc: SharedVMMAllocator | None, device_bytes: int | None, stats: VerifyStats,
                  device: hal.Backend | None = None, executables: ExecutableStats | None = None,
                  workspace_bytes: int = 0) -> PoolsReport:
-    """The report of pools whose ``keys`` are ``(key, space id or None, routed graphs)``, over ``alloc`` (vmm);
+    """The report of pools whose ``keys`` are ``(key, space id or None, routed graphs, kept bytes)``, over ``alloc``
+    (vmm);
     ``device``: the backend ``device_bytes`` was measured on (for the driver's memory)."""
     spaces = alloc.spaces if alloc is not None else {}
     g = alloc.granularity if alloc is not None else 0
     reports = []
-    for key, space_id, graphs in keys:
+    for key, space_id, graphs, kept in keys:
         space = spaces.get(space_id) if space_id is not None else None
         reports.append(KeyReport(key, space.offset if space else 0, space.mapped * g if space else 0,
-                                 space.size if space else 0, graphs))
+                                 space.size if space else 0, graphs, kept))
     driver, why = (driver_memory(device, device_bytes, alloc.physical_bytes if alloc else None)
                    if device is not None else (None, "not measured"))
     return PoolsReport(backend, kind, reports,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import difflib
 import gc
 import inspect
 import logging
@@ -126,9 +127,25 @@ def _merged_options(options: RunnerOptions | None, overrides: dict[str, Any]) ->
     """``options`` (default: the defaults) with the keyword overrides; an unknown keyword is an error."""
     unknown = sorted(set(overrides) - _OPTION_NAMES)
     if unknown:
-        raise hal.InvalidArgumentError(f"unknown option(s) {', '.join(unknown)}; RunnerOptions has "
-                                       f"{', '.join(sorted(_OPTION_NAMES))}", call="GraphRunner")
+        known = sorted(_OPTION_NAMES | {"sizes", "backend", "kind", "options", "saver"})
+        close = [m for name in unknown for m in difflib.get_close_matches(name, known, n=1)]
+        raise hal.InvalidArgumentError(
+            f"unknown option(s) {', '.join(unknown)}" + (f" (did you mean {', '.join(close)}?)" if close else "")
+            + f"; GraphRunner(fn, sizes, backend=None, kind=None, *, options=None, saver=None, **options) takes "
+            f"the RunnerOptions {', '.join(sorted(_OPTION_NAMES))}", call="GraphRunner")
     return dataclasses.replace(options or RunnerOptions(), **overrides)
+
+
+class _Once:
+    """Logs its message the first time it is called (a runner's eager batches above its largest size)."""
+
+    def __init__(self, message: str) -> None:
+        self.message, self.said = message, False
+
+    def __call__(self, *args: Any) -> None:
+        if not self.said:
+            self.said = True
+            log.info(self.message, *args)
 
 
 def _checked_pieces(fn: Callable[..., Any] | Sequence[Callable[..., Any]], sizes: Sequence[int],
@@ -255,9 +272,11 @@ def _runner_report(runner: GraphRunner, reports: list[SizeReport], figures: dict
     driver, why = driver_memory(runner.backend, sum(r.memory_delta for r in reports) if reports else None,
                                 figures.get("chunk_bytes"))
     executables = runner.pools.executables if runner.pools is not None else None
+    savings = runner.pools.report(measure=False).savings if runner.pools is not None else None
     return RunnerReport(runner.backend.name, runner.kind, runner.mode, reports, runner.graph_bytes(), figures,
                         sum(len(b.graphs) for b in map(runner.bucket, runner.captured_sizes) if b is not None), driver,
-                        why, executables.stats if executables is not None else None, workspaces)
+                        why, executables.stats if executables is not None else None, workspaces,
+                        savings)
 
 
 def _replay_scoped(be: hal.Backend, bucket: Bucket) -> list[tuple[int, int]]:
@@ -372,6 +391,8 @@ class GraphRunner(Closable):
         self._stream = be.create_stream() if opts.mode != "none" else None
         self._lock = threading.RLock()  # graphs of one pool never run concurrently
         self._baseline = Baseline(be)  # the device before the first capture
+        self._eager_said = _Once("GraphRunner: batch %d is above the largest size %d: it runs eagerly (so do "
+                                 "later ones; oversize='error' refuses them, a larger size in sizes= captures it)")
         self._pending: list[Bucket] = []  # buckets whose release failed: finished by close()
         self._closed = self._close_done = False
         self.pools = _runner_pools(be, opts, kind, saver)
@@ -507,6 +528,8 @@ class GraphRunner(Closable):
             if size is None and batch > self.max_size and self.oversize == "error":
                 raise hal.InvalidArgumentError(f"batch {batch} is above the largest captured size "
                                                f"{self.max_size}", backend=self.backend.name, call="GraphRunner")
+            if size is None and self.mode != "none":
+                self._eager_said(batch, self.max_size)
             if size is not None and not wants_grad:
                 if self._debug:
                     _check_unmoved(static, self.backend)
@@ -541,7 +564,8 @@ class GraphRunner(Closable):
         return self._baseline.device_bytes()
 
     def report(self) -> RunnerReport:
-        """Capture seconds and memory per size (in capture order), and totals."""
+        """Capture seconds and memory per size (in capture order), and totals (take it before :meth:`close`)."""
+        self._check_open()
         reports = [r for r in (self._buckets[s].report for s in self._capture_order if s in self._buckets) if r]
         return _runner_report(self, reports, self.pools.strategy.figures() if self.pools else {},
                               self._baseline.workspace_bytes())

@@ -61,7 +61,8 @@ def run_one(args: argparse.Namespace, mode: str, order: str, tp: int, out: Path,
             largest: bool = False) -> dict[str, Any]:
     """One engine start in a process group of its own, killed at the deadline; its RESULT, or why none came."""
     cmd = [sys.executable, str(RUN), "--mode", mode, "--order", order, "--tp", str(tp), "--out", str(out),
-           "--port", str(port), "--measure-only"] + (["--largest-alone"] if largest else [])
+           "--port", str(port)] + ([] if args.replayed and not largest else ["--measure-only"]) + \
+        (["--largest-alone"] if largest else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                NANOVLLM_TIMEOUT=str(args.timeout))
     started = time.monotonic()
@@ -87,7 +88,8 @@ def run_one(args: argparse.Namespace, mode: str, order: str, tp: int, out: Path,
     shared = shared_bytes(mode, result, output)
     ranks = {rank: {"device": f["device"], "graph_bytes": f["graph_bytes"], "capture_s": f["capture_s"],
                     "contexts": f.get("contexts"), "shared_bytes": shared.get(rank),
-                    **{k: f.get(k) for k in ("torch_default_bytes", "torch_pool_bytes", "graphs", "graph_nodes")},
+                    **{k: f.get(k) for k in ("torch_default_bytes", "torch_pool_bytes", "graphs", "graph_nodes",
+                                             "graph_bytes_replayed", "executables")},
                     "survivor_bytes": (f.get("served_chunks") or (result.get("scope_chunks") if rank == "0" else None)
                                        or {}).get("survivor_bytes")}
              for rank, f in result["ranks"].items()}
@@ -153,15 +155,18 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         for rank, f in run["ranks"].items():
             cell = cells.setdefault(f"{run['tp']}|{run['mode']}|{run['order']}|{rank}",
-                                    {"mib": [], "s": [], "shared": []})
+                                    {"mib": [], "s": [], "shared": [], "replayed": []})
             cell["mib"].append(f["graph_bytes"] / 2**20)
+            if f.get("graph_bytes_replayed") is not None:  # --replayed: once every graph was replayed
+                cell["replayed"].append(f["graph_bytes_replayed"] / 2**20)
             cell["s"].append(f["capture_s"])
             if f["shared_bytes"] is not None:
                 cell["shared"].append(f["shared_bytes"] / 2**20)
             for name, value in (items(run["mode"], f) or {}).items():
                 cell.setdefault(name, []).append(value)
     return {key: {"graph_mib": spread(c.pop("mib")), "capture_s": spread(c.pop("s")),
-                  "shared_mib": spread(c.pop("shared")), "items": {k: spread(v) for k, v in c.items()}}
+                  "shared_mib": spread(c.pop("shared")), "replayed_mib": spread(c.pop("replayed")),
+                  "items": {k: spread(v) for k, v in c.items()}}
             for key, c in cells.items()}
 
 
@@ -211,6 +216,18 @@ def markdown(table: dict[str, Any], alone: dict[int, dict[str, float]], meta: di
         rows.append(f"| {' | '.join(key.split('|'))} | {med('pool')} | {med('survivors')} | {med('torch_default')} "
                     f"| {med('driver_rest')} "
                     f"| {med('nodes', 0)} | {med('rest_kib_per_node', 2)} |")
+    replayed = [k for k in table if table[k].get("replayed_mib")]
+    if replayed:  # --replayed: the same ranks once every graph was replayed (a budget's executables made by then)
+        rows += ["", ("Once every graph was replayed (the harness's check; the executables budget has made the "
+                 "executables the replays needed by then), MiB per rank:"), "",
+                 "| TP | mode | order | rank | after replays | x own | x own asc |", "|" + "---|" * 7]
+        for key in sorted(replayed, key=lambda k: (int(k.split("|")[0]), k)):
+            tp_text, mode, order, rank = key.split("|")
+            value = table[key]["replayed_mib"]["median"]
+            own = median(int(tp_text), "own", order, rank, "replayed_mib")
+            own_asc = median(int(tp_text), "own", "ascending", rank, "replayed_mib")
+            cells_text = [f"{value / base:.2f}" if base else "--" for base in (own, own_asc)]
+            rows.append(f"| {tp_text} | {mode} | {order} | {rank} | {value:.1f} | {' | '.join(cells_text)} |")
     rows += ["", f"Largest size alone (MiB per rank): {json.dumps(alone)}", f"Command: `{meta['command']}`"]
     return "\n".join(rows) + "\n"
 
@@ -228,6 +245,9 @@ def main() -> int:
                         help="keep the runs of DIR/tp_report.json and add this call's (a report over several calls)")
     parser.add_argument("--no-own", action="store_true",
                         help="do not add the engine's own pool to --modes (with --append: its runs are there already)")
+    parser.add_argument("--replayed", action="store_true",
+                        help="let each engine replay every graph once after its capture (the harness's check) and "
+                             "measure again: what an executables budget holds once every size was used")
     parser.add_argument("--no-alone", action="store_true",
                         help="skip the run that captures the largest size alone (the floor)")
     args = parser.parse_args()
