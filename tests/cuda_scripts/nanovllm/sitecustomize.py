@@ -8,6 +8,9 @@ ranks nano-vllm spawns too. They change nothing the engine computes:
   the rank holds a context on and the devices graphkit serves in it; beside it, what torch's caching
   allocator grew by in its default pool (workspaces made during the capture) and in its other pools
   (the graph pool), and the graphs' node count, so that the growth can be split per item;
+* ``NANOVLLM_EAGER_FIRST=1`` runs one eager decode step of every capture size before the measurement starts
+  (the kernels those shapes need are loaded then, as an engine's first decode steps would load them; the
+  engine's own warm-up inside its capture loop loads them otherwise, and the capture's figure counts them);
 * ``NANOVLLM_ORDER=ascending`` makes the engine's capture loop run smallest first (the engine
   iterates ``reversed(graph_bs)``; the module-level name is replaced); ``NANOVLLM_LARGEST_ALONE=1``
   captures the largest size only (a measurement of one graph: nothing is replayed or generated);
@@ -153,7 +156,29 @@ if os.environ.get("NANOVLLM_HARNESS_OUT"):
 
     _capture = _mr.ModelRunner.capture_cudagraph
 
+    @torch.inference_mode()
+    def _eager_decode(self, bs, gen):
+        """One eager decode step of ``bs`` rows through the model (random ids, the harness's context)."""
+        vocab = self.config.hf_config.vocab_size
+        ids = torch.randint(0, vocab, (bs,), generator=gen).cuda()
+        pos = torch.randint(0, 8, (bs,), generator=gen).cuda()
+        slots = torch.full((bs,), -1, dtype=torch.int32, device="cuda")
+        lens = torch.ones(bs, dtype=torch.int32, device="cuda")
+        width = -(-self.config.max_model_len // self.block_size)
+        tables = torch.zeros(bs, width, dtype=torch.int32, device="cuda")
+        set_context(False, slot_mapping=slots, context_lens=lens, block_tables=tables)
+        out = self.model(ids, pos)
+        reset_context()
+        return ids, pos, slots, lens, tables, out
+
     def _measured_capture(self):
+        if os.environ.get("NANOVLLM_EAGER_FIRST"):  # every decode size once eagerly: kernels loaded before capture
+            gen = torch.Generator().manual_seed(7)
+            max_bs = min(self.config.max_num_seqs, 512)
+            for bs in [1, 2, 4, 8, *range(16, max_bs + 1, 16)]:
+                self._eager_decode(bs, gen)
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         torch.cuda.synchronize()
         free0, _ = torch.cuda.mem_get_info()
         self._harness_free0 = free0  # the check measures again once every graph was replayed
@@ -185,25 +210,19 @@ if os.environ.get("NANOVLLM_HARNESS_OUT"):
         return result
 
     _mr.ModelRunner.capture_cudagraph = _measured_capture
+    _mr.ModelRunner._eager_decode = _eager_decode
 
     @torch.inference_mode()
     def harness_check(self, seed):
         """Each graph replayed (in a shuffled order, after all were captured) against the eager model."""
         gen = torch.Generator().manual_seed(seed)
-        vocab = self.config.hf_config.vocab_size
         v = self.graph_vars
         worst = {}
         order = torch.randperm(len(self.graph_bs), generator=gen).tolist()
         for i in order:
             bs = self.graph_bs[i]
-            ids = torch.randint(0, vocab, (bs,), generator=gen).cuda()
-            pos = torch.randint(0, 8, (bs,), generator=gen).cuda()
-            slots = torch.full((bs,), -1, dtype=torch.int32, device="cuda")
-            lens = torch.ones(bs, dtype=torch.int32, device="cuda")
-            tables = torch.zeros(bs, v["block_tables"].size(1), dtype=torch.int32, device="cuda")
-            set_context(False, slot_mapping=slots, context_lens=lens, block_tables=tables)
-            eager = self.model(ids, pos).float()
-            reset_context()
+            ids, pos, _, lens, _, eager = self._eager_decode(bs, gen)
+            eager = eager.float()
             v["input_ids"][:bs] = ids
             v["positions"][:bs] = pos
             v["slot_mapping"].fill_(-1)
