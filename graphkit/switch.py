@@ -131,6 +131,8 @@ def parse(value: str | None) -> Options | None:
         return Options()
     fields: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
+        if item in ON:  # "yes,verify=1": the word that turns it on, beside options
+            continue
         key, _, raw = item.partition("=")
         key, raw = key.strip(), raw.strip()
         try:

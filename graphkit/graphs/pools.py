@@ -353,7 +353,7 @@ class GraphPools(Closable):
             return pools_report(self.backend.name, self.kind, keys, self.allocator, device_bytes,
                                 self.verify_stats, self.backend,
                                 self.executables.stats if self.executables is not None else None,
-                                self.backend.stream_state_bytes() - self._workspaces_at_start)
+                                self.backend.stream_state_bytes() - self._workspaces_at_start, self.outputs)
 
     # -- teardown -------------------------------------------------------------------------
 

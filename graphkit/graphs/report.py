@@ -258,6 +258,19 @@ class PoolsReport:
     confirm_seconds: float = 0.0  # of verify_seconds, the time the replays over stand-ins took
     executables: ExecutableStats | None = None  # the executables budget (None: each graph its framework's own)
     workspace_bytes: int = 0  # capture streams' workspaces made since the pools opened
+    outputs: str = "kept"  # what the pools do with memory a capture leaves allocated (GraphPools(outputs=...))
+    granularity: int = 0  # bytes of one chunk (the device's granule)
+
+    def kept_line(self) -> str | None:
+        """What kept outputs cost and how to share them, where the pools gave them bytes of their own."""
+        kept = [k for k in self.keys if k.kept_bytes]
+        if not self.survivor_bytes or self.outputs != "kept" or not kept:
+            return None
+        held = fmt_bytes(sum(k.kept_bytes for k in kept))
+        return (f"  kept: {fmt_bytes(self.survivor_bytes)} of chunks of their own under {held} still allocated "
+                f"after {len(kept)} capture(s) (outputs the engine keeps), safe whenever they are read; an engine "
+                "that reads each graph's outputs only right after its own replay shares them: outputs='replay' "
+                "(GRAPHKIT_GRAPH_MEMORY=outputs=replay)")
 
     @property
     def savings(self) -> Savings | None:
@@ -281,7 +294,8 @@ class PoolsReport:
         return sum(k.graphs for k in self.keys)
 
     def __str__(self) -> str:
-        memory = (f"memory {fmt_bytes(self.chunk_bytes)} of chunks" if self.kind == "vmm"
+        granules = f" in {fmt_bytes(self.granularity)} granules" if self.granularity else ""
+        memory = (f"memory {fmt_bytes(self.chunk_bytes)} of chunks{granules}" if self.kind == "vmm"
                   else "memory from the device's own allocator")
         if self.survivor_bytes:
             memory += (f" ({fmt_bytes(self.shared_bytes)} shared, {fmt_bytes(self.survivor_bytes)} under memory "
@@ -306,6 +320,9 @@ class PoolsReport:
         lines.append(self.accounting.line())
         if self.savings is not None:
             lines.append(self.savings.line())
+        kept = self.kept_line()
+        if kept is not None:
+            lines.append(kept)
         width = max([16, *(len(k.label) for k in self.keys)])
         for k in self.keys:
             lines.append(f"  {k.label:>{width}}  used {fmt_bytes(k.used_bytes):>10}  mapped "
@@ -316,7 +333,7 @@ class PoolsReport:
 def pools_report(backend: str, kind: str, keys: Iterable[tuple[Hashable, int | None, int, int]],
                  alloc: SharedVMMAllocator | None, device_bytes: int | None, stats: VerifyStats,
                  device: hal.Backend | None = None, executables: ExecutableStats | None = None,
-                 workspace_bytes: int = 0) -> PoolsReport:
+                 workspace_bytes: int = 0, outputs: str = "kept") -> PoolsReport:
     """The report of pools whose ``keys`` are ``(key, space id or None, routed graphs, kept bytes)``, over ``alloc``
     (vmm);
     ``device``: the backend ``device_bytes`` was measured on (for the driver's memory)."""
@@ -337,4 +354,4 @@ def pools_report(backend: str, kind: str, keys: Iterable[tuple[Hashable, int | N
                        why, alloc.survivor_bytes if alloc else 0, suspect_words=stats.suspects,
                        confirmed_words=stats.confirmed, dismissed_words=stats.dismissed,
                        unconfirmed_words=stats.unconfirmed, confirm_seconds=stats.confirm_seconds,
-                       executables=executables, workspace_bytes=workspace_bytes)
+                       executables=executables, workspace_bytes=workspace_bytes, outputs=outputs, granularity=g)
