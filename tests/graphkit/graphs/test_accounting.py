@@ -113,3 +113,20 @@ def test_a_report_after_close_is_refused_not_empty(be: hal.Backend) -> None:
     runner.close()
     with pytest.raises(hal.InvalidStateError, match="closed"):
         runner.report()
+
+
+def test_the_word_that_turns_the_switch_on_goes_with_options() -> None:
+    from graphkit import switch
+
+    assert switch.parse("yes,verify=1") == switch.Options(verify=True)
+    assert switch.parse("on, kind=shared") == switch.Options(kind="shared")
+
+
+def test_the_header_names_the_granule_a_figure_is_counted_in(be: hal.Backend) -> None:
+    with graphkit.GraphPools(be) as pools:
+        graph, x = be.create_graph(), torch.zeros(8, 256)
+        with be.capture(graph, pool=pools.pool(8)):
+            y = step(x)
+        assert "of chunks in 64.0 KiB granules" in str(pools.report())
+        be.release_graph(graph)
+        del y
