@@ -54,6 +54,7 @@ def test_values_that_leave_the_switch_off(value: str | None) -> None:
     (" report=0 , hygiene=on ", Options(report=0.0, hygiene=True)),
     ("kind=private,", Options(kind="private")),
     ("report=2.5", Options(report=2.5)),
+    ("1,kind=shared", Options(kind="shared")), ("yes,verify=1", Options(verify=True)),  # the word beside options
 ])
 def test_values_that_turn_it_on(value: str, options: Options) -> None:
     assert switch.parse(value) == options
@@ -63,7 +64,7 @@ def test_values_that_turn_it_on(value: str, options: Options) -> None:
 @pytest.mark.parametrize(("value", "named"), [
     ("2", "'2'"), ("bogus", "'bogus'"), ("kind=bogus", "'kind=bogus'"), ("verify=2", "'verify=2'"),
     ("hygiene=", "'hygiene='"), ("report=-1", "'report=-1'"), ("report=nan", "'report=nan'"),
-    ("report=inf", "'report=inf'"), ("report=soon", "'report=soon'"), ("1,kind=shared", "'1'"),
+    ("report=inf", "'report=inf'"), ("report=soon", "'report=soon'"), ("2,kind=shared", "'2'"),
     ("report=1e10", "'report=1e10'"),  # past what threading.Timer waits: every capture's timer thread would die
     ("=1", "'=1'"), ("kind=vmm,kind=shared", "'kind=shared' is given twice"),
 ])
