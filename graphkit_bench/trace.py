@@ -241,9 +241,17 @@ def _worst_error(be: hal.Backend, model: Decoder, path: Any, inputs: dict[int, d
     return worst
 
 
-def run_part(clock: StepClock, path: StepPath, batches: list[int]) -> list[float]:
-    """Milliseconds of each step of ``batches`` through ``path``."""
-    return [clock.time(functools.partial(path.step, b)) for b in batches]
+def run_part(clock: StepClock, path: StepPath, batches: list[int]) -> tuple[list[float], list[bool]]:
+    """Milliseconds of each step of ``batches`` through ``path``, and whether the step updated or instantiated
+    an executable (read between steps, outside the timing)."""
+    times, busy = [], []
+    before = path.events()
+    for b in batches:
+        times.append(clock.time(functools.partial(path.step, b)))
+        after = path.events()
+        busy.append(after != before)
+        before = after
+    return times, busy
 
 
 def run_process(backend: str | None, device: int, config: str, opts: TraceOptions, plan: list[Strategy],
@@ -261,12 +269,15 @@ def run_process(backend: str | None, device: int, config: str, opts: TraceOption
                   for s in tqdm(plan, desc="capturing", unit="strategy", disable=not progress, leave=False)}
         clock = StepClock(be)
         times: dict[str, list[float]] = {name: [] for name in opened}
+        busy: dict[str, list[bool]] = {name: [] for name in opened}
         bounds = round_bounds(len(trace.batches), rounds)
         with torch.no_grad(), tqdm(total=len(bounds) * len(plan), desc=f"trace, process {index}", unit="part",
                                    disable=not progress) as bar:
             for r, (start, end) in enumerate(bounds):
                 for name in rotated(list(opened), r + index):  # each strategy goes first in its turn
-                    times[name] += run_part(clock, opened[name], trace.batches[start:end])
+                    part_times, part_busy = run_part(clock, opened[name], trace.batches[start:end])
+                    times[name] += part_times
+                    busy[name] += part_busy
                     bar.update()
         strategies_out: dict[str, Any] = {}
         out = {"process": index, "machine": {"backend": be.name, "device": str(be.torch_device()),
@@ -275,7 +286,8 @@ def run_process(backend: str | None, device: int, config: str, opts: TraceOption
         for s in plan:
             path = opened[s.name]
             strategies_out[s.name] = {
-                "path": s.path, "budget": s.budget, "times_ms": times[s.name], "setup": path.setup,
+                "path": s.path, "budget": s.budget, "times_ms": times[s.name], "busy": busy[s.name],
+                "setup": path.setup,
                 "stats": _stats(path), "max_rel_error": _worst_error(be, model, path, inputs, max(setup.sizes))}
         for path in opened.values():
             path.close()
@@ -372,10 +384,18 @@ def summarise(processes: list[dict[str, Any]], plan: list[Strategy], judged: boo
         p99_ratios = [x["p99_ms"] / y["p99_ms"] for x, y in per_round]
         stats = [m["stats"] for m in mine]
         steps = len(mine[0]["times_ms"])
+        # the steps that neither updated nor instantiated an executable, against the same steps of every size
+        # instantiated: what running through the budget's executables costs besides the updates
+        quiet = [(t, u) for m, b in zip(mine, theirs, strict=True)
+                 for t, u, busy in zip(m["times_ms"], b["times_ms"], m.get("busy") or [False] * steps, strict=True)
+                 if not busy]
         row: dict[str, Any] = {
             "strategy": s.name, "path": s.path, "budget": s.budget, "steps": steps, "processes": len(mine),
             **figures, **{f"ratio_{k.removesuffix('_ms')}": figures[k] / base_figures[k] for k in figures},
             "round_ratios_mean": spread(mean_ratios), "round_ratios_p99": spread(p99_ratios),
+            "quiet_steps": len(quiet),
+            "ratio_quiet_mean": (statistics.mean(t for t, _ in quiet) / statistics.mean(u for _, u in quiet)
+                                 if quiet else None),
             "max_rel_error": max(m["max_rel_error"] for m in mine),
             "capture_seconds": spread(m["setup"]["capture_seconds"] for m in mine),
         }
@@ -444,21 +464,24 @@ def markdown(result: dict[str, Any]) -> str:
              f"used, the size changing at {t['size_changes']} steps; {result['processes']} process(es) x "
              f"{result['rounds']} rounds, strategies in turns"),
              "", ("| strategy | mean ms | p50 ms | p99 ms | mean / all | p50 / all | p99 / all | mean / all per round "
-             "| p99 / all per round | executables | bytes | updates | instantiated | refused | updates/step "
-             "| max rel err |"),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| p99 / all per round | mean / all, steps without update | executables | bytes | updates | instantiated "
+             "| refused | updates/step | max rel err |"),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         memory = r["executables_bytes"]["median"]
         count = fmt_spread(r["executables"], digits=0) + (" (every size)" if r["budget"] is None else "")
         lines.append(
             f"| {r['strategy']} | {r['mean_ms']:.3f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['ratio_mean']:.3f} "
             f"| {r['ratio_p50']:.3f} | {r['ratio_p99']:.3f} | {fmt_spread(r['round_ratios_mean'])} "
-            f"| {fmt_spread(r['round_ratios_p99'])} | {count} | {_bytes(memory)} "
+            f"| {fmt_spread(r['round_ratios_p99'])} | {_ratio(r['ratio_quiet_mean'])} ({r['quiet_steps']}) "
+            f"| {count} | {_bytes(memory)} "
             f"| {fmt_spread(r['updates'], digits=0)} | {fmt_spread(r['instantiations'], digits=0)} "
             f"| {fmt_spread(r['refused'], digits=0)} | {r['updates_per_step']:.4f} | {r['max_rel_error']:.2e} |")
     lines += ["", ("all = every size instantiated (executables=None) on the same path; per round: median (min-max) of "
-              "the rounds' ratios; bytes: the executables' driver memory (n/m: not measured, a host device); "
-              "every size: the driver's memory of all the graphs."), "", "## Targets", ""]
+              "the rounds' ratios; steps without update: the steps that neither updated nor instantiated an "
+              "executable (how many), against the same steps of all; bytes: the executables' driver memory (n/m: "
+              "not measured, a host device); every size: the driver's memory of all the graphs."),
+              "", "## Targets", ""]
     for r in result["rows"]:
         if r["budget"] is None:
             continue
@@ -476,6 +499,10 @@ def markdown(result: dict[str, Any]) -> str:
         memory = fmt_bytes(int(e["executables_bytes"])) if e["executables_bytes"] is not None else "n/m"
         lines.append(f"  * K={e['k']}: {paths}; executables {memory}")
     return "\n".join(lines) + "\n"
+
+
+def _ratio(value: float | None) -> str:
+    return f"{value:.3f}" if value is not None else "-"
 
 
 def _bytes(value: float | None) -> str:

@@ -24,6 +24,7 @@ import torch
 
 import graphkit
 import hal
+from graphkit.graphs.capture import release_cached_memory
 from graphkit.graphs.executables import ExecutableStats
 from graphkit_bench.model import Decoder
 
@@ -70,6 +71,11 @@ class StepPath:
     def stats(self) -> ExecutableStats | None:
         raise NotImplementedError
 
+    def events(self) -> int:
+        """Updates and instantiations of the path's executables so far (0 without a budget)."""
+        stats = self.stats()
+        return 0 if stats is None else stats.updates + stats.instantiations
+
     def close(self) -> None:
         raise NotImplementedError
 
@@ -83,8 +89,10 @@ class RunnerPath(StepPath):
                  budget: int | None) -> None:
         super().__init__(budget)
         self.inputs = inputs
+        release_cached_memory(be)  # what the framework caches is no graph's: the per-size figures exact
         self.runner = graphkit.GraphRunner(model.step, sizes, backend=be, kind="vmm", outputs="view",
-                                           fill=model.padding(), progress=False, executables=budget)
+                                           fill=model.padding(), progress=False, executables=budget,
+                                           measure_memory=True)
         self.runner.capture(inputs[max(sizes)], order="descending")
         report = self.runner.report()
         self.setup = {"capture_seconds": report.capture_seconds, "graphs": report.graphs,
@@ -124,13 +132,16 @@ class EngineLoop(StepPath):
         self.stream = None if self.cuda else be.create_stream()
         self.graphs: dict[int, Any] = {}
         self.pool: Any = None
+        release_cached_memory(be)  # the pools measure the device from their start: what is cached is no graph's
         t0 = time.perf_counter()
         with graphkit.graph_memory(be, executables=budget, children=False) as pools:
             self.pools = pools
             for n in reversed(self.sizes):
                 self._capture(n)
+        seconds = time.perf_counter() - t0
+        release_cached_memory(be)
         report = pools.report()
-        self.setup = {"capture_seconds": time.perf_counter() - t0, "graphs": len(self.graphs),
+        self.setup = {"capture_seconds": seconds, "graphs": len(self.graphs),
                       "chunk_bytes": report.chunk_bytes,
                       "driver_bytes": report.driver_bytes, "driver_why": report.driver_why}
 

@@ -262,3 +262,14 @@ def test_the_every_size_row_captures_every_batch_size(tmp_path: Path, capsys: py
     target = next(t for t in out["targets"] if t["id"] == 7)
     assert target["met"] is True and "8 sizes" in target["detail"] and "3 sizes" in target["detail"]
     assert "vmm 1..8" in capsys.readouterr().out  # the table names the row
+
+
+def test_python_m_graphkit_bench_workload_tiny_still_runs(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "graphkit", "bench", "--workload", "tiny", "--sizes", "1,2,4",
+                           "--strategies", "shared-weakref,vmm", "--orders", "descending", "--iters", "1",
+                           "--backend", "fake", "--isolate", "no", "--no-progress", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads((tmp_path / "bench.json").read_text())
+    assert {r["strategy"] for r in out["results"]} == {"shared-weakref", "vmm"}
+    assert "accounting:" in proc.stdout and "targets:" in proc.stdout

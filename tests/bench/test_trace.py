@@ -64,6 +64,9 @@ def test_the_trace_replays_through_the_runner_and_the_scope_on_fake(tmp_path: Pa
         assert one["executables"]["median"] == 1 and one["instantiations"]["median"] == 1
         assert one["updates"]["median"] == out["trace"]["size_changes"] > 0
         assert one["updates_per_step"] == pytest.approx(out["trace"]["size_changes"] / 60)
+        # the steps that neither updated nor instantiated its executable, timed against the same steps of all
+        assert one["quiet_steps"] == 60 - out["trace"]["size_changes"] - 1 and one["ratio_quiet_mean"] > 0
+        assert rows[f"{path} all"]["quiet_steps"] == 60 and rows[f"{path} all"]["ratio_quiet_mean"] == 1.0
         assert one["targets"]["mean"]["met"] is None and "60 steps" in one["targets"]["mean"]["why"]
         assert rows[f"{path} {default}"]["updates"]["median"] < one["updates"]["median"]
     assert out["recommendation"]["k"] is None and "no K was judged" in out["recommendation"]["why"]
