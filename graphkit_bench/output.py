@@ -81,6 +81,14 @@ def summary_table(out: dict[str, Any]) -> str:
               + (f"; the driver's memory per graph: {fmt_bytes(int(floor))} (no pool shares it)"
                  if floor is not None else "")),
              "eager ms/step: " + ", ".join(f"batch {k}: {v:.3f}" for k, v in out["eager_ms"].items())]
+    budget_floor = executable_floor(out)
+    if budget_floor is not None:
+        per = (fmt_bytes(int(budget_floor["per_executable_bytes"])) if budget_floor["measured"]
+               else "none measured (a host device)")
+        total = fmt_bytes(int(budget_floor["bytes"]))
+        lines.insert(1, f"floor with the executables budget: the largest alone + one executable per further topology "
+                        f"({budget_floor['topologies']} topolog{'y' if budget_floor['topologies'] == 1 else 'ies'}, "
+                        f"{per} each) = {total}")
     head = (f"{'strategy':<15} {'order':<11} {'graph memory':>13} {'chunks':>10} {'driver':>10} {'capture s':>10} "
             f"{'verify':>7} {'ms @1':>8} {'hand @1':>8} {'max rel err':>11}  ok")
     lines += [head, "-" * len(head)]

@@ -264,6 +264,7 @@ def test_the_every_size_row_captures_every_batch_size(tmp_path: Path, capsys: py
     assert "vmm 1..8" in capsys.readouterr().out  # the table names the row
 
 
+@pytest.mark.slow
 def test_python_m_graphkit_bench_workload_tiny_still_runs(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "graphkit", "bench", "--workload", "tiny", "--sizes", "1,2,4",
                            "--strategies", "shared-weakref,vmm", "--orders", "descending", "--iters", "1",
