@@ -1,10 +1,15 @@
 """The bench: every memory strategy and capture order on one workload, in one run.
 
 Figures per strategy and order: graph memory as the driver sees it (device
-used-memory growth, framework caches emptied), chunk bytes and reserved
-address space for vmm, capture seconds in total and per size, replay
-milliseconds at batch 1, 8 and the largest size, the runner against a
-hand-written loop on the same graphs, and the error against eager.
+used-memory growth, framework caches emptied) after every captured size was
+replayed once -- so graphs instantiated lazily have paid their executables --
+and right after the captures; where it went (chunks, survivors, executables,
+workspaces, the rest); chunk bytes and reserved address space for vmm,
+capture seconds in total and per size, replay milliseconds at batch 1, 8 and
+the largest size, the runner against a hand-written loop on the same
+executable, and the error against eager (every size at its own batch, and a
+few padded batches). ``every_size`` adds a vmm row over every batch size
+1..the largest.
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ from graphkit.graphs.capture import release_cached_memory
 from graphkit_bench import verifier
 from graphkit_bench.fair import interleaved
 from graphkit_bench.model import Decoder, DecoderConfig
-from graphkit_bench.strategies import COMPILE, ORDERS, STRATEGIES, Order
-from graphkit_bench.targets import check_targets
+from graphkit_bench.strategies import COMPILE, EVERY_SIZE, ORDERS, STRATEGIES, Order
+from graphkit_bench.targets import EXACT_LIMIT, check_targets
 from graphkit_bench.timing import interleaved_ms, ms_per_call, rel_error, round_ratios
 
 log = logging.getLogger("graphkit.bench")
@@ -59,6 +64,7 @@ class BenchConfig:
     seed: int = 0
     progress: bool = True
     command: str = ""
+    every_size: bool = False  # a vmm row over every batch size 1..max(sizes) next to the others
 
     def __post_init__(self) -> None:
         """Refuse values that would crash the run late or give meaningless figures."""
@@ -138,8 +144,8 @@ class Bench:
         padded = 3 if largest >= 3 else min(self.cfg.sizes)
         return sorted({1, padded, min(8, largest), largest // 2 + 1, largest})
 
-    def make_runner(self, strategy: str, on_demand: bool) -> graphkit.GraphRunner:
-        return graphkit.GraphRunner(self.model.step, self.cfg.sizes, backend=self.be, outputs="view",
+    def make_runner(self, strategy: str, on_demand: bool, sizes: list[int] | None = None) -> graphkit.GraphRunner:
+        return graphkit.GraphRunner(self.model.step, sizes or self.cfg.sizes, backend=self.be, outputs="view",
                                     fill=self.model.padding(), on_demand=on_demand, measure_memory=True,
                                     progress=False, verify=verifier.on(), **STRATEGIES[strategy])
 
@@ -157,24 +163,7 @@ class Bench:
             for n in arrivals:
                 runner(**self.model.example_inputs(n, seed=n))
         wall = time.perf_counter() - t0
-        report = runner.report()
-        result: dict[str, Any] = {
-            "strategy": strategy,
-            "order": order,
-            "graph_memory_bytes": runner.graph_bytes(),
-            "capture_seconds": report.capture_seconds,
-            "capture_wall_seconds": wall,
-            "verified_graphs": runner.verify_stats.graphs, "inspected_nodes": runner.verify_stats.nodes,
-            "missed_nodes": runner.verify_stats.missed, "verify_seconds": runner.verify_stats.seconds,
-            "suspect_words": runner.verify_stats.suspects, "confirmed_words": runner.verify_stats.confirmed,
-            "dismissed_words": runner.verify_stats.dismissed, "unconfirmed_words": runner.verify_stats.unconfirmed,
-            "confirm_seconds": runner.verify_stats.confirm_seconds,
-            "capture_seconds_per_size": {str(s.size): s.capture_seconds for s in report.sizes},
-            "memory_after_each_capture": _cumulative(report),
-            **{k: v for k, v in report.pool_figures.items()},
-            # the driver's own memory of the graphs (device growth less the chunks), or why it is not told
-            "graphs": report.graphs, "driver_bytes": report.driver_bytes, "driver_why": report.driver_why,
-        }
+        result = {"strategy": strategy, "order": order, **self.measured(runner, cfg.sizes, wall)}
         result["max_rel_error"] = self.max_error(lambda n: runner(**self.inputs[n]))
         if order == "descending" or strategy == "vmm" or len(self.cfg.orders) == 1:
             result["replay_ms"] = {str(n): ms_per_call(be, lambda n=n: runner(**self.inputs[n]), cfg.iters)
@@ -186,6 +175,71 @@ class Bench:
             result.update(self.against_hand_loop(runner, rounds))
         runner.close()
         return result
+
+    def run_every_size(self) -> dict[str, Any]:
+        """vmm over every batch size 1..the largest (256 graphs for the reference), largest first: the row the
+        every-size target compares with vmm's row of the bench's sizes."""
+        sizes = list(range(1, max(self.cfg.sizes) + 1))
+        for n in sizes:
+            self.inputs.setdefault(n, self.model.example_inputs(n, seed=n))
+        release_cached_memory(self.be)
+        runner = self.make_runner("vmm", on_demand=False, sizes=sizes)
+        t0 = time.perf_counter()
+        runner.capture(self.inputs[sizes[-1]], order="descending", seed=self.cfg.seed)
+        wall = time.perf_counter() - t0
+        result = {"strategy": "vmm", "order": "descending", "variant": EVERY_SIZE,
+                  **self.measured(runner, sizes, wall)}
+        result["max_rel_error"] = self.max_error(lambda n: runner(**self.inputs[n]))
+        runner.close()
+        return result
+
+    def measured(self, runner: graphkit.GraphRunner, sizes: list[int], wall: float) -> dict[str, Any]:
+        """A captured runner's figures: memory right after the captures, then every size replayed once (at its
+        own batch, checked against eager) and memory again; capture times; the accounting; the verifier's."""
+        capture_only = runner.graph_bytes()
+        replayed = self.replay_every_size(runner, sizes)
+        memory = runner.graph_bytes()
+        report = runner.report()
+        stats = runner.verify_stats
+        return {
+            "sizes_captured": len(runner.captured_sizes),
+            "graph_memory_bytes": memory,
+            "capture_only_bytes": capture_only,
+            **replayed,
+            "capture_seconds": report.capture_seconds,
+            "capture_wall_seconds": wall,
+            "verified_graphs": stats.graphs, "inspected_nodes": stats.nodes, "missed_nodes": stats.missed,
+            "verify_seconds": stats.seconds, "suspect_words": stats.suspects, "confirmed_words": stats.confirmed,
+            "dismissed_words": stats.dismissed, "unconfirmed_words": stats.unconfirmed,
+            "confirm_seconds": stats.confirm_seconds,
+            "capture_seconds_per_size": {str(s.size): s.capture_seconds for s in report.sizes},
+            "memory_after_each_capture": _cumulative(report),
+            **{k: v for k, v in report.pool_figures.items()},
+            # the driver's own memory of the graphs (device growth less the chunks), or why it is not told
+            "graphs": report.graphs, "driver_bytes": report.driver_bytes, "driver_why": report.driver_why,
+            **accounting_figures(report, memory),
+        }
+
+    def replay_every_size(self, runner: graphkit.GraphRunner, sizes: list[int]) -> dict[str, Any]:
+        """Call the runner once at every captured size (batch == size), each from the same cache state as an
+        eager step at that batch: whether every size replays, and the worst error against eager."""
+        worst, failed = 0.0, {}
+        for n in tqdm(sizes, desc="replaying every size", unit="size", leave=False,
+                      disable=not self.cfg.progress or len(sizes) < 64):
+            self.model.reset_cache()
+            want = self.eager(n).clone()
+            self.model.reset_cache()
+            try:
+                got = runner(**self.inputs[n]).clone()
+            except (hal.HalError, RuntimeError) as exc:
+                failed[str(n)] = f"{type(exc).__name__}: {exc}"
+                log.error("bench: size %d does not replay: %s", n, failed[str(n)])
+                continue
+            worst = max(worst, rel_error(got, want))
+            del got, want
+        self.model.reset_cache()
+        return {"replayed_sizes": len(sizes) - len(failed), "unreplayable_sizes": failed,
+                "max_rel_error_every_size": worst, "every_size_exact": not failed and worst < EXACT_LIMIT}
 
     def against_hand_loop(self, runner: graphkit.GraphRunner, rounds: int = 40) -> dict[str, Any]:
         """The runner at batch 1 and the hand-written loop on the same graph, timed in turns (target 4).
@@ -207,18 +261,19 @@ class Bench:
                 "hal_loop_ratios": round_ratios(times, "hal", "hand")}
 
     def hand_loop(self, runner: graphkit.GraphRunner, n: int, through_hal: bool = False) -> Callable[[], Any]:
-        """Copy inputs into the static buffers, ``graph.replay()``, slice: on the runner's own graph.
+        """Copy inputs into the static buffers, replay natively, slice: on the executable the runner runs
+        ``n``'s work with (:meth:`executable_graph`).
 
-        :param through_hal: replay with ``Backend.replay`` rather than the framework's own call.
+        :param through_hal: replay the size's graph with ``Backend.replay`` (the budget's way, as the runner
+            does) rather than the executable natively.
         """
         size = runner.bucket_for(n)
         bucket = runner.bucket(size) if size is not None else None
         assert bucket is not None and runner.inputs is not None  # n is a captured size
         graph, out = bucket.graphs[0], bucket.outputs[0]
         buffers = [(runner.inputs.buffers[k], v) for k, v in self.inputs[n].items()]
-        native = getattr(graph, "torch_graph", graph)  # cuda: the torch.cuda.CUDAGraph itself
-        replay = (native.replay if hasattr(native, "replay") and not through_hal
-                  else functools.partial(self.be.replay, graph))
+        replay = (functools.partial(self.be.replay, graph) if through_hal
+                  else native_replay(self.be, self.executable_graph(runner, graph, n)))
 
         def step() -> Any:
             for buf, value in buffers:
@@ -228,10 +283,25 @@ class Bench:
 
         return step
 
+    def executable_graph(self, runner: graphkit.GraphRunner, graph: Any, n: int) -> Any:
+        """The graph object whose executable runs ``graph``'s work: after one call of the runner at batch ``n``,
+        the one its executables budget chose (``graph`` itself without a budget)."""
+        executables = runner.pools.executables if runner.pools is not None else None
+        if executables is None:
+            return graph
+        runner(**self.inputs[n])
+        host = executables.executable_of(graph)
+        if host is None:
+            raise hal.InvalidStateError(f"no executable runs batch {n}'s graph after a call at batch {n}",
+                                        backend=self.be.name, call="Bench.hand_loop")
+        return host
+
     def run_largest_alone(self) -> int:
+        """Device memory of the largest size captured alone, instantiated at its capture's end."""
         release_cached_memory(self.be)
         runner = graphkit.GraphRunner(self.model.step, [max(self.cfg.sizes)], backend=self.be,
-                                      fill=self.model.padding(), progress=False, kind="vmm", measure_memory=True)
+                                      fill=self.model.padding(), progress=False, kind="vmm", measure_memory=True,
+                                      executables=None)  # instantiated at its capture's end, as engines do
         runner.capture(self.inputs[max(self.cfg.sizes)])
         memory = runner.graph_bytes()
         runner.close()
@@ -255,7 +325,8 @@ class Bench:
         be.synchronize()
         used0, reserved0 = be.mem_info().used, module.memory_reserved(self.device)
         runner = graphkit.GraphRunner(self.model.step, self.cfg.sizes, backend=be, fill=self.model.padding(),
-                                      progress=False, kind="shared", keep_outputs="weak", outputs="view")
+                                      progress=False, kind="shared", keep_outputs="weak", outputs="view",
+                                      executables=None)
         runner.capture(self.inputs[max(self.cfg.sizes)])
         be.synchronize()
         used, pool = be.mem_info().used - used0, module.memory_reserved(self.device) - reserved0
@@ -301,14 +372,16 @@ class Bench:
     # -- the whole run -------------------------------------------------------------------
 
     def run(self, strategies: list[str] | None = None, largest_alone: bool = True,
-            floor: bool = True) -> dict[str, Any]:
+            floor: bool = True, every_size: bool | None = None) -> dict[str, Any]:
         """Run the strategies (default: all of the config) in this process; return the figures.
 
         :param floor: measure the driver's memory per graph (:meth:`run_graph_floor`) first, before any graph of
             this process was destroyed (the driver keeps the memory of destroyed graphs for reuse).
+        :param every_size: add the every-size row (:meth:`run_every_size`; default: the config's ``every_size``).
         """
         cfg = self.cfg
         strategies = cfg.strategies if strategies is None else strategies
+        every_size = cfg.every_size if every_size is None else every_size
         for n in self.check_batches():
             self.inputs.setdefault(n, self.model.example_inputs(n, seed=n))
             self.model.reset_cache()
@@ -319,7 +392,8 @@ class Bench:
         results = []
         alone = None
         graph_floor = self.run_graph_floor() if floor else None
-        with tqdm(total=len(plan) + largest_alone, desc="bench", unit="run", disable=not cfg.progress) as bar:
+        with tqdm(total=len(plan) + largest_alone + every_size, desc="bench", unit="run",
+                  disable=not cfg.progress) as bar:
             if largest_alone:
                 bar.set_postfix(run="largest alone")
                 alone = self.run_largest_alone()
@@ -327,6 +401,10 @@ class Bench:
             for strategy, order in plan:
                 bar.set_postfix(run=f"{strategy}/{order}")
                 results.append(self.run_strategy(strategy, order))
+                bar.update()
+            if every_size:
+                bar.set_postfix(run=EVERY_SIZE)
+                results.append(self.run_every_size())
                 bar.update()
         left_out = {}
         if COMPILE in strategies:
@@ -353,6 +431,41 @@ class Bench:
 
     def close(self) -> None:
         self.be.close()
+
+
+def native_replay(be: hal.Backend, graph: Any) -> Callable[[], None]:
+    """Launch ``graph``'s executable as an engine does, without graphkit: the framework graph's own class
+    ``replay`` where the backend wraps one (CUDA's ``torch.cuda.CUDAGraph``: the class's, which no route
+    serves), else the backend's bare launch (``fake``)."""
+    native = getattr(graph, "torch_graph", None)
+    if native is not None:
+        return functools.partial(type(native).replay, native)
+    return functools.partial(be.launch, graph)
+
+
+def executable_figures(report: graphkit.RunnerReport) -> dict[str, Any]:
+    """What the executables budget holds and did; without a budget every captured graph holds the executable
+    made at the end of its capture (its bytes then lie in ``driver_bytes`` or the rest)."""
+    stats = report.executables
+    if stats is None:
+        return {"budget": None, "count": report.graphs, "graphs": report.graphs, "topologies": None,
+                "instantiations": report.graphs, "updates": 0, "refused": 0, "own": 0, "driver_bytes": None,
+                "update_seconds": 0.0}
+    return {"budget": stats.per_topology, "count": stats.executables, "graphs": stats.graphs,
+            "topologies": stats.topologies, "instantiations": stats.instantiations, "updates": stats.updates,
+            "refused": stats.refused, "own": stats.own, "driver_bytes": stats.driver_bytes,
+            "update_seconds": stats.update_seconds}
+
+
+def accounting_figures(report: graphkit.RunnerReport, device_bytes: int) -> dict[str, Any]:
+    """Where ``device_bytes`` (the device's growth) went: chunks (survivors among them), the executables' bytes
+    (a budget's, measured), the capture stream's workspaces, and the rest (for the framework's pools: their
+    memory and every graph's executable)."""
+    acc = report.accounting
+    rest = device_bytes - acc.chunks - (acc.executables or 0) - acc.workspaces
+    return {"accounting": {"device": device_bytes, "chunks": acc.chunks, "survivors": acc.survivors,
+                           "executables_bytes": acc.executables, "workspaces": acc.workspaces, "rest": rest},
+            "executables": executable_figures(report)}
 
 
 def _cumulative(report: graphkit.RunnerReport) -> list[int]:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from graphkit_bench.cli import main, parse_sizes
 from graphkit_bench.strategies import COMPILE, ORDERS, STRATEGIES
@@ -28,8 +29,21 @@ def test_bench_json_has_every_strategy_order_and_correctness(tmp_path: Path) -> 
         assert r["graph_memory_bytes"] >= 0 and len(r["capture_seconds_per_size"]) == len(out["sizes"])
     vmm = {r["order"]: r for r in out["results"] if r["strategy"] == "vmm"}
     assert {"chunk_bytes", "reserved_bytes", "replay_ms", "hand_loop_ms_batch1"} <= vmm["descending"].keys()
-    assert [t["id"] for t in out["targets"]] == [1, 2, 3, 4, 5]
+    assert [t["id"] for t in out["targets"]] == [1, 2, 3, 4, 5, 6]
     assert out["targets"][4]["met"] is None  # the speed-up target is judged on a GPU only
+    assert out["targets"][5]["met"] is None and "host device" in out["targets"][5]["detail"]  # no driver memory
+    for r in out["results"]:  # every size replayed once at its own batch, exactly; memory measured after that
+        assert r["replayed_sizes"] == len(out["sizes"]) and r["unreplayable_sizes"] == {}, r
+        assert r["every_size_exact"] and r["max_rel_error_every_size"] < 1e-4
+        a = r["accounting"]
+        assert a["device"] == r["graph_memory_bytes"] and r["capture_only_bytes"] >= 0
+        assert a["rest"] == a["device"] - a["chunks"] - (a["executables_bytes"] or 0) - a["workspaces"]
+        budget = r["executables"]["budget"]
+        if r["strategy"] == "vmm":  # graphkit's budget: lazily instantiated, at most K per topology
+            assert budget == 4 and 1 <= r["executables"]["count"] <= 4 * r["executables"]["topologies"]
+            assert r["executables"]["graphs"] == len(out["sizes"]) and a["chunks"] == r["chunk_bytes"]
+        else:  # the engines' way: every graph instantiated at its capture's end
+            assert budget is None and r["executables"]["count"] == len(out["sizes"]), r["executables"]
     private = next(r for r in out["results"] if r["strategy"] == "private" and r["order"] == "descending")
     assert private["graph_memory_bytes"] > vmm["descending"]["graph_memory_bytes"]
     assert out["machine"]["backend"] == "fake" and out["command"].startswith("python -m graphkit bench")
@@ -136,3 +150,127 @@ def test_the_verifier_is_off_unless_the_bench_asks_for_it(tmp_path: Path, monkey
                  "--backend", "fake", "--no-progress", "--out-dir", str(tmp_path), *flag]) == 0
     (result,) = json.loads((tmp_path / "bench.json").read_text())["results"]
     assert (result["verified_graphs"] > 0) == bool(flag), result
+
+
+def test_the_hand_loop_launches_the_executable_the_runner_uses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a budget the size's own graph may hold no executable: the loop launches the one the budget runs its
+    work with (after one call of the runner), and its output equals the runner's."""
+    from graphkit_bench.model import DecoderConfig
+    from graphkit_bench.run import Bench, BenchConfig
+    from graphkit_bench.strategies import STRATEGIES
+
+    monkeypatch.setitem(STRATEGIES, "vmm", {"kind": "vmm", "executables": 1})  # one executable for every size
+    bench = Bench(BenchConfig(workload=DecoderConfig.tiny(), sizes=[1, 2, 4], backend="fake", progress=False,
+                              strategies=["vmm"], orders=["descending"]))
+    try:
+        runner = bench.make_runner("vmm", on_demand=False)
+        runner.capture(bench.inputs[4])
+        executables = runner.pools.executables
+        assert executables is not None and executables.per_topology == 1
+        for n in (4, 2):
+            runner(**bench.inputs[n])
+        graph = runner.bucket(1).graphs[0]
+        assert executables.executable_of(graph) is None  # size 1 was never replayed: no executable runs it
+        launched: list[object] = []
+        real = bench.be.launch
+        monkeypatch.setattr(bench.be, "launch", lambda g: (launched.append(g), real(g)))
+        step = bench.hand_loop(runner, 1)
+        host = executables.executable_of(graph)
+        assert host is not None and host is runner.bucket(4).graphs[0]  # the one executable, updated to size 1
+        launched.clear()
+        got = step().clone()
+        assert launched == [host]
+        bench.model.reset_cache()
+        got = step().clone()
+        bench.model.reset_cache()
+        assert torch.equal(got, runner(**bench.inputs[1]).clone())
+        runner.close()
+    finally:
+        bench.close()
+
+
+def _rows(vmm: dict[str, int], weak: int, *, exact: bool = True, measured: bool = True,
+          every: int | None = None) -> dict:
+    """Crafted bench figures: vmm rows by order (graph memory), shared-weakref descending, an every-size row."""
+    def row(strategy: str, order: str, memory: int, sizes: int = 35, **more: object) -> dict:
+        return {"strategy": strategy, "order": order, "graph_memory_bytes": memory, "capture_seconds": 1.0,
+                "sizes_captured": sizes, "max_rel_error": 0.0, "replayed_sizes": sizes,
+                "unreplayable_sizes": {} if exact else {"8": "InvalidStateError: gone"},
+                "max_rel_error_every_size": 0.0, "executables": {"count": 8, "graphs": sizes, "topologies": 2,
+                                                                 "instantiations": 8, "driver_bytes":
+                                                                 (8 << 20) if measured else None}, **more}
+    rows = [row("vmm", o, m) for o, m in vmm.items()] + [row("shared-weakref", "descending", weak)]
+    if every is not None:
+        rows.append(row("vmm", "descending", every, sizes=256, variant="every-size"))
+    return {"results": rows, "largest_alone_bytes": 100, "sizes": list(range(1, 36)), "eager_ms": {},
+            "graph_floor": None}
+
+
+def _target(out: dict, tid: int) -> dict:
+    from graphkit_bench.targets import check_targets
+
+    return next(t for t in check_targets(out, 2, reference_gpu=True) if t["id"] == tid)
+
+
+def test_vmm_is_judged_against_08_x_shared_weakref_in_both_orders_with_every_size_exact() -> None:
+    assert _target(_rows({"descending": 340, "ascending": 345}, 432), 6)["met"] is True
+    missed = _target(_rows({"descending": 340, "ascending": 350}, 432), 6)
+    assert missed["met"] is False and missed["ratio"] == pytest.approx(350 / 432)
+    wrong = _target(_rows({"descending": 100, "ascending": 100}, 432, exact=False), 6)
+    assert wrong["met"] is False and "do not replay (8)" in wrong["detail"]  # small but not every size replays
+    one_order = _target(_rows({"descending": 100}, 432), 6)
+    assert one_order["met"] is None and "ascending not run" in one_order["detail"]
+    host = _target(_rows({"descending": 100, "ascending": 100}, 432, measured=False), 6)
+    assert host["met"] is None and "not judged" in host["detail"]
+
+
+def test_every_size_is_judged_against_11_x_the_bench_sizes() -> None:
+    assert _target(_rows({"descending": 400}, 432, every=440), 7)["met"] is True
+    missed = _target(_rows({"descending": 400}, 432, every=441), 7)
+    assert missed["met"] is False and "256 sizes 441 B, 35 sizes 400 B" in missed["detail"]
+    wrong = _target(_rows({"descending": 400}, 432, every=400, exact=False), 7)
+    assert wrong["met"] is False
+    assert not [t for t in _check(_rows({"descending": 400}, 432)) if t["id"] == 7]  # no every-size row: no target
+    alone = _rows({"ascending": 400}, 432, every=400)
+    assert _target(alone, 7)["met"] is None  # no vmm row over the bench's sizes to compare with
+
+
+def _check(out: dict) -> list[dict]:
+    from graphkit_bench.targets import check_targets
+
+    return check_targets(out, 2, reference_gpu=True)
+
+
+def test_the_floor_line_is_the_largest_alone_plus_one_executable_per_further_topology() -> None:
+    from graphkit_bench.targets import executable_floor
+
+    floor = executable_floor(_rows({"descending": 400}, 432))
+    assert floor == {"topologies": 2, "per_executable_bytes": 1 << 20, "measured": True, "bytes": 100 + (1 << 20)}
+    host = executable_floor(_rows({"descending": 400}, 432, measured=False))
+    assert host is not None and host["bytes"] == 100 and not host["measured"]
+
+
+def test_the_every_size_row_captures_every_batch_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "--workload", "tiny", "--sizes", "1,4,8", "--strategies", "vmm", "--orders", "descending",
+                 "--iters", "1", "--no-progress", "--backend", "fake", "--every-size", "--out-dir", str(tmp_path)])
+    assert code == 0
+    out = json.loads((tmp_path / "bench.json").read_text())
+    base, every = out["results"]
+    assert base["sizes_captured"] == 3 and "variant" not in base
+    assert every["variant"] == "every-size" and every["sizes_captured"] == 8 and every["replayed_sizes"] == 8
+    assert len(every["capture_seconds_per_size"]) == 8 and every["executables"]["graphs"] == 8
+    target = next(t for t in out["targets"] if t["id"] == 7)
+    assert target["met"] is True and "8 sizes" in target["detail"] and "3 sizes" in target["detail"]
+    assert "vmm 1..8" in capsys.readouterr().out  # the table names the row
+
+
+@pytest.mark.slow
+def test_python_m_graphkit_bench_workload_tiny_still_runs(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "graphkit", "bench", "--workload", "tiny", "--sizes", "1,2,4",
+                           "--strategies", "shared-weakref,vmm", "--orders", "descending", "--iters", "1",
+                           "--backend", "fake", "--isolate", "no", "--no-progress", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads((tmp_path / "bench.json").read_text())
+    assert {r["strategy"] for r in out["results"]} == {"shared-weakref", "vmm"}
+    assert "accounting:" in proc.stdout and "targets:" in proc.stdout
