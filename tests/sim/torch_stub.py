@@ -247,6 +247,7 @@ class _CudaStream:
         import torch
 
         self.stub, self.device = stub, torch.device("cuda", index)
+        self.cuda_stream = 0x5000 + id(self) % 0x1000  # a made-up CUstream
 
     def wait_stream(self, other: _CudaStream) -> None:
         self.stub.calls.append(("wait_stream", self, other))

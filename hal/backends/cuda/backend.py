@@ -232,17 +232,21 @@ class CudaBackend(TorchHooks):
     def update_graph(self, graph: Any, source: Any) -> None:
         self._current_glue().update_graph(graph, source, self._exec_update)
 
-    def _exec_update(self, graph_exec: int, source_graph: int) -> None:
-        """``cuGraphExecUpdate``; a refusal for the graphs' topologies is an invalid argument, saying why."""
+    def _exec_update(self, graph_exec: int, source_graph: int, stream: int) -> None:
+        """``cuGraphExecUpdate``, then ``cuGraphUpload`` on ``stream`` (the updated executable is put on the device
+        before its next launch, as a fresh one is); a refusal for the graphs' topologies is an invalid argument,
+        saying why."""
         d = driver_module()
         with self.dev.current():
             err, info = d.cuGraphExecUpdate(d.CUgraphExec(graph_exec), d.CUgraph(source_graph))
-        if int(err) == CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE:
-            why = getattr(getattr(info, "result", None), "name", None) or repr(getattr(info, "result", info))
-            raise InvalidArgumentError(f"source's topology differs from graph's: the driver refused the update "
-                                       f"({why}); capture it into a graph of its own", backend=NAME,
-                                       call="update_graph")
-        check((err,), "cuGraphExecUpdate", "update_graph")
+            if int(err) == CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE:
+                why = getattr(getattr(info, "result", None), "name", None) or repr(getattr(info, "result", info))
+                raise InvalidArgumentError(f"source's topology differs from graph's: the driver refused the update "
+                                           f"({why}); capture it into a graph of its own", backend=NAME,
+                                           call="update_graph")
+            check((err,), "cuGraphExecUpdate", "update_graph")
+            check((d.cuGraphUpload(d.CUgraphExec(graph_exec), d.CUstream(stream))[0],), "cuGraphUpload",
+                  "update_graph")
 
     @hookimpl
     def graph_addresses(self, graph: Any) -> GraphAddresses:

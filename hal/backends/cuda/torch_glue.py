@@ -224,9 +224,11 @@ class CudaGlue(TorchGlue):
         except Exception:  # noqa: BLE001 - then whether the graph draws random numbers stays unknown
             return None
 
-    def update_graph(self, graph: CudaGraph, source: CudaGraph, exec_update: Callable[[int, int], None]) -> None:
+    def update_graph(self, graph: CudaGraph, source: CudaGraph,
+                     exec_update: Callable[[int, int, int], None]) -> None:
         """Update ``graph``'s executable form with ``source``'s captured graph through
-        ``exec_update(graph_exec, source_graph)`` (instantiating ``graph`` first where it was not)."""
+        ``exec_update(graph_exec, source_graph, stream)`` (instantiating ``graph`` first where it was not; the
+        stream it launches on: its capture stream, or the current one for a framework's graph)."""
         for name, g in (("graph", graph), ("source", source)):
             if not g.captured or g.released or g.torch_graph is None:
                 raise InvalidStateError(f"{name}={g!r} is not captured", backend=NAME, call="update_graph")
@@ -252,7 +254,9 @@ class CudaGlue(TorchGlue):
             if not graph.instantiated:
                 type(tg).instantiate(tg)  # the class's: a served graph's own instantiate waits for its route
                 graph.instantiated = True
-            exec_update(int(tg.raw_cuda_graph_exec()), int(source.torch_graph.raw_cuda_graph()))
+            stream = graph.stream if graph.stream is not None else self.ns.current_stream()
+            exec_update(int(tg.raw_cuda_graph_exec()), int(source.torch_graph.raw_cuda_graph()),
+                        int(stream.cuda_stream))
         graph.addresses = source.addresses  # what its replays use from now on
 
     def release_graph(self, graph: CudaGraph) -> None:

@@ -203,15 +203,15 @@ def test_an_update_hands_the_driver_the_executable_graph_and_the_lazy_capture() 
         with glue.capture(graph, None, None, None):
             pass
     updates: list[tuple[int, int]] = []
-    glue.update_graph(target, source, lambda exe, g: updates.append((exe, g)))
+    glue.update_graph(target, source, lambda exe, g, s: updates.append((exe, g)))
     assert target.instantiated and not source.instantiated  # the target first, never the source
     assert updates == [(target.torch_graph.raw_cuda_graph_exec(), source.torch_graph.raw_cuda_graph())]
     assert all(updates[0])
     with pytest.raises(hal.InvalidArgumentError, match="lazy=True"):
-        glue.update_graph(target, eager, lambda exe, g: updates.append((exe, g)))
+        glue.update_graph(target, eager, lambda exe, g, s: updates.append((exe, g)))
     glue.release_graph(source)
     with pytest.raises(hal.InvalidStateError, match=r"source=.* is not captured"):
-        glue.update_graph(target, source, lambda exe, g: updates.append((exe, g)))
+        glue.update_graph(target, source, lambda exe, g, s: updates.append((exe, g)))
     assert len(updates) == 1
 
 
@@ -360,8 +360,8 @@ def test_a_graph_that_draws_random_numbers_keeps_its_own_executable() -> None:
     assert plain.draws_random is False and random.draws_random is True and other.draws_random is None
     updates: list[tuple[int, int]] = []
     with pytest.raises(hal.InvalidArgumentError, match="draws random numbers"):
-        glue.update_graph(random, other, lambda exe, g: updates.append((exe, g)))
+        glue.update_graph(random, other, lambda exe, g, s: updates.append((exe, g)))
     with pytest.raises(hal.InvalidArgumentError, match="draws random numbers"):
-        glue.update_graph(plain, random, lambda exe, g: updates.append((exe, g)))
-    glue.update_graph(plain, other, lambda exe, g: updates.append((exe, g)))
+        glue.update_graph(plain, random, lambda exe, g, s: updates.append((exe, g)))
+    glue.update_graph(plain, other, lambda exe, g, s: updates.append((exe, g)))
     assert len(updates) == 1
