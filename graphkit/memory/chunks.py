@@ -119,7 +119,9 @@ class SharedChunks:
         """The chunks behind ``[ptr, ptr + nbytes)`` of ``space``, exported (see :mod:`graphkit.memory.sharing`)."""
         g = self.granularity
         first, end = (ptr - space.base) // g, -(-(ptr - space.base + nbytes) // g)
-        unmapped = [i for i in range(first, end) if i >= space.mapped or not space.place(i).mapped]
+        # past what the space maps first, by arithmetic: only granules it maps are ever looked at one by one
+        unmapped = ([i for i in range(first, min(end, space.mapped)) if not space.place(i).mapped]
+                    + list(range(max(first, space.mapped), min(end, max(first, space.mapped) + 4))))
         if unmapped:
             raise hal.InvalidArgumentError(
                 f"[{ptr:#x}, {ptr + nbytes:#x}) reaches granule(s) {unmapped[:4]} of space {space.id}, which are not "
