@@ -40,9 +40,9 @@ def granules_of(space: VirtualSpace, blocks: Iterable[tuple[int, int]], granular
     return wanted
 
 
-def checked_blocks(blocks: object, backend: str, call: str) -> list[tuple[int, int]]:
+def checked_blocks(blocks: object, backend: str | None, call: str, name: str = "blocks") -> list[tuple[int, int]]:
     """``blocks`` as a list of ``(address, nbytes)`` pairs of ints with ``nbytes >= 0``; else a hal error naming
-    ``blocks``."""
+    the argument (``name``)."""
     pairs: list[tuple[int, int]] = []
     ok = isinstance(blocks, Iterable) and not isinstance(blocks, (str, bytes))
     for block in blocks if isinstance(blocks, Iterable) and ok else ():
@@ -53,7 +53,7 @@ def checked_blocks(blocks: object, backend: str, call: str) -> list[tuple[int, i
         pairs.append((block[0], block[1]))
     if not ok:
         text = repr(blocks)
-        raise hal.InvalidArgumentError(f"blocks={text if len(text) <= 120 else text[:117] + '...'} must be "
+        raise hal.InvalidArgumentError(f"{name}={text if len(text) <= 120 else text[:117] + '...'} must be "
                                        "(address, nbytes) pairs of ints with nbytes >= 0", backend=backend, call=call)
     return pairs
 

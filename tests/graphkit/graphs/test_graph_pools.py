@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import threading
 
 import pytest
@@ -388,6 +389,30 @@ def test_bad_arguments_name_the_argument(be: hal.Backend) -> None:
             pools.release("never")
     with pytest.raises(hal.InvalidArgumentError, match="router="):
         be.route_captures("not callable")
+
+
+@pytest.mark.parametrize("value", [None, "yes", "no", 2, 0, 1.0])
+@pytest.mark.parametrize("option", ["verify", "hygiene"])
+def test_the_newer_options_take_a_bool_and_name_themselves_otherwise(be: hal.Backend, option: str,
+                                                                     value: object) -> None:
+    """verify= and hygiene= of GraphPools and graph_memory are checked as outputs= is: a truthy string no longer
+    turns the check on, ``verify=2`` no longer reaches the child processes as a value their switch refuses."""
+    os.environ.pop("GRAPHKIT_GRAPH_MEMORY", None)
+    with pytest.raises(hal.InvalidArgumentError, match=f"GraphPools: {option}={value!r} must be True or False"):
+        graphkit.GraphPools(be, **{option: value})
+    with pytest.raises(hal.InvalidArgumentError, match=f"graph_memory: {option}={value!r} must be True or False"):
+        with graphkit.graph_memory(be, **{option: value}):
+            pass
+    assert "GRAPHKIT_GRAPH_MEMORY" not in os.environ and be.live.zero
+
+
+def test_capture_ended_takes_blocks_and_names_shared_otherwise(be: hal.Backend) -> None:
+    with graphkit.GraphPools(be) as pools:
+        pools.lease("k")
+        for shared in (5, [(1, -2)], ["block"], None):
+            with pytest.raises(hal.InvalidArgumentError, match=r"capture_ended: shared=.* must be \(address, nbytes\)"):
+                pools.capture_ended("k", shared=shared)  # type: ignore[arg-type]
+        pools.capture_ended("k", shared=[])
 
 
 def test_ten_thousand_spaces_fit_in_a_few_arenas(be: hal.Backend) -> None:
