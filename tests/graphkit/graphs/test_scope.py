@@ -132,3 +132,42 @@ def test_a_capture_of_another_backend_is_left_alone_and_said_once(be: hal.Backen
         other.release_graph(graph)
     other.close()
     pools.close()
+
+
+def test_the_childrens_variable_stays_while_any_block_is_open_in_any_thread(monkeypatch) -> None:
+    """Two engines, one per device, each in a ``graph_memory()`` block of its own thread: the block that ends first
+    leaves the variable to the one still open (a count of open blocks owns it); the last one removes it."""
+    import os
+    import threading
+
+    from graphkit.graphs.scope import FROM_ENV
+
+    env = "GRAPHKIT_GRAPH_MEMORY"
+    monkeypatch.delenv(env, raising=False)
+    monkeypatch.delenv(FROM_ENV, raising=False)
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, str | None] = {}
+
+    def engine(device: int, enter_after: threading.Event | None, signal: threading.Event,
+               leave_after: threading.Event | None) -> None:
+        be = hal.get_backend("fake", device=device, device_count=2, granularity=G)
+        if enter_after is not None:
+            enter_after.wait(10)
+        with graphkit.graph_memory(be, outputs="replay" if device else "kept") as pools:
+            signal.set()
+            if leave_after is not None:
+                leave_after.wait(10)
+                seen["open"] = os.environ.get(env)
+        pools.close()
+        be.close()
+        if device == 0:
+            first_out.set()
+
+    threads = [threading.Thread(target=engine, args=(0, None, first_in, second_in)),
+               threading.Thread(target=engine, args=(1, first_in, second_in, first_out))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert seen["open"] is not None and switch.parse(seen["open"]).outputs == "kept"  # the first block's value
+    assert env not in os.environ and FROM_ENV not in os.environ  # the last block put everything back
