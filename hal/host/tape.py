@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -115,6 +116,8 @@ class _Ref:
 #: one step of a compiled replay: ``fn(*args, **kwargs)``
 _Step = tuple[Callable[..., Any], tuple, dict]
 
+_SERIALS = itertools.count(1)  # HostGraph.serial
+
 
 @dataclass
 class HostGraph:
@@ -147,6 +150,8 @@ class HostGraph:
     compiled: bool = False  # ``program`` is built (the tape's "instantiation")
     #: the graph whose tape ``program`` runs since an update (``update_graph``); None: this graph's own
     running: HostGraph | None = None
+    #: unique in the process, never reused (unlike ``id()``, which a new graph may get once this one is gone)
+    serial: int = field(default_factory=lambda: next(_SERIALS), compare=False)
 
     def replay(self) -> None:
         pool = (self.running or self).pool
@@ -663,6 +668,11 @@ def _host_reads_refused(backend: str) -> Iterator[None]:
 
 
 _ORIGINAL_DICT = {name for name in HOST_READ_METHODS if name in vars(torch.Tensor)}
+
+
+def capturing(backend: str) -> bool:
+    """Whether this thread records a capture of ``backend`` now (the innermost capture's backend)."""
+    return bool(getattr(_capturing, "depth", 0)) and getattr(_capturing, "backend", None) == backend
 
 
 def update(graph: HostGraph, source: HostGraph) -> None:

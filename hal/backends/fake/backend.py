@@ -83,6 +83,12 @@ class FakeBackend(HostGraphs):
       faults there). A chunk is released only once unmapped everywhere, so
       the unmap check covers ``release_phy_mem_handle`` too. Callers wait
       first, or pass ``wait=True`` to ``unmap``/``release_phy_mem_handle``.
+      A ``synchronize`` inside a capture on the same thread raises
+      :class:`hal.CaptureError`, as a GPU refuses it (callers ask
+      ``Backend.capturing()`` first).
+
+    A chunk is a memfd: a fork child shares it with the parent, so the
+    backend serves only the process that made it (see :class:`hal.Backend`).
     """
 
     @classmethod
