@@ -335,12 +335,14 @@ class SharedVMMAllocator(Closable):
     def stand_in(self, granules: Mapping[int, Iterable[int]]) -> Iterator[list[int]]:
         """Inside the block, the granules ``{space id: granule indices}`` map fresh scratch chunks at their
         addresses instead of their own; yields the scratch granules' addresses. After it each space maps its own
-        chunks again, bytes untouched (``graphkit.memory.stand_in``). Holds the lock for the whole block; waits
-        for the device before the unmaps, both ways."""
+        chunks again, bytes untouched (``graphkit.memory.stand_in``); a granule whose own chunk would not map again
+        (a fault, tried twice) keeps its scratch chunk as a chunk of its own, and the fault is raised: no scratch
+        chunk is left to nobody. Holds the lock for the whole block; waits for the device before the unmaps, both
+        ways."""
         with self._lock:
             self._check_open("stand_in", awake=True)
             spaces = [(self._table.get(space_id, "stand_in"), indices) for space_id, indices in granules.items()]
-            with standing_in(self._chunks.backing, spaces) as addresses:
+            with standing_in(self._chunks.backing, spaces, self._chunks.survivors.keep) as addresses:
                 yield addresses
 
     def precreate(self, nbytes: int) -> None:

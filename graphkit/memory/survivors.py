@@ -119,6 +119,16 @@ class Survivors:
         own = self.private.get(space.id, {})
         return [b for b in blocks if not own or granules_of(space, [b], self.granularity) - own.keys()]
 
+    def keep(self, space: VirtualSpace, index: int, chunk: Chunk) -> None:
+        """``space`` keeps ``chunk``, the one it shows at granule ``index``, as a chunk of its own from now on (a
+        scratch chunk that would not give way to the granule's own); the chunk of its own it had there goes once
+        mapped nowhere. A shared chunk it mapped there stays the shared one."""
+        have = self.private.setdefault(space.id, {})
+        old = have.get(index)
+        have[index] = chunk
+        if old is not None and old is not chunk and not old.maps:
+            self.backing.release(old)
+
     def drop(self, space: VirtualSpace) -> None:
         """Release the chunks ``space`` alone mapped (unmapped with it)."""
         for chunk in self.private.pop(space.id, {}).values():
