@@ -28,14 +28,21 @@ class ScopeRouter:
       that calls ``hal.get_backend(...)`` itself) is routed to the block's pools, as the switch routes it;
     * one of that backend on another device, that no block of that device takes, is refused (its memory would
       silently come from the framework's own allocator);
-    * one of another backend is left alone, with one warning per block naming the backend and the fix.
+    * one of another backend is left alone, with one warning per block naming the backend and the fix;
+    * in a fork child of the block's process it routes nothing: the block and its pools are the parent's (on
+      ``fake`` their chunks are shared with the parent, so a child's capture into them would write the parent's
+      graph memory). The child is served, if at all, by its own switch: it inherits ``GRAPHKIT_GRAPH_MEMORY``
+      (:func:`served_children`), which its plugin or start-up hook reads with a backend of its own.
     """
 
     def __init__(self, pools: GraphPools) -> None:
         self.pools = pools
         self.unrouted: set[tuple[str, int]] = set()  # where the captures left alone ran (warned once each)
+        self.pid = os.getpid()  # the process whose block it routes for
 
     def __call__(self, backend: str, device: int, graph: Any, requested_pool: Any) -> Route | None:
+        if os.getpid() != self.pid:  # a fork child: the block is the parent's, its pools the parent's memory
+            return None
         be = self.pools.backend
         if backend == be.name and device == be.device:
             return self.pools.route(graph, requested_pool)
