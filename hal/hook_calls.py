@@ -11,6 +11,7 @@ that must return a value is a broken plugin (:class:`hal.PluginValidationError`)
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -82,6 +83,28 @@ class HookCalls:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @contextlib.contextmanager
+    def count_calls(self) -> Iterator[collections.Counter[str]]:
+        """Inside the block, every call of a hook on this backend (any thread) is counted by hook name: what an
+        operation costs in driver calls.
+
+        >>> with be.count_calls() as calls:
+        ...     saver.pause()
+        >>> calls["unmap"], calls["synchronize"]
+        """
+        calls: collections.Counter[str] = collections.Counter()
+        lock = threading.Lock()
+
+        def before(hook_name: str, impls: Any, kwargs: Any) -> None:
+            with lock:
+                calls[hook_name] += 1
+
+        undo = self._pm.add_hookcall_monitoring(before, lambda *args: None)
+        try:
+            yield calls
+        finally:
+            undo()
 
     @property
     def forked(self) -> bool:
