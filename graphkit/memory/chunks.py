@@ -90,12 +90,13 @@ class SharedChunks:
             return
         self.check_limit(max(count - len(self.chunks), 0), limit, "allocate")
         with Transaction() as tx:
-            for index in range(space.mapped, count):
-                self.ensure(index, tx)
-                place = Place(space.base + index * self.granularity, self.chunks[index])
-                self.backing.map(place)
-                space.grow(place)
-                tx.append(functools.partial(self._ungrow, space, place))
+            with self.backend.deferred_access():  # access set once for the granules side by side
+                for index in range(space.mapped, count):
+                    self.ensure(index, tx)
+                    place = Place(space.base + index * self.granularity, self.chunks[index])
+                    self.backing.map(place)
+                    space.grow(place)
+                    tx.append(functools.partial(self._ungrow, space, place))
             tx.commit()
 
     def _ungrow(self, space: VirtualSpace, place: Place) -> None:
