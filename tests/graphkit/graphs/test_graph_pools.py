@@ -229,7 +229,7 @@ def test_two_threads_capture_into_two_keys_at_once(be: hal.Backend, routed: bool
                 if between is not None:
                     between()
                 out = step(h) + h  # more granules, after the other thread opened its key
-            order.append(f"{name} ended")
+                order.append(f"{name} ends")
             done[name] = (x, graph, out)
         except BaseException as exc:  # noqa: BLE001 - checked below
             done[name] = exc
@@ -257,7 +257,7 @@ def test_two_threads_capture_into_two_keys_at_once(be: hal.Backend, routed: bool
         for t in threads:
             t.join()
     assert all(isinstance(v, tuple) for v in done.values()), done
-    assert order == ["a runs", "a ended", "b runs", "b ended"]
+    assert order == ["a runs", "a ends", "b runs", "b ends"]
     for x, graph, out in done.values():
         x.copy_(torch.randn(*x.shape))
         be.replay(graph)
