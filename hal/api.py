@@ -43,11 +43,12 @@ facade drops it otherwise, with a warning). Where one hook serves with and
 without a capability, the facade refuses the capability's use before the
 backend sees it: :func:`create_pool` with callbacks without
 ``"custom_pool"``, :func:`use_pool` without ``"use_pool"``,
-:func:`route_captures` without ``"capture_routing"``. Five hooks sit
+:func:`route_captures` without ``"capture_routing"``. Six hooks sit
 outside every capability: :func:`tensor_at` (``UnsupportedError`` when
 absent), :func:`default_capture_stream` (the current stream when absent),
 :func:`prepare_capture_stream` and :func:`stream_state_sizes` (nothing to
-prepare when absent) and :func:`shutdown` (nothing to do when absent).
+prepare when absent), :func:`deferred_access` (each map accessible at once
+when absent) and :func:`shutdown` (nothing to do when absent).
 
 Startup: the facade adds these specs, registers the backend instance and
 calls ``check_pending()``, so a plugin that implements a hook not listed
@@ -192,9 +193,19 @@ def unmap(ptr: int, size: int) -> None:
     """
 
 
-# ---------------------------------------------------------------------------
-# Capabilities and tensors
-# ---------------------------------------------------------------------------
+@hookspec(firstresult=True)
+def deferred_access() -> AbstractContextManager[None]:
+    """Return a context manager inside which :func:`map` on this thread may leave what it maps inaccessible.
+
+    When the block ends -- also through an exception -- every mapping made
+    inside it and still mapped is made read-write, with one call per
+    contiguous run of mappings where the driver allows it (one
+    ``cuMemSetAccess`` for many chunks side by side, instead of one per
+    chunk). Memory mapped inside must not be touched before the block
+    ends. A block inside another on the same thread joins the outer one.
+    Optional, outside every capability: without it each :func:`map` makes
+    its memory accessible at once, and the facade's block changes nothing.
+    """
 
 
 @hookspec(firstresult=True)
@@ -567,6 +578,7 @@ RESULT_HOOKS = frozenset({
     "torch_device", "tensor_at", "create_stream", "current_stream", "use_stream", "default_capture_stream",
     "create_pool", "use_pool", "pool_active_blocks", "create_graph", "capture", "route_captures",
     "graph_addresses", "stream_state_sizes", "stream_state_bytes", "export_phy_mem_handle", "import_phy_mem_handle",
+    "deferred_access",
 })
 
 #: The hooks of the ``"graphs"`` capability.

@@ -7,6 +7,8 @@ vendor library gives one), so a user can look it up in the vendor's docs.
 
 from __future__ import annotations
 
+import copy
+
 
 class HalError(Exception):
     """Base class of every error raised by hal and its backends."""
@@ -18,6 +20,15 @@ class HalError(Exception):
         """The explanation alone, without the ``backend.call:`` prefix (to wrap it without repeating it)."""
         prefix = ".".join(p for p in (backend, call) if p)
         super().__init__(f"{prefix}: {message}" if prefix else message)
+
+    def led_by(self, what: str) -> HalError:
+        """The same error -- its class, backend, call and native code -- with its explanation led by ``what``
+        (for a caller that adds what it was doing: ``raise exc.led_by("key 3: ...") from exc``)."""
+        again = copy.copy(self)
+        again.message = f"{what}: {self.message}"
+        prefix = ".".join(p for p in (self.backend, self.call) if p)
+        again.args = (f"{prefix}: {again.message}" if prefix else again.message,)
+        return again
 
 
 class InvalidArgumentError(HalError, ValueError):

@@ -63,7 +63,7 @@ class Backend(VmmCalls, GraphCalls):
         Idempotent. Leftovers are logged (they are a leak in the caller).
         """
         with self._lock:
-            if self.closed:
+            if self.closed or self._forget_in_fork_child():
                 return
             leftovers = self._vmm_leftovers()
             if any(leftovers):

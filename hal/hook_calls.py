@@ -11,6 +11,7 @@ that must return a value is a broken plugin (:class:`hal.PluginValidationError`)
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -75,12 +76,50 @@ class HookCalls:
         )
         self._lock = threading.RLock()  # the bookkeeping of the calls, and close()
         self._closed = False
+        self._pid = os.getpid()  # the process it serves: a fork child gets a backend of its own
         self._granularity: int | None = None
         self._capabilities: frozenset[str] | None = None
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @contextlib.contextmanager
+    def count_calls(self) -> Iterator[collections.Counter[str]]:
+        """Inside the block, every call of a hook on this backend (any thread) is counted by hook name: what an
+        operation costs in driver calls.
+
+        >>> with be.count_calls() as calls:
+        ...     saver.pause()
+        >>> calls["unmap"], calls["synchronize"]
+        """
+        calls: collections.Counter[str] = collections.Counter()
+        lock = threading.Lock()
+
+        def before(hook_name: str, impls: Any, kwargs: Any) -> None:
+            with lock:
+                calls[hook_name] += 1
+
+        undo = self._pm.add_hookcall_monitoring(before, lambda *args: None)
+        try:
+            yield calls
+        finally:
+            undo()
+
+    @property
+    def forked(self) -> bool:
+        """Whether this is a fork child of the process that made the backend: it serves none of its calls here."""
+        return self._pid != os.getpid()
+
+    def _forget_in_fork_child(self) -> bool:
+        """In a fork child: mark the backend closed without a call into the plugin (everything it holds is the
+        parent's); whether that was the case."""
+        if not self.forked:
+            return False
+        log.debug("%s: close() in a fork child of process %d forgets the backend (its memory is the parent's)",
+                  self.name, self._pid)
+        self._closed = True
+        return True
 
     def _shut_down(self, collect: Callable[[], contextlib.AbstractContextManager[None]]) -> None:
         """Close's last step: the plugin's ``shutdown`` hook (inside ``collect()``, which keeps a failure);
@@ -100,6 +139,11 @@ class HookCalls:
     def _check_open(self, call: str) -> None:
         if self._closed:
             raise self._err(InvalidStateError, call, "the backend is closed; get a new one with hal.get_backend()")
+        if self._pid != os.getpid():
+            raise self._err(InvalidStateError, call, f"this backend was made in process {self._pid} and this is a "
+                            "fork child of it: a device context does not survive a fork, and the memory the backend "
+                            "maps is the parent's (on fake, chunks a child wrote through would change the parent's "
+                            "graph memory). Get a backend of the child's own with hal.get_backend()")
 
     def _check_ptr(self, call: str, ptr: Any) -> None:
         if not isinstance(ptr, int) or isinstance(ptr, bool) or not 0 <= ptr < ADDRESS_LIMIT:

@@ -70,12 +70,16 @@ class StreamCalls(HookCalls):
     def capturing(self) -> bool:
         """Whether the current stream of this thread captures a graph on this backend's device now (through
         :meth:`capture`, or the framework's own capture). Work queued now is recorded, not run, and a
-        device-wide wait would end the capture. False on devices without a capture state to ask (host)."""
+        device-wide wait would end the capture. On the host, whether this thread records a capture of this
+        backend with hal's host recorder (:mod:`hal.host`)."""
         if self._closed or not self.supports("graphs"):
             return False
         device = self._graph_call("torch_device")
+        if device.type == "cpu":
+            recorder = sys.modules.get("hal.host.tape")  # imported by the first capture: none before it
+            return bool(recorder is not None and recorder.capturing(self.name))
         probe = getattr(getattr(sys.modules.get("torch"), device.type, None), "is_current_stream_capturing", None)
-        return bool(probe()) if callable(probe) and device.type != "cpu" else False
+        return bool(probe()) if callable(probe) else False
 
     def default_capture_stream(self) -> Any:
         """The stream the framework's own capture API uses when it is given none."""

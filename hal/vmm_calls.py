@@ -9,7 +9,8 @@ argument, and changes its bookkeeping only when the driver's call succeeded.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -127,6 +128,34 @@ class VmmCalls(HookCalls):
             self._mappings[ptr] = MappedRange(ptr, size, handle)
             bisect.insort(self._map_starts, ptr)
             self._handle_maps[handle] += 1
+
+    @contextlib.contextmanager
+    def deferred_access(self) -> Iterator[None]:
+        """Inside the block, what :meth:`map` maps on this thread may stay inaccessible until the block ends; then
+        it is made read-write with one driver call per contiguous run, where the backend batches access (cuda: one
+        ``cuMemSetAccess`` for many chunks side by side instead of one per chunk; ``fake``: one ``mprotect``).
+        Touch nothing mapped inside before the block ends. Elsewhere nothing changes.
+
+        >>> with be.deferred_access():
+        ...     for i, handle in enumerate(handles):
+        ...         be.map(va + i * g, g, handle)
+        >>> be.tensor_at(va, len(handles) * g).fill_(0)   # accessible from here on
+        """
+        self._check_open("deferred_access")
+        if "deferred_access" not in self._implemented:
+            yield
+            return
+        with self._plugin_faults("deferred_access"):  # the plugin's own failures (not the block's) are checked
+            block = self._result("deferred_access", self._hook.deferred_access())
+            block.__enter__()
+        try:
+            yield
+        except BaseException as exc:
+            with self._plugin_faults("deferred_access"):
+                block.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        with self._plugin_faults("deferred_access"):
+            block.__exit__(None, None, None)
 
     def unmap(self, ptr: int, size: int, *, wait: bool = False) -> None:
         """Undo exactly one earlier ``map(ptr, size, ...)``.

@@ -19,6 +19,10 @@ DEVICE_MARKERS = ("cuda", "ascend", "mlu")
 #: the granule of the fake backend the tests make: small, so tests run small
 G = 1 << 16
 
+#: the step a CUDA driver's used-memory figure moves by: it hands out device memory in 2 MiB pages, so any growth a
+#: test measures is a whole number of them (how many, for a given workload, differs by GPU generation)
+DRIVER_STEP = 2 << 20
+
 
 def _reasons() -> dict[str, str]:
     return {i.name: ("" if i.available else i.reason) for i in hal.list_backends()}

@@ -25,7 +25,10 @@ differ leave the suspects unconfirmed, and the graph is accepted with a
 warning), then once over a canary (every byte inverted). The word is a real
 use iff that replay's result -- the bytes of the checked key's space, and the
 scratch granules for a write -- differs from the reference. The foreign key's
-own chunks are never written; they are mapped back after the replays.
+own chunks are never written; they are mapped back after the replays. Where
+the replays cannot be made -- a driver fault, memory paused, a capture under
+way into the foreign key's space (never remapped under a capture) -- the graph
+is refused, never accepted: an undecided word may be a real use.
 """
 
 from __future__ import annotations
@@ -98,7 +101,8 @@ class VerifyStats:
     suspects: int = 0  # bare words found in another key's live memory on the shared chunks: suspects
     confirmed: int = 0  # of those, the words a replay over a canary confirmed (their graphs were refused)
     dismissed: int = 0  # the words the replay showed unused (garbage that looks like an address)
-    unconfirmed: int = 0  # the words left undecided (two plain replays differ, or nothing to replay): accepted
+    unconfirmed: int = 0  # words left undecided: accepted with a warning where two plain replays differ, refused
+    # where no replay over stand-ins could be made (a fault, paused memory, a capture under way there)
     confirm_seconds: float = 0.0  # of ``seconds``, the time spent confirming (replays and stand-ins)
 
     def skip(self) -> None:
@@ -186,6 +190,8 @@ class Context:
         (:meth:`hal.Backend.stream_state_sizes`), to name a block of that size.
     :param allocator: the allocator of ``spaces``, to confirm suspect words over stand-ins (None: suspects are
         not confirmed by :func:`verify`; they count as uses).
+    :param capturing: whether a capture into the space with a given id is under way (on another thread): such a
+        space is never remapped, so its words cannot be confirmed now.
     """
 
     backend: hal.Backend
@@ -197,6 +203,7 @@ class Context:
     live_blocks: Callable[[int], list[tuple[int, int]] | None] | None = None
     state_sizes: Mapping[int, str] = field(default_factory=dict)
     allocator: SharedVMMAllocator | None = None
+    capturing: Callable[[int], bool] = lambda space_id: False
 
 
 def verify(ctx: Context, graph: Any, stats: VerifyStats) -> None:
@@ -294,6 +301,8 @@ class Confirmation:
     as the capture left it, the scratch granules filled with a copy of the foreign bytes (the reference, twice:
     two replays that differ leave the words unconfirmed) or with those bytes inverted (the canary). A word is a
     use iff the canary replay leaves the key's space, or the scratch granules, otherwise than the reference.
+    Where the replays cannot be made (a fault, paused memory, a capture under way into a foreign space) the
+    graph is refused: the fault is raised, or :class:`IsolationError`.
 
     :param ctx: the check's context (its ``allocator`` and ``own`` space).
     :param graph: the captured graph, replayable (its capture ended).
@@ -318,16 +327,37 @@ class Confirmation:
         return [dataclasses.replace(use, confirmed=True) for use in confirmed]
 
     def _decide(self, suspects: list[ForeignUse], words: dict[int, list[int]]) -> list[ForeignUse]:
+        """Replay over stand-ins; where that cannot be done, or fails, the graph is refused, never accepted: a
+        suspect left undecided may be a real use (the graph would replay wrong)."""
         ctx, alloc = self.ctx, self.ctx.allocator
-        count = sum(len(w) for w in words.values())
-        if alloc is None or alloc.closed or alloc.paused or ctx.own is None or ctx.own not in alloc.spaces:
-            return self._unconfirmed(count, "its memory cannot be backed by stand-ins now (paused or closed)")
+        busy = [sid for sid in words if ctx.capturing(sid)]
+        why = ("its memory cannot be backed by stand-ins now (paused or closed)"
+               if alloc is None or alloc.closed or alloc.paused or ctx.own is None or ctx.own not in alloc.spaces
+               else f"a capture into {self._owners(busy)} is under way (a space is never remapped under a capture)"
+               if busy else "")
+        if why:
+            raise self._refusal(suspects, why)
+        assert alloc is not None
         g = alloc.granularity
         granules = {sid: sorted({(w - ctx.spaces[sid].base) // g for w in ws}) for sid, ws in words.items()}
         try:
             return self._replays(suspects, words, granules)
         except hal.HalError as exc:
-            return self._unconfirmed(count, f"replaying it over stand-ins failed ({exc})")
+            self.stats.unconfirmed += sum(len(w) for w in words.values())
+            raise exc.led_by(f"key {ctx.key!r}: its graph could not be replayed over stand-ins to tell whether words "
+                             "of its arguments that equal addresses of another key's live memory are used: the "
+                             "capture is refused (capture it again)") from exc
+
+    def _owners(self, space_ids: list[int]) -> str:
+        return ", ".join(f"key {self.ctx.key_of(sid)!r}" for sid in space_ids)
+
+    def _refusal(self, suspects: list[ForeignUse], why: str) -> IsolationError:
+        count = sum(use.pointers for use in suspects)
+        self.stats.unconfirmed += count
+        return IsolationError(f"the graph of key {self.ctx.key!r} carries {count} word(s) equal to addresses of "
+                              f"memory {self._owners([u.space_id for u in suspects])} keeps on the shared chunks, and "
+                              f"whether it uses them cannot be told now: {why}. The capture is refused (capture it "
+                              "again once that is over)", backend=self.ctx.backend.name, call="capture")
 
     def _replays(self, suspects: list[ForeignUse], words: dict[int, list[int]],
                  granules: dict[int, list[int]]) -> list[ForeignUse]:
@@ -341,7 +371,7 @@ class Confirmation:
         canary = {key: torch.bitwise_not(data) for key, data in saved.items()}
         start = be.tensor_at(own.base, own.offset).clone() if own.offset else None
         run = functools.partial(self._run, places, g, own.base, start)
-        with alloc.stand_in(granules), self._restored(own.base, start):
+        with alloc.stand_in(granules), self._restored(own.base, start), self._left(places, g, saved):
             first, reference = run(saved), run(saved)
             if not _same(first, reference):
                 return self._unconfirmed(sum(len(w) for w in words.values()),
@@ -359,6 +389,17 @@ class Confirmation:
         real = {use.space_id for use in confirmed}
         self.stats.dismissed += sum(len(w) for sid, w in words.items() if sid not in real)
         return confirmed
+
+    @contextlib.contextmanager
+    def _left(self, places: dict[tuple[int, int], int], g: int, saved: dict[tuple[int, int], torch.Tensor]
+              ) -> Iterator[None]:
+        """The scratch granules hold the foreign bytes again after the block: a granule whose own chunk would not
+        map back keeps its scratch chunk, and with it the bytes it had."""
+        try:
+            yield
+        finally:
+            for key, ptr in places.items():
+                self.ctx.backend.tensor_at(ptr, g).copy_(saved[key])
 
     @contextlib.contextmanager
     def _restored(self, base: int, start: torch.Tensor | None) -> Iterator[None]:
@@ -486,6 +527,10 @@ class Verifier:
             owner = owners.get(space_id)
             return None if owner is None else owner.key
 
+        def capturing(space_id: int) -> bool:
+            owner = owners.get(space_id)
+            return owner is not None and owner.capturing
+
         def live_blocks(space_id: int) -> list[tuple[int, int]] | None:
             """The blocks of ``space_id`` another replay may overwrite: survivors with bytes of their own are not."""
             owner = owners.get(space_id)
@@ -494,7 +539,8 @@ class Verifier:
             return alloc.on_shared_chunks(space_id, keys.backend.pool_active_blocks(owner.pool))
 
         return Context(keys.backend, alloc.spaces, own=entry.space_id, key=entry.key, key_of=key_of, fix=fix,
-                       live_blocks=live_blocks, state_sizes=keys.backend.stream_state_sizes(), allocator=alloc)
+                       live_blocks=live_blocks, state_sizes=keys.backend.stream_state_sizes(), allocator=alloc,
+                       capturing=capturing)
 
     def note_live(self, entry: KeyPool) -> bool:
         """Note what ``entry``'s pool holds now (after its capture, or again before another key's, since

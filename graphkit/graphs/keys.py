@@ -125,11 +125,17 @@ class KeyPool:
     _shared: frozenset[tuple[int, int]] = field(default=frozenset(), init=False)
     #: its space holds granules of their own (given back once their blocks are freed)
     _survivors: bool = field(default=False, init=False)
+    _capturing: int = field(default=0, init=False)  # captures into it under way (begin_capture .. capture_closed)
 
     @property
     def graphs(self) -> int:
         """Routed captures alive in it (counted from their start until their graph is released)."""
         return self._graphs
+
+    @property
+    def capturing(self) -> bool:
+        """Whether a capture into it is under way now (on any thread): its space must not be remapped."""
+        return self._capturing > 0
 
     @property
     def pool(self) -> Any:
@@ -146,12 +152,89 @@ class KeyPool:
         return self.lease.space_id
 
 
+class KeptMemory:
+    """What the captures into the keys of one table left allocated, given bytes of its own at the same addresses
+    (:meth:`PoolKeys.capture_ended`): at once, or -- while captures into other keys are under way -- once none is.
+
+    Used by its :class:`PoolKeys` alone, under the table's lock.
+    """
+
+    def __init__(self, backend: hal.Backend, allocator: SharedVMMAllocator | None, outputs: str) -> None:
+        self.backend, self.allocator, self.outputs = backend, allocator, outputs
+        self._waiting: dict[int, KeyPool] = {}  # id(entry) -> entry whose promotion waits for the open captures
+
+    def keep(self, entry: KeyPool) -> None:
+        """Give the blocks ``entry``'s pool holds now (but its shared ones) granules of their own, and the granules
+        of blocks freed since back to the shared chunks; raises the driver's fault (all or nothing)."""
+        alloc = self.allocator
+        if alloc is None or entry.space_id is None or self.outputs == "replay" or alloc.closed:
+            return
+        blocks = [b for b in self.backend.pool_active_blocks(entry.pool) if b not in entry._shared]
+        alloc.keep_private(entry.space_id, blocks)
+        entry._survivors = bool(blocks)
+
+    def promote(self, entry: KeyPool) -> None:
+        """:meth:`keep` now, tried twice (driver faults are often transient); the second fault raises."""
+        self._waiting.pop(id(entry), None)
+        try:
+            self.keep(entry)
+        except hal.HalError as exc:
+            log.warning("key %r: giving its memory bytes of its own failed, trying again: %s", entry.key, str(exc))
+            try:
+                self.keep(entry)
+            except hal.HalError as again:
+                raise again.led_by(f"key {entry.key!r}: the memory its capture left allocated (its outputs) could "
+                                   "not be given bytes of its own, so another key's replay would overwrite it; the "
+                                   "capture is not kept") from again
+
+    def wait(self, entry: KeyPool, open_captures: int) -> None:
+        """``entry``'s promotion waits for the ``open_captures`` under way (:meth:`promote_waiting`)."""
+        self._waiting[id(entry)] = entry
+        log.debug("key %r: its memory gets bytes of its own once the %d capture(s) under way end", entry.key,
+                  open_captures)
+
+    def promote_waiting(self, live: Mapping[Hashable, KeyPool]) -> None:
+        """The promotions that waited for the captures under way (none is now): each done, or left waiting with
+        its fault logged, to be done at the next safe point. ``live``: the table's entries."""
+        for key, entry in list(self._waiting.items()):
+            if live.get(entry.key) is not entry:
+                del self._waiting[key]
+                continue
+            try:
+                self.keep(entry)
+            except hal.HalError as exc:
+                log.error("key %r: the memory its capture left allocated could not be given bytes of its own yet "
+                          "(another key's replay may overwrite it until then; tried again at every safe point): "
+                          "%s", entry.key, str(exc))
+            else:
+                del self._waiting[key]
+
+    def share_back(self, entries: Iterable[KeyPool]) -> None:
+        """Survivors that died since: their granules map the shared chunks again (a safe point, no capture under
+        way); a fault leaves them as they are, tried again at the next one."""
+        alloc = self.allocator
+        if alloc is None or alloc.closed:
+            return
+        for entry in list(entries):
+            if entry._survivors and id(entry) not in self._waiting:
+                try:
+                    self.keep(entry)
+                except hal.HalError as exc:
+                    log.warning("key %r: granules its freed memory held could not go back to the shared chunks yet "
+                                "(tried again at the next safe point): %s", entry.key, str(exc))
+
+    def forget(self) -> None:
+        """The table closes: nothing waits any more."""
+        self._waiting.clear()
+
+
 class PoolKeys:
     """The keys of one :class:`graphkit.GraphPools`: each key's pool, leased from the pools' strategy.
 
-    Its state (the entries, the routed graphs that died, the closed flag) is written by its own verbs alone:
-    :meth:`lease`, :meth:`get` and :meth:`new` make keys; :meth:`begin_capture`, :meth:`capture_ended`
-    and :meth:`graph_released` follow a capture and its graph; :meth:`seal` trims a key's space;
+    Its state (the entries, the routed graphs that died, the captures under way, the closed flag) is written by
+    its own verbs alone: :meth:`lease`, :meth:`get` and :meth:`new` make keys; :meth:`begin_capture`,
+    :meth:`capture_closed`, :meth:`capture_ended` and :meth:`graph_released` follow a capture and its graph;
+    :meth:`seal` trims a key's space;
     :meth:`settle` is the safe point; :meth:`drop`, :meth:`closing`, :meth:`forget` and :meth:`close`
     end keys. Every verb runs under :attr:`lock`, held by a caller that reads several entries or makes
     several calls one step; :attr:`entries` is a read-only view.
@@ -171,6 +254,10 @@ class PoolKeys:
         self._closed = False
         self._dead: deque[KeyPool] = deque()  # routed graphs destroyed: accounted for at the next safe point
         self._pending: list[KeyPool] = []  # automatic keys whose release failed: dropped again at the next one
+        self._under_way = 0  # captures under way into any key, on any thread (begin_capture .. capture_closed)
+        #: what the captures left allocated, given bytes of its own (a promotion remaps granules of other spaces:
+        #: never under an open capture, so it waits for the captures under way)
+        self._kept = KeptMemory(backend, self.allocator, outputs)
 
     @property
     def lock(self) -> threading.RLock:
@@ -282,10 +369,27 @@ class PoolKeys:
 
     def begin_capture(self, entry: KeyPool, call: str) -> None:
         """A routed capture into ``entry`` begins: refused while its memory sleeps; its graph counts in the
-        key's report (and keeps an automatic key) until :meth:`graph_released`."""
+        key's report (and keeps an automatic key) until :meth:`graph_released`, and the capture counts as under
+        way until :meth:`capture_closed` (called once, whatever its end)."""
         with self._lock:
             self.check_awake(entry, call)
             entry._graphs += 1
+            entry._capturing += 1
+            self._under_way += 1
+
+    @property
+    def open_captures(self) -> int:
+        """Captures under way into these keys now, on any thread."""
+        return self._under_way
+
+    def capture_closed(self, entry: KeyPool) -> None:
+        """A capture :meth:`begin_capture` counted is over (ended, failed or refused): no longer under way. When it
+        was the last one, the promotions that waited for it are done (see :meth:`capture_ended`)."""
+        with self._lock:
+            entry._capturing = max(entry._capturing - 1, 0)
+            self._under_way = max(self._under_way - 1, 0)
+            if not self._under_way and not self._closed:
+                self._kept.promote_waiting(self._entries)
 
     def graph_released(self, entry: KeyPool, collected: bool = False) -> None:
         """A routed graph of ``entry`` is gone (released, garbage-collected, or its capture failed or was refused):
@@ -307,6 +411,11 @@ class PoolKeys:
         made in the capture) gets physical memory of its own, so that no other key's replay overwrites it and
         any graph may read it. Nothing for a key released or pools closed meanwhile.
 
+        That promotion remaps the granules of the other spaces that map those chunks, which is never done under
+        a capture: while captures into other keys are under way (other threads), it waits, and the last of them
+        to close does it (:meth:`capture_closed`). Done now, it either completes -- a driver fault is retried
+        once at once -- or raises the fault: the key's memory is never left on the shared chunks unsaid.
+
         :param shared: blocks the owner reads only right after this key's own replay (a runner's outputs,
             copied out at each call): they stay on the shared chunks.
         """
@@ -314,7 +423,10 @@ class PoolKeys:
             if self._closed or self._entries.get(entry.key) is not entry:
                 return
             entry._shared = entry._shared | frozenset(shared)
-            self._keep_survivors(entry)
+            if self._under_way:
+                self._kept.wait(entry, self._under_way)
+            else:
+                self._kept.promote(entry)
 
     def seal(self, entry: KeyPool, why: str) -> None:
         """No more captures go to ``entry``'s space: it takes the address space it used, no more (``why`` is
@@ -325,29 +437,6 @@ class PoolKeys:
                     and entry.space_id in alloc.spaces):
                 alloc.seal(entry.space_id, why)
 
-    # -- survivors ------------------------------------------------------------------------
-
-    def _keep_survivors(self, entry: KeyPool) -> None:
-        alloc = self.allocator
-        if alloc is None or entry.space_id is None or self.outputs == "replay" or alloc.closed:
-            return
-        try:
-            blocks = [b for b in self.backend.pool_active_blocks(entry.pool) if b not in entry._shared]
-            alloc.keep_private(entry.space_id, blocks)
-            entry._survivors = bool(blocks)
-        except hal.HalError as exc:
-            log.error("key %r: memory still allocated after its capture could not be given bytes of its own "
-                      "(retried at the next capture): %s", entry.key, str(exc))
-
-    def _share_back(self) -> None:
-        """Survivors that died since: their granules map the shared chunks again (a safe point)."""
-        alloc = self.allocator
-        if alloc is None or alloc.closed:
-            return
-        for entry in list(self._entries.values()):
-            if entry._survivors:
-                self._keep_survivors(entry)
-
     # -- the safe point --------------------------------------------------------------------
 
     def settle(self) -> None:
@@ -355,7 +444,9 @@ class PoolKeys:
         the shared chunks (a safe point: no allocator call is running)."""
         with self._lock:
             self._release_dead()
-            self._share_back()
+            if not self._under_way:  # remapping other spaces waits for the captures under way
+                self._kept.promote_waiting(self._entries)
+                self._kept.share_back(self._entries.values())
             try:
                 self.strategy.settle()
             except hal.HalError as exc:
@@ -405,6 +496,7 @@ class PoolKeys:
                 close_step(errors, self.drop, entry)
             self._dead.clear()
             self._pending.clear()
+            self._kept.forget()
 
 
 

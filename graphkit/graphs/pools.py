@@ -35,6 +35,7 @@ from graphkit.graphs.scope import ScopeRouter, served_children
 from graphkit.graphs.strategies import POOL_KINDS, Lease, PoolStrategy, make_pool_strategy
 from graphkit.memory.allocator import SharedVMMAllocator
 from graphkit.memory.closing import Closable, after_backend, close_step, raise_first_failure
+from graphkit.memory.survivors import checked_blocks
 from graphkit.saver import GRAPHS, MemorySaver
 from hal.types import Route
 
@@ -47,11 +48,12 @@ _ALLOCATOR_OPTIONS = frozenset({"reserve_bytes", "max_physical_bytes", "arena_by
 
 
 def _check_arguments(backend: object, kind: object, saver: object, allocator_options: dict[str, Any],
-                     caller: str, outputs: object = "kept") -> None:
-    """The arguments of a GraphPools, checked before anything is made."""
+                     caller: str, outputs: object = "kept", **flags: object) -> None:
+    """The arguments of a GraphPools, checked before anything is made (``flags``: options that take a bool)."""
     name = getattr(backend, "name", None)
     if outputs not in ("kept", "replay"):
         raise hal.InvalidArgumentError(f"outputs={outputs!r} must be 'kept' or 'replay'", backend=name, call=caller)
+    _check_flags(caller, name, **flags)
     if backend is not None and not isinstance(backend, hal.Backend):
         raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend", call=caller)
     if kind is not None and kind not in POOL_KINDS:
@@ -64,6 +66,14 @@ def _check_arguments(backend: object, kind: object, saver: object, allocator_opt
                                        f"{', '.join(sorted(_ALLOCATOR_OPTIONS))}", backend=name, call=caller)
     if saver is not None and not isinstance(saver, MemorySaver):
         raise hal.InvalidArgumentError(f"saver={saver!r} must be a graphkit.MemorySaver", backend=name, call=caller)
+
+
+def _check_flags(caller: str, backend: str | None = None, **flags: object) -> None:
+    """Options that take ``True`` or ``False`` (``verify``, ``hygiene``, ``children``): anything else is a hal error
+    naming the option (a truthy string such as ``"no"`` would turn it on)."""
+    for flag, value in flags.items():
+        if not isinstance(value, bool):
+            raise hal.InvalidArgumentError(f"{flag}={value!r} must be True or False", backend=backend, call=caller)
 
 
 def _adopt(saver: MemorySaver, strategy: PoolStrategy, caller: str, be: hal.Backend) -> None:
@@ -175,7 +185,8 @@ class GraphPools(Closable):
               allocator_options: dict[str, Any], runner: bool) -> None:
         """Set the pools up (see :meth:`for_runner` for what ``runner`` changes)."""
         self._caller = caller = "GraphRunner" if runner else "GraphPools"
-        _check_arguments(backend, kind if strategy is None else None, saver, allocator_options, caller, outputs)
+        _check_arguments(backend, kind if strategy is None else None, saver, allocator_options, caller, outputs,
+                         hygiene=hygiene, verify=verify)
         per_topology = checked_per_topology(executables, caller, getattr(backend, "name", None))
         self._owns_backend = backend is None
         self.backend = be = backend if backend is not None else hal.get_backend(requires=("graphs",))
@@ -263,7 +274,8 @@ class GraphPools(Closable):
         replay."""
         with self._keys.lock:
             self._check_open("capture_ended")
-            self._keys.capture_ended(self._entry(key, "capture_ended"), shared)
+            blocks = checked_blocks(shared, self.backend.name, f"{self._caller}.capture_ended", "shared")
+            self._keys.capture_ended(self._entry(key, "capture_ended"), blocks)
 
     def release(self, key: Hashable) -> None:
         """Give the memory of ``key`` back; its handle raises from now on.
@@ -441,6 +453,7 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
     """
     if pools is not None and not isinstance(pools, GraphPools):
         raise hal.InvalidArgumentError(f"pools={pools!r} must be a graphkit.GraphPools", call="graph_memory")
+    _check_flags("graph_memory", hygiene=hygiene, verify=verify, children=children)
     if backend is not None and not isinstance(backend, hal.Backend):
         raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend (hal.get_backend(...))",
                                        call="graph_memory")
@@ -450,8 +463,6 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
                            **allocator_options)
         if backend is None:
             pools.own_backend()
-    if not isinstance(children, bool):
-        raise hal.InvalidArgumentError(f"children={children!r} must be a bool", call="graph_memory")
     with (pools.backend.route_captures(pools.route), hal.route_every_capture(ScopeRouter(pools)),
           served_children(pools) if children else contextlib.nullcontext()):
         yield pools

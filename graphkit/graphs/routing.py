@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
+import hal
 from graphkit.graphs.capture import framework_capturer
 from graphkit.graphs.executables import Executables
 from graphkit.graphs.isolation import KeyCheck, Verifier
@@ -84,21 +85,23 @@ class CaptureRouting:
             try:
                 check = self.verifier.check(entry)
             except BaseException:
+                keys.capture_closed(entry)
                 keys.graph_released(entry)
                 raise
 
         def on_end(ok: bool) -> None:
             with keys.lock:
+                keys.capture_closed(entry)
                 if not ok:
                     keys.graph_released(entry)
                     return
                 try:
                     if check is not None:
                         check.accepted(graph)
+                    keys.capture_ended(entry)
                 except BaseException:  # refused: the backend releases the graph, never to report it again
                     keys.graph_released(entry)
                     raise
-                keys.capture_ended(entry)
 
         return self._route(entry.pool, on_end, self._on_release(entry), inspect=check is not None and check.read)
 
@@ -126,14 +129,28 @@ class CaptureRouting:
         stack.append(key)
         try:
             yield handle
-        finally:
+        except BaseException:
             stack.pop()
-            if key not in stack:  # an outer group of the same key keeps its space open
-                with self.keys.lock:
-                    entry = self.keys.entries.get(key)
-                    if entry is not None:
-                        self.keys.capture_ended(entry)
-                        self.keys.seal(entry, "when its pools.group() block ended")
+            try:
+                self._group_ended(key, stack)
+            except hal.HalError as exc:  # the block's own error is the one raised
+                log.error("key %r: %s", key, str(exc))
+            raise
+        stack.pop()
+        self._group_ended(key, stack)
+
+    def _group_ended(self, key: Hashable, stack: list[Hashable]) -> None:
+        """The block of ``key`` ended: unless an outer block of the same key keeps its space open, what its
+        captures left gets bytes of its own (raises the fault where it cannot) and its space is sealed."""
+        if key in stack:
+            return
+        with self.keys.lock:
+            entry = self.keys.entries.get(key)
+            if entry is not None:
+                try:
+                    self.keys.capture_ended(entry)
+                finally:
+                    self.keys.seal(entry, "when its pools.group() block ended")
 
     def _group_stack(self) -> list[Hashable]:
         stack = getattr(self._groups, "stack", None)
@@ -162,6 +179,7 @@ class CaptureRouting:
                 before = self._blocks(entry) if self.hygiene else set()
                 check = self.verifier.check(entry)
             except BaseException:  # the capture does not start: its key goes as after a failed one
+                self.keys.capture_closed(entry)
                 self._gone(entry)
                 raise
         CAPTURE_TIMES.stop(counted)
@@ -189,6 +207,7 @@ class CaptureRouting:
 
         def _end(ok: bool) -> None:
             with self.keys.lock:
+                self.keys.capture_closed(entry)
                 if not ok:
                     self._gone(entry)
                     return
@@ -197,11 +216,12 @@ class CaptureRouting:
                         self._report_new_blocks(entry, before)
                     if check is not None:
                         check.accepted(graph)
+                    if not grouped:
+                        self.keys.capture_ended(entry)
                 except BaseException:  # refused: the backend releases the graph, never to report it again
                     self._gone(entry)
                     raise
                 if not grouped:
-                    self.keys.capture_ended(entry)
                     self.keys.seal(entry, "when its capture ended")
 
         return on_end

@@ -52,7 +52,7 @@ from graphkit.memory.ranges import Arena as Arena  # re-exported: its home befor
 from graphkit.memory.ranges import SpaceTable, VirtualSpace
 from graphkit.memory.sharing import ExportedRange
 from graphkit.memory.stand_in import standing_in
-from graphkit.memory.survivors import granules_of
+from graphkit.memory.survivors import checked_blocks, granules_of
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger(__name__)
@@ -314,7 +314,11 @@ class SharedVMMAllocator(Closable):
     def keep_private(self, space_id: int, blocks: Iterable[tuple[int, int]]) -> None:
         """Give the granules of a space under ``blocks`` (``(address, nbytes)`` still allocated after a capture)
         memory of their own, those under none back to the shared chunks (``Survivors.privatize``); a no-op
-        for a space that is gone, or while paused or closed. All or nothing."""
+        for a space that is gone, or while paused or closed. All or nothing.
+
+        :raises hal.InvalidArgumentError: ``blocks`` are not ``(address, nbytes)`` pairs of ints with ``nbytes >= 0``
+            (a block of any size is clipped to the granules the space maps: nothing is enumerated past them)."""
+        blocks = checked_blocks(blocks, self.backend.name, "keep_private")
         with self._lock:
             space = None if self._closed or self.paused else self._table.spaces.get(space_id)
             if space is not None:
@@ -331,12 +335,14 @@ class SharedVMMAllocator(Closable):
     def stand_in(self, granules: Mapping[int, Iterable[int]]) -> Iterator[list[int]]:
         """Inside the block, the granules ``{space id: granule indices}`` map fresh scratch chunks at their
         addresses instead of their own; yields the scratch granules' addresses. After it each space maps its own
-        chunks again, bytes untouched (``graphkit.memory.stand_in``). Holds the lock for the whole block; waits
-        for the device before the unmaps, both ways."""
+        chunks again, bytes untouched (``graphkit.memory.stand_in``); a granule whose own chunk would not map again
+        (a fault, tried twice) keeps its scratch chunk as a chunk of its own, and the fault is raised: no scratch
+        chunk is left to nobody. Holds the lock for the whole block; waits for the device before the unmaps, both
+        ways."""
         with self._lock:
             self._check_open("stand_in", awake=True)
             spaces = [(self._table.get(space_id, "stand_in"), indices) for space_id, indices in granules.items()]
-            with standing_in(self._chunks.backing, spaces) as addresses:
+            with standing_in(self._chunks.backing, spaces, self._chunks.survivors.keep) as addresses:
                 yield addresses
 
     def precreate(self, nbytes: int) -> None:

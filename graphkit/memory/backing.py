@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+_waited = threading.local()  # per thread: ids of the backends a waited_for_device() block of it has waited for
+
+
+@contextlib.contextmanager
+def waited_for_device(backend: hal.Backend) -> Iterator[None]:
+    """A block whose caller waited for ``backend``'s device just before it and queues no work over the memory it
+    unmaps inside it (it holds the lock every user of that memory takes, as a saver's pause does): the unmaps in
+    the block need no wait of their own. Work graphkit itself queues there (a backup's copies) waits for itself.
+    """
+    held: set[int] = getattr(_waited, "backends", None) or set()
+    _waited.backends = held
+    mine = id(backend) not in held
+    held.add(id(backend))
+    try:
+        yield
+    finally:
+        if mine:
+            held.discard(id(backend))
+
+
 def wait_for_device(backend: hal.Backend) -> None:
     """Wait until every piece of work queued on ``backend``'s device so far has finished (before an unmap).
 
@@ -53,9 +74,11 @@ def wait_for_device(backend: hal.Backend) -> None:
     its own). Nothing is waited for where the backend declares that its unmap waits already (capability
     ``"unmap_waits"``), where it is closed (its close waited), where it has no runtime to queue work on
     (no ``"graphs"``: a driver without its framework extension), or while this thread captures a graph (a
-    capture runs nothing, and a device-wide wait would end the capture).
+    capture runs nothing, and a device-wide wait would end the capture), or inside a :func:`waited_for_device`
+    block of this thread (its caller waited already).
     """
-    if backend.closed or backend.supports("unmap_waits") or not backend.supports("graphs") or backend.capturing():
+    if (backend.closed or id(backend) in getattr(_waited, "backends", ()) or backend.supports("unmap_waits")
+            or not backend.supports("graphs") or backend.capturing()):
         return
     backend.synchronize()
 
@@ -236,9 +259,10 @@ class Backing:
             for chunk in chunks:
                 if chunk.handle is None:
                     self.create(chunk, tx)
-            for place in places:
-                if not place.mapped:
-                    self.map(place, tx)
+            with self.backend.deferred_access():  # access set once per contiguous run, not once per chunk
+                for place in places:
+                    if not place.mapped:
+                        self.map(place, tx)
             if backup and self.host is not None and self.host.held:
                 self.host.restore(self.backend, backup)
             tx.commit()
@@ -249,9 +273,10 @@ class Backing:
     def fill(self, places: Iterable[Place]) -> None:
         """Map the holes of ``places`` back (all or nothing), outside a sleep."""
         with Transaction() as tx:
-            for place in places:
-                if not place.mapped:
-                    self.map(place, tx)
+            with self.backend.deferred_access():
+                for place in places:
+                    if not place.mapped:
+                        self.map(place, tx)
             tx.commit()
         self.holes = False
 

@@ -90,12 +90,13 @@ class SharedChunks:
             return
         self.check_limit(max(count - len(self.chunks), 0), limit, "allocate")
         with Transaction() as tx:
-            for index in range(space.mapped, count):
-                self.ensure(index, tx)
-                place = Place(space.base + index * self.granularity, self.chunks[index])
-                self.backing.map(place)
-                space.grow(place)
-                tx.append(functools.partial(self._ungrow, space, place))
+            with self.backend.deferred_access():  # access set once for the granules side by side
+                for index in range(space.mapped, count):
+                    self.ensure(index, tx)
+                    place = Place(space.base + index * self.granularity, self.chunks[index])
+                    self.backing.map(place)
+                    space.grow(place)
+                    tx.append(functools.partial(self._ungrow, space, place))
             tx.commit()
 
     def _ungrow(self, space: VirtualSpace, place: Place) -> None:
@@ -119,7 +120,9 @@ class SharedChunks:
         """The chunks behind ``[ptr, ptr + nbytes)`` of ``space``, exported (see :mod:`graphkit.memory.sharing`)."""
         g = self.granularity
         first, end = (ptr - space.base) // g, -(-(ptr - space.base + nbytes) // g)
-        unmapped = [i for i in range(first, end) if i >= space.mapped or not space.place(i).mapped]
+        # past what the space maps first, by arithmetic: only granules it maps are ever looked at one by one
+        unmapped = ([i for i in range(first, min(end, space.mapped)) if not space.place(i).mapped]
+                    + list(range(max(first, space.mapped), min(end, max(first, space.mapped) + 4))))
         if unmapped:
             raise hal.InvalidArgumentError(
                 f"[{ptr:#x}, {ptr + nbytes:#x}) reaches granule(s) {unmapped[:4]} of space {space.id}, which are not "

@@ -182,17 +182,18 @@ class RangeChunks:
         at = self.granules * g
         end = target * g
         with self.store.lock, Transaction() as tx:
-            while at < end:
-                chunk = self.store.take(min(end - at, self.chunk_bytes))
-                place = Place(self.ptr + at, chunk)
-                try:
-                    self.backing.map(place)
-                except BaseException:
-                    self.store.put(self._unmapped([chunk]))  # mapped nowhere: back to the free list
-                    raise
-                made.append(place)
-                tx.append(functools.partial(self._unmap_to_free, place))
-                at += chunk.size
+            with self.backend.deferred_access():  # access set once for the chunks side by side
+                while at < end:
+                    chunk = self.store.take(min(end - at, self.chunk_bytes))
+                    place = Place(self.ptr + at, chunk)
+                    try:
+                        self.backing.map(place)
+                    except BaseException:
+                        self.store.put(self._unmapped([chunk]))  # mapped nowhere: back to the free list
+                        raise
+                    made.append(place)
+                    tx.append(functools.partial(self._unmap_to_free, place))
+                    at += chunk.size
             tx.commit()
         self.places.extend(made)
         self.granules = target

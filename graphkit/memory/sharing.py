@@ -106,10 +106,7 @@ class ImportedRange(Closable):
 
     def __init__(self, backend: hal.Backend, fds: Sequence[int], chunk_bytes: int, offset: int,
                  nbytes: int) -> None:
-        if not isinstance(backend, hal.Backend):
-            raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend (hal.get_backend(...))",
-                                           call="ImportedRange")
-        _check_layout(backend, len(fds), chunk_bytes, offset, nbytes)
+        _check_layout(backend, fds, chunk_bytes, offset, nbytes, "ImportedRange")
         self.backend = backend
         self.chunk_bytes = chunk_bytes
         self.size = len(fds) * chunk_bytes
@@ -191,7 +188,7 @@ class ImportedSpaces(Closable):
     """
 
     def __init__(self, backend: hal.Backend, fds: Sequence[int], chunk_bytes: int) -> None:
-        _check_layout(backend, len(fds), chunk_bytes, 0, len(fds) * chunk_bytes)
+        _check_layout(backend, fds, chunk_bytes, 0, None, "ImportedSpaces")
         self.backend = backend
         self.chunk_bytes = chunk_bytes
         self.size = len(fds) * chunk_bytes
@@ -295,15 +292,29 @@ class ImportedSpaces(Closable):
         self._closed = True
 
 
-def _check_layout(backend: hal.Backend, chunks: int, chunk_bytes: int, offset: int, nbytes: int) -> None:
+def _check_layout(backend: object, fds: object, chunk_bytes: object, offset: object, nbytes: object,
+                  call: str) -> None:
+    """The arguments of an imported range or imported spaces (``nbytes`` None: every chunk whole), checked before
+    anything is made; a hal error naming them otherwise."""
+    if not isinstance(backend, hal.Backend):
+        raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend (hal.get_backend(...))", call=call)
+    if not isinstance(fds, Sequence) or isinstance(fds, (str, bytes)) or not all(
+            isinstance(fd, int) and not isinstance(fd, bool) and fd >= 0 for fd in fds):
+        raise hal.InvalidArgumentError(f"fds={fds!r} must be a sequence of file descriptors (ints >= 0), one per "
+                                       "exported chunk", backend=backend.name, call=call)
+    chunks = len(fds)
+    if nbytes is None and isinstance(chunk_bytes, int):
+        nbytes = chunks * chunk_bytes
     values = {"chunk_bytes": chunk_bytes, "offset": offset, "nbytes": nbytes, "chunks": chunks}
-    bad = [f"{k}={v!r}" for k, v in values.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0]
-    if not bad and (chunks == 0 or nbytes == 0 or chunk_bytes == 0 or offset >= chunk_bytes
-                    or offset + nbytes > chunks * chunk_bytes):
+    ints = {k: v for k, v in values.items() if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
+    bad = [f"{k}={v!r}" for k, v in values.items() if k not in ints]
+    if not bad and (chunks == 0 or ints["nbytes"] == 0 or ints["chunk_bytes"] == 0
+                    or ints["offset"] >= ints["chunk_bytes"]
+                    or ints["offset"] + ints["nbytes"] > chunks * ints["chunk_bytes"]):
         bad = [f"{k}={v}" for k, v in values.items()]
     if bad:
         raise hal.InvalidArgumentError(f"{', '.join(bad)}: need 0 <= offset < chunk_bytes and 0 < nbytes <= "
-                                       "chunks * chunk_bytes - offset", backend=backend.name, call="ImportedRange")
+                                       "chunks * chunk_bytes - offset", backend=backend.name, call=call)
 
 
 # -- over a Unix socket ------------------------------------------------------------------------------

@@ -26,13 +26,40 @@ if TYPE_CHECKING:
     from graphkit.memory.ranges import VirtualSpace
 
 def granules_of(space: VirtualSpace, blocks: Iterable[tuple[int, int]], granularity: int) -> set[int]:
-    """The indices of the granules of ``space`` that ``(address, nbytes)`` blocks reach."""
+    """The indices of the granules of ``space`` that ``(address, nbytes)`` blocks reach, among those it maps.
+
+    Bounded by arithmetic: a block is clipped to the granules the space maps before any index is made, so a
+    block of any size costs at most the space's mapped granules.
+    """
     wanted: set[int] = set()
     for address, nbytes in blocks:
         if nbytes > 0 and space.contains(address):
-            first, last = (address - space.base) // granularity, (address + nbytes - 1 - space.base) // granularity
+            first = (address - space.base) // granularity
+            last = min((address + nbytes - 1 - space.base) // granularity, space.mapped - 1)
             wanted.update(range(first, last + 1))
     return wanted
+
+
+def checked_blocks(blocks: object, backend: str | None, call: str, name: str = "blocks") -> list[tuple[int, int]]:
+    """``blocks`` as a list of ``(address, nbytes)`` pairs of ints with ``nbytes >= 0``; else a hal error naming
+    the argument (``name``)."""
+    pairs: list[tuple[int, int]] = []
+    ok = isinstance(blocks, Iterable) and not isinstance(blocks, (str, bytes))
+    for block in blocks if isinstance(blocks, Iterable) and ok else ():
+        if not (isinstance(block, (tuple, list)) and len(block) == 2 and all(_an_int(v) for v in block)
+                and block[1] >= 0):
+            ok = False
+            break
+        pairs.append((block[0], block[1]))
+    if not ok:
+        text = repr(blocks)
+        raise hal.InvalidArgumentError(f"{name}={text if len(text) <= 120 else text[:117] + '...'} must be "
+                                       "(address, nbytes) pairs of ints with nbytes >= 0", backend=backend, call=call)
+    return pairs
+
+
+def _an_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _forget(chunks: dict[int, Chunk], index: int) -> None:
@@ -91,6 +118,16 @@ class Survivors:
         """Those of ``blocks`` that reach a granule of ``space`` mapped to a shared chunk."""
         own = self.private.get(space.id, {})
         return [b for b in blocks if not own or granules_of(space, [b], self.granularity) - own.keys()]
+
+    def keep(self, space: VirtualSpace, index: int, chunk: Chunk) -> None:
+        """``space`` keeps ``chunk``, the one it shows at granule ``index``, as a chunk of its own from now on (a
+        scratch chunk that would not give way to the granule's own); the chunk of its own it had there goes once
+        mapped nowhere. A shared chunk it mapped there stays the shared one."""
+        have = self.private.setdefault(space.id, {})
+        old = have.get(index)
+        have[index] = chunk
+        if old is not None and old is not chunk and not old.maps:
+            self.backing.release(old)
 
     def drop(self, space: VirtualSpace) -> None:
         """Release the chunks ``space`` alone mapped (unmapped with it)."""

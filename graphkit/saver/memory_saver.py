@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import hal
+from graphkit.memory.backing import waited_for_device
 from graphkit.memory.closing import Closable, after_backend, raise_first_failure
 from graphkit.memory.host_backup import HostBacked
 from graphkit.memory.transaction import Transaction
@@ -423,10 +424,8 @@ class MemorySaver(Closable):
     def pause(self, *tags: str) -> int:
         """Release the physical memory of ``tags`` (all when none), backing up those made with backup.
 
-        Idempotent per tag; all or nothing per tag. Returns the bytes
-        released. Waits for :meth:`awake` blocks of the tags (runner calls)
-        to end. Framework tensors of a paused tag must not be touched until
-        it resumes.
+        Idempotent per tag; all or nothing per tag. Returns the bytes released. Waits for :meth:`awake` blocks
+        of the tags (runner calls) to end. Framework tensors of a paused tag must not be touched until it resumes.
 
         :raises hal.InvalidStateError: a :meth:`region` block of a tag is
             open, or this thread is inside an :meth:`awake` block of one; or
@@ -447,18 +446,19 @@ class MemorySaver(Closable):
             with self._lock:
                 self._check_open("pause")
                 self._check_pausable(todo)
-                self.backend.synchronize()
+                self.backend.synchronize()  # one wait for every tag: under the lock nothing new reaches their memory
                 if GRAPHS in todo:
                     warn_graph_register()
                 released = 0
-                for tag in todo:
-                    was_paused = tag in self._paused
-                    t0 = time.perf_counter()
-                    freed = self._pause_tag(tag)
-                    released += freed
-                    if freed or not was_paused:
-                        self._times[tag] = (time.perf_counter() - t0, self._times.get(tag, (None, None))[1])
-                        log.info("paused %r: %s released", tag, fmt_bytes(freed))
+                with waited_for_device(self.backend):
+                    for tag in todo:
+                        was_paused = tag in self._paused
+                        t0 = time.perf_counter()
+                        freed = self._pause_tag(tag)
+                        released += freed
+                        if freed or not was_paused:
+                            self._times[tag] = (time.perf_counter() - t0, self._times.get(tag, (None, None))[1])
+                            log.info("paused %r: %s released", tag, fmt_bytes(freed))
                 return released
         finally:
             self._guard.end_pause(todo)

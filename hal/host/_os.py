@@ -46,6 +46,8 @@ def libc() -> ctypes.CDLL:
                              ctypes.c_int, ctypes.c_long]
         lib.munmap.restype = ctypes.c_int
         lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.mprotect.restype = ctypes.c_int
+        lib.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         _libc = lib
     return _libc
 
@@ -96,11 +98,19 @@ def release_chunk(fd: int) -> None:
     os.close(fd)
 
 
-def map_chunk(addr: int, size: int, fd: int) -> None:
-    """Map the memfd ``fd`` read-write at ``addr`` (inside a reservation)."""
-    got = _mmap(addr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd)
+def map_chunk(addr: int, size: int, fd: int, accessible: bool = True) -> None:
+    """Map the memfd ``fd`` at ``addr`` (inside a reservation), read-write or (``accessible`` false) inaccessible
+    until :func:`set_access`."""
+    got = _mmap(addr, size, PROT_READ | PROT_WRITE if accessible else PROT_NONE, MAP_SHARED | MAP_FIXED, fd)
     if got != addr:  # pragma: no cover - MAP_FIXED either lands or fails
         raise OSError(errno.EFAULT, f"mmap landed at {got:#x}, not {addr:#x}")
+
+
+def set_access(addr: int, size: int) -> None:
+    """Make mapped memory read-write (one call for any number of mappings side by side)."""
+    if libc().mprotect(addr, size, PROT_READ | PROT_WRITE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mprotect({addr:#x}, {size}): {os.strerror(err)}")
 
 
 def unmap_chunk(addr: int, size: int) -> None:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from hal.api import AllocFn, FreeFn, hookimpl
-from hal.errors import InvalidArgumentError, PluginValidationError
+from hal.errors import CaptureError, InvalidArgumentError, PluginValidationError
 from hal.host.inflight import InFlight
 from hal.host.pool import BlockPool
 from hal.routing import choose_route, process_route, watch_release
@@ -44,6 +45,25 @@ class HostStream:
 
 #: The stream work goes to when none is chosen (every :class:`HostGraphs` backend shares it).
 DEFAULT_STREAM = HostStream()
+
+_turns_lock = threading.Lock()
+_turns: dict[tuple[str, int], threading.RLock] = {}
+
+
+def capture_turn(name: str, device: int) -> threading.RLock:
+    """The turn captures on host device ``device`` of backend ``name`` take, one at a time.
+
+    A device capture records work and runs none of it; the host recorder runs every op while it records it,
+    so a capture here is also a run of the graph. Captures into pools whose memory is shared (graphkit's
+    spaces over one set of chunks) must not run at once, as replays must not: each capture of a host device,
+    from its routing to its end, holds the device's turn (reentrant: a capture inside a capture on the same
+    thread goes on), and captures from other threads wait for it.
+    """
+    with _turns_lock:
+        turn = _turns.get((name, device))
+        if turn is None:
+            turn = _turns[(name, device)] = threading.RLock()
+        return turn
 
 
 class HostGraphs:
@@ -164,9 +184,17 @@ class HostGraphs:
     @hookimpl
     def synchronize(self, stream: HostStream | None) -> None:
         """Host work is done when it is issued; an asynchronous device's queued work is done now (every stream
-        is one queue here, so waiting for one waits for all)."""
-        if self._host_inflight is not None:
-            self._host_inflight.waited()
+        is one queue here, so waiting for one waits for all). An asynchronous device refuses a wait inside a
+        capture on this thread, as a GPU does (a wait there ends the capture): a caller asks ``capturing()``
+        first."""
+        inflight = self._host_inflight
+        if inflight is None:
+            return
+        if inflight.capturing_here():
+            raise CaptureError("synchronize() inside a capture on this thread: a device-wide wait would end the "
+                               "capture (a capture runs nothing to wait for); ask Backend.capturing() first",
+                               backend=self._host_name, call="synchronize")
+        inflight.waited()
 
     # -- pools ------------------------------------------------------------------------------
 
@@ -223,6 +251,13 @@ class HostGraphs:
         from hal.host import tape
 
         tape.refuse_capture(graph)  # before a router or a private pool is asked for anything
+        with capture_turn(self._host_name, getattr(self, "device", 0)):
+            yield from self._captured(graph, pool)
+
+    def _captured(self, graph: tape.HostGraph, pool: BlockPool | None) -> Iterator[tape.HostGraph]:
+        """The capture of :meth:`_capture` (its turn taken): routed, recorded, ended or failed."""
+        from hal.host import tape
+
         # this device's routers, innermost first, then the process's
         route = (choose_route(list(reversed(self._host_routers)), graph, pool)
                  or process_route(self._host_name, getattr(self, "device", 0), graph, pool))

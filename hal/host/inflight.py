@@ -17,9 +17,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hal.errors import UseAfterUnmapError
 from hal.types import fmt_bytes
@@ -40,8 +39,9 @@ class InFlight:
     def __init__(self, backend: str) -> None:
         self.backend = backend
         self._lock = threading.Lock()
-        # id(graph) -> (weak reference to the graph, its spans, what it is): replayed since the last wait
-        self._graphs: dict[int, tuple[Any, tuple[tuple[int, int], ...], str]] = {}
+        # graph serial -> (its spans, what it is): replayed since the last wait. A serial is never reused, so a
+        # graph made after another one died never takes over (and drops) the dead one's queued replays
+        self._graphs: dict[int, tuple[tuple[tuple[int, int], ...], str]] = {}
         self._updates = itertools.count(1)  # keys of the queued replays of graphs updated since
         self._ranges: dict[int, tuple[int, str]] = {}  # address -> (nbytes, what): handed out since the last wait
         self._local = threading.local()  # per thread: how many captures are running
@@ -57,34 +57,32 @@ class InFlight:
         finally:
             self._local.depth -= 1
 
-    def _capturing(self) -> bool:
+    def capturing_here(self) -> bool:
+        """Whether this thread captures now."""
         return bool(getattr(self._local, "depth", 0))
 
     def replayed(self, graph: HostGraph) -> None:
         """``graph`` was replayed: what it reads and writes stays in use until the next wait."""
-        key = id(graph)
-        entry = self._graphs.get(key)
-        if entry is not None and entry[0]() is graph:  # already queued since the last wait: the hot path
+        if graph.serial in self._graphs:  # already queued since the last wait: the hot path
             return
         spans = graph.addresses().spans
         tape = graph.running or graph  # an updated graph runs another's tape
         pool = tape.pool.name if tape.pool is not None else "no pool"
         what = f"the replay of a graph captured into the {pool}"
         with self._lock:
-            self._graphs[key] = (weakref.ref(graph), spans, what)
+            self._graphs[graph.serial] = (spans, what)
 
     def updated(self, graph: HostGraph) -> None:
         """``graph`` runs other work from now on (``update_graph``): its next replay records what that uses."""
         with self._lock:
-            entry = self._graphs.get(id(graph))
-            if entry is not None and entry[0]() is graph:  # its queued replays still count, under a key of their own
-                del self._graphs[id(graph)]
+            entry = self._graphs.pop(graph.serial, None)
+            if entry is not None:  # its queued replays still count, under a key of their own
                 self._graphs[-next(self._updates)] = entry
 
     def handed_out(self, ptr: int, nbytes: int, what: str) -> None:
         """``nbytes`` at ``ptr`` went to the framework (a pool's block, a ``tensor_at`` view): eager work may be
         writing them until the next wait. Ignored inside a capture on this thread."""
-        if nbytes <= 0 or self._capturing():
+        if nbytes <= 0 or self.capturing_here():
             return
         with self._lock:
             old = self._ranges.get(ptr)
@@ -104,7 +102,7 @@ class InFlight:
         lo, hi = ptr, ptr + size
         found: list[str] = []
         with self._lock:
-            for _, spans, what in self._graphs.values():
+            for spans, what in self._graphs.values():
                 hit = [(a, n) for a, n in spans if a < hi and a + n > lo]
                 if hit:
                     a, n = hit[0]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -115,6 +116,8 @@ class _Ref:
 #: one step of a compiled replay: ``fn(*args, **kwargs)``
 _Step = tuple[Callable[..., Any], tuple, dict]
 
+_SERIALS = itertools.count(1)  # HostGraph.serial
+
 
 @dataclass
 class HostGraph:
@@ -149,6 +152,8 @@ class HostGraph:
     running: HostGraph | None = None
     #: set by a route that owns the graph's replays (:attr:`hal.types.Route.on_replay`)
     on_replay: Any = None
+    #: unique in the process, never reused (unlike ``id()``, which a new graph may get once this one is gone)
+    serial: int = field(default_factory=lambda: next(_SERIALS), compare=False)
 
     def replay(self) -> None:
         pool = (self.running or self).pool
@@ -665,6 +670,11 @@ def _host_reads_refused(backend: str) -> Iterator[None]:
 
 
 _ORIGINAL_DICT = {name for name in HOST_READ_METHODS if name in vars(torch.Tensor)}
+
+
+def capturing(backend: str) -> bool:
+    """Whether this thread records a capture of ``backend`` now (the innermost capture's backend)."""
+    return bool(getattr(_capturing, "depth", 0)) and getattr(_capturing, "backend", None) == backend
 
 
 def update(graph: HostGraph, source: HostGraph) -> None:

@@ -14,6 +14,8 @@ hook                              call
 ``release_phy_mem_handle(h)``     :func:`release_chunk`
 ``map(ptr, size, h)``             :func:`map_chunk`: ``mmap(MAP_SHARED | MAP_FIXED)`` of the memfd, read-write,
                                   so every mapping of one chunk shows the same bytes
+``deferred_access()``             :func:`map_chunk` with ``accessible=False`` inside the block, then one
+                                  :func:`set_access` (``mprotect``) per contiguous run of mappings at its end
 ``unmap(ptr, size)``              :func:`unmap_chunk`: a ``PROT_NONE`` placeholder goes back over the range,
                                   which stays reserved (no other mapping can land there)
 ================================  ==============================================================
@@ -115,11 +117,19 @@ def release_chunk(fd: int, *, backend: str = "host") -> None:
         _os.release_chunk(fd)
 
 
-def map_chunk(ptr: int, size: int, fd: int, *, backend: str = "host") -> None:
-    """Map the whole chunk ``fd`` (of ``size`` bytes) read-write at ``ptr``, inside a reservation."""
+def map_chunk(ptr: int, size: int, fd: int, *, backend: str = "host", accessible: bool = True) -> None:
+    """Map the whole chunk ``fd`` (of ``size`` bytes) at ``ptr``, inside a reservation: read-write, or
+    (``accessible=False``) inaccessible until :func:`set_access`."""
     _pages(backend, "map", ptr=ptr, size=size)
     with _checked(backend, "map", "mmap"):
-        _os.map_chunk(ptr, size, fd)
+        _os.map_chunk(ptr, size, fd, accessible)
+
+
+def set_access(ptr: int, size: int, *, backend: str = "host") -> None:
+    """Make ``size`` bytes of mappings side by side at ``ptr`` read-write: one call for the whole run."""
+    _pages(backend, "deferred_access", ptr=ptr, size=size)
+    with _checked(backend, "deferred_access", "mprotect"):
+        _os.set_access(ptr, size)
 
 
 def unmap_chunk(ptr: int, size: int, *, backend: str = "host") -> None:
@@ -166,4 +176,4 @@ def free(ptr: int, size: int, *, backend: str = "host") -> None:
 
 
 __all__ = ["PAGE_SIZE", "alloc", "create_chunk", "export_chunk", "free", "import_chunk", "map_chunk", "release",
-           "release_chunk", "reserve", "unavailable_reason", "unmap_chunk"]
+           "release_chunk", "reserve", "set_access", "unavailable_reason", "unmap_chunk"]

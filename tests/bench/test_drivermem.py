@@ -13,6 +13,7 @@ import torch
 import hal
 from graphkit_bench import drivermem, graphmem
 from graphkit_bench.model import Decoder, DecoderConfig
+from tests.conftest import DRIVER_STEP
 
 SMALL = ["--nodes", "1,10", "--sizes", "1,2", "--models", "1,2", "--pieces", "1,2", "--copies", "2",
          "--lever-nodes", "10", "--rounds", "2", "--replayed", "1", "--no-progress"]
@@ -129,17 +130,27 @@ def test_captures_of_two_topologies_share_two_executable_graphs() -> None:
 
 
 @pytest.mark.cuda
-def test_a_small_sweep_on_a_gpu_measures_the_driver_and_the_lazy_graphs_keep_less(tmp_path: Path) -> None:
-    result, _ = _sweep(tmp_path, "cuda", "--config", "tiny", "--nodes", "1,100", "--copies", "8",
-                       "--lever-nodes", "200", "--no-count-nodes")
-    assert all(r["driver_bytes"] is not None for r in result["nodes"] + result["variants"])
-    assert result["nodes"][1]["driver_bytes"] > 0
+@pytest.mark.slow  # each part in a process of its own, each starting CUDA: a sweep
+def test_a_small_sweep_on_a_gpu_measures_the_driver_in_its_steps_and_no_lever_keeps_more(tmp_path: Path) -> None:
+    """What the driver promises on any GPU: its memory is measured (bytes, never left out or made up), in whole
+    steps of its 2 MiB pages, and a lever keeps no more than the usual graphs of the same work. How many steps
+    8 graphs of 100 kernels add is one generation's figure -- one on an H100, none on an H200, whose steps fall
+    elsewhere -- so the sweep reports it and the test does not assert it."""
+    result, text = _sweep(tmp_path, "cuda", "--config", "tiny", "--nodes", "1,100", "--copies", "8",
+                          "--lever-nodes", "200", "--no-count-nodes")
+    for row in result["nodes"] + result["variants"]:
+        assert row["driver_why"] == "" and isinstance(row["driver_bytes"], int), row
+        assert row["driver_bytes"] % DRIVER_STEP == 0, row
+    assert "n/m" not in text.split("## Lever")[0]  # every node and variant row has its figure
     for lever in result["levers"]:
         assert lever["equal"], lever
         if "lazy" in lever:
-            assert lever["lazy"]["driver_after_capture"] < lever["usual"]["driver_after_capture"], lever
+            usual, lazy = lever["usual"]["driver_after_capture"], lever["lazy"]["driver_after_capture"]
+            assert usual % DRIVER_STEP == 0 and lazy % DRIVER_STEP == 0, lever
+            assert lazy <= usual, lever  # graphs not instantiated keep no more than instantiated ones
     elementwise = result["levers"][1]  # graphs of one topology: one executable graph
-    assert elementwise["executable_graphs"] == 1 and elementwise["ratio"] < 1, elementwise
+    assert elementwise["executable_graphs"] == 1, elementwise
+    assert elementwise["update"]["driver"] <= elementwise["usual"]["driver"], elementwise
 
 
 def test_a_lever_the_backend_lacks_or_that_fails_is_a_row_with_its_error(monkeypatch: pytest.MonkeyPatch) -> None:

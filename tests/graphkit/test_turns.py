@@ -127,6 +127,7 @@ def test_a_holder_killed_while_it_holds_the_turn_does_not_block_the_other() -> N
 
 
 @pytest.mark.cuda
+@pytest.mark.slow  # two runs of two engine processes each
 def test_on_cuda_two_engines_share_one_set_of_chunks_and_decode_exactly() -> None:
     """The same pair on a GPU (chunks exported as POSIX file descriptors): the importer creates no chunk of its
     own, maps all of the exporter's, both decode as eagerly, and together they pay less than apart."""

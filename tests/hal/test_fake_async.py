@@ -82,6 +82,75 @@ def test_an_unmap_after_a_replay_without_a_wait_is_refused_and_changes_nothing(a
     abe.release_vir_ptr(m.va, 2 * G)
 
 
+def test_a_released_graphs_queued_replay_stays_in_flight_whatever_graph_takes_its_id(
+        abe: hal.Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The record of queued replays is keyed by a serial no two graphs share: a graph made after a replayed one was
+    released and collected -- CPython may give it the dead one's ``id()``, as every graph gets the same one here --
+    does not take over the record and drop the dead graph's queued replay (its unmap went through under it)."""
+    import hal.host.inflight
+
+    monkeypatch.setattr(hal.host.inflight, "id", lambda obj: 1, raising=False)  # every id() the dead one's
+    m = Mapped(abe)
+    x = m.floats()
+    graph, pool = captured_add(abe, x)
+    abe.synchronize()
+    abe.replay(graph)
+    abe.release_graph(graph)  # released, its replay still queued
+    del graph
+    gc.collect()
+    other = abe.create_graph()
+    with abe.capture(other, pool):
+        torch.ones(4) * 2
+    abe.replay(other)
+    with pytest.raises(hal.UseAfterUnmapError, match="the replay of a graph captured into the fake device pool"):
+        abe.unmap(m.va, G)
+    abe.synchronize()
+    m.free()
+    abe.release_graph(other)
+    abe.release_pool(pool)
+
+
+def test_a_capture_says_it_captures_and_refuses_a_device_wide_wait(abe: hal.Backend) -> None:
+    """While this thread records a capture the asynchronous fake says so (``capturing()``), and a device-wide wait
+    inside it is refused as a GPU refuses it (it would end the capture)."""
+    import threading
+
+    graph = abe.create_graph()
+    seen: list[bool] = []
+    assert not abe.capturing()
+    with pytest.raises(hal.CaptureError, match=r"synchronize\(\) inside a capture on this thread"):
+        with abe.capture(graph):
+            seen.append(abe.capturing())
+            worker = threading.Thread(target=lambda: seen.append(abe.capturing()))
+            worker.start()
+            worker.join()
+            abe.synchronize()
+    assert seen == [True, False] and not abe.capturing()
+    abe.release_graph(graph)
+
+
+def test_memory_that_goes_back_inside_a_capture_is_unmapped_without_a_wait(abe: hal.Backend) -> None:
+    """A capture whose allocation fails half-way gives back the granules it mapped, inside the capture: no wait
+    for the device there (the capture runs nothing, and a wait would end it), the allocation's own error stays
+    the one raised, and the pools stay usable."""
+    pools = graphkit.GraphPools(abe)
+    graph = abe.create_graph()
+    abe.faults.fail("map", nth=3)  # the third granule of one allocation of four
+    with pytest.raises(hal.DeviceOutOfMemoryError, match="injected"):
+        with abe.capture(graph, pool=pools.pool("k")):
+            torch.empty(4 * G // 4 - 64)
+    assert abe.faults.fired == ["map"]
+    assert pools.allocator.spaces[pools.lease("k").space_id].mapped == 0  # given back
+    abe.release_graph(graph)
+    again = abe.create_graph()
+    with abe.capture(again, pool=pools.pool("k")):
+        y = torch.ones(4 * G // 4 - 64)
+    abe.release_graph(again)
+    del y
+    pools.close()
+    assert abe.live.zero, abe.live
+
+
 def test_a_wait_on_any_stream_lets_the_unmap_through(abe: hal.Backend) -> None:
     m = Mapped(abe)
     x = m.floats()

@@ -192,6 +192,38 @@ def test_a_capture_of_a_graph_inside_its_own_capture_is_refused(be: hal.Backend)
     be.release_graph(graph)
 
 
+def test_captures_of_one_device_take_turns_across_threads_and_nest_on_one(be: hal.Backend) -> None:
+    """The recorder runs a capture's work as it records it: two captures at once over shared memory would run
+    over each other (graphkit's spaces share chunks), so a capture from another thread waits for the device's
+    turn, from its routing to its end; a capture inside a capture on the same thread goes on."""
+    import threading
+    import time
+
+    order: list[str] = []
+    inside = threading.Event()
+
+    def other() -> None:
+        inside.wait(10)
+        graph = be.create_graph()
+        with be.capture(graph):
+            order.append("other runs")
+        be.release_graph(graph)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    outer, inner = be.create_graph(), be.create_graph()
+    with be.capture(outer):
+        inside.set()
+        time.sleep(0.2)  # the other thread's capture asks for its turn now
+        with be.capture(inner):  # nested on this thread: no wait
+            torch.ones(4) * 2
+        order.append("outer ends")
+    thread.join(10)
+    assert order == ["outer ends", "other runs"]
+    for graph in (outer, inner):
+        be.release_graph(graph)
+
+
 def test_a_released_graph_refuses_to_replay_even_through_the_plugin(be: hal.Backend) -> None:
     x = torch.ones(4)
     graph = be.create_graph()

@@ -288,3 +288,44 @@ def test_fault_rules_are_checked(be: hal.Backend) -> None:
     be.faults.fail("map")
     be.faults.clear()
     assert be.faults.pending == 0
+
+
+def _protection(ptr: int) -> str:
+    """The permissions /proc/self/maps shows for the mapping that holds ``ptr`` (``rw-s``, ``---s``...)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= ptr < hi:
+                return perms
+    raise AssertionError(f"{ptr:#x} is mapped nowhere")
+
+
+def test_maps_in_a_deferred_access_block_are_made_accessible_at_its_end_with_one_call_per_run(
+        be: hal.Backend) -> None:
+    """Inside ``deferred_access()`` the chunks mapped stay inaccessible (touching one faults, as on a GPU before
+    its ``cuMemSetAccess``); at the block's end one call per contiguous run makes them read-write, also when the
+    block raised. A block inside a block joins it."""
+    va = be.create_vir_ptr(8 * G)
+    handles = [be.create_phy_mem_handle(G) for _ in range(6)]
+    calls = be.plugin.access_calls
+    with be.count_calls() as counted, be.deferred_access():
+        for i in range(4):
+            be.map(va + i * G, G, handles[i])
+        with be.deferred_access():  # joins the outer block
+            be.map(va + 5 * G, G, handles[4])
+        assert _protection(va) == _protection(va + 5 * G) == "---s"
+    assert counted["deferred_access"] == 2 and counted["map"] == 5
+    assert be.plugin.access_calls - calls == 2  # [0, 4) and [5, 6): two runs
+    assert _protection(va) == _protection(va + 3 * G) == _protection(va + 5 * G) == "rw-s"
+    ctypes.memset(va, 7, 4 * G)
+    with pytest.raises(KeyError), be.deferred_access():
+        be.map(va + 6 * G, G, handles[5])
+        raise KeyError("the block's own error")  # not the plugin's: not turned into a hal error
+    assert _protection(va + 6 * G) == "rw-s"
+    for i in (0, 1, 2, 3, 5, 6):
+        be.unmap(va + i * G, G)
+    for handle in handles:
+        be.release_phy_mem_handle(handle)
+    be.release_vir_ptr(va, 8 * G)
+    assert be.live.zero

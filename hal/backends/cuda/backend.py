@@ -144,6 +144,7 @@ class CudaBackend(TorchHooks):
             pending.remove((ptr, size))
         self.dev.unmap(ptr, size)
 
+    @hookimpl
     @contextlib.contextmanager
     def deferred_access(self) -> Iterator[None]:
         """Batch access-setting: maps inside the block get read-write access at its end.

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from hal.api import hookimpl
@@ -83,6 +85,12 @@ class FakeBackend(HostGraphs):
       faults there). A chunk is released only once unmapped everywhere, so
       the unmap check covers ``release_phy_mem_handle`` too. Callers wait
       first, or pass ``wait=True`` to ``unmap``/``release_phy_mem_handle``.
+      A ``synchronize`` inside a capture on the same thread raises
+      :class:`hal.CaptureError`, as a GPU refuses it (callers ask
+      ``Backend.capturing()`` first).
+
+    A chunk is a memfd: a fork child shares it with the parent, so the
+    backend serves only the process that made it (see :class:`hal.Backend`).
     """
 
     @classmethod
@@ -121,6 +129,9 @@ class FakeBackend(HostGraphs):
         self._imported: set[int] = set()  # handles of chunks another backend made (not charged here)
         self._anon: dict[int, int] = {}  # own allocations: ptr -> size
         self._handle_ids = itertools.count(1)
+        self._deferred = threading.local()  # per thread, inside deferred_access: the mappings still inaccessible
+        #: calls that made memory accessible: one per map, or one per contiguous run of a deferred_access block
+        self.access_calls = 0
         self.init_host_graphs(NAME, alloc=self.device_malloc, free=self.device_free, segment_size=granularity,
                               asynchronous=asynchronous)
 
@@ -238,13 +249,44 @@ class FakeBackend(HostGraphs):
         fd, chunk_size = self._chunks[handle]
         if size != chunk_size:  # the facade checks this too; real drivers refuse it
             raise InvalidArgumentError(f"size={size} differs from the chunk's {chunk_size}", backend=NAME, call="map")
-        vm.map_chunk(ptr, size, fd, backend=NAME)
+        pending: list[tuple[int, int]] | None = getattr(self._deferred, "pending", None)
+        vm.map_chunk(ptr, size, fd, backend=NAME, accessible=pending is None)
+        if pending is None:
+            self.access_calls += 1  # mapped read-write at once, as a driver's map + access
+        else:
+            pending.append((ptr, size))
 
     @hookimpl
     def unmap(self, ptr: int, size: int) -> None:
         if self.in_flight is not None:  # before anything changes: a refused unmap leaves the mapping as it was
             self.in_flight.check_unmap(ptr, size)
         vm.unmap_chunk(ptr, size, backend=NAME)
+        pending: list[tuple[int, int]] | None = getattr(self._deferred, "pending", None)
+        if pending is not None and (ptr, size) in pending:
+            pending.remove((ptr, size))
+
+    @hookimpl
+    @contextlib.contextmanager
+    def deferred_access(self) -> Iterator[None]:
+        """Maps inside the block stay inaccessible (``PROT_NONE``) until it ends; then one ``mprotect`` per
+        contiguous run makes them read-write, as a GPU driver's one access call for many chunks side by side."""
+        if getattr(self._deferred, "pending", None) is not None:  # inside a block of this thread: join it
+            yield
+            return
+        self._deferred.pending = []
+        try:
+            yield
+        finally:
+            pending, self._deferred.pending = self._deferred.pending, None
+            runs: list[list[int]] = []  # [start, end] of each contiguous run
+            for ptr, size in sorted(pending):
+                if runs and ptr == runs[-1][1]:
+                    runs[-1][1] += size
+                else:
+                    runs.append([ptr, ptr + size])
+            for start, end in runs:
+                vm.set_access(start, end - start, backend=NAME)
+                self.access_calls += 1
 
     @hookimpl
     def shutdown(self) -> None:

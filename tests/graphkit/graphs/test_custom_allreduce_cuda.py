@@ -43,6 +43,7 @@ def script() -> ModuleType:
 
 @pytest.mark.cuda
 @pytest.mark.multi_gpu
+@pytest.mark.slow  # a process per rank, NCCL set up, every kind captured, aliased, slept and timed
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.gpus(4))])
 def test_custom_allreduce_in_graphs_over_graphkit_memory(tmp_path: Path, world: int) -> None:
     """Every rank's graphs (their inputs and outputs in graphkit's chunks) equal NCCL's all-reduce, also after

@@ -25,7 +25,7 @@ log = logging.getLogger("tests.flashinfer_allreduce")
 SCRIPT = SCRIPTS / "flashinfer_allreduce.py"
 SKIP = 3  # the script's exit code where FlashInfer or its JIT is missing
 
-pytestmark = [pytest.mark.cuda, pytest.mark.multi_gpu,
+pytestmark = [pytest.mark.cuda, pytest.mark.multi_gpu, pytest.mark.slow,  # FlashInfer's JIT build, a process per rank
               pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
                                  reason="needs flashinfer-python (FlashInfer's JIT builds its all-reduce here)")]
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import threading
+import time
 
 import pytest
 import torch
@@ -208,36 +210,45 @@ def test_handles_asked_for_up_front_keep_room_for_their_captures(be: hal.Backend
 
 @pytest.mark.parametrize("routed", [False, True], ids=["handles", "graph_memory"])
 def test_two_threads_capture_into_two_keys_at_once(be: hal.Backend, routed: bool) -> None:
-    """Thread A's capture goes on while thread B opens a key and captures into it (dual-batch overlap)."""
+    """Thread B opens a key and captures into it while thread A's capture is under way (dual-batch overlap): A's
+    space keeps its room, both replay right. On a host device a capture runs its work as it records it, so the
+    two captures take turns (their memory is shared): B's starts once A's has ended."""
     step = make_step()
     pools = graphkit.GraphPools(be)
-    a_started, b_done = threading.Event(), threading.Event()
+    a_started, b_opening = threading.Event(), threading.Event()
     done: dict = {}
+    order: list[str] = []
 
     def capture_in_thread(name: str, n: int, between=None) -> None:
         x = torch.zeros(n, 256)
         graph = be.create_graph()
         try:
             with be.capture(graph, pool=None if routed else pools.pool(name)):
+                order.append(f"{name} runs")
                 h = step(x)
                 if between is not None:
                     between()
-                out = step(h) + h  # more granules, after the other thread opened its key and captured
+                out = step(h) + h  # more granules, after the other thread opened its key
+                order.append(f"{name} ends")
             done[name] = (x, graph, out)
         except BaseException as exc:  # noqa: BLE001 - checked below
             done[name] = exc
             be.release_graph(graph)
 
     def thread_a() -> None:
-        capture_in_thread("a", 64, lambda: (a_started.set(), b_done.wait(10)))
+        def between() -> None:
+            a_started.set()
+            b_opening.wait(10)
+            time.sleep(0.05)  # B's key opens (handles), or B's capture waits for its turn (routed)
+        capture_in_thread("a", 64, between)
         a_started.set()
 
     def thread_b() -> None:
         a_started.wait(10)
-        try:
-            capture_in_thread("b", 32)
-        finally:
-            b_done.set()
+        if not routed:
+            pools.pool("b")  # a key opened while A captures seals nothing
+        b_opening.set()
+        capture_in_thread("b", 32)
 
     with graphkit.graph_memory(pools=pools) if routed else contextlib.nullcontext():
         threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
@@ -246,6 +257,7 @@ def test_two_threads_capture_into_two_keys_at_once(be: hal.Backend, routed: bool
         for t in threads:
             t.join()
     assert all(isinstance(v, tuple) for v in done.values()), done
+    assert order == ["a runs", "a ends", "b runs", "b ends"]
     for x, graph, out in done.values():
         x.copy_(torch.randn(*x.shape))
         be.replay(graph)
@@ -388,6 +400,30 @@ def test_bad_arguments_name_the_argument(be: hal.Backend) -> None:
             pools.release("never")
     with pytest.raises(hal.InvalidArgumentError, match="router="):
         be.route_captures("not callable")
+
+
+@pytest.mark.parametrize("value", [None, "yes", "no", 2, 0, 1.0])
+@pytest.mark.parametrize("option", ["verify", "hygiene"])
+def test_the_newer_options_take_a_bool_and_name_themselves_otherwise(be: hal.Backend, option: str,
+                                                                     value: object) -> None:
+    """verify= and hygiene= of GraphPools and graph_memory are checked as outputs= is: a truthy string no longer
+    turns the check on, ``verify=2`` no longer reaches the child processes as a value their switch refuses."""
+    os.environ.pop("GRAPHKIT_GRAPH_MEMORY", None)
+    with pytest.raises(hal.InvalidArgumentError, match=f"GraphPools: {option}={value!r} must be True or False"):
+        graphkit.GraphPools(be, **{option: value})
+    with pytest.raises(hal.InvalidArgumentError, match=f"graph_memory: {option}={value!r} must be True or False"):
+        with graphkit.graph_memory(be, **{option: value}):
+            pass
+    assert "GRAPHKIT_GRAPH_MEMORY" not in os.environ and be.live.zero
+
+
+def test_capture_ended_takes_blocks_and_names_shared_otherwise(be: hal.Backend) -> None:
+    with graphkit.GraphPools(be) as pools:
+        pools.lease("k")
+        for shared in (5, [(1, -2)], ["block"], None):
+            with pytest.raises(hal.InvalidArgumentError, match=r"capture_ended: shared=.* must be \(address, nbytes\)"):
+                pools.capture_ended("k", shared=shared)  # type: ignore[arg-type]
+        pools.capture_ended("k", shared=[])
 
 
 def test_ten_thousand_spaces_fit_in_a_few_arenas(be: hal.Backend) -> None:

@@ -86,8 +86,10 @@ def test_torch_cuda_graph_takes_a_pool_handle(be: hal.Backend, order: str) -> No
     assert be.live.chunks == 0 and be.live.mappings == 0
 
 
-@pytest.mark.xfail(strict=True, reason="on an H100 (torch 2.11) the second thread's capture fails with "
-                   "cudaErrorStreamCaptureUnsupported while the first one captures; cause not found yet")
+@pytest.mark.xfail(strict=False, reason="on an H100 (torch 2.11) the second thread's capture failed with "
+                   "cudaErrorStreamCaptureUnsupported while the first one captured; the likely cause, a device-wide "
+                   "wait at the second capture's end (its survivor promotion) under the first one's capture, is "
+                   "gone: promotions wait for the captures under way. Not strict until a GPU run shows it passes")
 def test_two_threads_capture_into_handles_made_up_front_in_a_process_of_its_own() -> None:
     """The test below, in a process of its own: its failed capture leaves torch's caching allocator in a state
     that a later pool release of the same process aborts on."""

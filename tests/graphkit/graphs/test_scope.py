@@ -132,3 +132,97 @@ def test_a_capture_of_another_backend_is_left_alone_and_said_once(be: hal.Backen
         other.release_graph(graph)
     other.close()
     pools.close()
+
+
+def test_the_childrens_variable_stays_while_any_block_is_open_in_any_thread(monkeypatch) -> None:
+    """Two engines, one per device, each in a ``graph_memory()`` block of its own thread: the block that ends first
+    leaves the variable to the one still open (a count of open blocks owns it); the last one removes it."""
+    import os
+    import threading
+
+    from graphkit.graphs.scope import FROM_ENV
+
+    env = "GRAPHKIT_GRAPH_MEMORY"
+    monkeypatch.delenv(env, raising=False)
+    monkeypatch.delenv(FROM_ENV, raising=False)
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, str | None] = {}
+
+    def engine(device: int, enter_after: threading.Event | None, signal: threading.Event,
+               leave_after: threading.Event | None) -> None:
+        be = hal.get_backend("fake", device=device, device_count=2, granularity=G)
+        if enter_after is not None:
+            enter_after.wait(10)
+        with graphkit.graph_memory(be, outputs="replay" if device else "kept") as pools:
+            signal.set()
+            if leave_after is not None:
+                leave_after.wait(10)
+                seen["open"] = os.environ.get(env)
+        pools.close()
+        be.close()
+        if device == 0:
+            first_out.set()
+
+    threads = [threading.Thread(target=engine, args=(0, None, first_in, second_in)),
+               threading.Thread(target=engine, args=(1, first_in, second_in, first_out))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert seen["open"] is not None and switch.parse(seen["open"]).outputs == "kept"  # the first block's value
+    assert env not in os.environ and FROM_ENV not in os.environ  # the last block put everything back
+
+
+def _fork_child(be: hal.Backend, pools: graphkit.GraphPools, kept: torch.Tensor, conn: Any) -> None:
+    """What a fork child inside the block sees: the parent's backend refuses it, and its own captures are not
+    routed into the parent's pools (whose fake chunks it shares with the parent)."""
+    import os
+
+    seen: dict[str, Any] = {}
+    try:
+        graph = be.create_graph()
+    except hal.InvalidStateError as exc:
+        seen["parent's backend"] = str(exc)
+    own = hal.get_backend("fake", granularity=G)
+    keys = len(pools.keys)
+    graph = own.create_graph()
+    with own.capture(graph):
+        y = torch.full((64, 64), 7.0) * 2  # in a private pool of the child's own device
+    seen["routed into the parent's pools"] = len(pools.keys) != keys
+    seen["own capture"] = float(y[0, 0])
+    own.release_graph(graph)
+    own.close()
+    be.close()  # forgets: everything it holds is the parent's
+    seen["parent's output as the child leaves"] = float(kept[0, 0])
+    conn.send(seen)
+    conn.close()
+    os._exit(0)
+
+
+def test_a_fork_child_inside_the_block_writes_nothing_of_the_parents(be: hal.Backend) -> None:
+    """On fake a fork child shares the parent's chunks (memfd mappings survive a fork): the block and the parent's
+    backend serve the parent alone, as a device context does, so nothing the child captures lands in them."""
+    import multiprocessing
+
+    weight = torch.randn(64, 64)
+    with graphkit.graph_memory(be) as pools:
+        graph, x = be.create_graph(), torch.ones(64, 64)
+        with be.capture(graph):
+            kept = torch.relu(x @ weight) + 1
+        be.replay(graph)
+        want = kept.clone()
+        ctx = multiprocessing.get_context("fork")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_fork_child, args=(be, pools, kept, child))
+        proc.start()
+        seen = parent.recv() if parent.poll(60) else {}
+        proc.join(60)
+    assert proc.exitcode == 0 and seen, seen
+    assert "was made in process" in seen["parent's backend"] and "fork child" in seen["parent's backend"]
+    assert seen["routed into the parent's pools"] is False and seen["own capture"] == 14.0
+    assert torch.equal(kept, want) and seen["parent's output as the child leaves"] == float(want[0, 0])
+    be.replay(graph)
+    torch.testing.assert_close(kept, torch.relu(x @ weight) + 1)
+    be.release_graph(graph)
+    del kept
+    pools.close()

@@ -149,6 +149,26 @@ def test_a_graph_whose_replays_differ_is_not_refused_and_the_warning_names_its_k
     _close(be, pools, g2, g1)
 
 
+@pytest.mark.parametrize("hook", ["create_phy_mem_handle", "map", "synchronize"])
+def test_a_fault_while_confirming_refuses_the_graph_and_leaves_nothing(be: hal.Backend, hook: str) -> None:
+    """A driver fault while the suspects are being confirmed leaves them undecided: the capture raises the fault
+    (it is refused; capturing again decides) instead of accepting a graph that really reads another key's memory
+    (it replayed wrong), and no scratch chunk is left behind."""
+    pools, g1, o1 = _foreign_output(be)
+    address = o1.data_ptr()
+    chunks = be.live.chunks
+    be.faults.fail(hook, nth=1 if hook != "map" else 2)  # the scratch's creation, its map, the wait before it
+    with pytest.raises(hal.DriverError, match="key 2: its graph could not be replayed over stand-ins"):
+        _capture(be, pools, lambda x: torch.ops.graphkit_verifier_tests.load(x, address), torch.randn(16, 64))
+    assert be.faults.fired == [hook]
+    assert pools.verify_stats.unconfirmed == 1 and pools.verify_stats.confirmed == 0
+    assert be.live.chunks == chunks and pools.allocator.survivor_bytes == 0
+    torch.testing.assert_close(o1, torch.full((16, 64), 3.0))  # key 1's bytes as they were
+    del o1
+    _close(be, pools, g1)
+    assert be.live.zero, be.live
+
+
 def test_a_word_into_a_survivor_with_bytes_of_its_own_is_no_suspect(be: hal.Backend) -> None:
     """Kept outputs (the default) are private by construction: no other key's replay overwrites them, so a word
     that points at one is not even a suspect."""

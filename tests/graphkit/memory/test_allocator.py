@@ -567,3 +567,36 @@ def test_survivors_keep_their_bytes_whatever_the_other_spaces_do(steps: list[tup
             assert be.live.chunks == alloc.physical_bytes // g + alloc.pending_release
         alloc.close()
         assert be.live.chunks == 0 and be.live.mappings == 0
+
+
+_HUGE_BLOCK = """
+import resource
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # enumerating 2**64 granules dies here, not the machine
+import hal, graphkit
+be = hal.get_backend("fake", granularity=1 << 16)
+alloc = graphkit.SharedVMMAllocator(be, reserve_bytes=8 << 16)
+sid = alloc.open_virtual_space()
+ptr = alloc.allocate(100, space_id=sid)
+alloc.keep_private(sid, [(ptr, 2 ** 80)])  # clipped to the granule the space maps
+assert alloc.survivor_bytes == 1 << 16
+print(alloc.on_shared_chunks(sid, [(ptr, 2 ** 80)]))
+alloc.close()
+"""
+
+
+def test_keep_private_bounds_a_huge_block_by_arithmetic_and_refuses_bad_blocks(be: hal.Backend) -> None:
+    """A block of 2**80 bytes costs what the space maps (it used to enumerate every granule it named: hang,
+    unbounded memory); a negative size or a block that is not an (address, nbytes) pair is a hal error."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _HUGE_BLOCK], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stderr[-2000:]
+    alloc = graphkit.SharedVMMAllocator(be, reserve_bytes=8 * G)
+    sid = alloc.open_virtual_space()
+    ptr = alloc.allocate(100, space_id=sid)
+    for blocks in ([(ptr, -5)], [(ptr,)], [(ptr, 1.5)], [(ptr, True)], None, "blocks", 5, [ptr]):
+        with pytest.raises(hal.InvalidArgumentError, match=r"blocks=.* must be \(address, nbytes\) pairs"):
+            alloc.keep_private(sid, blocks)  # type: ignore[arg-type]
+    assert alloc.survivor_bytes == 0
+    alloc.close()

@@ -564,6 +564,40 @@ def test_pause_and_resume_cost_a_driver_call_or_two_per_chunk_not_per_granule(be
     assert be.live.zero, be.live
 
 
+def test_a_64_chunk_buffer_sleeps_with_one_wait_and_one_access_call_and_its_first_pause_costs_a_steady_one(
+        be: hal.Backend) -> None:
+    """What torch_memory_saver pays per allocation (an unmap and a release; a creation, a map and an access
+    setting), an elastic buffer pays per chunk, except the access, set once for the chunks side by side, and the
+    waits: one per pause (the saver's; the buffer's unmaps come after it) and one per resume. Its first pause
+    costs exactly the calls of a steady one: nothing is made on its path."""
+    saver = graphkit.MemorySaver(be)
+    kv = graphkit.ElasticBuffer(be, max_bytes=64 * G, saver=saver, tag="kv", chunk_bytes=G)
+    for i in range(64):
+        kv.resize((i + 1) * G)  # a chunk per step, as a KV cache grows
+    assert kv.chunk_count == 64
+    data = kv.view(torch.uint8, (64 * G,))
+    cycles = []
+    for _ in range(3):
+        data.fill_(7)
+        access = be.plugin.access_calls
+        with be.count_calls() as paused:
+            saver.pause("kv")
+        with be.count_calls() as resumed:
+            saver.resume("kv")
+        cycles.append((dict(paused), dict(resumed), be.plugin.access_calls - access))
+    assert cycles[0] == cycles[1] == cycles[2]  # the first pause and resume cost what the steady ones do
+    paused, resumed, access = cycles[0]
+    assert paused == {"synchronize": 1, "unmap": 64, "release_phy_mem_handle": 64}, paused
+    assert resumed == {"create_phy_mem_handle": 64, "map": 64, "deferred_access": 1, "synchronize": 1}, resumed
+    assert access == 1  # one mprotect for the 64 chunks side by side (one cuMemSetAccess on cuda), not 64
+    data.fill_(3)
+    assert int(data.sum()) == 3 * 64 * G
+    del data
+    kv.close()
+    saver.close()
+    assert be.live.zero, be.live
+
+
 def test_a_shrink_gives_back_whole_chunks_and_keeps_the_one_holding_bytes_below_the_new_size(be: hal.Backend) -> None:
     """Chunks of 3 and 5 granules: a shrink into the second keeps it whole (no byte copied, none lost), one below
     its start gives it back; asking again for the size inside the kept chunk costs no driver call."""

@@ -17,7 +17,7 @@ import pytest
 
 import graphkit
 import hal
-from graphkit.memory.sharing import FDS_PER_MESSAGE, ImportedRange, receive_range, send_range
+from graphkit.memory.sharing import FDS_PER_MESSAGE, ImportedRange, ImportedSpaces, receive_range, send_range
 from hal.backends.fake import FakeBackend
 from tests.conftest import G
 
@@ -192,6 +192,15 @@ def test_a_failed_import_leaves_nothing_mapped(alloc: graphkit.SharedVMMAllocato
                 ImportedRange(peer, fds, G, offset, nbytes)
         with pytest.raises(hal.InvalidArgumentError, match=r"backend='fake' must be a hal.Backend"):
             ImportedRange("fake", exported.fds, G, 0, G)  # type: ignore[arg-type]
+        with pytest.raises(hal.InvalidArgumentError, match=r"ImportedSpaces: backend='fake' must be a hal.Backend"):
+            ImportedSpaces("fake", exported.fds, G)  # type: ignore[arg-type]
+        for fds in (None, 5, "fds", [-1], [1.5]):
+            for make in (lambda fds: ImportedRange(peer, fds, G, 0, G), lambda fds: ImportedSpaces(peer, fds, G)):
+                with pytest.raises(hal.InvalidArgumentError, match=r"fds=.* must be a sequence of file descriptors"):
+                    make(fds)
+        with pytest.raises(hal.InvalidArgumentError, match="ImportedSpaces: chunk_bytes='G'"):
+            ImportedSpaces(peer, exported.fds, "G")  # type: ignore[arg-type]
+        assert peer.live.zero
 
 
 def test_more_chunks_than_one_message_carries(be: hal.Backend, peer: hal.Backend) -> None:

@@ -61,3 +61,43 @@ def test_a_fault_while_standing_in_maps_everything_back(be: hal.Backend, hook: s
     del in_a, in_b
     alloc.close()
     assert be.live.zero
+
+
+@pytest.mark.parametrize("hook", ["map", "unmap", "synchronize"])
+def test_a_fault_while_mapping_back_is_tried_again_and_nothing_stays_on_scratch(be: hal.Backend, hook: str) -> None:
+    """One fault on the way back (the wait for the device, the scratch's unmap, the own chunk's map): tried once
+    more, every granule maps its own chunk again and every scratch chunk is released (it used to stay mapped in
+    the other space, released by nobody, not even a retried close)."""
+    alloc, a, in_a, in_b = _two_spaces(be)
+    before = be.live
+    with alloc.stand_in({a: [0, 1]}):
+        be.faults.fail(hook, nth=1)
+    assert be.faults.fired == [hook]
+    assert be.live == before and not alloc.paused and alloc.survivor_bytes == 0
+    assert torch.all(in_a == 7)
+    in_b.fill_(3)
+    assert torch.all(in_a == 3)  # shared again
+    del in_a, in_b
+    alloc.close()
+    assert be.live.zero
+
+
+def test_a_granule_whose_own_chunk_will_not_map_back_keeps_its_scratch_and_the_fault_is_raised(
+        be: hal.Backend) -> None:
+    """Two faults on the way back: the granule keeps the scratch chunk as a chunk of its own, with the bytes it
+    held; the space's release or the allocator's close releases it. No scratch chunk is ever left to nobody."""
+    alloc, a, in_a, in_b = _two_spaces(be)
+    with pytest.raises(hal.DriverError, match="would not map their own chunks again"):
+        with alloc.stand_in({a: [1]}):
+            in_a[G:].fill_(7)  # what the verifier leaves there: the granule's own bytes
+            be.faults.fail("map", nth=1)  # the own chunk's map fails; the scratch's map back (the rollback) works
+            be.faults.fail("map", nth=2)  # and the own chunk's map fails again, when it is tried once more
+    assert alloc.survivor_bytes == G and not alloc.paused
+    assert torch.all(in_a == 7)
+    in_b.fill_(3)
+    assert torch.all(in_a[:G] == 3) and torch.all(in_a[G:] == 7)  # the kept granule is its space's alone
+    del in_a, in_b
+    alloc.release_virtual_space(a)
+    assert alloc.survivor_bytes == 0
+    alloc.close()
+    assert be.live.zero
