@@ -48,9 +48,10 @@ _ALLOCATOR_OPTIONS = frozenset({"reserve_bytes", "max_physical_bytes", "arena_by
 
 
 def _check_arguments(backend: object, kind: object, saver: object, allocator_options: dict[str, Any],
-                     caller: str, outputs: object = "kept", **flags: object) -> None:
+                     caller: str, outputs: object = "kept", executables: object = None, **flags: object) -> None:
     """The arguments of a GraphPools, checked before anything is made (``flags``: options that take a bool)."""
     name = getattr(backend, "name", None)
+    checked_per_topology(executables, caller, name)
     if outputs not in ("kept", "replay"):
         raise hal.InvalidArgumentError(f"outputs={outputs!r} must be 'kept' or 'replay'", backend=name, call=caller)
     _check_flags(caller, name, **flags)
@@ -186,8 +187,7 @@ class GraphPools(Closable):
         """Set the pools up (see :meth:`for_runner` for what ``runner`` changes)."""
         self._caller = caller = "GraphRunner" if runner else "GraphPools"
         _check_arguments(backend, kind if strategy is None else None, saver, allocator_options, caller, outputs,
-                         hygiene=hygiene, verify=verify)
-        per_topology = checked_per_topology(executables, caller, getattr(backend, "name", None))
+                         executables, hygiene=hygiene, verify=verify)
         self._owns_backend = backend is None
         self.backend = be = backend if backend is not None else hal.get_backend(requires=("graphs",))
         be.synchronize()
@@ -203,7 +203,7 @@ class GraphPools(Closable):
         self._keys = keys = PoolKeys(be, self.strategy, self, caller, outputs)
         self._close_done = False
         self._verifier = Verifier(keys, verify)
-        self.per_topology, self.executables = per_topology, budget(be, per_topology)  # as asked; the budget
+        self.per_topology, self.executables = executables, budget(be, executables)  # as asked; the budget
         self._routing = CaptureRouting(keys, self._verifier, hygiene=hygiene, watch=not runner,
                                        executables=self.executables)
         self._finalizer = weakref.finalize(self, _abandoned, be.name, keys.entries if not runner else {})
