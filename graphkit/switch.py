@@ -21,8 +21,8 @@ options, which also turns it on: ``kind=vmm|shared|private``,
 ``outputs=kept|replay`` (see :class:`graphkit.GraphPools`: ``replay`` when the
 engine reads its graphs' outputs only right after their own replay),
 ``verify=0|1`` (the optional isolation verifier), ``hygiene=0|1``,
-``report=SECONDS`` (0: at exit only), ``executables=N|off`` (the executables
-budget of :class:`graphkit.GraphPools`: N executable graphs kept per topology). ``0``, ``false``,
+``report=SECONDS`` (0: at exit only), ``executables=lazy|N|off`` (the executables
+budget of :class:`graphkit.GraphPools`). ``0``, ``false``,
 ``off``, ``no`` or empty: off. A bad value raises
 :class:`hal.InvalidArgumentError` naming the variable from :func:`parse` and
 :func:`start_from_environment`; the start-up hook and :func:`plugin` log it
@@ -53,7 +53,7 @@ from typing import Any
 
 import hal
 from _graphkit_startup import ENV, OFF, ON
-from graphkit.graphs.executables import DEFAULT_PER_TOPOLOGY, checked_per_topology
+from graphkit.graphs.executables import DEFAULT, Budget, checked_budget
 from graphkit.graphs.pools import GraphPools
 from graphkit.graphs.scope import set_by_own_block
 from graphkit.graphs.strategies import POOL_KINDS
@@ -73,13 +73,13 @@ class Options:
     hygiene: bool = False
     outputs: str = "kept"
     report: float = 2.0
-    #: the pools' executables budget (executable graphs kept per topology; None: one per graph)
-    executables: int | None = DEFAULT_PER_TOPOLOGY
+    #: the pools' executables budget (``"lazy"``, executable graphs kept per topology, or None: see GraphPools)
+    executables: Budget = DEFAULT
 
     def __post_init__(self) -> None:
         bad = []
         try:
-            checked_per_topology(self.executables, "graphkit.switch.Options")
+            checked_budget(self.executables, "graphkit.switch.Options")
         except hal.InvalidArgumentError as exc:
             bad.append(exc.message)
         if self.kind not in POOL_KINDS:
@@ -145,7 +145,7 @@ def parse(value: str | None) -> Options | None:
             raise hal.InvalidArgumentError(
                 f"{item!r} {what} (the value is {value!r}); give 1, or a comma-separated list of "
                 f"kind={'|'.join(POOL_KINDS)}, outputs=kept|replay, verify=0|1, hygiene=0|1, "
-                "report=SECONDS (0: at exit only), executables=N|off (N >= 1 per topology)",
+                "report=SECONDS (0: at exit only), executables=lazy|N|off (N >= 1 per topology)",
                 call=ENV) from None
     return Options(**fields)
 
@@ -171,6 +171,8 @@ def _option(key: str, raw: str) -> Any:
     if key == "executables":
         if raw in ("off", "none"):
             return None
+        if raw == "lazy":
+            return raw
         if not raw.isdigit() or int(raw) < 1:
             raise ValueError(raw)
         return int(raw)

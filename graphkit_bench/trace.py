@@ -55,7 +55,7 @@ import torch
 from tqdm.auto import tqdm
 
 import hal
-from graphkit.graphs.executables import DEFAULT_PER_TOPOLOGY
+from graphkit.graphs.executables import DEFAULT, Budget
 from graphkit_bench.fair import fmt_spread, rotated, spread
 from graphkit_bench.model import Decoder, DecoderConfig
 from graphkit_bench.run import REFERENCE_SIZES
@@ -201,16 +201,16 @@ CONFIGS = {
 @dataclass(frozen=True)
 class Strategy:
     path: str  # "runner" or "scope"
-    budget: int | None  # executables kept per topology; None: every size instantiated
+    budget: Budget  # executables kept per topology, "lazy" (one per size at its first replay), None: all at capture
 
     @property
     def name(self) -> str:
-        return f"{self.path} {'all' if self.budget is None else f'K={self.budget}'}"
+        return f"{self.path} {'all' if self.budget is None else _label(self.budget)}"
 
 
 def strategies(paths: list[str], ks: list[int]) -> list[Strategy]:
     """Per path: every size instantiated, then each budget of ``ks`` and the default (once)."""
-    budgets = sorted({*ks, DEFAULT_PER_TOPOLOGY})
+    budgets: list[Budget] = [*sorted(set(ks)), "lazy"]
     return [Strategy(p, b) for p in paths for b in (None, *budgets)]
 
 
@@ -423,10 +423,19 @@ def summarise(processes: list[dict[str, Any]], plan: list[Strategy], judged: boo
     return rows
 
 
+def _order(budget: Any) -> tuple[int, int]:
+    """Budgets in order: K ascending, then lazy (one executable per size replayed)."""
+    return (1, 0) if budget == "lazy" else (0, int(budget))
+
+
+def _label(budget: Any) -> str:
+    return "lazy" if budget == "lazy" else f"K={budget}"
+
+
 def recommend(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The smallest ``K`` that meets both targets on every path, with the least executables' memory; the
     evidence per ``K``."""
-    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
+    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None}, key=_order)
     evidence, meeting = [], []
     for k in budgets:
         mine = [r for r in rows if r["budget"] == k]
@@ -442,12 +451,14 @@ def recommend(rows: list[dict[str, Any]]) -> dict[str, Any]:
             meeting.append(evidence[-1])
     if not meeting:
         judged = any(e["met"] is not None for e in evidence)
-        why = ("no K met both targets on every path" if judged else
-               "no K was judged (see the targets' reasons)")
+        why = ("no budget met both targets on every path" if judged else
+               "no budget was judged (see the targets' reasons)")
         return {"k": None, "why": why, "evidence": evidence}
-    best = min(meeting, key=lambda e: (e["executables_bytes"] if e["executables_bytes"] is not None else 0, e["k"]))
-    return {"k": best["k"], "why": (f"K={best['k']}: the smallest K that meets step mean <= {MEAN_LIMIT:g} x and "
-                                    f"p99 <= {P99_LIMIT:g} x on every path, with the least executables' memory"),
+    best = min(meeting, key=lambda e: (e["executables_bytes"] if e["executables_bytes"] is not None else 0,
+                                       _order(e["k"])))
+    return {"k": best["k"], "why": (f"{_label(best['k'])}: the smallest budget that meets step mean <= "
+                                    f"{MEAN_LIMIT:g} x and p99 <= {P99_LIMIT:g} x on every path, with the least "
+                                    "executables' memory"),
             "evidence": evidence}
 
 
@@ -492,7 +503,7 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{target['why']}")
     rec = result["recommendation"]
     lines += ["", "## Recommended default", "",
-              f"* {rec['why']}" + (f" (graphkit's default now: {DEFAULT_PER_TOPOLOGY})" if rec["k"] else "")]
+              f"* {rec['why']}" + f" (graphkit's default now: {_label(DEFAULT)})"]
     for e in rec["evidence"]:
         paths = "; ".join(f"{p}: mean {v['ratio_mean']:.3f} x ({_state(v['mean'])}), p99 {v['ratio_p99']:.3f} x "
                           f"({_state(v['p99'])})" for p, v in e["paths"].items())
@@ -565,7 +576,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mean-length", type=_positive(float), default=None,
                    help="decode tokens per request, on average (default: 128 for the reference, 24 for tiny)")
     p.add_argument("--ks", type=_ints, default=list(KS), help="executables budgets to replay the trace with, "
-                                                              f"besides the default ({DEFAULT_PER_TOPOLOGY})")
+                                                              "besides lazy executables (graphkit's default)")
     p.add_argument("--paths", type=_paths, default=list(PATHS),
                    help="runner (graphkit's GraphRunner), scope (an engine's own loop inside graph_memory)")
     p.add_argument("--rounds", type=_positive(int), default=8,
@@ -643,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = CONFIGS[args.config].sizes
     result = {"command": "python -m graphkit_bench.trace " + shlex.join(argv), "machine": machine,
               "config": args.config, "sizes": sizes, "options": asdict(opts), "trace": trace.summary(sizes),
-              "processes": len(processes), "rounds": args.rounds, "default_k": DEFAULT_PER_TOPOLOGY,
+              "processes": len(processes), "rounds": args.rounds, "default_k": DEFAULT,
               "limits": {"mean": MEAN_LIMIT, "p99": P99_LIMIT}, "rows": rows, "recommendation": recommend(rows)}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     text = markdown(result)

@@ -1,32 +1,34 @@
-"""The executables budget: every captured size replayable, at the driver's memory of a few executable graphs.
+"""The executables budget: every captured size replayable, at the driver's memory of the executables it needs.
 
 Besides the memory a graph's work reads and writes, a device driver keeps an
 *executable* form of every instantiated graph (CUDA: ``cudaGraphExec_t``, a
 few MiB per graph of a decoder, growing with its kernel nodes). Engines pay it
-once per captured size, whether the size is ever used or not. Graphs of one
-*topology* -- the same kernels in the same order, with other arguments, as
-the sizes of one decode step mostly are -- can share one executable updated
-to the graph asked for (CUDA: ``cuGraphExecUpdate``, hal's
-:meth:`hal.Backend.update_graph`).
+once per captured size, at its capture's end, whether the size is ever used or
+not.
 
 :class:`Executables` owns the executable forms of the graphs it serves
 (captured lazily: ``create_graph(lazy=True)``, or routed with
-:attr:`hal.types.Route.on_replay`):
+:attr:`hal.types.Route.on_replay`). Two budgets:
 
-* a graph never replayed costs no executable;
-* at its first replay a graph joins the first topology whose executable
-  takes an update to it; one that none takes starts a topology of its own,
-  instantiating its own executable (the backend's refusals are counted);
-* at most ``per_topology`` executables per topology stay instantiated: a
-  replay of a graph no executable runs now takes a new one while there is
-  room, else updates the least recently used one to it;
-* a graph that draws random numbers keeps an executable of its own where the
-  backend says its replay's generator bookkeeping is per graph (CUDA: torch
-  advances the generators by what each graph drew).
+* ``"lazy"`` (the default, :data:`DEFAULT`): a graph gets an executable of
+  its own at its first replay, and keeps it; a graph never replayed costs
+  none. Replays run as fast as the framework's own (measured);
+* ``K`` (an int): graphs of one *topology* -- the same kernels in the same
+  order with other arguments, as the sizes of one decode step mostly are --
+  share at most ``K`` executables, the least recently used one updated to
+  the graph asked for (CUDA: ``cuGraphExecUpdate``, hal's
+  :meth:`hal.Backend.update_graph`). At its first replay a graph joins the
+  first topology whose executable takes an update to it; one that none takes
+  starts a topology of its own (refusals are counted). The memory of K
+  executables per topology, at a price: on an H200 an updated executable
+  replays about 1.3 x slower than one made for its graph, and an update
+  costs about a millisecond (``BENCHMARKS.md``, "Executables").
 
-An update costs about a millisecond on a GPU (measured in ``BENCHMARKS.md``),
-a first replay the instantiation; both only when the size asked for changes
-to one that no executable of its topology runs now.
+A graph that draws random numbers keeps an executable of its own where the
+backend says its replay's generator bookkeeping is per graph (CUDA: torch
+advances the generators by what each graph drew). ``None`` instead of a
+budget leaves every graph the executable its framework makes at the end of
+its capture.
 """
 
 from __future__ import annotations
@@ -38,27 +40,30 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import hal
 from hal.types import fmt_bytes
 
 log = logging.getLogger(__name__)
 
-#: executables kept per topology unless asked otherwise: chosen from the serving trace of
-#: ``python -m graphkit_bench.trace`` (BENCHMARKS.md, "Executables budget")
-DEFAULT_PER_TOPOLOGY = 4
+#: a budget: ``"lazy"`` (an executable per graph, made at its first replay), an int K >= 1 (at most K per
+#: topology, updated), or None (the framework's way: made at the capture's end)
+Budget = int | Literal["lazy"] | None
+#: the default budget: chosen from ``python -m graphkit_bench.trace`` and the replay times of updated executables
+#: (BENCHMARKS.md, "Executables"): no K met the trace's step-time targets on an H200, lazy executables replay at the
+#: framework's speed
+DEFAULT: Budget = "lazy"
 
 
-def checked_per_topology(value: object, call: str, backend: str | None = None,
-                         name: str = "executables") -> int | None:
-    """``value`` as an executables budget: an int >= 1, or None (no budget: every graph instantiated at its
-    capture's end, the framework's way); anything else is refused naming ``name``."""
-    if value is None:
-        return None
+def checked_budget(value: object, call: str, backend: str | None = None, name: str = "executables") -> Budget:
+    """``value`` as an executables budget (see :data:`Budget`); anything else is refused naming ``name``."""
+    if value is None or value == "lazy":
+        return value
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise hal.InvalidArgumentError(f"{name}={value!r} must be an int >= 1 (executable graphs kept per topology) "
-                                       f"or None (every graph keeps its own)", backend=backend, call=call)
+        raise hal.InvalidArgumentError(f"{name}={value!r} must be 'lazy' (an executable per graph, made at its first "
+                                       "replay), an int >= 1 (executable graphs kept per topology, updated) or None "
+                                       "(every graph its own, made at its capture's end)", backend=backend, call=call)
     return value
 
 
@@ -66,7 +71,7 @@ def checked_per_topology(value: object, call: str, backend: str | None = None,
 class ExecutableStats:
     """What an :class:`Executables` holds and did."""
 
-    per_topology: int
+    per_topology: int | None  # None: lazy, an executable per graph replayed
     graphs: int = 0  # graphs served (replayed at least once, not released)
     executables: int = 0  # executable forms alive now
     topologies: int = 0  # topologies among the served graphs (those drawing random numbers not counted)
@@ -81,6 +86,9 @@ class ExecutableStats:
         memory = fmt_bytes(self.driver_bytes) if self.driver_bytes is not None else "no driver memory (host device)"
         each = f" ({self.update_seconds / self.updates * 1e3:.2f} ms each)" if self.updates else ""
         own = f", {self.own} of their own (random numbers)" if self.own else ""
+        if self.per_topology is None:
+            return (f"executables: {self.executables} for {self.graphs} graph(s) replayed (lazy: one per graph at its "
+                    f"first replay, none for a graph never replayed){own}; {memory}")
         return (f"executables: {self.executables} for {self.graphs} graph(s) replayed, {self.topologies} "
                 f"topolog{'y' if self.topologies == 1 else 'ies'} (at most {self.per_topology} each){own}; "
                 f"{self.instantiations} instantiated, {self.updates} update(s){each}, {self.refused} refused; "
@@ -112,16 +120,17 @@ class _Topology:
 class Executables:
     """The executable forms of the graphs one owner serves (a :class:`graphkit.GraphPools`, a runner).
 
-    :param backend: the backend the graphs were captured on (``"lazy_graphs"`` and ``"graph_update"``).
-    :param per_topology: executables kept per topology (>= 1).
+    :param backend: the backend the graphs were captured on (``"lazy_graphs"``; ``"graph_update"`` for a K).
+    :param per_topology: executables kept per topology (>= 1); None: one per graph, made at its first replay.
 
     :meth:`replay` runs a graph; :meth:`forget` drops one that was released (its executable goes with it).
     A graph is held weakly: one garbage-collected is forgotten at the next call.
     """
 
-    def __init__(self, backend: hal.Backend, per_topology: int = DEFAULT_PER_TOPOLOGY) -> None:
+    def __init__(self, backend: hal.Backend, per_topology: int | Literal["lazy"] | None = None) -> None:
         self.backend = backend
-        self.per_topology = checked_per_topology(per_topology, "Executables", backend.name) or DEFAULT_PER_TOPOLOGY
+        budget = checked_budget(per_topology, "Executables", backend.name)
+        self.per_topology: int | None = None if budget == "lazy" else budget
         self._members: dict[int, _Member] = {}  # by the graph's id (checked against the member's reference)
         self._topologies: list[_Topology] = []
         self._dead: collections.deque[_Member] = collections.deque()
@@ -237,6 +246,13 @@ class Executables:
         """The host whose executable runs ``member``'s work after this call (updated where needed)."""
         graph = self._resolve(member)
         topology = member.topology
+        if self.per_topology is None:  # lazy: its own, made at its first launch, never updated
+            if topology is None:
+                topology = member.topology = _Topology()
+                topology.members += 1
+                self._topologies.append(topology)
+                return self._hosting(member)
+            return member
         if topology is None:
             found = self._classify(member, graph)
             if found is not None:
@@ -382,4 +398,4 @@ def _strong(obj: Any) -> Callable[[], Any]:
     return lambda: obj
 
 
-__all__ = ["DEFAULT_PER_TOPOLOGY", "ExecutableStats", "Executables", "checked_per_topology"]
+__all__ = ["DEFAULT", "Budget", "ExecutableStats", "Executables", "checked_budget"]

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import hal
 from graphkit.graphs.capture import CaptureHygieneError, leftover_blocks, report_leftovers, warm_up_checked
-from graphkit.graphs.executables import DEFAULT_PER_TOPOLOGY, Executables, checked_per_topology
+from graphkit.graphs.executables import DEFAULT, Budget, Executables, checked_budget
 from graphkit.graphs.isolation import IsolationError, KeyCheck, Verifier, VerifyStats
 from graphkit.graphs.keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
 from graphkit.graphs.report import KeyReport, PoolsReport, pools_report
@@ -51,7 +51,7 @@ def _check_arguments(backend: object, kind: object, saver: object, allocator_opt
                      caller: str, outputs: object = "kept", executables: object = None, **flags: object) -> None:
     """The arguments of a GraphPools, checked before anything is made (``flags``: options that take a bool)."""
     name = getattr(backend, "name", None)
-    checked_per_topology(executables, caller, name)
+    checked_budget(executables, caller, name)
     if outputs not in ("kept", "replay"):
         raise hal.InvalidArgumentError(f"outputs={outputs!r} must be 'kept' or 'replay'", backend=name, call=caller)
     _check_flags(caller, name, **flags)
@@ -99,19 +99,20 @@ def _kept(pools: GraphPools, entry: KeyPool) -> int:
     return 0 if pools.kind != "vmm" else sum(n for _, n in pools.backend.pool_active_blocks(entry.pool))
 
 
-def budget(be: hal.Backend, per_topology: int | None) -> Executables | None:
-    """The executables budget of ``per_topology`` on ``be``; None without one (asked for none, or the backend
-    cannot leave graphs uninstantiated and update them: said once per backend)."""
+def budget(be: hal.Backend, per_topology: Budget) -> Executables | None:
+    """The executables budget ``per_topology`` on ``be``; None without one (asked for none, or the backend cannot
+    leave graphs uninstantiated -- or, for a K, update them: said once per backend)."""
     if per_topology is None:
         return None
-    missing = [c for c in ("lazy_graphs", "graph_update") if not be.supports(c)]
+    needs = ("lazy_graphs",) if per_topology == "lazy" else ("lazy_graphs", "graph_update")
+    missing = [c for c in needs if not be.supports(c)]
     if missing:
         if be.name not in _unbudgeted:
             _unbudgeted.add(be.name)
             log.info("%s lacks %s: every graph keeps the executable its framework makes at the end of its capture "
                      "(no executables budget)", be.name, " and ".join(repr(c) for c in missing))
         return None
-    return Executables(be, per_topology)
+    return Executables(be, None if per_topology == "lazy" else per_topology)
 
 
 def _abandoned(backend_name: str, entries: Mapping[Hashable, KeyPool]) -> None:
@@ -150,22 +151,23 @@ class GraphPools(Closable):
     :param verify: the optional verifier: refuse a graph (:class:`graphkit.IsolationError`) that uses
         memory another key keeps on the shared chunks, read from the graph (``"graph_addresses"``;
         skipped with one log line without it; handle captures seen through ``"capture_routing"``).
-    :param executables: the executables budget (:mod:`graphkit.graphs.executables`): executable graphs kept
-        per topology, none for a graph never replayed; ``None``: one per graph, made at its capture's end.
+    :param executables: the executables budget (:mod:`graphkit.graphs.executables`): ``"lazy"`` (default: an
+        executable per graph at its first replay, none for one never replayed), K (at most K per topology,
+        updated), ``None`` (one per graph, made at its capture's end).
     :param allocator_options: options of :class:`SharedVMMAllocator`
         (``reserve_bytes``, ``max_physical_bytes``, ``arena_bytes``).
     """
 
     def __init__(self, backend: hal.Backend | None = None, kind: Kind = "vmm", *, hygiene: bool = False,
                  saver: MemorySaver | None = None, verify: bool = False, outputs: Outputs = "kept",
-                 executables: int | None = DEFAULT_PER_TOPOLOGY, **allocator_options: Any) -> None:
+                 executables: Budget = DEFAULT, **allocator_options: Any) -> None:
         self._open(backend, kind, None, hygiene=hygiene, saver=saver, verify=verify, outputs=outputs,
                    executables=executables, allocator_options=allocator_options, runner=False)
 
     @classmethod
     def for_runner(cls, backend: hal.Backend, kind: Kind = "vmm", *, strategy: PoolStrategy | None = None,
                    saver: MemorySaver | None = None, verify: bool = False,
-                   executables: int | None = DEFAULT_PER_TOPOLOGY, **allocator_options: Any) -> GraphPools:
+                   executables: Budget = DEFAULT, **allocator_options: Any) -> GraphPools:
         """Pools whose keys a :class:`graphkit.GraphRunner` captures into itself, through :meth:`lease`.
 
         As ``GraphPools(backend, kind, ...)``, except that captures into handles are not watched (the runner
@@ -182,7 +184,7 @@ class GraphPools(Closable):
         return pools
 
     def _open(self, backend: hal.Backend | None, kind: Kind, strategy: PoolStrategy | None, *, hygiene: bool,
-              saver: MemorySaver | None, verify: bool, outputs: Outputs, executables: int | None,
+              saver: MemorySaver | None, verify: bool, outputs: Outputs, executables: Budget,
               allocator_options: dict[str, Any], runner: bool) -> None:
         """Set the pools up (see :meth:`for_runner` for what ``runner`` changes)."""
         self._caller = caller = "GraphRunner" if runner else "GraphPools"
@@ -426,7 +428,7 @@ class GraphPools(Closable):
 @contextlib.contextmanager
 def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None = None, kind: Kind = "vmm",
                  hygiene: bool = False, verify: bool = False, outputs: Outputs = "kept", children: bool = True,
-                 executables: int | None = DEFAULT_PER_TOPOLOGY, **allocator_options: Any) -> Iterator[GraphPools]:
+                 executables: Budget = DEFAULT, **allocator_options: Any) -> Iterator[GraphPools]:
     """Every capture started inside the block draws from a fresh vmm space of the yielded :class:`GraphPools`.
 
     Whatever pool the engine passes -- none, its own shared pool, or
@@ -444,8 +446,7 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
         gets bytes of its own, so a piecewise forward captured without
         ``pools.group(key)`` replays right.
     :param verify: the optional verifier of :class:`GraphPools`.
-    :param executables: the executables budget of :class:`GraphPools` (executable graphs kept per topology;
-        None: the framework's own, one per graph).
+    :param executables: the executables budget of :class:`GraphPools` (``"lazy"``, K, or None).
     :param children: processes started inside the block (an engine's tensor-parallel ranks, its engine-core
         process) serve their own captures the same way, through ``GRAPHKIT_GRAPH_MEMORY`` set for the
         block's duration (:func:`graphkit.graphs.scope.served_children`; a value set already wins).

@@ -34,7 +34,7 @@ from graphkit.graphs import capture as cap
 from graphkit.graphs import isolation
 from graphkit.graphs.buckets import Bucket, CallPlan, CallPlans, Pieces
 from graphkit.graphs.buffers import StaticInputs
-from graphkit.graphs.executables import DEFAULT_PER_TOPOLOGY
+from graphkit.graphs.executables import DEFAULT, Budget
 from graphkit.graphs.outputs import Outputs
 from graphkit.graphs.pools import GraphPools, Kind
 from graphkit.graphs.report import Baseline, RunnerReport, SizeReport, driver_memory
@@ -96,9 +96,9 @@ class RunnerOptions:
         ``kind="vmm"`` (``reserve_bytes``, ``max_physical_bytes``, ...).
     :param pool_strategy: a ready :class:`graphkit.graphs.strategies.PoolStrategy`
         (overrides ``kind`` and ``allocator_options``).
-    :param executables: the executables budget (:mod:`graphkit.graphs.executables`): at most this many
-        executable graphs per topology stay instantiated, the least recently used one updated to the size a
-        call needs, and a size never called has none; ``None``: every size keeps its own, made at its capture.
+    :param executables: the executables budget (:mod:`graphkit.graphs.executables`): ``"lazy"`` (default: a
+        size's executable made at its first call, none for a size never called), K (at most K per topology,
+        the least recently used one updated to the size a call needs), ``None`` (made at each capture's end).
     """
 
     mode: Mode = "full"
@@ -117,7 +117,7 @@ class RunnerOptions:
     measure_memory: bool = False
     allocator_options: Mapping[str, Any] | None = None
     pool_strategy: PoolStrategy | None = None
-    executables: int | None = DEFAULT_PER_TOPOLOGY
+    executables: Budget = DEFAULT
 
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(RunnerOptions))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 
 import pytest
 import torch
@@ -67,6 +68,22 @@ def test_a_runner_with_one_executable_per_topology_replays_every_size_exactly_in
     assert len(compiled(runner_graphs(runner))) == topologies  # what fake really holds
     assert stats.graphs == len(sizes) and stats.updates > len(sizes)
     assert stats.refused == (0 if topologies == 1 else stats.refused) and (topologies == 1 or stats.refused > 0)
+    runner.close()
+
+
+def test_by_default_each_size_gets_its_own_executable_at_its_first_call_and_keeps_it(be: hal.Backend) -> None:
+    runner = graphkit.GraphRunner(step, sizes=[2, 4, 8, 16], backend=be, progress=False)
+    runner.capture(x=torch.zeros(16, 64))
+    ex = runner.pools.executables
+    assert ex.per_topology is None  # lazy
+    for batch in (3, 7, 3, 2, 7, 3):
+        x = torch.randn(batch, 64)
+        assert same(runner(x=x), step(x))
+    stats = ex.stats
+    assert (stats.executables, stats.instantiations, stats.updates, stats.refused) == (3, 3, 0, 0)
+    assert "lazy: one per graph at its first replay" in str(stats)
+    assert not runner.bucket(16).graphs[0].compiled  # never called: none
+    assert all(g.running is None for s in (2, 4, 8) for g in runner.bucket(s).graphs)  # never updated
     runner.close()
 
 
@@ -191,7 +208,7 @@ def test_a_closed_backend_or_a_released_graph_is_a_hal_error_never_a_launch(be: 
     runner.close()
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2", "eager"])
 def test_a_bad_budget_is_refused_naming_the_argument(be: hal.Backend, bad: object) -> None:
     with pytest.raises(hal.InvalidArgumentError, match="executables="):
         graphkit.GraphRunner(step, sizes=[4], backend=be, executables=bad)
@@ -209,7 +226,7 @@ def test_the_switch_refuses_a_bad_budget_in_one_line(text: str, monkeypatch: pyt
                                                      caplog: pytest.LogCaptureFixture) -> None:
     from graphkit import switch
 
-    with pytest.raises(hal.InvalidArgumentError, match="executables=N"):
+    with pytest.raises(hal.InvalidArgumentError, match=re.escape("executables=lazy|N|off")):
         switch.parse(text)
     monkeypatch.setenv("GRAPHKIT_GRAPH_MEMORY", text)
     monkeypatch.setattr(switch, "_reported", False)
@@ -219,6 +236,7 @@ def test_the_switch_refuses_a_bad_budget_in_one_line(text: str, monkeypatch: pyt
     lines = [r for r in caplog.records if r.name == "graphkit.switch"]
     assert len(lines) == 1 and "\n" not in lines[0].getMessage() and not lines[0].exc_info
     assert switch.parse("executables=off").executables is None and switch.parse("executables=3").executables == 3
+    assert switch.parse("executables=lazy").executables == "lazy" == switch.parse("1").executables
 
 
 def test_no_budget_leaves_every_graph_its_own_executable(be: hal.Backend) -> None:
