@@ -10,20 +10,12 @@ import torch
 
 import graphkit
 import hal
-from tests.graphkit.graphs.test_graph_pools_cuda import engine_loop, make_step
+from tests.graphkit.graphs.test_graph_pools_cuda import be, engine_loop, make_step
 
 pytestmark = pytest.mark.cuda
 
 SIZES = [64, 48, 32, 24, 16, 8, 4, 2, 1]
-
-
-@pytest.fixture
-def be():
-    backend = hal.get_backend("cuda")
-    yield backend
-    torch.cuda.synchronize()
-    gc.collect()
-    backend.close()
+__all__ = ["be"]  # the cuda backend fixture, shared with the pools' tests
 
 
 def test_a_runner_with_one_executable_per_topology_replays_every_size_exactly(be: hal.Backend) -> None:
