@@ -217,7 +217,8 @@ class Executables:
             members = [m for m in self._members.values() if m.topology is not None]
             return ExecutableStats(
                 self.per_topology, len(members), sum(m.host for m in members),
-                sum(not t.random for t in self._topologies), own=sum(t.random for t in self._topologies),
+                sum(not t.random for t in self._topologies) if self.per_topology is not None else 0,  # lazy: none
+                own=sum(t.random for t in self._topologies),
                 driver_bytes=self._driver_bytes if self._measured else None,
                 update_seconds=self._update_seconds, **self._counts)
 
