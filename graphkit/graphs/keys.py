@@ -441,12 +441,15 @@ class PoolKeys:
 
     def settle(self) -> None:
         """Release what routed graphs that died left behind, give the granules of survivors that died back to
-        the shared chunks (a safe point: no allocator call is running)."""
+        the shared chunks (a safe point: no allocator call is running). Nothing while a capture into a key is under
+        way on any thread: each of these steps unmaps after a device-wide wait, which a capture must not see
+        (the next safe point with none under way does them)."""
         with self._lock:
+            if self._under_way:
+                return
             self._release_dead()
-            if not self._under_way:  # remapping other spaces waits for the captures under way
-                self._kept.promote_waiting(self._entries)
-                self._kept.share_back(self._entries.values())
+            self._kept.promote_waiting(self._entries)
+            self._kept.share_back(self._entries.values())
             try:
                 self.strategy.settle()
             except hal.HalError as exc:

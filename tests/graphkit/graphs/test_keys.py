@@ -90,6 +90,28 @@ def test_a_promotion_waits_for_the_captures_under_way_and_the_last_one_to_end_do
     assert be.live.zero, be.live
 
 
+def test_nothing_is_given_back_at_a_safe_point_while_a_capture_is_under_way(be: hal.Backend) -> None:
+    """A safe point unmaps what died after a device-wide wait, which no capture may see: while a capture into
+    any key is under way on another thread, it waits, and the next safe point with none under way does it."""
+    w = torch.randn(128, 128) / 12
+    with graphkit.graph_memory(be) as pools:
+        graph, out = _capture(be, torch.randn(64, 128), w)
+        del out
+        open_graph = be.create_graph()
+        route = pools.route(open_graph, None)  # a capture begins on another thread's behalf
+        assert route is not None
+        spaces = pools.allocator.num_virtual_spaces
+        be.release_graph(graph)  # its key and space would go at this safe point
+        pools.collect()
+        assert pools.allocator.num_virtual_spaces == spaces  # nothing unmapped under the open capture
+        route.on_end(False)  # the open capture ends
+        pools.collect()
+        assert pools.allocator.num_virtual_spaces == spaces - 2 and not pools.keys
+        be.release_graph(open_graph)
+    pools.close()
+    assert be.live.zero, be.live
+
+
 _THREADS = r"""
 import logging, sys, threading, torch, hal, graphkit
 logging.disable(logging.ERROR)
