@@ -421,8 +421,8 @@ class GraphPools(Closable):
             self._finalizer.atexit = False
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else f"{len(self._keys.entries)} key(s)"
-        return f"<graphkit.GraphPools {self.backend.name} {self.kind} {state}>"
+        return f"<graphkit.GraphPools {self.backend.name} {self.kind} " + (
+            "closed>" if self.closed else f"{len(self._keys.entries)} key(s)>")
 
 
 @contextlib.contextmanager
