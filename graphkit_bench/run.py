@@ -444,14 +444,16 @@ def native_replay(be: hal.Backend, graph: Any) -> Callable[[], None]:
 
 
 def executable_figures(report: graphkit.RunnerReport) -> dict[str, Any]:
-    """What the executables budget holds and did; without a budget every captured graph holds the executable
-    made at the end of its capture (its bytes then lie in ``driver_bytes`` or the rest)."""
+    """What the executables budget holds and did (``budget``: K, ``"lazy"`` for one per graph made at its first
+    replay, None without a budget); without one every captured graph holds the executable made at the end of its
+    capture (its bytes then lie in ``driver_bytes`` or the rest)."""
     stats = report.executables
     if stats is None:
         return {"budget": None, "count": report.graphs, "graphs": report.graphs, "topologies": None,
                 "instantiations": report.graphs, "updates": 0, "refused": 0, "own": 0, "driver_bytes": None,
                 "update_seconds": 0.0}
-    return {"budget": stats.per_topology, "count": stats.executables, "graphs": stats.graphs,
+    budget = "lazy" if stats.per_topology is None else stats.per_topology
+    return {"budget": budget, "count": stats.executables, "graphs": stats.graphs,
             "topologies": stats.topologies, "instantiations": stats.instantiations, "updates": stats.updates,
             "refused": stats.refused, "own": stats.own, "driver_bytes": stats.driver_bytes,
             "update_seconds": stats.update_seconds}

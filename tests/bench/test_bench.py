@@ -248,7 +248,12 @@ def test_the_floor_line_is_the_largest_alone_plus_one_executable_per_further_top
     from graphkit_bench.targets import executable_floor
 
     floor = executable_floor(_rows({"descending": 400}, 432))
-    assert floor == {"topologies": 2, "per_executable_bytes": 1 << 20, "measured": True, "bytes": 100 + (1 << 20)}
+    assert floor == {"topologies": 2, "per_executable_bytes": 1 << 20, "measured": True, "bytes": 100 + (1 << 20),
+                     "executables": 2, "each": "topology"}
+    lazy = _rows({"descending": 400}, 432)
+    lazy["results"][0]["executables"]["budget"] = "lazy"  # an executable per graph replayed: 35 graphs
+    assert executable_floor(lazy) == {"topologies": 2, "per_executable_bytes": 1 << 20, "measured": True,
+                                      "bytes": 100 + 34 * (1 << 20), "executables": 35, "each": "graph"}
     host = executable_floor(_rows({"descending": 400}, 432, measured=False))
     assert host is not None and host["bytes"] == 100 and not host["measured"]
 
