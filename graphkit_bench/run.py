@@ -14,14 +14,16 @@ few padded batches). ``every_size`` adds a vmm row over every batch size
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import logging
 import platform
 import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -393,17 +395,19 @@ class Bench:
         alone = None
         graph_floor = self.run_graph_floor() if floor else None
         with tqdm(total=len(plan) + largest_alone + every_size, desc="bench", unit="run",
-                  disable=not cfg.progress) as bar:
+                  disable=not cfg.progress) as bar, settled_heap() as settle:
             if largest_alone:
                 bar.set_postfix(run="largest alone")
                 alone = self.run_largest_alone()
                 bar.update()
             for strategy, order in plan:
                 bar.set_postfix(run=f"{strategy}/{order}")
+                settle()
                 results.append(self.run_strategy(strategy, order))
                 bar.update()
             if every_size:
                 bar.set_postfix(run=EVERY_SIZE)
+                settle()
                 results.append(self.run_every_size())
                 bar.update()
         left_out = {}
@@ -431,6 +435,17 @@ class Bench:
 
     def close(self) -> None:
         self.be.close()
+
+
+@contextlib.contextmanager
+def settled_heap() -> Iterator[Callable[[], None]]:
+    """A block whose ``settle()`` puts every object alive at that moment (the model, the modules imported, the
+    figures so far) out of the garbage collector's sight until the block ends: a runner's close collects garbage,
+    and each collection then reads only what the runs since made (on a CPU 0.15 s less per runner closed)."""
+    try:
+        yield gc.freeze
+    finally:
+        gc.unfreeze()
 
 
 def native_replay(be: hal.Backend, graph: Any) -> Callable[[], None]:

@@ -282,3 +282,16 @@ def test_python_m_graphkit_bench_workload_tiny_still_runs(tmp_path: Path) -> Non
     out = json.loads((tmp_path / "bench.json").read_text())
     assert {r["strategy"] for r in out["results"]} == {"shared-weakref", "vmm"}
     assert "accounting:" in proc.stdout and "targets:" in proc.stdout
+
+
+def test_the_heap_settled_for_the_runs_goes_back_to_the_collector() -> None:
+    """What lived before a run is out of the collector's sight during the runs (each runner's close collects),
+    and back in it once the bench is done."""
+    import gc
+
+    from graphkit_bench.run import settled_heap
+
+    with settled_heap() as settle:
+        settle()
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
