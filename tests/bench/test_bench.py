@@ -336,7 +336,7 @@ def test_the_heap_settled_for_the_runs_goes_back_to_the_collector() -> None:
     and back in it once the bench is done."""
     import gc
 
-    from graphkit_bench.run import settled_heap
+    from graphkit_bench.timing import settled_heap
 
     with settled_heap() as settle:
         settle()
