@@ -37,6 +37,7 @@ from typing import Any
 
 import hal
 from graphkit_bench.fair import judge_ratio, spread
+from graphkit_bench.helptext import OneDefaultFormatter
 
 log = logging.getLogger("graphkit.bench.capture_pairs")
 
@@ -177,7 +178,7 @@ def parser() -> argparse.ArgumentParser:
     from graphkit_bench.cli import CliParser, int_in, parse_sizes, positive_float
 
     p = CliParser(prog="python -m graphkit_bench.capture_pairs", description=__doc__.split("\n\n")[0],
-                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                  formatter_class=OneDefaultFormatter)
     p.add_argument("--workload", choices=sorted(PAIRS), default="reference",
                    help="reference: vmm against shared-weakref; engine, hf: graph_memory against own-kept")
     p.add_argument("--pairs", type=int_in(1), default=PAIRS_ASKED,

@@ -12,16 +12,27 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import hal
 from graphkit_bench import verifier
 from graphkit_bench.engines import ENGINE_SIZES, ENGINE_STRATEGIES, WORKLOADS, run_engine_bench
+from graphkit_bench.helptext import OneDefaultFormatter
 from graphkit_bench.model import DecoderConfig
 from graphkit_bench.strategies import COMPILE, EVERY_SIZE, ORDERS, STRATEGIES
+from hal.types import fmt_bytes
+
+if TYPE_CHECKING:
+    from graphkit_bench.run import BenchConfig
 
 DEMO_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
-DEMO_FAKE_GRANULARITY = 64 << 10  # small granules, so a small model shows the differences
+#: fake's granule for the tiny decoder (the demo's, and ``bench --workload tiny``'s): its largest size takes about
+#: 40 of them, as a real model's graphs take tens of a GPU's 2 MiB granules; fake's own 2 MiB would hold the whole
+#: tiny graph in one granule and every strategy but a pool per graph would show the same figure
+TINY_FAKE_GRANULARITY = 16 << 10
+#: the demo's capture orders: largest first (where one shared pool does best), smallest first, and sizes
+#: captured when a batch first needs them, in a random order (as an engine that captures lazily at run time)
+DEMO_ORDERS = ["descending", "ascending", "on-demand"]
 SEED_LIMIT = 1 << 63  # torch generators take seeds below 2**64; the engine runs add the run index
 #: the parts of an isolated decoder bench besides its strategies: the driver's memory per graph, the largest alone,
 #: the every-size row
@@ -144,15 +155,16 @@ def _names(allowed: list[str]) -> Callable[[str], list[str]]:
 
 def _add_demo_command(sub: Any) -> None:
     """The ``demo`` command and its options."""
-    demo = sub.add_parser("demo", help="every memory strategy side by side on a small decoder (a minute on a CPU)")
+    demo = sub.add_parser("demo", help="every memory strategy side by side on a small decoder (a minute on a CPU)",
+                          formatter_class=OneDefaultFormatter)
     demo.add_argument("--out-dir", type=Path, default=Path("graphkit-demo"),
-                      help="where the JSON and the PNG go (default: ./graphkit-demo)")
+                      help="where demo.json and demo.png go (default: ./graphkit-demo)")
     demo.add_argument("--backend", help="hal backend (default: the best available; fake on a CPU)")
 
 
 def _add_workload_options(bench: argparse.ArgumentParser) -> None:
     """``bench``: what it measures (the decoder's shape, or an engine's own loop)."""
-    ref = DecoderConfig()
+    ref, tiny = DecoderConfig(), DecoderConfig.tiny()
     w = bench.add_argument_group("workload (defaults: the reference Qwen3-0.6B-shaped decoder)")
     w.add_argument("--workload", choices=["reference", "tiny", "engine", "hf"], default="reference",
                    help="the reference decoder or a tiny one (the options below override), or an engine's own "
@@ -163,16 +175,20 @@ def _add_workload_options(bench: argparse.ArgumentParser) -> None:
                    help="engine and hf workloads: runs per case (fresh processes on devices); the median is shown")
     for name in DECODER_FLAGS:
         w.add_argument(f"--{name.replace('_', '-')}", type=int_in(1), default=None,
-                       help=f"decoder {name.replace('_', ' ')} (reference: {getattr(ref, name)})")
+                       help=f"decoder {name.replace('_', ' ')} (default: the workload's; reference "
+                            f"{getattr(ref, name)}, tiny {getattr(tiny, name)})")
     w.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                   help=f"weights and activations (reference: {ref.dtype})")
+                   help=f"weights and activations (default: the workload's; reference {ref.dtype}, tiny "
+                        f"{tiny.dtype})")
 
 
 def _add_run_options(bench: argparse.ArgumentParser) -> None:
     """``bench``: sizes, strategies, orders, backend and how each run is made."""
     bench.add_argument("--sizes", type=parse_sizes, default=None,
-                       help="batch sizes, e.g. '1,2,4,8:257:8' (a:b:c = range(a, b, c)); "
-                            "default [1, 2, 4] + range(8, 257, 8)")
+                       help="batch sizes, e.g. '1,2,4,8:257:8' (a:b:c = range(a, b, c)); default: "
+                            f"1,2,4,8:257:8 for the reference decoder, {','.join(map(str, DEMO_SIZES))} for tiny, "
+                            f"{','.join(map(str, ENGINE_SIZES))} for engine and hf (1,2,4,8 for --kv-sizing with "
+                            "--engine-config tiny)")
     bench.add_argument("--strategies", type=_names([*STRATEGIES, COMPILE, *ENGINE_STRATEGIES]), default=None,
                        help=f"comma-separated strategies (decoder: {', '.join([*STRATEGIES, COMPILE])}; "
                             f"engine and hf: {', '.join(ENGINE_STRATEGIES)}); default: all of the workload's")
@@ -181,7 +197,8 @@ def _add_run_options(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--every-size", action="store_true",
                        help="add a vmm row that captures every batch size 1..the largest (256 graphs for the "
                             "reference), largest first, next to the row of --sizes; judged: it costs <= 1.1 x")
-    bench.add_argument("--backend", help="hal backend (default: the best available)")
+    bench.add_argument("--backend", help="hal backend (default: the best available; fake on a CPU, with "
+                                         f"{fmt_bytes(TINY_FAKE_GRANULARITY)} granules for the tiny decoder)")
     bench.add_argument("--device", type=int_in(0), default=0, help="device index")
     bench.add_argument("--iters", type=int_in(1), default=50, help="timed calls per figure")
     bench.add_argument("--compile-budget", type=positive_float, default=180.0,
@@ -215,23 +232,26 @@ _MODES = {
 
 def _add_sleep_options(sleep: argparse._ArgumentGroup) -> None:
     sleep.add_argument("--sleep-sizes", type=parse_mib_sizes, default=None,
-                       help="tag sizes in MiB for --sleep, e.g. '1024,4096'")
+                       help="tag sizes in MiB for --sleep, e.g. '1024,4096' (default: 1024,4096,16384 on a device, "
+                            "16,64 on a CPU)")
     sleep.add_argument("--cycles", type=int_in(1), default=5,
                        help="pause/resume cycles per case (the median is shown)")
     sleep.add_argument("--rounds", type=int_in(1), default=None,
-                       help="--sleep: rounds per size, graphkit and torch_memory_saver alternating, each a fresh tag "
-                            "(default 3); --elastic: alternations of allocate-and-copy and elastic growth per size "
-                            "(default 5)")
+                       help="--sleep: rounds per size, graphkit and torch_memory_saver alternating, each a fresh "
+                            "tag; --elastic: alternations of allocate-and-copy and elastic growth per size (default: "
+                            "3 for --sleep, 5 for --elastic)")
 
 
 def _add_elastic_options(elastic: argparse._ArgumentGroup) -> None:
     elastic.add_argument("--elastic-sizes", type=parse_mib_sizes, default=None,
-                         help="regrowth sizes in MiB for --elastic, e.g. '1024,4096'")
+                         help="regrowth sizes in MiB for --elastic, e.g. '1024,4096' (default: 1024,4096,16384 on a "
+                              "device, 16,64 on a CPU)")
 
 
 def _add_kv_sizing_options(kv: argparse._ArgumentGroup) -> None:
     kv.add_argument("--kv-margin-mib", type=int_in(0), default=None,
-                    help="--kv-sizing: device memory both approaches leave alone (default 1024 on a device, 1 on fake)")
+                    help="--kv-sizing: device memory both approaches leave alone (default: 1024 on a device, 1 on "
+                         "fake)")
     kv.add_argument("--kv-estimate-mib", type=int_in(0), default=None,
                     help="--kv-sizing: the graph memory estimate (default: the peak of an eager step at the largest "
                          "batch, the profile engines make)")
@@ -247,11 +267,11 @@ def _add_mode_options(bench: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = CliParser(prog="python -m graphkit", description=__doc__)
+    parser = CliParser(prog="python -m graphkit", description=__doc__, formatter_class=OneDefaultFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo_command(sub)
     bench = sub.add_parser("bench", help="the full benchmark: strategies x capture orders, JSON + PNG + table",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=OneDefaultFormatter)
     for add in (_add_workload_options, _add_run_options, _add_mode_options):
         add(bench)
     bench.add_argument("--part", help=argparse.SUPPRESS)
@@ -442,10 +462,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def demo(args: argparse.Namespace, prog: str, command: str) -> int:
-    """``demo``: every strategy on a tiny decoder, two capture orders."""
+    """``demo``: every strategy on a tiny decoder, three capture orders (:func:`demo_config`)."""
     import torch
-
-    from graphkit_bench.run import BenchConfig
 
     for check in (lambda: backend_error(args.backend), lambda: out_dir_error(args.out_dir)):
         why = check()
@@ -456,13 +474,28 @@ def demo(args: argparse.Namespace, prog: str, command: str) -> int:
         # the demo's ops are too small to gain from more CPU threads, and threads that wait on each other turn
         # another process's load into steps several times slower (the timed targets become noise)
         torch.set_num_threads(1)
-    cfg = BenchConfig(workload=DecoderConfig.tiny(), sizes=DEMO_SIZES, strategies=list(STRATEGIES),
-                      orders=["descending", "ascending"], backend=name, iters=5, command=command,
-                      backend_options={"granularity": DEMO_FAKE_GRANULARITY} if name == "fake" else {})
+    cfg = demo_config(name, command)
+    granule = cfg.backend_options.get("granularity")
     print(f"graphkit demo on backend {name}: a "
           f"{cfg.workload.layers}-layer decoder, {len(cfg.sizes)} batch sizes, "
-          f"{len(cfg.strategies)} memory strategies x {len(cfg.orders)} capture orders")
+          f"{len(cfg.strategies)} memory strategies x {len(cfg.orders)} capture orders ({', '.join(cfg.orders)})"
+          + (f", {fmt_bytes(granule)} granules" if granule else ""))
     return run_bench(cfg, args.out_dir, "demo")
+
+
+def tiny_backend_options(name: str) -> dict[str, Any]:
+    """Options of backend ``name`` for the tiny decoder: fake's granule (:data:`TINY_FAKE_GRANULARITY`); a
+    device's is its driver's."""
+    return {"granularity": TINY_FAKE_GRANULARITY} if name == "fake" else {}
+
+
+def demo_config(name: str, command: str = "python -m graphkit demo") -> BenchConfig:
+    """The demo's bench on backend ``name``: every memory strategy, :data:`DEMO_ORDERS`, the tiny decoder."""
+    from graphkit_bench.run import BenchConfig
+
+    return BenchConfig(workload=DecoderConfig.tiny(), sizes=DEMO_SIZES, strategies=list(STRATEGIES),
+                       orders=list(DEMO_ORDERS), backend=name, iters=5, command=command,
+                       backend_options=tiny_backend_options(name))
 
 
 def measure_other(args: argparse.Namespace, command: str) -> int | None:
@@ -503,11 +536,13 @@ def decoder_bench(args: argparse.Namespace, command: str, user_argv: list[str]) 
     overrides = {k: getattr(args, k) for k in base.as_dict() if getattr(args, k, None) is not None}
     workload = DecoderConfig(**{**base.as_dict(), **overrides})
     sizes = args.sizes or (REFERENCE_SIZES if args.workload == "reference" else DEMO_SIZES)
+    name = hal.registry.select_backend_name(args.backend, requires=("graphs",))
     cfg = BenchConfig(workload=workload, sizes=sizes, strategies=strategies, orders=args.orders,
                       backend=args.backend, device=args.device, iters=args.iters,
                       compile_budget_s=args.compile_budget, seed=args.seed, progress=not args.no_progress,
-                      command=command, every_size=args.every_size)
-    if hal.registry.select_backend_name(args.backend, requires=("graphs",)) == "fake":
+                      command=command, every_size=args.every_size,
+                      backend_options=tiny_backend_options(name) if args.workload == "tiny" else {})
+    if name == "fake":
         import torch
 
         torch.set_num_threads(1)  # as the demo: small ops gain nothing from threads that wait on each other

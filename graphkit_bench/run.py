@@ -36,7 +36,7 @@ from graphkit_bench.fair import interleaved
 from graphkit_bench.model import Decoder, DecoderConfig
 from graphkit_bench.strategies import COMPILE, EVERY_SIZE, ORDERS, STRATEGIES, Order
 from graphkit_bench.targets import EXACT_LIMIT, check_targets
-from graphkit_bench.timing import interleaved_ms, ms_per_call, rel_error, round_ratios
+from graphkit_bench.timing import interleaved_ms, ms_per_call, rel_error, round_ratios, settled_heap
 
 log = logging.getLogger("graphkit.bench")
 
@@ -393,17 +393,19 @@ class Bench:
         alone = None
         graph_floor = self.run_graph_floor() if floor else None
         with tqdm(total=len(plan) + largest_alone + every_size, desc="bench", unit="run",
-                  disable=not cfg.progress) as bar:
+                  disable=not cfg.progress) as bar, settled_heap() as settle:
             if largest_alone:
                 bar.set_postfix(run="largest alone")
                 alone = self.run_largest_alone()
                 bar.update()
             for strategy, order in plan:
                 bar.set_postfix(run=f"{strategy}/{order}")
+                settle()
                 results.append(self.run_strategy(strategy, order))
                 bar.update()
             if every_size:
                 bar.set_postfix(run=EVERY_SIZE)
+                settle()
                 results.append(self.run_every_size())
                 bar.update()
         left_out = {}
@@ -444,14 +446,16 @@ def native_replay(be: hal.Backend, graph: Any) -> Callable[[], None]:
 
 
 def executable_figures(report: graphkit.RunnerReport) -> dict[str, Any]:
-    """What the executables budget holds and did; without a budget every captured graph holds the executable
-    made at the end of its capture (its bytes then lie in ``driver_bytes`` or the rest)."""
+    """What the executables budget holds and did (``budget``: K, ``"lazy"`` for one per graph made at its first
+    replay, None without a budget); without one every captured graph holds the executable made at the end of its
+    capture (its bytes then lie in ``driver_bytes`` or the rest)."""
     stats = report.executables
     if stats is None:
         return {"budget": None, "count": report.graphs, "graphs": report.graphs, "topologies": None,
                 "instantiations": report.graphs, "updates": 0, "refused": 0, "own": 0, "driver_bytes": None,
                 "update_seconds": 0.0}
-    return {"budget": stats.per_topology, "count": stats.executables, "graphs": stats.graphs,
+    budget = "lazy" if stats.per_topology is None else stats.per_topology
+    return {"budget": budget, "count": stats.executables, "graphs": stats.graphs,
             "topologies": stats.topologies, "instantiations": stats.instantiations, "updates": stats.updates,
             "refused": stats.refused, "own": stats.own, "driver_bytes": stats.driver_bytes,
             "update_seconds": stats.update_seconds}

@@ -40,6 +40,7 @@ import torch
 import graphkit
 import hal
 from graphkit_bench.fair import fmt_spread, rotated, spread
+from graphkit_bench.timing import settled_heap
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger("graphkit.bench")
@@ -359,25 +360,28 @@ def run_sleep_bench(backend: str | None, device: int, sizes: list[int] | None, c
         # one small untimed cycle of each kind first: the driver's one-time setup of pinned copies and
         # of the hooks is process-wide, not memory of the tag measured next
         cases = [graphkit_case, tms_case, elastic_case, hal_case]
-        for case in cases if fits else []:
-            for backup in (False, True):
-                case(be, min(fits), backup, 1)
         rows = []
-        for nbytes in sizes:
-            for backup in (False, True):
-                why = room_for(be, nbytes, backup)
-                if why is not None:
-                    skipped.append({"bytes": nbytes, "backup": backup, "reason": why})
-                    log.warning("sleep bench: %s %s backup left out: %s", fmt_bytes(nbytes),
-                                "with" if backup else "without", why)
-                    continue
-                measured: dict[str, list[dict[str, Any]]] = {}
-                for i in range(rounds):  # the one that goes first changes every round
-                    for case in rotated(cases, i):
-                        row = case(be, nbytes, backup, cycles)
-                        if row is not None:
-                            measured.setdefault(row["impl"], []).append(row)
-                rows += [merge_rounds(measured[impl]) for impl in IMPLS if impl in measured]
+        with settled_heap() as settle:  # every case collects garbage before it is timed
+            for case in cases if fits else []:
+                for backup in (False, True):
+                    settle()
+                    case(be, min(fits), backup, 1)
+            for nbytes in sizes:
+                for backup in (False, True):
+                    why = room_for(be, nbytes, backup)
+                    if why is not None:
+                        skipped.append({"bytes": nbytes, "backup": backup, "reason": why})
+                        log.warning("sleep bench: %s %s backup left out: %s", fmt_bytes(nbytes),
+                                    "with" if backup else "without", why)
+                        continue
+                    measured: dict[str, list[dict[str, Any]]] = {}
+                    for i in range(rounds):  # the one that goes first changes every round
+                        for case in rotated(cases, i):
+                            settle()
+                            row = case(be, nbytes, backup, cycles)
+                            if row is not None:
+                                measured.setdefault(row["impl"], []).append(row)
+                    rows += [merge_rounds(measured[impl]) for impl in IMPLS if impl in measured]
         granularity = be.granularity
         name = be.name
         pinned = be.torch_device().type != "cpu"

@@ -13,8 +13,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "shared-kept": {"kind": "shared", "keep_outputs": "strong", "executables": None},
     # one pool, largest first, outputs held by non-owning references (vLLM)
     "shared-weakref": {"kind": "shared", "keep_outputs": "weak", "executables": None},
-    # a fresh virtual space per capture over one set of physical chunks, at most a few executable graphs per
-    # topology (graphkit)
+    # a fresh virtual space per capture over one set of physical chunks, its default executables (graphkit)
     "vmm": {"kind": "vmm"},
 }
 
@@ -32,6 +31,6 @@ DESCRIPTIONS = {
     "private": "a pool per graph (torch default)",
     "shared-kept": "one pool, outputs kept (SGLang, nano-vllm)",
     "shared-weakref": "one pool, outputs weakly referenced (vLLM)",
-    "vmm": "fresh virtual space per capture, shared chunks, executables budget (graphkit)",
+    "vmm": "fresh virtual space per capture over shared chunks (graphkit)",
     COMPILE: 'torch.compile(mode="reduce-overhead")',
 }

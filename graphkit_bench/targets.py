@@ -45,8 +45,9 @@ def _exactness(row: dict[str, Any], name: str) -> str | None:
 
 def executable_floor(out: dict[str, Any]) -> dict[str, Any] | None:
     """The floor of graph memory with an executables budget: the largest size alone (its own executable
-    included) plus, per topology beyond the first, one executable's measured bytes (vmm's: its executables'
-    driver bytes per instantiation). None without the figures."""
+    included) plus one executable's measured bytes (vmm's: its executables' driver bytes per instantiation) per
+    further topology with a budget of K, per further graph replayed with lazy executables (``"each"`` says
+    which; ``"executables"`` counts them with the largest's). None without the figures."""
     res = out.get("results", [])
     vmm = _find(res, "vmm", "descending") or next((r for r in res if r["strategy"] == "vmm"), None)
     alone = out.get("largest_alone_bytes")
@@ -55,8 +56,10 @@ def executable_floor(out: dict[str, Any]) -> dict[str, Any] | None:
         return None
     measured = ex.get("driver_bytes") is not None and bool(ex.get("instantiations"))
     per = ex["driver_bytes"] / ex["instantiations"] if measured else 0.0
+    lazy = ex.get("budget") == "lazy"
+    count = ex["graphs"] if lazy else ex["topologies"]
     return {"topologies": ex["topologies"], "per_executable_bytes": per, "measured": measured,
-            "bytes": alone + (ex["topologies"] - 1) * per}
+            "bytes": alone + (count - 1) * per, "executables": count, "each": "graph" if lazy else "topology"}
 
 
 def _memory_target(out: dict[str, Any], vmm: dict, weak: dict, granule: int) -> tuple[str, bool, float, str]:

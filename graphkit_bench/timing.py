@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import hal
@@ -93,3 +95,21 @@ def work_clock(backend: hal.Backend) -> Callable[[], float]:
 def round_ratios(times: Mapping[str, list[float]], numerator: str, denominator: str) -> list[float]:
     """``numerator`` over ``denominator``, round by round, from :func:`interleaved_ms`."""
     return [a / b for a, b in zip(times[numerator], times[denominator], strict=True)]
+
+
+def settle() -> None:
+    """Collect the garbage there is, then put every object alive (the model, the modules imported, the figures so
+    far) out of the garbage collector's sight: later collections read only what was made since."""
+    gc.collect()
+    gc.freeze()
+
+
+@contextlib.contextmanager
+def settled_heap() -> Iterator[Callable[[], None]]:
+    """A block of runs that each close with a garbage collection (a runner's close, a sleep case): ``settle()``
+    (:func:`settle`) before each keeps those collections to what the run made (on a CPU 0.15 s less each); every
+    object goes back to the collector's sight when the block ends."""
+    try:
+        yield settle
+    finally:
+        gc.unfreeze()

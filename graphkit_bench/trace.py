@@ -57,6 +57,7 @@ from tqdm.auto import tqdm
 import hal
 from graphkit.graphs.executables import DEFAULT, Budget
 from graphkit_bench.fair import fmt_spread, rotated, spread
+from graphkit_bench.helptext import OneDefaultFormatter
 from graphkit_bench.model import Decoder, DecoderConfig
 from graphkit_bench.run import REFERENCE_SIZES
 from graphkit_bench.timing import rel_error
@@ -562,7 +563,7 @@ def parser() -> argparse.ArgumentParser:
     from graphkit_bench.cli import CliParser
 
     p = CliParser(prog="python -m graphkit_bench.trace", description=__doc__.split("\n\n")[0],
-                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                  formatter_class=OneDefaultFormatter)
     p.add_argument("--backend", default=None, help="hal backend (default: the best available)")
     p.add_argument("--device", type=int, default=0, help="device index")
     p.add_argument("--config", choices=sorted(CONFIGS), default="reference",

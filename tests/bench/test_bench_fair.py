@@ -238,38 +238,3 @@ def test_a_gpu_only_target_is_not_judged_and_shows_no_ratio_on_a_cpu() -> None:
     table = summary_table({"machine": {"backend": "fake", "processor": "x", "torch": "2"}, "sizes": [1],
                            "largest_alone_bytes": 1, "eager_ms": {}, "results": [], "targets": [cpu]})
     assert "5. [not judged]" in table and "ratio -" in table
-
-
-def test_the_table_explains_its_columns() -> None:
-    from graphkit_bench.output import summary_table
-
-    table = summary_table({"machine": {"backend": "fake", "processor": "x", "torch": "2"}, "sizes": [1],
-                           "largest_alone_bytes": 1, "eager_ms": {}, "results": [], "targets": []})
-    head = next(line for line in table.splitlines() if line.startswith("strategy"))
-    columns = [c for c in ("graph memory", "chunks", "capture s", "verify", "ms @1", "hand @1", "max rel err", "ok")
-               if c in head]
-    explained = table[table.index("columns:"):]
-    assert len(columns) == 8 and all(f"{c} = " in explained for c in columns), explained
-
-
-def test_the_plot_shows_graphkits_line_on_top_and_a_legend_in_every_panel(tmp_path, monkeypatch) -> None:
-    pytest.importorskip("matplotlib")
-    import matplotlib.pyplot as plt
-
-    from graphkit_bench import output
-
-    figures = []
-    monkeypatch.setattr(plt, "close", figures.append)
-    same = [1 << 20, 2 << 20]  # vLLM's line and graphkit's equal: graphkit's must still be seen
-    out = {"machine": {"backend": "fake", "torch": "2"}, "largest_alone_bytes": 1 << 20, "sizes": [2, 1],
-           "results": [{"strategy": s, "order": o, "memory_after_each_capture": same}
-                       for o in ("descending", "ascending") for s in ("shared-weakref", "vmm")]}
-    assert output.plot(out, tmp_path / "demo.png")
-    axes = figures[0].axes
-    assert len(axes) == 2 and all(ax.get_legend() is not None for ax in axes)
-    for ax in axes:
-        lines = {line.get_label(): line for line in ax.get_lines()}
-        ours = lines[output.DESCRIPTIONS["vmm"]]
-        others = [line for label, line in lines.items() if line is not ours]
-        assert ours.get_linestyle() == "-" and all(o.get_linestyle() != "-" for o in others)  # dashed over it
-        assert all(ours.get_linewidth() >= 3 * o.get_linewidth() for o in others)  # a band wider than each

@@ -24,6 +24,7 @@ def _sweep(tmp_path: Path, backend: str, *extra: str) -> tuple[dict[str, Any], s
     return json.loads((tmp_path / "drivermem.json").read_text()), (tmp_path / "drivermem.md").read_text()
 
 
+@pytest.mark.slow  # three fresh processes
 def test_a_small_sweep_writes_its_tables_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result, text = _sweep(tmp_path, "fake")  # each part in a process of its own
     assert capsys.readouterr().out.strip() == text.strip()  # the CLI prints what it wrote
