@@ -217,9 +217,8 @@ class GraphPools(Closable):
 
         Captures into handles (of this method and of :meth:`group`) are watched (verified, their replays
         served by the executables budget) from the first handle made until :meth:`close`, where the
-        backend routes captures. A key's space keeps room to grow
-        until the key is released: handles may be asked for in any order,
-        and captures into several keys may run in several threads at once.
+        backend routes captures. A key's space keeps room to grow until the key is released: handles may be
+        asked for in any order, and captures into several keys may run in several threads at once.
         """
         return self._routing.handle(key)
 
