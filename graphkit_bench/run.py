@@ -451,7 +451,8 @@ def executable_figures(report: graphkit.RunnerReport) -> dict[str, Any]:
         return {"budget": None, "count": report.graphs, "graphs": report.graphs, "topologies": None,
                 "instantiations": report.graphs, "updates": 0, "refused": 0, "own": 0, "driver_bytes": None,
                 "update_seconds": 0.0}
-    return {"budget": stats.per_topology, "count": stats.executables, "graphs": stats.graphs,
+    budget = stats.per_topology if stats.per_topology is not None else "lazy"
+    return {"budget": budget, "count": stats.executables, "graphs": stats.graphs,
             "topologies": stats.topologies, "instantiations": stats.instantiations, "updates": stats.updates,
             "refused": stats.refused, "own": stats.own, "driver_bytes": stats.driver_bytes,
             "update_seconds": stats.update_seconds}
