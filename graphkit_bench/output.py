@@ -29,8 +29,9 @@ ACCOUNTING_COLUMNS = [
     ("accounting: device = graph memory (after the replays) = chunks + executables' bytes + workspaces + the rest; "
      "survivors = of the chunks, those under memory that outlived its capture;"),
     ("  executables = alive / made (instantiations) / updates / refused updates, K = at most that many per "
-     "topology (lazy: one per graph, made at its first replay; - : no budget, every graph instantiated at its capture's end: its bytes are in the rest, with "
-     "the framework pools' memory); n/m = not measured (a host device keeps no driver memory)."),
+     "topology (lazy: one per graph, made at its first replay; - : no budget, every graph instantiated at its "
+     "capture's end: its bytes are in the rest, with the framework pools' memory); n/m = not measured (a host "
+     "device keeps no driver memory)."),
 ]
 
 

@@ -52,7 +52,7 @@ def test_the_trace_replays_through_the_runner_and_the_scope_on_fake(tmp_path: Pa
     out = json.loads((tmp_path / "trace.json").read_text())
     names = [r["strategy"] for r in out["rows"]]
     default = "lazy"  # graphkit's default budget: an executable per size at its first replay
-    assert trace.DEFAULT == default
+    assert default == trace.DEFAULT
     assert names == ["runner all", "runner K=1", f"runner {default}", "scope all", "scope K=1", f"scope {default}"]
     rows = {r["strategy"]: r for r in out["rows"]}
     for r in out["rows"]:
