@@ -54,3 +54,35 @@ def test_the_benchmarks_page_keeps_its_history_apart_and_names_a_machine_per_sec
         if title.startswith(("What each strategy", "JSON schema", "Machines", "Targets of")):
             continue
         assert re.search(r"H200|H100|CPU", section), f"section {title!r} names no machine"
+
+
+def test_the_engine_guides_three_options_state_the_defaults() -> None:
+    """docs/engines.md's five-minute table gives each option's default; the code has those defaults on every
+    path (GraphPools, graph_memory, the switch)."""
+    import inspect
+
+    import graphkit
+    import graphkit.switch
+
+    text = (ROOT / "docs" / "engines.md").read_text()
+    table = text[text.index("## Five minutes"):text.index("## The two ways in")]
+    for name in ("outputs", "executables", "verify"):
+        default = inspect.signature(graphkit.GraphPools.__init__).parameters[name].default
+        assert inspect.signature(graphkit.graph_memory).parameters[name].default == default
+        assert getattr(graphkit.switch.Options(), name) == default
+        shown = f'"{default}"' if isinstance(default, str) else str(default)
+        assert f"| `{name}` | `{shown}` |" in table, (name, default)
+
+
+def test_every_switch_value_the_docs_show_is_accepted() -> None:
+    import graphkit.switch
+
+    values = set()
+    for doc in (ROOT / "README.md", *(ROOT / "docs").glob("*.md")):
+        for value in re.findall(r"GRAPHKIT_GRAPH_MEMORY=([\w=,|.<>]+)", doc.read_text()):
+            value = value.rstrip(".,")
+            if not re.search(r"[|<>]|SECONDS", value):  # option syntax (`kind=vmm|shared`), not a value
+                values.add(value)
+    assert {"1", "outputs=replay,executables=4,verify=1", "executables=off"} <= values, values
+    for value in values:
+        graphkit.switch.parse(value)  # raises hal.InvalidArgumentError for a value the switch refuses

@@ -442,8 +442,9 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
         ``kind``, ``hygiene``, ``verify``, ``outputs`` and the allocator options are theirs).
     :param outputs: see :class:`GraphPools`: by default what a capture
         leaves allocated (its outputs, a piece's output the next piece reads)
-        gets bytes of its own, so a piecewise forward captured without
-        ``pools.group(key)`` replays right.
+        gets bytes of its own while it stays allocated, so a piecewise forward
+        whose pieces' outputs the engine keeps alive replays right without
+        ``pools.group(key)`` (one that drops them after the capture needs it).
     :param verify: the optional verifier of :class:`GraphPools`.
     :param executables: the executables budget of :class:`GraphPools` (``"lazy"``, K, or None).
     :param children: processes started inside the block (an engine's tensor-parallel ranks, its engine-core
