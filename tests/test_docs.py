@@ -86,3 +86,115 @@ def test_every_switch_value_the_docs_show_is_accepted() -> None:
     assert {"1", "outputs=replay,executables=4,verify=1", "executables=off"} <= values, values
     for value in values:
         graphkit.switch.parse(value)  # raises hal.InvalidArgumentError for a value the switch refuses
+
+
+# -- the plugin guide ----------------------------------------------------------------------------------------------
+
+MORE = '''
+"""A host device that declares more than the host recorder gives, as docs/plugins.md shows."""
+
+import hal
+from hal.host import HostGraphs, vm
+from hal.types import MemInfo
+
+
+class MoreBackend(HostGraphs):
+    hal_priority = 3000
+
+    def __init__(self, device=0, *, granularity=64 << 10):
+        self.g = granularity
+        self.init_host_graphs("more", alloc=lambda n: vm.alloc(n, backend="more"),
+                              free=lambda p, n: vm.free(p, n, backend="more"), segment_size=granularity)
+
+    @classmethod
+    def probe(cls):
+        return vm.unavailable_reason()
+
+    @hal.hookimpl
+    def capabilities(self):
+        return super().capabilities() | {"memory_sharing"}
+
+    @hal.hookimpl
+    def export_phy_mem_handle(self, handle):
+        return vm.export_chunk(handle, backend="more")
+
+    @hal.hookimpl
+    def import_phy_mem_handle(self, fd, size):
+        return vm.import_chunk(fd, size, backend="more")
+
+    @hal.hookimpl
+    def device_count(self):
+        return 1
+
+    @hal.hookimpl
+    def granularity(self, recommended):
+        return self.g
+
+    @hal.hookimpl
+    def mem_info(self):
+        return MemInfo(free=1 << 30, total=1 << 30)
+
+    @hal.hookimpl
+    def create_vir_ptr(self, size):
+        return vm.reserve(size, self.g, backend="more")
+
+    @hal.hookimpl
+    def release_vir_ptr(self, ptr, size):
+        vm.release(ptr, size, backend="more")
+
+    @hal.hookimpl
+    def create_phy_mem_handle(self, size):
+        return vm.create_chunk(size, backend="more")
+
+    @hal.hookimpl
+    def release_phy_mem_handle(self, handle):
+        vm.release_chunk(handle, backend="more")
+
+    @hal.hookimpl
+    def map(self, ptr, size, handle):
+        vm.map_chunk(ptr, size, handle, backend="more")
+
+    @hal.hookimpl
+    def unmap(self, ptr, size):
+        vm.unmap_chunk(ptr, size, backend="more")
+'''
+
+
+def test_a_host_plugin_declares_more_than_the_host_recorder_with_super(tmp_path: Path) -> None:
+    """docs/plugins.md §7: ``super().capabilities() | {...}``, marked again, adds a capability whose hooks the
+    class has, through the ordinary entry-point load."""
+    import hal
+    from hal.host.graphs import CAPABILITIES
+    from hal.testing.distributions import importable, write_distribution
+
+    site = write_distribution(tmp_path / "site", "hal-more", "0.1", {"hal_more": MORE},
+                              {"hal.backends": {"more": "hal_more:MoreBackend"}})
+    with importable(site):
+        info = {i.name: i for i in hal.list_backends()}["more"]
+        assert info.available, info.reason
+        with hal.get_backend("more") as be:
+            assert be.capabilities == CAPABILITIES | {"memory_sharing"}
+    guide = (ROOT / "docs" / "plugins.md").read_text()
+    assert "return super().capabilities() | {\"memory_sharing\"}" in guide
+
+
+def test_the_host_recorder_and_the_guide_list_the_same_capabilities() -> None:
+    import hal.host
+    import hal.host.graphs
+    from hal.host.graphs import CAPABILITIES
+
+    guide = (ROOT / "docs" / "plugins.md").read_text()
+    said = guide[guide.index("That is all: the mixin implements"):guide.index("and declares them from its")]
+    docstrings = {"hal.host.graphs": hal.host.graphs.__doc__ or "", "hal.host": hal.host.__doc__ or "",
+                  "the guide": said}
+    for where, text in docstrings.items():
+        named = set(re.findall(r"`+\"?([a-z_]+)\"?`+", text)) & hal.CAPABILITIES
+        assert named == CAPABILITIES, (where, sorted(named ^ CAPABILITIES))
+
+
+def test_the_guide_says_what_the_suite_needs() -> None:
+    guide = (ROOT / "docs" / "plugins.md").read_text()
+    suite = guide[guide.index("## 10. The conformance suite"):]
+    assert "pytest" in suite and "Hypothesis" in suite and 'pip install "hal-graphkit[test]"' in suite
+    test_extra = re.search(r"^test = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M)
+    assert test_extra and "pytest" in test_extra.group(1) and "hypothesis" in test_extra.group(1)
