@@ -198,3 +198,28 @@ def test_the_guide_says_what_the_suite_needs() -> None:
     assert "pytest" in suite and "Hypothesis" in suite and 'pip install "hal-graphkit[test]"' in suite
     test_extra = re.search(r"^test = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M)
     assert test_extra and "pytest" in test_extra.group(1) and "hypothesis" in test_extra.group(1)
+
+
+# -- the README's statements ---------------------------------------------------------------------------------------
+
+
+def test_the_readmes_driver_memory_command_takes_its_flags(tmp_path: Path) -> None:
+    from graphkit_bench import drivermem
+
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"^python -m graphkit_bench\.graphmem sweep (.*)$", text, re.M)
+    assert m, "the README gives no sweep command"
+    args = drivermem.parser().parse_args([str(tmp_path) if a == "DIR" else a for a in m.group(1).split()])
+    assert args.backend == "cuda" and args.parts == "nodes,variants,levers" and args.out_dir == tmp_path
+
+
+def test_the_readmes_executables_paragraph_states_the_default() -> None:
+
+    import graphkit
+    from graphkit.graphs.executables import DEFAULT
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Executables"):text.index("## Adopting it in an engine")]
+    assert DEFAULT == "lazy" and 'By default (`executables="lazy"`)' in section
+    assert graphkit.RunnerOptions().executables == DEFAULT
+    assert "docs/executables.md" in section
