@@ -217,9 +217,8 @@ class GraphPools(Closable):
 
         Captures into handles (of this method and of :meth:`group`) are watched (verified, their replays
         served by the executables budget) from the first handle made until :meth:`close`, where the
-        backend routes captures. A key's space keeps room to grow
-        until the key is released: handles may be asked for in any order,
-        and captures into several keys may run in several threads at once.
+        backend routes captures. A key's space keeps room to grow until the key is released: handles may be
+        asked for in any order, and captures into several keys may run in several threads at once.
         """
         return self._routing.handle(key)
 
@@ -442,8 +441,9 @@ def graph_memory(backend: hal.Backend | None = None, *, pools: GraphPools | None
         ``kind``, ``hygiene``, ``verify``, ``outputs`` and the allocator options are theirs).
     :param outputs: see :class:`GraphPools`: by default what a capture
         leaves allocated (its outputs, a piece's output the next piece reads)
-        gets bytes of its own, so a piecewise forward captured without
-        ``pools.group(key)`` replays right.
+        gets bytes of its own while it stays allocated, so a piecewise forward
+        whose pieces' outputs the engine keeps alive replays right without
+        ``pools.group(key)`` (one that drops them after the capture needs it).
     :param verify: the optional verifier of :class:`GraphPools`.
     :param executables: the executables budget of :class:`GraphPools` (``"lazy"``, K, or None).
     :param children: processes started inside the block (an engine's tensor-parallel ranks, its engine-core

@@ -9,8 +9,8 @@ never the Python function.
 
 A plugin inherits :class:`HostGraphs` and wires it to the device's own
 allocator; it then has the ``"graphs"``, ``"custom_pool"``,
-``"capture_routing"``, ``"use_pool"`` and ``"graph_addresses"``
-capabilities::
+``"capture_routing"``, ``"use_pool"``, ``"graph_addresses"``, ``"lazy_graphs"``
+and ``"graph_update"`` capabilities (:data:`hal.host.graphs.CAPABILITIES`)::
 
     import hal
     from hal.host import HostGraphs, vm

@@ -2,9 +2,12 @@
 
 :class:`HostGraphs` is a mixin for a backend plugin class. Wired to the
 device's own allocator, it implements every hook of the ``"graphs"``,
-``"custom_pool"``, ``"capture_routing"``, ``"use_pool"`` and
-``"graph_addresses"`` capabilities by recording torch ops (:mod:`hal.host.tape`)
-into pools of blocks (:class:`hal.host.pool.BlockPool`).
+``"custom_pool"``, ``"capture_routing"``, ``"use_pool"``, ``"graph_addresses"``,
+``"lazy_graphs"`` and ``"graph_update"`` capabilities (:data:`CAPABILITIES`) by
+recording torch ops (:mod:`hal.host.tape`) into pools of blocks
+(:class:`hal.host.pool.BlockPool`). A plugin declares more (a capability whose
+hooks it adds) or less by overriding ``capabilities`` with ``@hal.hookimpl``
+again: ``return super().capabilities() | {"memory_sharing"}``.
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ class HostGraphs:
     Torch tensors live at the device's addresses through ``torch.frombuffer``,
     so the memory must be readable and writable by the host (the device is
     the CPU as torch sees it: ``torch_device()`` is ``cpu``). Override
-    :meth:`capabilities` to declare less, marked ``@hal.hookimpl`` again.
+    :meth:`capabilities` to declare more or less, marked ``@hal.hookimpl`` again
+    (``super().capabilities() | {"memory_sharing"}`` with that capability's hooks).
     A hook called before :meth:`init_host_graphs` ran raises
     :class:`hal.PluginValidationError` saying to call it.
     """

@@ -42,8 +42,9 @@ def test_bench_json_has_every_strategy_order_and_correctness(tmp_path: Path) -> 
         assert a["device"] == r["graph_memory_bytes"] and r["capture_only_bytes"] >= 0
         assert a["rest"] == a["device"] - a["chunks"] - (a["executables_bytes"] or 0) - a["workspaces"]
         budget = r["executables"]["budget"]
-        if r["strategy"] == "vmm":  # graphkit's default budget: an executable per graph, made at its first replay
+        if r["strategy"] == "vmm":  # graphkit's default budget: one executable per graph, at its first replay
             assert budget == "lazy" and r["executables"]["count"] == len(out["sizes"]), r["executables"]
+            assert r["executables"]["updates"] == 0 and r["executables"]["instantiations"] == len(out["sizes"])
             assert r["executables"]["graphs"] == len(out["sizes"]) and a["chunks"] == r["chunk_bytes"]
         else:  # the engines' way: every graph instantiated at its capture's end
             assert budget is None and r["executables"]["count"] == len(out["sizes"]), r["executables"]
