@@ -21,9 +21,9 @@ from graphkit.graphs.runner import GraphRunner, RunnerOptions
 from graphkit.memory.allocator import SharedVMMAllocator
 from graphkit.memory.elastic import ElasticBuffer, ElasticReservation
 from graphkit.memory.sharing import ExportedRange, ImportedRange
-from graphkit.memory.transaction import Transaction
 from graphkit.saver import MemorySaver, SaverReport, Sleeper, TagReport
 from hal import __version__
+from hal.transaction import Transaction
 
 __all__ = [
     "__version__",

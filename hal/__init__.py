@@ -22,6 +22,7 @@ from hal.errors import (
 from hal.facade import Backend
 from hal.process_routing import route_every_capture
 from hal.registry import get_backend, list_backends
+from hal.transaction import Transaction
 from hal.types import ALLOCATION_ALIGNMENT, BackendInfo, GraphAddresses, MemInfo
 from hal.wrappers import LiveCounts
 
@@ -43,6 +44,7 @@ __all__ = [
     "LiveCounts",
     "MemInfo",
     "PluginValidationError",
+    "Transaction",
     "UnsupportedError",
     "UseAfterUnmapError",
     "get_backend",

@@ -18,7 +18,7 @@ import hal
 from graphkit.memory.allocator import SharedVMMAllocator
 from graphkit.memory.closing import close_step
 from graphkit.memory.phases import CAPTURE_TIMES
-from graphkit.memory.transaction import Transaction
+from hal.transaction import Transaction
 
 log = logging.getLogger(__name__)
 

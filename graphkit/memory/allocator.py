@@ -20,7 +20,7 @@ of several threads), and address space is what limits how many stay open.
 Chunks are mapped into a space lazily, as its bump pointer reaches them, so
 a small capture after a large one costs a few map calls.
 
-Every multi-step operation runs in a :class:`graphkit.memory.transaction.Transaction`:
+Every multi-step operation runs in a :class:`hal.transaction.Transaction`:
 a driver failure half-way through an allocation, a switch or a release
 undoes what that call did, so the allocator stays consistent and usable and
 nothing leaks. Where an undo step fails too, the record of what is mapped

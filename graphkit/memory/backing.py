@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import hal
 from graphkit.memory.phases import CAPTURE_TIMES
-from graphkit.memory.transaction import Transaction
+from hal.transaction import Transaction
 
 if TYPE_CHECKING:
     from graphkit.memory.host_backup import HostBackup

@@ -12,7 +12,7 @@ from graphkit.memory.backing import Backing, Chunk, Place
 from graphkit.memory.figures import figure
 from graphkit.memory.sharing import ExportedRange, export_handles
 from graphkit.memory.survivors import Survivors
-from graphkit.memory.transaction import Transaction
+from hal.transaction import Transaction
 from hal.types import fmt_bytes
 
 if TYPE_CHECKING:

@@ -40,7 +40,7 @@ from graphkit.memory.figures import figure
 from graphkit.memory.host_backup import HostBacked, HostBackup
 from graphkit.memory.keeper import Keeper
 from graphkit.memory.ranges import Arena
-from graphkit.memory.transaction import Transaction
+from hal.transaction import Transaction
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger(__name__)

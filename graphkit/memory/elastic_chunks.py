@@ -27,7 +27,7 @@ from graphkit.memory.backing import Backing, Chunk, Place
 from graphkit.memory.closing import close_step
 from graphkit.memory.figures import figure
 from graphkit.memory.host_backup import HostBackup
-from graphkit.memory.transaction import Transaction
+from hal.transaction import Transaction
 
 log = logging.getLogger(__name__)
 

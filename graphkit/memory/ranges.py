@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 import hal
 from graphkit.memory.backing import Place
-from graphkit.memory.transaction import Transaction
+from hal.transaction import Transaction
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 import hal
 from graphkit.memory.backing import wait_for_device
 from graphkit.memory.closing import Closable, close_step, raise_first_failure
-from graphkit.memory.transaction import Transaction
+from hal.transaction import Transaction
 from hal.types import fmt_bytes, round_up
 
 log = logging.getLogger(__name__)

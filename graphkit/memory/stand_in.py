@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import hal
 from graphkit.memory.backing import Backing, Chunk, Place
-from graphkit.memory.transaction import Transaction
+from hal.transaction import Transaction
 
 if TYPE_CHECKING:
     from graphkit.memory.ranges import VirtualSpace

@@ -36,9 +36,9 @@ import hal
 from graphkit.memory.backing import waited_for_device
 from graphkit.memory.closing import Closable, after_backend, raise_first_failure
 from graphkit.memory.host_backup import HostBacked
-from graphkit.memory.transaction import Transaction
 from graphkit.saver.nccl import warn_graph_register
 from graphkit.saver.regions import Region, RegionMemory
+from hal.transaction import Transaction
 from hal.types import fmt_bytes
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ import hal
 from graphkit.memory.backing import Backing, Chunk, Place
 from graphkit.memory.closing import close_step
 from graphkit.memory.host_backup import HostBacked, HostBackup
-from graphkit.memory.transaction import Transaction
+from hal.transaction import Transaction
 from hal.types import round_up
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ import pytest
 
 import hal
 from graphkit.memory.backing import Backing, Chunk, Place
-from graphkit.memory.transaction import Transaction
+from hal.transaction import Transaction
 from tests.conftest import G
 
 

@@ -1,4 +1,4 @@
-"""One undo stack for every multi-step change to mapped memory.
+"""One undo stack for every multi-step change to mapped memory, in hal and in graphkit.
 
 >>> with Transaction() as tx:
 ...     handle = be.create_phy_mem_handle(g)
