@@ -216,7 +216,7 @@ class Backing:
         """Undo of an unmap; one that fails leaves a hole (the owner reads paused until a resume maps it)."""
         try:
             self.map(place)
-        except BaseException:
+        except BaseException:  # not an undo: records the hole the failed remap leaves, then re-raises
             self.holes = True
             raise
 
@@ -237,19 +237,21 @@ class Backing:
             if self.holes:
                 raise hal.InvalidStateError(refuse[0], backend=self.backend.name, call=refuse[1])
             host.save(self.backend, backup)
-        was, self.sleeping = self.sleeping, True  # from the first unmap on, nothing may use the places
-        try:
-            with self.ordered(), Transaction() as tx:
+        with Transaction() as tx:
+            tx.append(functools.partial(self._wake_back, self.sleeping))  # undone last, after the remaps
+            self.sleeping = True  # from the first unmap on, nothing may use the places
+            with self.ordered():
                 for place in reversed(places):
                     if place.mapped:
                         self.unmap(place, tx)
-                tx.commit()
-        except BaseException:
-            self.sleeping = was
-            if host is not None and not self.paused:
-                host.held = False  # awake again, as it was
-            raise
+            tx.commit()
         return sum(chunk.size for chunk in chunks if self.release(chunk))
+
+    def _wake_back(self, was: bool) -> None:
+        """Undo of a pause's start: sleeping as it ``was``; a backup it saved is dropped if nothing is paused."""
+        self.sleeping = was
+        if self.host is not None and not self.paused:
+            self.host.discard()  # awake again, as it was
 
     def resume(self, places: Iterable[Place], chunks: Iterable[Chunk], *,
                backup: list[tuple[int, int]] | None = None) -> None:

@@ -184,19 +184,21 @@ class RangeChunks:
         with self.store.lock, Transaction() as tx:
             with self.backend.deferred_access():  # access set once for the chunks side by side
                 while at < end:
-                    chunk = self.store.take(min(end - at, self.chunk_bytes))
-                    place = Place(self.ptr + at, chunk)
-                    try:
-                        self.backing.map(place)
-                    except BaseException:
-                        self.store.put(self._unmapped([chunk]))  # mapped nowhere: back to the free list
-                        raise
+                    place = Place(self.ptr + at, self.store.take(min(end - at, self.chunk_bytes)))
+                    tx.append(functools.partial(self._give_back, place))
+                    self.backing.map(place)
                     made.append(place)
-                    tx.append(functools.partial(self._unmap_to_free, place))
-                    at += chunk.size
+                    at += place.size
             tx.commit()
         self.places.extend(made)
         self.granules = target
+
+    def _give_back(self, place: Place) -> None:
+        """Undo of a growth step: the chunk taken goes back to the free list, unmapped first if it was mapped."""
+        if place.mapped:
+            self._unmap_to_free(place)
+        else:
+            self.store.put(self._unmapped([place.chunk]))  # mapped nowhere: back to the free list
 
     def _unmap_to_free(self, place: Place) -> None:
         """Undo of a growth step: unmap, chunk back to the free list; a mapping that will not go is pending."""

@@ -68,6 +68,10 @@ class HostBackup:
         """Back to the sleep :meth:`wake` ended (a failed resume rolled back): it holds that sleep's bytes again."""
         self.held = self._woke_held
 
+    def discard(self) -> None:
+        """The bytes saved are not the memory's (the pause that saved them was undone): the next pause saves afresh."""
+        self.held = False
+
     @property
     def host_bytes(self) -> int:
         """Host bytes made so far."""

@@ -69,15 +69,13 @@ def standing_in(backing: Backing, granules: Iterable[tuple[VirtualSpace, Iterabl
             old = space.place(index)
             swaps.append((space, index, Place(old.ptr, Chunk(old.size))))
     originals = [space.place(index) for space, index, _ in swaps]
-    try:
-        with backing.ordered(), Transaction() as tx:
-            for space, index, scratch in swaps:
-                backing.create(scratch.chunk, tx)
-                _swap(backing, space, index, scratch, tx)
-            tx.commit()
-    except BaseException:
-        _settle(backing, swaps, keep)  # a rollback that could not unmap a scratch chunk leaves it mapped
-        raise
+    with backing.ordered(), Transaction() as tx:
+        # undone last: a rollback that could not unmap a scratch chunk leaves it mapped, to whoever shows it
+        tx.append(functools.partial(_settle, backing, swaps, keep))
+        for space, index, scratch in swaps:
+            backing.create(scratch.chunk, tx)
+            _swap(backing, space, index, scratch, tx)
+        tx.commit()
     try:
         yield [scratch.ptr for _, _, scratch in swaps]
     finally:

@@ -215,14 +215,12 @@ class _AwakeGuard:
         """Hold ``tag`` awake for the block, once no pause of it is under way; ``refuse()`` runs then and may raise."""
         me = threading.get_ident()
         with self._cond:
-            held = self._held.setdefault(me, [])
-            try:
+            with Transaction() as tx:
+                held = self._held.setdefault(me, [])
+                tx.append(functools.partial(self._forget_holder, me))
                 self._wait(me, "hold", [tag], lambda: self._pausing[tag] <= 0 or tag in held, "MemorySaver.awake")
                 refuse()
-            except BaseException:
-                if not held:
-                    del self._held[me]
-                raise
+                tx.commit()
             self._users[tag] = self._users.get(tag, 0) + 1
             held.append(tag)
         try:
@@ -230,10 +228,14 @@ class _AwakeGuard:
         finally:
             with self._cond:
                 held.remove(tag)
-                if not held:
-                    del self._held[me]
+                self._forget_holder(me)
                 self._users[tag] -= 1
                 self._cond.notify_all()
+
+    def _forget_holder(self, me: int) -> None:
+        """Thread ``me`` holds no tag awake any more: its entry goes (it stays while it holds one)."""
+        if not self._held.get(me):
+            self._held.pop(me, None)
 
     def begin_pause(self, tags: list[str]) -> None:
         """Mark ``tags`` as pausing: new blocks of them wait until :meth:`end_pause`."""
@@ -485,7 +487,7 @@ class MemorySaver(Closable):
                     released += sleeper.release_physical()
                     tx.append(sleeper.restore_physical)
                 tx.commit()
-        except BaseException:
+        except BaseException:  # not an undo: records a tag its rollback left part released, then re-raises
             if any(s.paused for s in members):
                 self._paused.add(tag)  # part of it is released: nothing may use it before a resume
             raise
