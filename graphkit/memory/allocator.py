@@ -48,7 +48,6 @@ import hal
 from graphkit.memory.chunks import SharedChunks
 from graphkit.memory.closing import Closable, raise_first_failure
 from graphkit.memory.figures import figure
-from graphkit.memory.ranges import Arena as Arena  # re-exported: its home before the arenas had a module
 from graphkit.memory.ranges import SpaceTable, VirtualSpace
 from graphkit.memory.sharing import ExportedRange
 from graphkit.memory.stand_in import standing_in

@@ -272,14 +272,6 @@ def test_a_backend_name_instead_of_a_backend_is_refused_naming_the_fix() -> None
         graphkit.SharedVMMAllocator("fake")  # type: ignore[arg-type]
 
 
-def test_the_space_and_arena_classes_still_import_from_the_allocator_module() -> None:
-    from graphkit.memory.allocator import Arena as OldArena
-    from graphkit.memory.allocator import VirtualSpace as OldVirtualSpace
-    from graphkit.memory.ranges import Arena, VirtualSpace
-
-    assert OldArena is Arena and OldVirtualSpace is VirtualSpace
-
-
 def test_opening_a_space_seals_no_other_and_switching_seals_the_current_one(be: hal.Backend) -> None:
     """Spaces opened side by side keep their room (several captures at once); only their owner seals them."""
     a = graphkit.SharedVMMAllocator(be, reserve_bytes=8 * G)
