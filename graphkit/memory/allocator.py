@@ -434,9 +434,9 @@ class SharedVMMAllocator(Closable):
                 parked = self._chunks.unmap_at_close(list(self._table.spaces.values()), park_live, errors)
                 self._table.release_all(parked, errors)
                 self._chunks.release_at_close(errors)
-            self._chunks.backing.sleeping = True  # nothing of it may run any more
+            self._chunks.backing.mark_sleeping()  # nothing of it may run any more
             raise_first_failure(log, errors, "allocator close")
-            self._table.spaces.clear()
+            self._table.forget()
             self._chunks.chunks.clear()
             self.current = None
             self._closed = True

@@ -117,17 +117,48 @@ class Backing:
         self.backend = backend
         self.host = host
         self.counted = counted
-        self.pending: list[Any] = []  # chunk handles mapped nowhere whose release failed: released later
-        self.sleeping = False  # released by a pause
-        self.holes = False  # a rollback left a place unmapped
-        self.map_calls = 0
-        self.map_seconds = 0.0
+        self._pending: list[Any] = []  # chunk handles mapped nowhere whose release failed: released later
+        self._sleeping = False  # released by a pause
+        self._holes = False  # a rollback left a place unmapped
+        self._map_calls = 0
+        self._map_seconds = 0.0
         self._ordered = 0  # depth of ordered() blocks: their unmaps wait once, at the start
+
+    # -- figures (only the backing writes them) ------------------------------------------------
 
     @property
     def paused(self) -> bool:
         """Whether some memory is released or unmapped: nothing may use the places until :meth:`resume`."""
-        return self.sleeping or self.holes
+        return self._sleeping or self._holes
+
+    @property
+    def sleeping(self) -> bool:
+        """Released by a pause (or stopped for good by :meth:`mark_sleeping`)."""
+        return self._sleeping
+
+    @property
+    def holes(self) -> bool:
+        """A rollback left a place unmapped (a resume or :meth:`fill` maps it)."""
+        return self._holes
+
+    @property
+    def pending(self) -> list[Any]:
+        """Chunk handles mapped nowhere whose release failed, released by a later :meth:`retry` (a copy)."""
+        return list(self._pending)
+
+    @property
+    def map_calls(self) -> int:
+        """Map calls made so far (counted backings only)."""
+        return self._map_calls
+
+    @property
+    def map_seconds(self) -> float:
+        """Wall time those map calls took."""
+        return self._map_seconds
+
+    def mark_sleeping(self) -> None:
+        """Nothing of it may run any more (its owner closed): :attr:`paused` from now on."""
+        self._sleeping = True
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -158,17 +189,21 @@ class Backing:
             except hal.HalError as exc:
                 if attempt == 2:
                     log.warning("a chunk could not be released yet (kept, released later): %s", str(exc))
-        self.pending.append(handle)
+        self._pending.append(handle)
         return False
+
+    def keep_pending(self, handles: Iterable[Any]) -> None:
+        """Handles mapped nowhere whose release failed elsewhere: pending here, released by :meth:`retry`."""
+        self._pending.extend(handles)
 
     def take_pending(self) -> list[Any]:
         """Hand the pending chunks to whoever releases them later (they are no longer kept here)."""
-        pending, self.pending = self.pending, []
+        pending, self._pending = self._pending, []
         return pending
 
     def retry(self) -> None:
         """Release the pending chunks; those that fail again stay pending."""
-        pending, self.pending = self.pending, []
+        pending, self._pending = self._pending, []
         for handle in pending:
             self.release_handle(handle)
 
@@ -178,8 +213,8 @@ class Backing:
         t0 = time.perf_counter()
         self.backend.map(place.ptr, place.size, place.chunk.handle)
         if self.counted:
-            self.map_seconds += time.perf_counter() - t0
-            self.map_calls += 1
+            self._map_seconds += time.perf_counter() - t0
+            self._map_calls += 1
             CAPTURE_TIMES.stop(counted)
         place.mapped = True
         place.chunk.maps += 1
@@ -217,7 +252,7 @@ class Backing:
         try:
             self.map(place)
         except BaseException:  # not an undo: records the hole the failed remap leaves, then re-raises
-            self.holes = True
+            self._holes = True
             raise
 
     # -- the machine --------------------------------------------------------------------------
@@ -234,12 +269,12 @@ class Backing:
         if host is not None and keep_backup:
             host.sleep_again()
         elif host is not None and backup and not host.held:
-            if self.holes:
+            if self._holes:
                 raise hal.InvalidStateError(refuse[0], backend=self.backend.name, call=refuse[1])
             host.save(self.backend, backup)
         with Transaction() as tx:
-            tx.append(functools.partial(self._wake_back, self.sleeping))  # undone last, after the remaps
-            self.sleeping = True  # from the first unmap on, nothing may use the places
+            tx.append(functools.partial(self._wake_back, self._sleeping))  # undone last, after the remaps
+            self._sleeping = True  # from the first unmap on, nothing may use the places
             with self.ordered():
                 for place in reversed(places):
                     if place.mapped:
@@ -249,7 +284,7 @@ class Backing:
 
     def _wake_back(self, was: bool) -> None:
         """Undo of a pause's start: sleeping as it ``was``; a backup it saved is dropped if nothing is paused."""
-        self.sleeping = was
+        self._sleeping = was
         if self.host is not None and not self.paused:
             self.host.discard()  # awake again, as it was
 
@@ -268,7 +303,7 @@ class Backing:
             if backup and self.host is not None and self.host.held:
                 self.host.restore(self.backend, backup)
             tx.commit()
-        self.sleeping = self.holes = False
+        self._sleeping = self._holes = False
         if self.host is not None:
             self.host.wake()
 
@@ -280,7 +315,7 @@ class Backing:
                     if not place.mapped:
                         self.map(place, tx)
             tx.commit()
-        self.holes = False
+        self._holes = False
 
     def unmap_all(self, places: Iterable[Place], errors: list[BaseException]) -> None:
         """At close: unmap every mapped place (after one wait for the device), going on past failures (collected

@@ -88,7 +88,7 @@ class FreeChunks:
     def keep(self, handles: list[Any]) -> None:
         """Chunks whose release failed elsewhere: pending here, released at the next :meth:`trim`."""
         with self.lock:
-            self.backing.pending.extend(handles)
+            self.backing.keep_pending(handles)
 
     def trim(self) -> int:
         """Release the free list's chunks (and the pending ones); return the bytes released."""

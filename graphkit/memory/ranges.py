@@ -6,7 +6,8 @@ import bisect
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
 
 import hal
 from graphkit.memory.backing import Place
@@ -187,28 +188,41 @@ class SpaceTable:
     kept for reuse when that fails). It counts frees against each space's
     live allocations: a space released while a tensor still used it waits,
     ``dying``, until the allocator's next operation finds it idle.
+
+    Only it writes its spaces and arenas (:meth:`open`, :meth:`remove`, :meth:`release_all`, :meth:`forget`);
+    the rest reads them through :attr:`spaces` and :attr:`arenas`.
     """
 
     def __init__(self, backend: hal.Backend, arena_bytes: int) -> None:
         self.backend = backend
         self.arena_bytes = arena_bytes
-        self.arenas: list[Arena] = []
-        self.spaces: dict[int, VirtualSpace] = {}
+        self._arenas: list[Arena] = []
+        self._spaces: dict[int, VirtualSpace] = {}
         self._ids = itertools.count(1)
+
+    @property
+    def spaces(self) -> Mapping[int, VirtualSpace]:
+        """The live spaces by id (a read-only view)."""
+        return MappingProxyType(self._spaces)
+
+    @property
+    def arenas(self) -> tuple[Arena, ...]:
+        """The address reservations the spaces are carved from."""
+        return tuple(self._arenas)
 
     @property
     def reserved_bytes(self) -> int:
         """Virtual address space held by the live spaces."""
-        return sum(s.size for s in self.spaces.values())
+        return sum(s.size for s in self._spaces.values())
 
     @property
     def arena_reserved_bytes(self) -> int:
         """Virtual address space reserved from the driver."""
-        return sum(a.size for a in self.arenas)
+        return sum(a.size for a in self._arenas)
 
     def get(self, space_id: int, call: str) -> VirtualSpace:
         """The live space ``space_id``; :class:`hal.InvalidStateError` for ``call`` if there is none."""
-        space = self.spaces.get(space_id)
+        space = self._spaces.get(space_id)
         if space is None:
             raise hal.InvalidStateError(f"space_id={space_id!r} is not a live virtual space",
                                         backend=self.backend.name, call=call)
@@ -216,16 +230,16 @@ class SpaceTable:
 
     def containing(self, ptr: int) -> VirtualSpace | None:
         """The live space whose range holds ``ptr``."""
-        return next((s for s in self.spaces.values() if s.contains(ptr)), None)
+        return next((s for s in self._spaces.values() if s.contains(ptr)), None)
 
     def places(self) -> Iterator[Place]:
         """Every place of every live space."""
-        for space in self.spaces.values():
+        for space in self._spaces.values():
             yield from space.places
 
     def reach(self) -> int:
         """How many chunks the live spaces reach."""
-        return max((s.mapped for s in self.spaces.values()), default=0)
+        return max((s.mapped for s in self._spaces.values()), default=0)
 
     def open(self, size: int) -> VirtualSpace:
         """A new space of ``size`` bytes; out of memory, saying why, when the address space ran out."""
@@ -234,18 +248,18 @@ class SpaceTable:
                 arena, base = self._carve(size, tx)
                 tx.commit()
         except hal.DeviceOutOfMemoryError as exc:
-            opened = sum(not s.sealed for s in self.spaces.values())
+            opened = sum(not s.sealed for s in self._spaces.values())
             raise hal.DeviceOutOfMemoryError(
                 f"no address space left for a new space: {opened} space(s) are open, each keeping room to grow "
                 f"to reserve_bytes={fmt_bytes(size)} until its owner seals it (a GraphPools key's space stays open "
                 f"until the key is released): release the keys whose graphs are gone, or make reserve_bytes "
                 f"smaller ({exc})", backend=self.backend.name, call="open_virtual_space") from exc
         space = VirtualSpace(next(self._ids), base, size, arena)
-        self.spaces[space.id] = space
+        self._spaces[space.id] = space
         return space
 
     def _carve(self, size: int, tx: Transaction) -> tuple[Arena, int]:
-        for arena in self.arenas:
+        for arena in self._arenas:
             start = arena.take(size)
             if start is not None:
                 tx.append(functools.partial(arena.give, start, size))
@@ -253,11 +267,11 @@ class SpaceTable:
         nbytes = max(self.arena_bytes, size)
         base = self.backend.create_vir_ptr(nbytes)
         arena = Arena(base, nbytes)
-        self.arenas.append(arena)
+        self._arenas.append(arena)
 
         def drop() -> None:
             self.backend.release_vir_ptr(base, nbytes)
-            self.arenas.remove(arena)
+            self._arenas.remove(arena)
 
         tx.append(drop)
         start = arena.take(size)
@@ -267,7 +281,7 @@ class SpaceTable:
 
     def remove(self, space: VirtualSpace) -> None:
         """Forget ``space`` (unmapped) and return its range to its arena; an arena left empty goes to the driver."""
-        del self.spaces[space.id]
+        del self._spaces[space.id]
         arena = space.arena
         arena.give(space.base, space.size)
         if not arena.empty:
@@ -277,7 +291,7 @@ class SpaceTable:
         except hal.HalError as exc:  # an empty arena is still usable: keep it
             log.warning("could not release an empty arena (kept for reuse): %s", str(exc))
             return
-        self.arenas.remove(arena)
+        self._arenas.remove(arena)
 
     # -- deferred release -------------------------------------------------------------------
 
@@ -303,11 +317,15 @@ class SpaceTable:
 
     def idle_dying(self) -> list[VirtualSpace]:
         """The spaces marked by :meth:`mark_dying` that nothing uses any more."""
-        return [s for s in self.spaces.values() if s.dying and s.live_allocations == 0]
+        return [s for s in self._spaces.values() if s.dying and s.live_allocations == 0]
+
+    def forget(self) -> None:
+        """After a close that gave everything back: no space is left to keep."""
+        self._spaces.clear()
 
     def release_all(self, keep: set[int], errors: list[BaseException]) -> None:
         """At close: give back every arena but those in ``keep`` (their ids); failures go to ``errors``."""
-        for arena in list(self.arenas):
+        for arena in list(self._arenas):
             if id(arena) in keep:
                 continue
             try:
@@ -315,4 +333,4 @@ class SpaceTable:
             except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after the rest
                 errors.append(exc)
             else:
-                self.arenas.remove(arena)
+                self._arenas.remove(arena)
