@@ -43,14 +43,13 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import hal
 from graphkit.memory.chunks import SharedChunks
 from graphkit.memory.closing import Closable, raise_first_failure
-from graphkit.memory.figures import figure
 from graphkit.memory.ranges import SpaceTable, VirtualSpace
 from graphkit.memory.sharing import ExportedRange
-from graphkit.memory.stand_in import standing_in
 from graphkit.memory.survivors import checked_blocks, granules_of
 from hal.types import fmt_bytes, round_up
 
@@ -141,7 +140,92 @@ class AllocatorStats:
 
 
 
-class SharedVMMAllocator(Closable):
+class AllocatorFigures:
+    """The figures of a :class:`SharedVMMAllocator`, read from what its chunks and its spaces show (read only)."""
+
+    _chunks: SharedChunks
+    _table: SpaceTable
+
+    @property
+    def physical_bytes(self) -> int:
+        """Bytes of physical chunks held: the shared ones (mapped into the spaces that reach them) and the
+        survivors' own."""
+        return self._chunks.all_bytes
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of the shared chunks held (mapped into every space that reaches them)."""
+        return self._chunks.physical_bytes
+
+    @property
+    def footprint_bytes(self) -> int:
+        """Physical bytes it holds while awake (what a pause releases): the chunks held or mapped somewhere."""
+        return self._chunks.footprint_bytes(self._table.places())
+
+    @property
+    def survivor_bytes(self) -> int:
+        """Bytes of the chunks of their own that memory outliving its capture holds (counted in physical_bytes
+        too)."""
+        return self._chunks.private_bytes
+
+    @property
+    def chunks(self) -> list[Any]:
+        """Physical handles held, chunk ``i`` at offset ``i * granularity`` of every space that reaches it."""
+        return self._chunks.held
+
+    @property
+    def pending_release(self) -> int:
+        """Chunks mapped nowhere whose release failed and will be retried."""
+        return len(self._chunks.pending)
+
+    @property
+    def parked_bytes(self) -> int:
+        """Address space left over a scratch chunk at close (tensors still used it)."""
+        return self._chunks.parked_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Virtual address space held by the live spaces."""
+        return self._table.reserved_bytes
+
+    @property
+    def arena_reserved_bytes(self) -> int:
+        """Virtual address space reserved from the driver (the arenas spaces are carved from)."""
+        return self._table.arena_reserved_bytes
+
+    @property
+    def num_virtual_spaces(self) -> int:
+        """Live virtual spaces."""
+        return len(self._table.spaces)
+
+    @property
+    def num_arenas(self) -> int:
+        """Address reservations spaces are carved from."""
+        return len(self._table.arenas)
+
+    @property
+    def spaces(self) -> dict[int, VirtualSpace]:
+        """Live spaces by id (read only)."""
+        return dict(self._table.spaces)
+
+    @property
+    def map_calls(self) -> int:
+        """Map calls made so far (each maps one chunk into one space)."""
+        return self._chunks.map_calls
+
+    @property
+    def map_seconds(self) -> float:
+        """Wall time those map calls took."""
+        return self._chunks.map_seconds
+
+    @property
+    def paused(self) -> bool:
+        """Whether any of its memory is released or unmapped (or a failed pause left a hole): nothing may run
+        on it."""
+        return self._chunks.paused
+
+
+class SharedVMMAllocator(AllocatorFigures, Closable):
     """Bump allocator over virtual spaces that all map the same physical chunks.
 
     It owns its spaces (a :class:`~graphkit.memory.ranges.SpaceTable`) and its
@@ -176,50 +260,6 @@ class SharedVMMAllocator(Closable):
         self.last_error: str | None = None  # why the last allocation a pool callback asked for failed (logged too)
         self.backup = False  # graph memory needs no backup: every replay writes it afresh
 
-    _chunks: SharedChunks
-    _table: SpaceTable
-
-    physical_bytes = figure("_chunks", "all_bytes", "Bytes of physical chunks held: the shared ones (mapped into "
-                            "the spaces that reach them) and the survivors' own.")
-
-    shared_bytes = figure("_chunks", "physical_bytes",
-                          "Bytes of the shared chunks held (mapped into every space that reaches them).")
-
-    @property
-    def footprint_bytes(self) -> int:
-        """Physical bytes it holds while awake (what a pause releases): the chunks held or mapped somewhere."""
-        mapped = {id(p.chunk) for p in self._table.places()}
-        return sum(c.size for c in self._chunks.all_chunks() if c.handle is not None or id(c) in mapped)
-
-    survivor_bytes = figure("_chunks", "private_bytes",
-                            "Bytes of the chunks of their own that memory outliving its capture holds (counted in "
-                            "physical_bytes too).")
-
-    chunks = figure("_chunks", "held",
-                    "Physical handles held, chunk ``i`` at offset ``i * granularity`` of every space that reaches it.")
-
-    pending_release = figure("_chunks", "pending",
-                             "Chunks mapped nowhere whose release failed and will be retried.", count=True)
-
-    parked_bytes = figure("_chunks", "parked_bytes",
-                          "Address space left over a scratch chunk at close (tensors still used it).")
-
-    reserved_bytes = figure("_table", "reserved_bytes", "Virtual address space held by the live spaces.")
-
-    arena_reserved_bytes = figure("_table", "arena_reserved_bytes",
-                                  "Virtual address space reserved from the driver (the arenas spaces are carved from).")
-
-    num_virtual_spaces = figure("_table", "spaces", "Live virtual spaces.", count=True)
-    num_arenas = figure("_table", "arenas", "Address reservations spaces are carved from.", count=True)
-
-    @property
-    def spaces(self) -> dict[int, VirtualSpace]:
-        """Live spaces by id (read only)."""
-        return dict(self._table.spaces)
-
-    map_calls = figure("_chunks", "map_calls", "Map calls made so far (each maps one chunk into one space).")
-    map_seconds = figure("_chunks", "map_seconds", "Wall time those map calls took.")
-
     def stats(self) -> AllocatorStats:
         with self._lock:
             return AllocatorStats(self.physical_bytes, self.reserved_bytes, self.num_virtual_spaces,
@@ -233,14 +273,10 @@ class SharedVMMAllocator(Closable):
     def _check_open(self, call: str, awake: bool = False) -> None:
         if self._closed:
             raise hal.InvalidStateError("the allocator is closed", backend=self.backend.name, call=call)
-        if awake and self._chunks.backing.paused:
+        if awake and self._chunks.paused:
             raise hal.InvalidStateError("the allocator's physical memory is released (paused): resume its "
                                         "MemorySaver tag, or call restore_physical(), first",
                                         backend=self.backend.name, call=call)
-
-    paused = figure("_chunks", "paused",
-                    "Whether any of its memory is released or unmapped (or a failed pause left a hole): nothing may "
-                    "run on it.")
 
     def release_physical(self, *, keep_backup: bool = False) -> int:
         """Unmap every chunk from every space and release them all; spaces keep their addresses (no backup to keep).
@@ -273,7 +309,7 @@ class SharedVMMAllocator(Closable):
         with self._lock:
             self._check_open("open_virtual_space", awake=True)
             self._reap()
-            self._chunks.backing.retry()
+            self._chunks.retry()
             space = self._table.open(self.reserve_bytes)
             log.debug("space %d at %#x", space.id, space.base)
             return space.id
@@ -304,7 +340,6 @@ class SharedVMMAllocator(Closable):
             self._check_open("release_virtual_space")
             space = self._table.get(space_id, "release_virtual_space")
             self._chunks.unmap_space(space)
-            self._chunks.survivors.drop(space)
             self._table.remove(space)
             if self.current == space_id:
                 self.current = None
@@ -321,14 +356,14 @@ class SharedVMMAllocator(Closable):
         with self._lock:
             space = None if self._closed or self.paused else self._table.spaces.get(space_id)
             if space is not None:
-                self._chunks.survivors.privatize(space, granules_of(space, blocks, self.granularity),
-                                                 self._table.spaces.values())
+                self._chunks.privatize(space, granules_of(space, blocks, self.granularity),
+                                  self._table.spaces.values())
 
     def on_shared_chunks(self, space_id: int, blocks: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
         """Those of ``blocks`` that reach a granule on the shared chunks (another space's replay overwrites it)."""
         with self._lock:
             space = self._table.spaces.get(space_id)
-            return list(blocks) if space is None else self._chunks.survivors.on_shared(space, blocks)
+            return list(blocks) if space is None else self._chunks.on_shared(space, blocks)
 
     @contextlib.contextmanager
     def stand_in(self, granules: Mapping[int, Iterable[int]]) -> Iterator[list[int]]:
@@ -341,7 +376,7 @@ class SharedVMMAllocator(Closable):
         with self._lock:
             self._check_open("stand_in", awake=True)
             spaces = [(self._table.get(space_id, "stand_in"), indices) for space_id, indices in granules.items()]
-            with standing_in(self._chunks.backing, spaces, self._chunks.survivors.keep) as addresses:
+            with self._chunks.stand_in(spaces) as addresses:
                 yield addresses
 
     def precreate(self, nbytes: int) -> None:
@@ -434,9 +469,9 @@ class SharedVMMAllocator(Closable):
                 parked = self._chunks.unmap_at_close(list(self._table.spaces.values()), park_live, errors)
                 self._table.release_all(parked, errors)
                 self._chunks.release_at_close(errors)
-            self._chunks.backing.mark_sleeping()  # nothing of it may run any more
+            self._chunks.stop()  # nothing of it may run any more
             raise_first_failure(log, errors, "allocator close")
             self._table.forget()
-            self._chunks.chunks.clear()
+            self._chunks.forget()
             self.current = None
             self._closed = True

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import hal
 from graphkit.memory.backing import Backing, Chunk, Place
-from graphkit.memory.figures import figure
 from graphkit.memory.sharing import ExportedRange, export_handles
+from graphkit.memory.stand_in import standing_in
 from graphkit.memory.survivors import Survivors
 from hal.transaction import Transaction
 from hal.types import fmt_bytes
@@ -30,39 +31,71 @@ class SharedChunks:
     chunks whose release failed (pending, released later) and whether a
     rollback left a hole; it also pauses and resumes them all at once. At
     close, spaces a tensor still uses may be *parked* over one scratch chunk.
+
+    Only it writes its records (the chunk list, the parked spaces, its backing's state, its survivors): the
+    allocator and :class:`~graphkit.memory.survivors.Survivors` use its verbs (:meth:`adopt` puts a chunk at
+    an index).
     """
 
     def __init__(self, backend: hal.Backend) -> None:
         self.backend = backend
         self.granularity = backend.granularity
-        self.backing = Backing(backend, counted=True)
-        self.chunks: list[Chunk] = []  # chunk i; its handle is None while released (paused)
-        self.parked: list[VirtualSpace] = []  # spaces parked by close(park_live=True)
-        self.parked_bytes = 0  # address space left over the scratch chunk
-        self.survivors = Survivors(backend, self.backing, self.chunks)  # chunks of their own under survivors
+        self._backing = Backing(backend, counted=True)
+        self._chunks: list[Chunk] = []  # chunk i; its handle is None while released (paused)
+        self._parked: list[VirtualSpace] = []  # spaces parked by close(park_live=True)
+        self._parked_bytes = 0  # address space left over the scratch chunk
+        self._survivors = Survivors(backend, self._backing, self)  # chunks of their own under survivors
 
     # -- figures ------------------------------------------------------------------
 
-    backing: Backing
-    paused = figure("backing", "paused", "Whether any chunk is released or unmapped (or a rollback left a hole).")
-    pending = figure("backing", "pending", "Chunks mapped nowhere whose release failed, to release again.")
-    map_calls = figure("backing", "map_calls", "Map calls made so far (each maps one chunk into one space).")
-    map_seconds = figure("backing", "map_seconds", "Wall time those map calls took.")
+    @property
+    def paused(self) -> bool:
+        """Whether any chunk is released or unmapped (or a rollback left a hole)."""
+        return self._backing.paused
+
+    @property
+    def pending(self) -> list[Any]:
+        """Chunks mapped nowhere whose release failed, to release again."""
+        return self._backing.pending
+
+    @property
+    def map_calls(self) -> int:
+        """Map calls made so far (each maps one chunk into one space)."""
+        return self._backing.map_calls
+
+    @property
+    def map_seconds(self) -> float:
+        """Wall time those map calls took."""
+        return self._backing.map_seconds
+
+    @property
+    def parked_bytes(self) -> int:
+        """Address space left over a scratch chunk at close (tensors still used it)."""
+        return self._parked_bytes
+
+    @property
+    def count(self) -> int:
+        """How many shared chunks it has (held or released)."""
+        return len(self._chunks)
+
+    def chunk(self, index: int) -> Chunk:
+        """Shared chunk ``index`` (below :attr:`count`)."""
+        return self._chunks[index]
 
     @property
     def physical_bytes(self) -> int:
         """Bytes of the chunks held now."""
-        return sum(c.handle is not None for c in self.chunks) * self.granularity
+        return sum(c.handle is not None for c in self._chunks) * self.granularity
 
     @property
     def held(self) -> list[Any]:
         """The handles held, in chunk order."""
-        return [c.handle for c in self.chunks if c.handle is not None]
+        return [c.handle for c in self._chunks if c.handle is not None]
 
     @property
     def private_bytes(self) -> int:
         """Bytes of the chunks of their own that survivors of captures hold now."""
-        return self.survivors.held_bytes
+        return self._survivors.held_bytes
 
     @property
     def all_bytes(self) -> int:
@@ -71,7 +104,12 @@ class SharedChunks:
 
     def all_chunks(self) -> list[Chunk]:
         """The shared chunks, then the private ones."""
-        return [*self.chunks, *self.survivors.chunks()]
+        return [*self._chunks, *self._survivors.chunks()]
+
+    def footprint_bytes(self, places: Iterable[Place]) -> int:
+        """Bytes held while awake (what a pause releases): the chunks held, or mapped at one of ``places``."""
+        mapped = {id(p.chunk) for p in places}
+        return sum(c.size for c in self.all_chunks() if c.handle is not None or id(c) in mapped)
 
     def check_limit(self, count: int, limit: int | None, call: str) -> None:
         """Raise out of memory if ``count`` more chunks would pass ``limit`` bytes."""
@@ -88,13 +126,13 @@ class SharedChunks:
         (all or nothing); nothing when it maps them already."""
         if count <= space.mapped:
             return
-        self.check_limit(max(count - len(self.chunks), 0), limit, "allocate")
+        self.check_limit(max(count - len(self._chunks), 0), limit, "allocate")
         with Transaction() as tx:
             with self.backend.deferred_access():  # access set once for the granules side by side
                 for index in range(space.mapped, count):
-                    self.ensure(index, tx)
-                    place = Place(space.base + index * self.granularity, self.chunks[index])
-                    self.backing.map(place)
+                    self._ensure(index, tx)
+                    place = Place(space.base + index * self.granularity, self._chunks[index])
+                    self._backing.map(place)
                     space.grow(place)
                     tx.append(functools.partial(self._ungrow, space, place))
             tx.commit()
@@ -102,17 +140,41 @@ class SharedChunks:
     def _ungrow(self, space: VirtualSpace, place: Place) -> None:
         if space.place(space.mapped - 1) is not place:  # a later granule would not unmap: this one stays below it
             return
-        self.backing.unmap(place)
+        self._backing.unmap(place)
         space.ungrow(place)
 
     def unmap_space(self, space: VirtualSpace) -> None:
         """Unmap every granule mapped in ``space`` (each becomes a hole), last first (all or nothing), after the
-        device's queued work."""
-        with self.backing.ordered(), Transaction() as tx:
+        device's queued work; then release the chunks ``space`` alone mapped (its survivors')."""
+        with self._backing.ordered(), Transaction() as tx:
             for place in reversed(space.places):
                 if place.mapped:
-                    self.backing.unmap(place, tx)
+                    self._backing.unmap(place, tx)
             tx.commit()
+        self._survivors.drop(space)
+
+    # -- survivors ------------------------------------------------------------------
+
+    def adopt(self, index: int, chunk: Chunk, tx: Transaction) -> None:
+        """Chunk ``index`` is ``chunk`` from now on (mapped by the spaces that reach it from then on); the one it
+        replaces is chunk ``index`` again on rollback of ``tx``."""
+        tx.append(functools.partial(self._chunks.__setitem__, index, self._chunks[index]))
+        self._chunks[index] = chunk
+
+    def privatize(self, space: VirtualSpace, wanted: set[int], spaces: Iterable[VirtualSpace]) -> None:
+        """``space`` alone maps the granules ``wanted`` (see :meth:`Survivors.privatize`); all or nothing."""
+        self._survivors.privatize(space, wanted, spaces)
+
+    def on_shared(self, space: VirtualSpace, blocks: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Those of ``blocks`` that reach a granule of ``space`` mapped to a shared chunk."""
+        return self._survivors.on_shared(space, blocks)
+
+    @contextlib.contextmanager
+    def stand_in(self, spaces: list[tuple[VirtualSpace, Iterable[int]]]) -> Iterator[list[int]]:
+        """Scratch chunks at the granules ``spaces`` name for the block (:func:`~graphkit.memory.stand_in.
+        standing_in`); a granule whose own chunk would not map again keeps its scratch chunk as a survivor's."""
+        with standing_in(self._backing, spaces, self._survivors.keep) as addresses:
+            yield addresses
 
     # -- sharing ------------------------------------------------------------------
 
@@ -133,22 +195,22 @@ class SharedChunks:
 
     # -- creating and releasing ---------------------------------------------------
 
-    def ensure(self, index: int, tx: Transaction) -> None:
+    def _ensure(self, index: int, tx: Transaction) -> None:
         """Create chunk ``index`` if it is missing (past the end, or released); released again on rollback."""
-        if index < len(self.chunks) and self.chunks[index].handle is not None:
+        if index < len(self._chunks) and self._chunks[index].handle is not None:
             return
-        chunk = self.chunks[index] if index < len(self.chunks) else Chunk(self.granularity)
-        self.backing.create(chunk)
-        appended = index == len(self.chunks)
+        chunk = self._chunks[index] if index < len(self._chunks) else Chunk(self.granularity)
+        self._backing.create(chunk)
+        appended = index == len(self._chunks)
         if appended:
-            self.chunks.append(chunk)
+            self._chunks.append(chunk)
         tx.append(functools.partial(self._drop, chunk, appended))
 
     def _drop(self, chunk: Chunk, appended: bool) -> None:
         """Undo a chunk's creation: release it unless a mapping that would not go still uses it."""
-        self.backing.drop(chunk)
-        if appended and chunk.handle is None and self.chunks and self.chunks[-1] is chunk:
-            self.chunks.pop()
+        self._backing.drop(chunk)
+        if appended and chunk.handle is None and self._chunks and self._chunks[-1] is chunk:
+            self._chunks.pop()
 
     def precreate(self, nbytes: int, limit: int | None, reserve_bytes: int) -> None:
         """Create chunks for ``nbytes`` past the last one (all or nothing), within ``limit`` and ``reserve_bytes``."""
@@ -159,30 +221,34 @@ class SharedChunks:
         if count <= 0:
             return
         self.check_limit(count, limit, "precreate")
-        if (len(self.chunks) + count) * self.granularity > reserve_bytes:
+        if (len(self._chunks) + count) * self.granularity > reserve_bytes:
             raise hal.DeviceOutOfMemoryError(
                 f"{fmt_bytes(self.physical_bytes + count * self.granularity)} would not fit in a virtual "
                 f"space of reserve_bytes={reserve_bytes}; make the allocator's reserve_bytes larger",
                 backend=self.backend.name, call="precreate")
         with Transaction() as tx:
-            first = len(self.chunks)
+            first = len(self._chunks)
             for index in range(first, first + count):
-                self.ensure(index, tx)
+                self._ensure(index, tx)
             tx.commit()
 
     def trim(self, keep: int) -> None:
         """Release every chunk from ``keep`` on (no space reaches them any more)."""
-        trimmed, self.chunks[:] = self.chunks[keep:], self.chunks[:keep]
-        self.backing.retry()
+        trimmed, self._chunks[:] = self._chunks[keep:], self._chunks[:keep]
+        self._backing.retry()
         for chunk in trimmed:
-            self.backing.release(chunk)
+            self._backing.release(chunk)
+
+    def retry(self) -> None:
+        """Release the chunks whose release failed before; those that fail again stay pending."""
+        self._backing.retry()
 
     # -- sleep ----------------------------------------------------------------------
 
     def pause(self, places: list[Place]) -> int:
         """Unmap every place (all or nothing) and release every chunk, keeping its index; the bytes released."""
-        released = self.backing.pause(places, self.all_chunks())
-        self.backing.retry()
+        released = self._backing.pause(places, self.all_chunks())
+        self._backing.retry()
         return released
 
     def resume(self, places: Iterable[Place]) -> None:
@@ -190,34 +256,42 @@ class SharedChunks:
         is made when a space reaches it."""
         places = list(places)
         mapped = {id(p.chunk) for p in places}
-        self.backing.resume(places, [c for c in self.all_chunks() if id(c) in mapped])
+        self._backing.resume(places, [c for c in self.all_chunks() if id(c) in mapped])
 
     # -- close ----------------------------------------------------------------------
 
     def unmap_at_close(self, spaces: list[VirtualSpace], park_live: bool, errors: list[BaseException]) -> set[int]:
         """Park the busy spaces (``park_live``, awake only) or warn about them, and unmap the rest; return the ids
         of the arenas parked spaces lie in (they stay reserved). Failures go to ``errors``."""
-        if not self.backing.paused:  # a paused allocator has nothing mapped for a tensor to read
+        if not self._backing.paused:  # a paused allocator has nothing mapped for a tensor to read
             self._park_busy(spaces, park_live, errors)
-        self.backing.unmap_all((p for s in spaces if s not in self.parked for p in s.places), errors)
-        return {id(s.arena) for s in self.parked}
+        self._backing.unmap_all((p for s in spaces if s not in self._parked for p in s.places), errors)
+        return {id(s.arena) for s in self._parked}
 
     def release_at_close(self, errors: list[BaseException]) -> None:
         """Release every chunk no space maps any more; if some are still held, say so in ``errors``.
 
         That error is added only when no earlier step failed (the first failure is what close raises).
         """
-        self.backing.retry()
+        self._backing.retry()
         for chunk in self.all_chunks():
             if chunk.handle is not None and not chunk.maps:
-                self.backing.release(chunk)
-        if not errors and (self.backing.pending or self.held):
-            errors.append(hal.InvalidStateError(f"{len(self.backing.pending)} chunk(s) could not be released yet; "
+                self._backing.release(chunk)
+        if not errors and (self._backing.pending or self.held):
+            errors.append(hal.InvalidStateError(f"{len(self._backing.pending)} chunk(s) could not be released yet; "
                                                 "close() again to retry", backend=self.backend.name, call="close"))
+
+    def stop(self) -> None:
+        """Its owner closed: nothing of it may run any more (:attr:`paused` from now on)."""
+        self._backing.mark_sleeping()
+
+    def forget(self) -> None:
+        """After a close that released everything: no chunk is left to keep."""
+        self._chunks.clear()
 
     def _park_busy(self, spaces: list[VirtualSpace], park_live: bool, errors: list[BaseException]) -> None:
         """Park the mapped spaces with live allocations if ``park_live``, else warn about them (once)."""
-        if self.parked:
+        if self._parked:
             return
         busy = [s for s in spaces if s.live_allocations and s.mapped]
         if busy and not park_live:
@@ -232,19 +306,19 @@ class SharedChunks:
                         "tensors still using them must not be touched after this", [s.id for s in busy])
             errors.append(exc)
             return
-        with self.backing.ordered():
+        with self._backing.ordered():
             self._park(busy, scratch, errors)
-        self.parked, self.parked_bytes = busy, sum(s.size for s in busy)
+        self._parked, self._parked_bytes = busy, sum(s.size for s in busy)
         log.warning("closing with allocations still live in space(s) %s: their %s stay reserved over a scratch "
                     "chunk (reads give garbage) until the backend closes", [s.id for s in busy],
-                    fmt_bytes(self.parked_bytes))
+                    fmt_bytes(self._parked_bytes))
 
     def _park(self, busy: list[VirtualSpace], scratch: Any, errors: list[BaseException]) -> None:
         """Map ``scratch`` over every granule of ``busy`` in place of its chunk (reads give garbage)."""
         for place in (p for s in busy for p in s.places):
             try:
                 if place.mapped:
-                    self.backing.unmap(place)
+                    self._backing.unmap(place)
                 self.backend.map(place.ptr, self.granularity, scratch)
             except Exception as exc:  # noqa: BLE001 - collected; close() raises the first after releasing the rest
                 errors.append(exc)

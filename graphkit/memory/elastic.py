@@ -36,7 +36,6 @@ import hal
 from graphkit.memory.closing import Closable, after_backend, close_step, raise_first_failure
 from graphkit.memory.elastic_chunks import FreeChunks, RangeChunks
 from graphkit.memory.elastic_views import LiveViews, ViewToken
-from graphkit.memory.figures import figure
 from graphkit.memory.host_backup import HostBacked, HostBackup
 from graphkit.memory.keeper import Keeper
 from graphkit.memory.ranges import Arena
@@ -92,14 +91,20 @@ class ElasticReservation(Closable):
 
     _free: FreeChunks
 
-    free_bytes = figure("_free", "free_bytes", "Physical bytes pre-created and not mapped anywhere.")
+    @property
+    def free_bytes(self) -> int:
+        """Physical bytes pre-created and not mapped anywhere."""
+        return self._free.free_bytes
 
-    created = figure("_free", "created",
-                     "Chunks created over the reservation's life (growth that paid a driver allocation included).")
+    @property
+    def created(self) -> int:
+        """Chunks created over the reservation's life (growth that paid a driver allocation included)."""
+        return self._free.created
 
-    pending_release = figure("_free", "pending",
-                             "Chunks whose release failed and will be retried (at :meth:`trim` and :meth:`close`).",
-                             count=True)
+    @property
+    def pending_release(self) -> int:
+        """Chunks whose release failed and will be retried (at :meth:`trim` and :meth:`close`)."""
+        return len(self._free.pending)
 
     @property
     def closed(self) -> bool:
@@ -362,12 +367,20 @@ class ElasticBuffer(Closable, HostBacked):
 
     _chunks: RangeChunks
 
-    mapped_bytes = figure("_chunks", "mapped_bytes", "Bytes backed by physical memory now (a prefix of the range).")
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes backed by physical memory now (a prefix of the range)."""
+        return self._chunks.mapped_bytes
 
-    footprint_bytes = figure("_chunks", "footprint_bytes", "Bytes it holds while awake (what a pause releases).")
+    @property
+    def footprint_bytes(self) -> int:
+        """Bytes it holds while awake (what a pause releases)."""
+        return self._chunks.footprint_bytes
 
-    paused = figure("_chunks", "paused",
-                    "Whether part of its prefix is released or unmapped (nothing may read it until it is restored).")
+    @property
+    def paused(self) -> bool:
+        """Whether part of its prefix is released or unmapped (nothing may read it until it is restored)."""
+        return self._chunks.paused
 
     def __repr__(self) -> str:
         return (f"<graphkit.ElasticBuffer {self.backend.name} at {self.ptr:#x} mapped {fmt_bytes(self.mapped_bytes)} "

@@ -25,7 +25,6 @@ from typing import Any
 import hal
 from graphkit.memory.backing import Backing, Chunk, Place
 from graphkit.memory.closing import close_step
-from graphkit.memory.figures import figure
 from graphkit.memory.host_backup import HostBackup
 from hal.transaction import Transaction
 
@@ -114,7 +113,11 @@ class RangeChunks:
     __slots__ = ("backend", "backing", "chunk_bytes", "granularity", "granules", "pending", "places", "ptr", "size",
                  "store")
     backing: Backing
-    paused = figure("backing", "paused", "Whether part of the prefix is released or unmapped.")
+
+    @property
+    def paused(self) -> bool:
+        """Whether part of the prefix is released or unmapped."""
+        return self.backing.paused
 
     def __init__(self, store: FreeChunks, ptr: int, size: int, host: HostBackup | None = None,
                  chunk_bytes: int | None = None) -> None:

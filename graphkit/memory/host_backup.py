@@ -22,7 +22,6 @@ from collections.abc import Iterator, Sequence
 import torch
 
 import hal
-from graphkit.memory.figures import figure
 
 log = logging.getLogger(__name__)
 
@@ -170,12 +169,15 @@ class HostBacked:
 
     _backup: HostBackup
 
-    host_bytes = figure("_backup", "host_bytes",
-                        "Host bytes made for the backup: made ahead of the pauses (as memory grows, or as a region "
-                        "ends).")
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes made for the backup: made ahead of the pauses (as memory grows, or as a region ends)."""
+        return self._backup.host_bytes
 
-    pin_seconds = figure("_backup", "pin_seconds",
-                         "Time spent making (pinning) the backup's host buffers, off the pause path or on it.")
+    @property
+    def pin_seconds(self) -> float:
+        """Time spent making (pinning) the backup's host buffers, off the pause path or on it."""
+        return self._backup.pin_seconds
 
     def wait_for_backup(self) -> None:
         """Wait until the backup's host buffers being made in the background are made (the next pause then

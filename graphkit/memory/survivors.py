@@ -23,6 +23,7 @@ from graphkit.memory.backing import Backing, Chunk, Place
 from hal.transaction import Transaction
 
 if TYPE_CHECKING:
+    from graphkit.memory.chunks import SharedChunks
     from graphkit.memory.ranges import VirtualSpace
 
 def granules_of(space: VirtualSpace, blocks: Iterable[tuple[int, int]], granularity: int) -> set[int]:
@@ -71,13 +72,17 @@ class Survivors:
 
     :param backing: the shared chunks' release/restore machine (its create, map, unmap and release steps).
     :param shared: the shared chunks, chunk ``i`` at offset ``i * granularity`` of every space that reaches it
-        (a chunk whose handle is None is made again when a space reaches it).
+        (a chunk whose handle is None is made again when a space reaches it); read with its ``chunk(i)``, changed
+        with its ``adopt(i, chunk, tx)`` alone.
+
+    Only it writes its record of the chunks each space alone maps; the rest reads it through :meth:`chunks`,
+    :meth:`of` and :attr:`held_bytes`.
     """
 
-    def __init__(self, backend: hal.Backend, backing: Backing, shared: list[Chunk]) -> None:
+    def __init__(self, backend: hal.Backend, backing: Backing, shared: SharedChunks) -> None:
         self.backend, self.backing, self.shared = backend, backing, shared
         self.granularity = backend.granularity
-        self.private: dict[int, dict[int, Chunk]] = {}  # space id -> granule index -> the chunk it alone maps
+        self._private: dict[int, dict[int, Chunk]] = {}  # space id -> granule index -> the chunk it alone maps
 
     @property
     def held_bytes(self) -> int:
@@ -85,7 +90,12 @@ class Survivors:
         return sum(c.size for c in self.chunks() if c.handle is not None)
 
     def chunks(self) -> list[Chunk]:
-        return [c for own in self.private.values() for c in own.values()]
+        """Every chunk one space alone maps (held or released)."""
+        return [c for own in self._private.values() for c in own.values()]
+
+    def of(self, space: VirtualSpace) -> dict[int, Chunk]:
+        """The chunks ``space`` alone maps, by granule index (a copy)."""
+        return dict(self._private.get(space.id, {}))
 
     def privatize(self, space: VirtualSpace, wanted: set[int], spaces: Iterable[VirtualSpace]) -> None:
         """Make ``space`` alone map the granules ``wanted`` and share the others (all or nothing; after the
@@ -96,9 +106,9 @@ class Survivors:
         is made when a space reaches the offset). A granule given back becomes the shared chunk again where no
         other space maps a newer one; else ``space`` maps that one and its own is released.
         """
-        have = self.private.setdefault(space.id, {})
+        have = self._private.setdefault(space.id, {})
         add = sorted(i for i in wanted - have.keys() if i < space.mapped and space.place(i).mapped
-                     and space.place(i).chunk is self.shared[i])
+                     and space.place(i).chunk is self.shared.chunk(i))
         back = sorted(have.keys() - wanted)
         others = [s for s in spaces if s is not space]
         freed: list[Chunk] = []
@@ -112,18 +122,18 @@ class Survivors:
         for chunk in freed:
             self.backing.release(chunk)
         if not have:
-            del self.private[space.id]
+            del self._private[space.id]
 
     def on_shared(self, space: VirtualSpace, blocks: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
         """Those of ``blocks`` that reach a granule of ``space`` mapped to a shared chunk."""
-        own = self.private.get(space.id, {})
+        own = self._private.get(space.id, {})
         return [b for b in blocks if not own or granules_of(space, [b], self.granularity) - own.keys()]
 
     def keep(self, space: VirtualSpace, index: int, chunk: Chunk) -> None:
         """``space`` keeps ``chunk``, the one it shows at granule ``index``, as a chunk of its own from now on (a
         scratch chunk that would not give way to the granule's own); the chunk of its own it had there goes once
         mapped nowhere. A shared chunk it mapped there stays the shared one."""
-        have = self.private.setdefault(space.id, {})
+        have = self._private.setdefault(space.id, {})
         old = have.get(index)
         have[index] = chunk
         if old is not None and old is not chunk and not old.maps:
@@ -131,7 +141,7 @@ class Survivors:
 
     def drop(self, space: VirtualSpace) -> None:
         """Release the chunks ``space`` alone mapped (unmapped with it)."""
-        for chunk in self.private.pop(space.id, {}).values():
+        for chunk in self._private.pop(space.id, {}).values():
             if not chunk.maps:
                 self.backing.release(chunk)
 
@@ -140,27 +150,25 @@ class Survivors:
     def _give(self, space: VirtualSpace, index: int, others: list[VirtualSpace], have: dict[int, Chunk],
               tx: Transaction) -> None:
         """``space`` keeps the shared chunk ``index``; the other spaces mapping it get a new one (undone by ``tx``)."""
-        old = self.shared[index]
+        old = self.shared.chunk(index)
         fresh = Chunk(self.granularity)
         mapping = [s for s in others if index < s.mapped and s.place(index).chunk is old]
         if mapping:
             self.backing.create(fresh, tx)
             for other in mapping:
                 self._swap(other, index, fresh, tx)
-        self.shared[index] = fresh
-        tx.append(functools.partial(self.shared.__setitem__, index, old))
+        self.shared.adopt(index, fresh, tx)
         have[index] = old
         tx.append(functools.partial(_forget, have, index))
 
     def _share(self, space: VirtualSpace, index: int, have: dict[int, Chunk], tx: Transaction) -> list[Chunk]:
         """The chunk ``space`` alone mapped at ``index`` is shared again; the chunks to release once committed."""
-        own, current = have.pop(index), self.shared[index]
+        own, current = have.pop(index), self.shared.chunk(index)
         tx.append(functools.partial(have.__setitem__, index, own))
         if current.maps:  # other spaces map a newer shared chunk: map it here too, release this one
             self._swap(space, index, current, tx)
             return [own]
-        self.shared[index] = own  # nobody maps the newer one: this one is the shared chunk again
-        tx.append(functools.partial(self.shared.__setitem__, index, current))
+        self.shared.adopt(index, own, tx)  # nobody maps the newer one: this one is the shared chunk again
         return [current] if current.handle is not None else []
 
     def _swap(self, space: VirtualSpace, index: int, chunk: Chunk, tx: Transaction) -> None:
