@@ -83,7 +83,7 @@ class ElasticReservation(Closable):
         with Transaction() as tx:  # chunks that would not precreate: the range goes, pending releases are retried
             self.base = be.create_vir_ptr(self.reserve_bytes)
             tx.append(functools.partial(be.release_vir_ptr, self.base, self.reserve_bytes))
-            tx.append(self._free.backing.retry)
+            tx.append(self._free.retry)
             self._reserved = True  # the virtual range is still held
             self._arena = Arena(self.base, self.reserve_bytes)
             self.precreate(precreate_bytes)
@@ -416,10 +416,10 @@ class ElasticBuffer(Closable, HostBacked):
         with self._lock:
             chunks = self._chunks
             if (type(nbytes) is int and 0 <= nbytes <= self.max_bytes and chunks.settled(-(-nbytes // self.granularity))
-                    and not (self._closed or chunks.backing.paused or chunks.pending)):
+                    and not (self._closed or chunks.paused or chunks.pending)):
                 return  # the size it has, nothing to heal: a decode loop asks this every step
             self._check("resize", awake=False)
-            sleeping = chunks.backing.sleeping
+            sleeping = chunks.sleeping
             if sleeping:
                 self._check("resize")
             _positive(nbytes, "nbytes", "ElasticBuffer.resize", be.name, zero=True)
@@ -495,7 +495,7 @@ class ElasticBuffer(Closable, HostBacked):
         """
         with self._lock:
             self._check("pause", awake=False)
-            if self._chunks.backing.sleeping and self._chunks.released:
+            if self._chunks.sleeping and self._chunks.released:
                 return 0
             return self._chunks.pause(self.backup, keep_backup)
 

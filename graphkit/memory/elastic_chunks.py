@@ -57,6 +57,10 @@ class FreeChunks:
         """Chunks mapped nowhere whose release failed: released at the next :meth:`trim`."""
         return self.backing.pending
 
+    def retry(self) -> None:
+        """Release the pending chunks again; those that fail again stay pending."""
+        self.backing.retry()
+
     def create(self, count: int) -> None:
         """Create ``count`` chunks of one granule into the free list (all or nothing)."""
         made = [Chunk(self.granularity) for _ in range(count)]
@@ -118,6 +122,11 @@ class RangeChunks:
     def paused(self) -> bool:
         """Whether part of the prefix is released or unmapped."""
         return self.backing.paused
+
+    @property
+    def sleeping(self) -> bool:
+        """Whether a pause released it (a failed rollback's holes aside)."""
+        return self.backing.sleeping
 
     def __init__(self, store: FreeChunks, ptr: int, size: int, host: HostBackup | None = None,
                  chunk_bytes: int | None = None) -> None:
