@@ -188,26 +188,6 @@ def _two_spaces(be: hal.Backend) -> tuple[graphkit.SharedVMMAllocator, int, int]
     return a, p1, p2
 
 
-def test_a_pause_whose_remap_fails_twice_reads_paused_until_restored(be: hal.Backend) -> None:
-    a, p1, _ = _two_spaces(be)
-    mapped = be.live.mappings
-    be.faults.fail("unmap", nth=2)
-    be.faults.fail("map", nth=1)
-    be.faults.fail("map", nth=1)  # the remap and its retry both fail
-    with pytest.raises(hal.DriverError, match="injected"):
-        a.release_physical()
-    assert a.paused and be.live.mappings == mapped - 1  # exactly one granule is missing, and it says so
-    with pytest.raises(hal.InvalidStateError, match="restore_physical"):
-        a.allocate(16)
-    a.restore_physical()
-    assert not a.paused and be.live.mappings == mapped
-    assert ctypes.string_at(p1, 8) == b"graphs!!"  # the chunk was never released: data intact
-    a.release_physical()
-    a.restore_physical()
-    a.close()
-    assert be.live.zero, be.live
-
-
 def test_a_resume_whose_rollback_fails_keeps_the_chunk_and_can_be_retried(be: hal.Backend) -> None:
     a, p1, p2 = _two_spaces(be)
     a.release_physical()
