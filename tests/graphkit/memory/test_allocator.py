@@ -252,40 +252,6 @@ def test_a_backend_name_instead_of_a_backend_is_refused_naming_the_fix() -> None
         graphkit.SharedVMMAllocator("fake")  # type: ignore[arg-type]
 
 
-def test_opening_a_space_seals_no_other_and_switching_seals_the_current_one(be: hal.Backend) -> None:
-    """Spaces opened side by side keep their room (several captures at once); only their owner seals them."""
-    a = graphkit.SharedVMMAllocator(be, reserve_bytes=8 * G)
-    first, second = a.open_virtual_space(), a.open_virtual_space()
-    assert a.current is None
-    a.allocate(G, space_id=second)
-    a.allocate(7 * G, space_id=first)  # opened before the other, it still grows to reserve_bytes
-    assert not a.spaces[first].sealed and not a.spaces[second].sealed
-    a.seal(second, "when its capture ended")
-    with pytest.raises(hal.DeviceOutOfMemoryError, match=r"space \d+ was sealed at 64.0 KiB when its capture ended"):
-        a.allocate(G, space_id=second)
-    current = a.switch_to_new_virtual_space()
-    a.allocate(G)
-    a.switch_to_new_virtual_space()  # seals the current space, and that one only
-    assert a.spaces[current].sealed and not a.spaces[first].sealed
-    with pytest.raises(hal.DeviceOutOfMemoryError, match="when a newer space opened"):
-        a.allocate(G, space_id=current)
-    a.close()
-    assert be.live.zero, be.live
-
-
-def test_running_out_of_address_space_says_how_many_spaces_are_open(be: hal.Backend) -> None:
-    a = graphkit.SharedVMMAllocator(be, reserve_bytes=4 * G, arena_bytes=8 * G)
-    for _ in range(2):
-        a.open_virtual_space()
-    be.faults.fail("create_vir_ptr", error=hal.DeviceOutOfMemoryError("no room", backend="fake", call="create_vir_ptr"))
-    with pytest.raises(hal.DeviceOutOfMemoryError, match=r"no address space left for a new space: 2 space\(s\) are "
-                                                         r"open.*reserve_bytes=256.0 KiB.*release the keys"):
-        a.open_virtual_space()
-    assert a.num_virtual_spaces == 2 and a.num_arenas == 1
-    a.close()
-    assert be.live.zero, be.live
-
-
 # -- the allocator as a state machine ------------------------------------------------------------------------------
 # A Hypothesis state machine for SharedVMMAllocator against a simple model, for any host-visible backend.
 
