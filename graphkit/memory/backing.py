@@ -180,6 +180,11 @@ class Backing:
         handle, chunk.handle = chunk.handle, None
         return handle is not None and self.release_handle(handle)
 
+    def hand_over(self, chunk: Chunk) -> Any:
+        """``chunk`` (mapped nowhere) gives its handle to a new holder (a free list): returned, the chunk holds none."""
+        handle, chunk.handle = chunk.handle, None
+        return handle
+
     def release_handle(self, handle: Any) -> bool:
         """Release a handle mapped nowhere; one whose release fails twice is pending (released later)."""
         for attempt in (1, 2):

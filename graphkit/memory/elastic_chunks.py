@@ -305,8 +305,7 @@ class RangeChunks:
                 if place.mapped and not close_step(errors, self.backing.unmap, place):
                     continue
                 if place.chunk.handle is not None:
-                    self.store.put(self._unmapped([place.chunk]))
-                    place.chunk.handle = None
+                    self.store.put([(self.backing.hand_over(place.chunk), place.chunk.size)])
         if not errors and not self.pending:
             del self.places[:]
             self.granules = 0

@@ -166,3 +166,13 @@ def test_the_allocators_pause_whose_remap_fails_twice_reads_paused_until_restore
     a.restore_physical()
     a.close()
     assert be.live.zero, be.live
+
+
+def test_hand_over_gives_the_handle_away_and_the_chunk_holds_none(be: hal.Backend) -> None:
+    backing = Backing(be)
+    chunk = Chunk(G)
+    backing.create(chunk)
+    handle = chunk.handle
+    assert backing.hand_over(chunk) is handle and chunk.handle is None
+    assert not backing.release(chunk) and be.live.chunks == 1  # nothing left to release here: the holder does
+    be.release_phy_mem_handle(handle)
