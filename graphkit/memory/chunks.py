@@ -25,16 +25,13 @@ log = logging.getLogger(__name__)
 class SharedChunks:
     """Chunk ``i`` (one granule) is mapped at offset ``i * granularity`` of every space that reaches it.
 
-    Each driver step records what it did the moment the driver call
-    succeeded and appends its undo, which records the undoing the same way:
-    the bookkeeping is exact whatever fails. Its :class:`Backing` keeps the
-    chunks whose release failed (pending, released later) and whether a
-    rollback left a hole; it also pauses and resumes them all at once. At
-    close, spaces a tensor still uses may be *parked* over one scratch chunk.
+    Each driver step records what it did the moment the driver call succeeded and appends its undo, which records
+    the undoing the same way: the bookkeeping is exact whatever fails. Its :class:`Backing` keeps the chunks whose
+    release failed (pending, released later) and whether a rollback left a hole; it also pauses and resumes them
+    all at once. At close, spaces a tensor still uses may be *parked* over one scratch chunk.
 
     Only it writes its records (the chunk list, the parked spaces, its backing's state, its survivors): the
-    allocator and :class:`~graphkit.memory.survivors.Survivors` use its verbs (:meth:`adopt` puts a chunk at
-    an index).
+    allocator and :class:`~graphkit.memory.survivors.Survivors` use its verbs (:meth:`adopt`: a chunk at an index).
     """
 
     def __init__(self, backend: hal.Backend) -> None:
