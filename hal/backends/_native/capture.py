@@ -1,7 +1,7 @@
 """One graph capture through a torch device namespace (``torch.cuda.graph``, ``torch.npu.graph``, ``torch.mlu.graph``).
 
 The path every torch-based backend takes: the capture is routed where a
-router is active (:mod:`hal.backends._native.routing`), its pool checked,
+router is active (:mod:`hal.routing`), its pool checked,
 the stream's lazily made library state made first
 (:mod:`hal.backends._native.stream_state`), the garbage collector is off
 inside the block, the graph under construction
@@ -28,9 +28,9 @@ from contextlib import AbstractContextManager
 from typing import Any, NoReturn, Protocol
 
 from hal.backends._native import torch_compat as compat
-from hal.backends._native.routing import ADDRESSES, REFUSED, UNROUTED, GraphClassRouting, forget
 from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError
 from hal.gcguard import gc_disabled
+from hal.routing import ADDRESSES, REFUSED, UNROUTED, GraphClassRouting, forget
 from hal.types import GraphAddresses
 
 #: reads the graph being captured on a stream: ``inspector(stream) -> GraphAddresses``
