@@ -150,7 +150,7 @@ class VmmCalls(HookCalls):
             block.__enter__()
         try:
             yield
-        except BaseException as exc:
+        except BaseException as exc:  # not an undo: the plugin's block is told of the failure, as `with` tells it
             with self._plugin_faults("deferred_access"):
                 block.__exit__(type(exc), exc, exc.__traceback__)
             raise
