@@ -193,8 +193,7 @@ class VmmCalls(HookCalls):
         caps = self.capabilities
         if "unmap_waits" in caps or "graphs" not in caps:
             return
-        capturing = getattr(self, "capturing", None) if capture_check else None  # hal.Backend's stream calls
-        if callable(capturing) and capturing():
+        if capture_check and self.capturing():  # answered by hal.Backend's stream calls
             return
         self._hook.synchronize(stream=None)
 
