@@ -57,7 +57,7 @@ from graphkit.graphs.executables import DEFAULT, Budget, checked_budget
 from graphkit.graphs.pools import GraphPools
 from graphkit.graphs.scope import set_by_own_block
 from graphkit.graphs.strategies import POOL_KINDS
-from hal.process_routing import patch_imported
+from hal.routing import patch_imported
 from hal.types import Route
 
 log = logging.getLogger(__name__)

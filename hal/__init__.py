@@ -20,8 +20,8 @@ from hal.errors import (
     UseAfterUnmapError,
 )
 from hal.facade import Backend
-from hal.process_routing import route_every_capture
 from hal.registry import get_backend, list_backends
+from hal.routing import route_every_capture
 from hal.transaction import Transaction
 from hal.types import ALLOCATION_ALIGNMENT, BackendInfo, GraphAddresses, MemInfo
 from hal.wrappers import LiveCounts

@@ -38,10 +38,9 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-from hal import api
+from hal import api, routing
 from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError, PluginValidationError
 from hal.hook_calls import ADDRESS_LIMIT
-from hal.routing import noting_routes
 from hal.stream_calls import StreamCalls
 from hal.types import ON_REPLAY, CaptureRouter, GraphAddresses, Route
 
@@ -190,7 +189,7 @@ class GraphCalls(StreamCalls):
         chosen_pools = [pool]  # a router that chooses another pool appends it, a process router too
         stack.append(chosen_pools)
         try:
-            with noting_routes(lambda route: chosen_pools.append(route.pool)), inner as captured:
+            with routing.noting_routes(lambda route: chosen_pools.append(route.pool)), inner as captured:
                 yield captured
         finally:
             chosen = stack.pop()[-1]
@@ -222,15 +221,14 @@ class GraphCalls(StreamCalls):
         if not callable(router):
             raise self._err(InvalidArgumentError, "route_captures", f"router={router!r} must be callable")
         self._refuse_without("capture_routing", "route_captures", "this backend cannot route the framework's captures")
+        return self._graph_call("route_captures", router=routing.noted_router(router, self._note_route))
 
-        def noted(graph: Any, requested_pool: Any) -> Route | None:
-            route = router(graph, requested_pool)
-            stack = self._capturing()
-            if stack and isinstance(route, Route):  # a capture through this facade: replay checks this pool
-                stack[-1].append(route.pool)
-            return route
-
-        return self._graph_call("route_captures", router=noted)
+    def _note_route(self, route: Route) -> None:
+        """A router of this device chose ``route``: a capture through this facade draws from its pool, which
+        replay checks."""
+        stack = self._capturing()
+        if stack:
+            stack[-1].append(route.pool)
 
     def graph_addresses(self, graph: Any) -> GraphAddresses:
         """The memory ``graph``'s replay reads or writes, read from the graph (see :func:`hal.api.graph_addresses`).

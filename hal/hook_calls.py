@@ -84,6 +84,15 @@ class HookCalls:
     def closed(self) -> bool:
         return self._closed
 
+    def capturing(self) -> bool:
+        """Whether the current stream of this thread captures a graph on this backend's device now.
+
+        Declared here for every part of :class:`hal.Backend` (a wait before an unmap must not end a capture);
+        the stream calls answer it (:meth:`hal.stream_calls.StreamCalls.capturing`). A part without streams
+        captures nothing.
+        """
+        return False
+
     @contextlib.contextmanager
     def count_calls(self) -> Iterator[collections.Counter[str]]:
         """Inside the block, every call of a hook on this backend (any thread) is counted by hook name: what an

@@ -344,7 +344,7 @@ class _ProbeCall:
     def _run(self, cls: _PluginClass) -> None:
         try:
             self.reason = _answer(cls.probe())
-        except BaseException as exc:  # noqa: BLE001 - on its own thread: whatever it raises is the plugin's
+        except BaseException as exc:  # not an undo: on its own thread, its error is the plugin's  # noqa: BLE001
             self.reason = f"probe failed: {_raised(exc)}"
         finally:
             self.done.set()

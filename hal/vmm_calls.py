@@ -150,7 +150,7 @@ class VmmCalls(HookCalls):
             block.__enter__()
         try:
             yield
-        except BaseException as exc:
+        except BaseException as exc:  # not an undo: the plugin's block is told of the failure, as `with` tells it
             with self._plugin_faults("deferred_access"):
                 block.__exit__(type(exc), exc, exc.__traceback__)
             raise
@@ -193,8 +193,7 @@ class VmmCalls(HookCalls):
         caps = self.capabilities
         if "unmap_waits" in caps or "graphs" not in caps:
             return
-        capturing = getattr(self, "capturing", None) if capture_check else None  # hal.Backend's stream calls
-        if callable(capturing) and capturing():
+        if capture_check and self.capturing():  # answered by hal.Backend's stream calls
             return
         self._hook.synchronize(stream=None)
 

@@ -104,7 +104,7 @@ def _private_imports(package: str) -> list[str]:
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_public_module_imports_a_private_module_of_another_package(package: str) -> None:
     """A module is private when a part of its dotted name starts with ``_``; it is private to the package
-    that holds that part (``hal.backends._native.routing`` to ``hal.backends``, ``graphkit.graphs._x`` to
+    that holds that part (``hal.backends._native.hooks`` to ``hal.backends``, ``graphkit.graphs._x`` to
     ``graphkit``). A public module of hal or graphkit imports a private module only from inside the package it
     is private to: ``hal.backends.cuda.backend`` may import ``hal.backends._native.hooks``, while
     ``hal.host.graphs`` may not, nor any graphkit module a private module of hal (nor hal one of graphkit)."""

@@ -13,6 +13,7 @@ again: ``return super().capabilities() | {"memory_sharing"}``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import threading
 from collections.abc import Callable, Iterator
@@ -23,7 +24,8 @@ from hal.api import AllocFn, FreeFn, hookimpl
 from hal.errors import CaptureError, InvalidArgumentError, PluginValidationError
 from hal.host.inflight import InFlight
 from hal.host.pool import BlockPool
-from hal.routing import choose_route, process_route, watch_release
+from hal.routing import route_of, watch_release
+from hal.transaction import Transaction
 from hal.types import CaptureRouter, GraphAddresses
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -263,31 +265,24 @@ class HostGraphs:
         from hal.host import tape
 
         # this device's routers, innermost first, then the process's
-        route = (choose_route(list(reversed(self._host_routers)), graph, pool)
-                 or process_route(self._host_name, getattr(self, "device", 0), graph, pool))
-        if route is not None:
-            pool = route.pool
-            if route.on_replay is not None:
-                graph.lazy = True  # its router owns its executable form: made at its first launch, if ever
-        private = pool is None
-        if pool is None:
-            pool = graph.own_pool = self._pool(self._host_alloc, self._host_free, "private pool")
-        try:
+        route = route_of(list(reversed(self._host_routers)), self._host_name, getattr(self, "device", 0), graph, pool)
+        with Transaction() as tx:
+            if route is not None:
+                tx.append(functools.partial(route.on_end, False))
+                pool = route.pool
+                if route.on_replay is not None:
+                    graph.lazy = True  # its router owns its executable form: made at its first launch, if ever
+            if pool is None:
+                pool = graph.own_pool = self._pool(self._host_alloc, self._host_free, "private pool")
+                tx.append(functools.partial(_drop_private_pool, graph, pool))
             with tape.capture(graph, pool), self._host_capturing():
                 yield graph
-        except BaseException:
-            if private:  # a retry gets a fresh private pool; this one goes back now
-                pool.release()
-                graph.own_pool = None
-            if route is not None:
-                route.on_end(False)
-            raise
+            tx.commit()
         if route is not None:
-            try:
+            with Transaction() as refusal:
+                refusal.append(graph.discard)  # refused by the router: empty, as after a failed capture
                 route.on_end(True)  # the tape knows its addresses: nothing to record first
-            except BaseException:
-                graph.discard()  # refused by the router: empty, as after a failed capture (released by its caller)
-                raise
+                refusal.commit()
             graph.on_release = watch_release(graph, route.on_release, reset_name=None)
             graph.on_replay = route.on_replay
 
@@ -327,3 +322,9 @@ class HostGraphs:
             yield
         finally:
             self._host_routers.remove(router)
+
+
+def _drop_private_pool(graph: tape.HostGraph, pool: BlockPool) -> None:
+    """Give back ``pool``, the private pool of a capture of ``graph`` that failed (a retry gets a fresh one)."""
+    pool.release()
+    graph.own_pool = None

@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError
 from hal.host.pool import BlockPool
+from hal.transaction import Transaction
 from hal.types import GraphAddresses
 
 aten = torch.ops.aten
@@ -714,12 +715,12 @@ def capture(graph: HostGraph, pool: BlockPool) -> Iterator[HostGraph]:
     recorder = _Recorder(graph, pool)
     graph.capturing = True
     try:
-        with recorder, _host_reads_refused(graph.backend):
-            yield graph
-    except BaseException:
-        graph.ops.clear()
-        graph.entries.clear()
-        raise
+        with Transaction() as tx:
+            tx.append(lambda: graph.entries.clear())  # a failed recording leaves nothing recorded
+            tx.append(lambda: graph.ops.clear())
+            with recorder, _host_reads_refused(graph.backend):
+                yield graph
+            tx.commit()
     finally:
         graph.capturing = False
     _materialise(graph)

@@ -15,8 +15,8 @@ from typing import Any, ClassVar
 
 import pytest
 
-from hal.backends._native.routing import GraphClassRouting
 from hal.backends._native.stream_state import StreamState
+from hal.routing import GraphClassRouting
 from hal.types import Route
 
 MiB = 1 << 20

@@ -5,8 +5,8 @@
 * :mod:`~hal.backends._native.vmm` -- ``map`` then set access, undone when the access call fails;
 * :mod:`~hal.backends._native.callbacks` -- the C allocator callbacks behind a torch pool, kept alive;
 * :mod:`~hal.backends._native.torch_compat` -- every private torch / extension API, with its versions;
-* :mod:`~hal.backends._native.torch_glue` -- graphs, streams and pools through ``torch.<device>``;
-* :mod:`~hal.backends._native.routing` -- routing the captures a framework's graph class starts;
+* :mod:`~hal.backends._native.torch_glue` -- graphs, streams and pools through ``torch.<device>`` (the routing of
+  the captures its graph class starts is :mod:`hal.routing`'s, given the class);
 * :mod:`~hal.backends._native.hooks` -- the backend hooks that delegate to that glue.
 
 Only vendor-neutral plumbing lives here: structs, enum values, return-code

@@ -100,7 +100,7 @@ class CallbackPair:
                 return self._fail(size, "the allocator callback returned no memory (see its own log)")
             self.live[ptr] = size
             return ptr
-        except BaseException as exc:  # noqa: BLE001 - nothing may escape into torch's C++
+        except BaseException as exc:  # not an undo: nothing may escape into torch's C++  # noqa: BLE001
             return self._fail(size, f"{type(exc).__name__}: {exc}")
 
     def _free_body(self, ptr: int | None, size: int) -> None:
@@ -113,7 +113,7 @@ class CallbackPair:
                 fn(ptr, size)
             if self.pool_released and not self.live:
                 self.forget()
-        except BaseException as exc:  # noqa: BLE001 - nothing may escape into torch's C++
+        except BaseException as exc:  # not an undo: nothing may escape into torch's C++  # noqa: BLE001
             self.log.error("%s: free callback failed for %s at %#x: %s: %s", self.label, fmt_bytes(size),
                            ptr or 0, type(exc).__name__, exc)
 

@@ -1,7 +1,7 @@
 """One graph capture through a torch device namespace (``torch.cuda.graph``, ``torch.npu.graph``, ``torch.mlu.graph``).
 
 The path every torch-based backend takes: the capture is routed where a
-router is active (:mod:`hal.backends._native.routing`), its pool checked,
+router is active (:mod:`hal.routing`), its pool checked,
 the stream's lazily made library state made first
 (:mod:`hal.backends._native.stream_state`), the garbage collector is off
 inside the block, the graph under construction
@@ -28,9 +28,10 @@ from contextlib import AbstractContextManager
 from typing import Any, NoReturn, Protocol
 
 from hal.backends._native import torch_compat as compat
-from hal.backends._native.routing import ADDRESSES, REFUSED, UNROUTED, GraphClassRouting, forget
 from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError
 from hal.gcguard import gc_disabled
+from hal.routing import ADDRESSES, REFUSED, UNROUTED, GraphClassRouting, forget
+from hal.transaction import Transaction
 from hal.types import GraphAddresses
 
 #: reads the graph being captured on a stream: ``inspector(stream) -> GraphAddresses``
@@ -105,7 +106,7 @@ def capture(glue: CaptureGlue, graph: Any, pool: CapturePool | None, stream: Any
         body: BaseException | None = None
         try:
             yield graph
-        except BaseException as exc:  # noqa: BLE001 - kept, then re-raised as CaptureError or undone after exit
+        except BaseException as exc:  # not an undo: kept; re-raised as a CaptureError or undone below  # noqa: BLE001
             body = exc
         if body is None and inspect is not None:
             record_addresses(glue, torch_graph, stream, inspect)
@@ -116,12 +117,12 @@ def capture(glue: CaptureGlue, graph: Any, pool: CapturePool | None, stream: Any
 def _prepare(glue: CaptureGlue, torch_graph: Any, stream: Any) -> None:
     """The stream's lazily made library state, made before the capture (ending a route the router began
     when that fails)."""
-    try:
+    routing = glue.routing
+    with Transaction() as tx:
+        if routing is not None:
+            tx.append(lambda: routing.end(torch_graph, False))
         glue.prepare_capture_stream(stream)
-    except BaseException:
-        if glue.routing is not None:
-            glue.routing.end(torch_graph, False)
-        raise
+        tx.commit()
 
 
 def check_pool(glue: CaptureGlue, torch_graph: Any, pool: CapturePool | None) -> None:
@@ -167,9 +168,11 @@ class _Attempt:
 
     def begin(self) -> None:
         try:
-            self.block.__enter__()
-        except BaseException as exc:
-            self.undo(ended=False)
+            with Transaction() as tx:
+                tx.append(lambda: self.undo(ended=False))
+                self.block.__enter__()
+                tx.commit()
+        except BaseException as exc:  # not an undo (that ran as the transaction left): the error is translated
             translated = self.glue.capture_error(exc, BEGIN)
             if translated is None:
                 raise
@@ -182,7 +185,7 @@ class _Attempt:
                 if body is not None:  # the graph is empty or partial: the framework's warning about it is noise
                     warnings.simplefilter("ignore")
                 self.block.__exit__(type(body) if body else None, body, body.__traceback__ if body else None)
-        except BaseException as end_exc:  # noqa: BLE001 - _end_failed raises it, or what stands for it
+        except BaseException as end_exc:  # not an undo: _end_failed raises it, or what stands for it  # noqa: BLE001
             self._end_failed(body, end_exc)
         if body is not None:
             self._body_failed(body)

@@ -29,9 +29,9 @@ from hal.backends._native import capture as capturing
 from hal.backends._native import torch_compat as compat
 from hal.backends._native.callbacks import CallbackPair, keep_forever, new_pair
 from hal.backends._native.capture import StreamInspector
-from hal.backends._native.routing import GraphClassRouting, routable, routing_for
 from hal.backends._native.stream_state import StreamState, stream_state
 from hal.errors import CaptureError, InvalidStateError, UnsupportedError
+from hal.routing import GraphClassRouting, routable, routing_for
 from hal.types import GraphAddresses, fmt_bytes
 
 

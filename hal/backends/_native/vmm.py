@@ -13,6 +13,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from hal.transaction import Transaction
+
 
 def map_with_access(map_chunk: Callable[[], Any], set_access: Callable[[], Any] | None,
                     unmap: Callable[[], Any], *, backend: str, ptr: int, access_call: str) -> None:
@@ -25,11 +27,10 @@ def map_with_access(map_chunk: Callable[[], Any], set_access: Callable[[], Any] 
     map_chunk()
     if set_access is None:
         return
-    try:
+    with Transaction() as tx:
+        tx.append(lambda: undo_map(unmap, backend=backend, ptr=ptr, why=f"a failed {access_call}"))
         set_access()
-    except BaseException:
-        undo_map(unmap, backend=backend, ptr=ptr, why=f"a failed {access_call}")
-        raise
+        tx.commit()
 
 
 def undo_map(unmap: Callable[[], Any], *, backend: str, ptr: int, why: str) -> None:

@@ -160,7 +160,7 @@ class CudaBackend(TorchHooks):
         failed = False
         try:
             yield
-        except BaseException:
+        except BaseException:  # not an undo: notes the failure, so that the access setting below does not hide it
             failed = True
             raise
         finally:

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hal.backends._native.routing import ADDRESSES
 from hal.backends._native.torch_glue import TorchPool
 from hal.backends.cuda.errors import NAME
 from hal.errors import InvalidStateError
+from hal.routing import ADDRESSES
 from hal.types import GraphAddresses
 
 

@@ -26,11 +26,11 @@ from typing import Any, ClassVar
 
 from hal.backends._native import torch_compat as compat
 from hal.backends._native.capture import BODY, Phase, first_line
-from hal.backends._native.routing import ADDRESSES, RECORD, forget
 from hal.backends._native.torch_glue import TorchExtension, TorchGlue, TorchPool
 from hal.backends.cuda.errors import NAME
 from hal.backends.cuda.graph import CudaGraph, addresses, adopt
 from hal.errors import CaptureError, InvalidArgumentError, InvalidStateError, UnsupportedError
+from hal.routing import ADDRESSES, RECORD, forget
 from hal.types import GraphAddresses
 
 log = logging.getLogger("hal.cuda")

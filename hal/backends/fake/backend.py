@@ -12,6 +12,7 @@ from typing import Any
 from hal.api import hookimpl
 from hal.errors import DeviceOutOfMemoryError, InvalidArgumentError
 from hal.host import HostGraphs, HostStream, vm
+from hal.transaction import Transaction
 from hal.types import MemInfo, fmt_bytes
 
 NAME = "fake"
@@ -164,11 +165,10 @@ class FakeBackend(HostGraphs):
             self._charge("device_malloc", size)
         except DeviceOutOfMemoryError:
             return 0
-        try:
+        with Transaction() as tx:
+            tx.append(lambda: self._refund(size))
             ptr = vm.alloc(size, backend=NAME)
-        except BaseException:
-            self._refund(size)
-            raise
+            tx.commit()
         self._anon[ptr] = size
         return ptr
 
@@ -207,11 +207,10 @@ class FakeBackend(HostGraphs):
     @hookimpl
     def create_phy_mem_handle(self, size: int) -> int:
         self._charge("create_phy_mem_handle", size)
-        try:
+        with Transaction() as tx:  # OSError, OverflowError and the like: nothing may stay charged
+            tx.append(lambda: self._refund(size))
             fd = vm.create_chunk(size, backend=NAME)
-        except BaseException:  # OSError, OverflowError and the like: nothing may stay charged
-            self._refund(size)
-            raise
+            tx.commit()
         handle = next(self._handle_ids)
         self._chunks[handle] = (fd, size)
         return handle

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import graphkit
 import hal
-from hal.backends._native.routing import GraphClassRouting
+from hal.routing import GraphClassRouting
 from hal.types import Route
 from tests.conftest import G
 from tests.values import BAD_VALUE_SETTINGS, BadEq, BadHash, refused_cleanly

@@ -25,10 +25,10 @@ import pytest
 import torch
 
 import hal
-from hal.backends._native.routing import ADDRESSES, REFUSED, GraphClassRouting
 from hal.backends.cuda import introspect
 from hal.backends.cuda.introspect import GraphWalker, candidates, read_extra, read_params
 from hal.backends.cuda.torch_glue import CudaGlue
+from hal.routing import ADDRESSES, REFUSED, GraphClassRouting
 from hal.types import GraphAddresses, Route
 from tests.sim.torch_stub import cuda_stub
 
