@@ -462,7 +462,7 @@ class GraphClassRouting:
             route.on_end(False)
             return
         with Transaction() as refusal:
-            refusal.append(lambda: self.refuse(graph))
+            refusal.append(lambda: self.refuse(graph), retry=False)
             route.on_end(True)
             refusal.commit()
         watch_release(graph, _forgetting(graph, route.on_release))

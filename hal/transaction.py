@@ -10,8 +10,10 @@
 
 Leaving the block without :meth:`Transaction.commit` (an exception) runs the
 undo steps in reverse. An undo step that fails is tried once more (driver
-faults are often transient); one that fails again is logged and the rest
-still run; :attr:`Transaction.rollback_errors` says which failed, so the caller can
+faults are often transient) unless it was appended with ``retry=False`` (a
+callback that must not run twice: a router's ``on_end(False)``); one that
+fails for good is logged, the rest still run, and the error that left the
+block is the one that propagates; :attr:`Transaction.rollback_errors` says which failed, so the caller can
 record exactly what is left (a mapping that would not go, a chunk that would
 not be released) instead of assuming the rollback worked.
 """
@@ -29,13 +31,14 @@ class Transaction:
     """An undo stack: ``append(undo)`` after each step, ``commit()`` when every step succeeded."""
 
     def __init__(self) -> None:
-        self._undo: list[Callable[[], None]] = []
+        self._undo: list[tuple[Callable[[], None], bool]] = []
         self.committed = False
         self.rollback_errors: list[BaseException] = []
 
-    def append(self, undo: Callable[[], None]) -> None:
-        """Undo the step just done if the transaction does not commit."""
-        self._undo.append(undo)
+    def append(self, undo: Callable[[], None], *, retry: bool = True) -> None:
+        """Undo the step just done if the transaction does not commit (a failed ``undo`` tried once more
+        unless ``retry=False``)."""
+        self._undo.append((undo, retry))
 
     def commit(self) -> None:
         """Keep every step: the undo steps are dropped."""
@@ -45,8 +48,8 @@ class Transaction:
     def rollback(self) -> None:
         """Run the undo steps in reverse; failures are logged and kept in :attr:`rollback_errors`."""
         undo, self._undo = self._undo, []
-        for step in reversed(undo):
-            for attempt in (1, 2):
+        for step, retry in reversed(undo):
+            for attempt in (1, 2) if retry else (2,):
                 try:
                     step()
                     break
@@ -54,8 +57,8 @@ class Transaction:
                     if attempt == 1:
                         log.warning("rollback step failed, trying it again: %s", str(exc))
                         continue
-                    log.error("rollback step failed twice (what it would have undone is recorded and left "
-                              "for a later call): %s", str(exc))
+                    log.error("rollback step failed%s (what it would have undone is recorded and left for a later "
+                              "call): %s", " twice" if retry else "", str(exc))
                     self.rollback_errors.append(exc)
 
     @property

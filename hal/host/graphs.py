@@ -268,7 +268,7 @@ class HostGraphs:
         route = route_of(list(reversed(self._host_routers)), self._host_name, getattr(self, "device", 0), graph, pool)
         with Transaction() as tx:
             if route is not None:
-                tx.append(functools.partial(route.on_end, False))
+                tx.append(functools.partial(route.on_end, False), retry=False)
                 pool = route.pool
                 if route.on_replay is not None:
                     graph.lazy = True  # its router owns its executable form: made at its first launch, if ever

@@ -45,6 +45,19 @@ def test_a_failing_undo_is_tried_again_then_recorded_and_the_rest_still_run() ->
     assert not tx.clean and len(tx.rollback_errors) == 1
 
 
+def test_an_undo_that_must_not_run_twice_is_tried_once_and_the_first_error_propagates() -> None:
+    calls: list[bool] = []
+
+    def on_end(ok: bool) -> None:  # a router's callback: not idempotent
+        calls.append(ok)
+        raise hal.InvalidStateError("the router failed too", backend="t", call="capture")
+
+    with pytest.raises(ValueError, match="the capture failed"), Transaction() as tx:
+        tx.append(lambda: on_end(False), retry=False)
+        raise ValueError("the capture failed")
+    assert calls == [False] and len(tx.rollback_errors) == 1
+
+
 def test_backing_steps_roll_back_and_keep_the_record_exact() -> None:
     be = hal.get_backend("fake", granularity=G)
     base = be.create_vir_ptr(4 * G)

@@ -169,7 +169,7 @@ class _Attempt:
     def begin(self) -> None:
         try:
             with Transaction() as tx:
-                tx.append(lambda: self.undo(ended=False))
+                tx.append(lambda: self.undo(ended=False), retry=False)
                 self.block.__enter__()
                 tx.commit()
         except BaseException as exc:  # not an undo (that ran as the transaction left): the error is translated
