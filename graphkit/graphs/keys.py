@@ -500,13 +500,3 @@ class PoolKeys:
             self._dead.clear()
             self._pending.clear()
             self._kept.forget()
-
-
-
-def __getattr__(name: str) -> Any:
-    """The isolation verifier's names, at home in :mod:`graphkit.graphs.isolation` (importable from here too)."""
-    if name in ("KeyCheck", "Verifier", "FIX_ROUTED", "FIX_KEYED"):
-        from graphkit.graphs import isolation
-
-        return getattr(isolation, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
