@@ -71,11 +71,12 @@ def _owner(module: str) -> str | None:
     return None
 
 
-def _imported(path: Path, module: str) -> list[tuple[int, str]]:
-    """``(line, module)`` of every module of hal or graphkit that ``path`` imports, anywhere in it."""
+def _imported(path: Path, module: str, tree: ast.AST | None = None) -> list[tuple[int, str]]:
+    """``(line, module)`` of every module of hal or graphkit that ``path`` imports, anywhere in it (in ``tree``:
+    a part of it)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree if tree is not None else ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -239,3 +240,76 @@ def test_every_logger_of_graphkit_is_named_for_its_module() -> None:
                              and node.args[0].id == "__name__")):
                 wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
     assert not wrong, wrong
+
+
+# -- imports: no cycle ------------------------------------------------------------------------------------------
+
+
+def _module_level(tree: ast.Module) -> list[ast.stmt]:
+    """The statements a module runs when imported (``if``/``try`` blocks included, ``TYPE_CHECKING`` ones too;
+    the bodies of functions and classes not)."""
+    found, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        found.append(node)
+        if isinstance(node, (ast.If, ast.Try)):
+            todo += [*node.body, *node.orelse, *getattr(node, "finalbody", []),
+                     *(s for handler in getattr(node, "handlers", []) for s in handler.body)]
+    return found
+
+
+def _import_graph(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports at module level."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        module = _module_name(path)
+        names = set()
+        for node in _module_level(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update(name for _, name in _imported(path, module, node))
+        graph[module] = {name for name in names if name.split(".")[0] == package and _is_module(name)
+                         and name != module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected group of modules that import each other (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in sorted(graph.get(module, ())):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == module:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return groups
+
+
+def test_no_two_modules_of_graphkit_import_each_other() -> None:
+    """The modules of graphkit, with the imports they run when imported (``TYPE_CHECKING`` blocks included),
+    form no cycle: each module can be read knowing only those it imports."""
+    assert not _cycles(_import_graph("graphkit"))
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert not _cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}})
