@@ -242,7 +242,7 @@ def test_every_logger_of_graphkit_is_named_for_its_module() -> None:
     assert not wrong, wrong
 
 
-# -- imports: no cycle ------------------------------------------------------------------------------------------
+# -- imports: no cycle, and the key table's lock kept by the key table ------------------------------------------
 
 
 def _module_level(tree: ast.Module) -> list[ast.stmt]:
@@ -313,3 +313,23 @@ def test_no_two_modules_of_graphkit_import_each_other() -> None:
 def test_the_cycle_check_finds_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert not _cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}})
+#: the key table's lock, which only the table takes (its verbs are whole steps)
+KEY_TABLE = "graphkit/graphs/keys.py"
+
+
+def _locks_taken(path: Path) -> list[str]:
+    """``x.lock`` / ``x._lock`` of an object other than the module's own ``self``/``cls``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (isinstance(node, ast.Attribute) and node.attr in ("lock", "_lock")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_the_key_tables_lock_is_taken_in_keys_py_alone() -> None:
+    """GraphPools, the routing, the verifier, the scope, the runner and the switch call the key table's verbs;
+    none of them takes its lock."""
+    users = [*sorted((ROOT / "graphkit" / "graphs").rglob("*.py")), ROOT / "graphkit" / "switch.py"]
+    wrong = [use for path in users if path.relative_to(ROOT).as_posix() != KEY_TABLE for use in _locks_taken(path)]
+    assert not wrong, wrong
