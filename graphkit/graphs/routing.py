@@ -47,6 +47,7 @@ class CaptureRouting:
         self._groups = threading.local()
         self._auto = itertools.count(1)
         self._watching: contextlib.ExitStack | None = None
+        self._watch_lock = threading.Lock()  # one watcher, however many threads ask for handles at once
         self._trees_logged = False
 
     def handle(self, key: Hashable) -> PoolHandle:
@@ -63,13 +64,15 @@ class CaptureRouting:
         """From now on until :meth:`stop`, see the captures into the pools' handles (where captures can be
         routed): the backend prepares their streams, and they are verified."""
         backend = self.keys.backend
-        if self._watching is None and backend.supports("capture_routing"):
-            self._watching = contextlib.ExitStack()
-            self._watching.enter_context(backend.route_captures(_watcher(weakref.WeakMethod(self.watch))))
+        with self._watch_lock:
+            if self._watching is None and not self.keys.closed and backend.supports("capture_routing"):
+                self._watching = contextlib.ExitStack()
+                self._watching.enter_context(backend.route_captures(_watcher(weakref.WeakMethod(self.watch))))
 
     def stop(self) -> None:
-        if self._watching is not None:
+        with self._watch_lock:
             watching, self._watching = self._watching, None
+        if watching is not None:
             watching.close()
 
     def watch(self, graph: Any, requested_pool: Any) -> Route | None:
