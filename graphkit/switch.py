@@ -29,7 +29,9 @@ budget of :class:`graphkit.GraphPools`). ``0``, ``false``,
 once per process instead and leave the switch off.
 
 :func:`graphkit.graph_memory` sets the variable for the processes started inside
-its block (an engine's spawned ranks), with the block's options.
+its block (an engine's spawned ranks), with the block's options. The value's
+format is written and read in one module, :mod:`graphkit.graphs.switch_value`
+(:class:`Options` and :func:`parse` are importable from here too).
 
 :func:`start` does the same from code, and the engines' own plugin entry
 points call :func:`plugin` (vLLM's ``vllm.general_plugins`` in every worker,
