@@ -150,7 +150,21 @@ def test_python_m_graphkit_runs_the_command_line_registered_for_it() -> None:
 
 
 def _a_command_line(argv: list[str] | None) -> int:
-    return 0
+    return len(argv or ())
+
+
+def test_python_m_graphkit_reads_the_installed_entry_points(monkeypatch: pytest.MonkeyPatch) -> None:
+    import graphkit.__main__ as launcher
+
+    here = importlib.metadata.EntryPoint(name="bench", value=f"{__name__}:_a_command_line", group=launcher.GROUP)
+    asked = []
+
+    def entry_points(group: str) -> list[importlib.metadata.EntryPoint]:
+        asked.append(group)
+        return [here]
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    assert launcher.main(["demo", "--help"]) == 2 and asked == [launcher.GROUP]
 
 
 # -- ownership: private names stay with the module that defines them ----------------------------------------
@@ -333,3 +347,13 @@ def test_the_key_tables_lock_is_taken_in_keys_py_alone() -> None:
     users = [*sorted((ROOT / "graphkit" / "graphs").rglob("*.py")), ROOT / "graphkit" / "switch.py"]
     wrong = [use for path in users if path.relative_to(ROOT).as_posix() != KEY_TABLE for use in _locks_taken(path)]
     assert not wrong, wrong
+
+
+def test_what_a_capture_left_gets_bytes_of_its_own_in_one_place() -> None:
+    """The key table's promotion (``capture_ended``) has one caller, whatever ended: a routed capture, a group, or
+    an owner's captures."""
+    calls = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in sorted((ROOT / "graphkit").rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text(), str(path)))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+             and node.func.attr == "capture_ended"]
+    assert len(calls) == 1, calls
