@@ -29,7 +29,9 @@ budget of :class:`graphkit.GraphPools`). ``0``, ``false``,
 once per process instead and leave the switch off.
 
 :func:`graphkit.graph_memory` sets the variable for the processes started inside
-its block (an engine's spawned ranks), with the block's options.
+its block (an engine's spawned ranks), with the block's options. The value's
+format is written and read in one module, :mod:`graphkit.graphs.switch_value`
+(:class:`Options` and :func:`parse` are importable from here too).
 
 :func:`start` does the same from code, and the engines' own plugin entry
 points call :func:`plugin` (vLLM's ``vllm.general_plugins`` in every worker,
@@ -43,63 +45,21 @@ import atexit
 import contextlib
 import dataclasses
 import logging
-import math
 import multiprocessing.util
 import os
 import sys
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import hal
-from _graphkit_startup import ENV, OFF, ON
-from graphkit.graphs.executables import DEFAULT, Budget, checked_budget
+from _graphkit_startup import ENV
 from graphkit.graphs.pools import GraphPools
 from graphkit.graphs.scope import set_by_own_block
-from graphkit.graphs.strategies import POOL_KINDS
+from graphkit.graphs.switch_value import Options, parse
 from hal.routing import patch_imported
 from hal.types import Route
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Options:
-    """What the switch does: the pools' ``kind``, ``verify`` and ``hygiene``, and after how many quiet seconds
-    a device's report line is logged (0: at exit only)."""
-
-    kind: str = "vmm"
-    verify: bool = False
-    hygiene: bool = False
-    outputs: str = "kept"
-    report: float = 2.0
-    #: the pools' executables budget (``"lazy"``, executable graphs kept per topology, or None: see GraphPools)
-    executables: Budget = DEFAULT
-
-    def __post_init__(self) -> None:
-        bad = []
-        try:
-            checked_budget(self.executables, "graphkit.switch.Options")
-        except hal.InvalidArgumentError as exc:
-            bad.append(exc.message)
-        if self.kind not in POOL_KINDS:
-            bad.append(f"kind={self.kind!r} must be one of {', '.join(POOL_KINDS)}")
-        for name in ("verify", "hygiene"):
-            if not isinstance(getattr(self, name), bool):
-                bad.append(f"{name}={getattr(self, name)!r} must be a bool")
-        if not _report_seconds(self.report):
-            bad.append(f"report={self.report!r} must be seconds >= 0 that a timer can wait (0: at exit only)")
-        if bad:
-            raise hal.InvalidArgumentError("; ".join(bad), call="graphkit.switch.Options")
-
-
-#: the longest quiet time before a report line: what threading.Timer can wait (a longer one kills its thread)
-_MAX_REPORT = float(threading.TIMEOUT_MAX)
-
-
-def _report_seconds(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and 0 <= value <= _MAX_REPORT)
 
 
 def _options_arg(options: Any, call: str) -> Options:
@@ -113,70 +73,6 @@ def _options_arg(options: Any, call: str) -> Options:
             f"options={options!r} must be a graphkit.switch.Options or None (Options(kind=..., verify=..., "
             "hygiene=..., report=...), or graphkit.switch.parse(text))", call=call)
     return options
-
-
-def parse(value: str | None) -> Options | None:
-    """The options ``value`` (the variable's value) asks for; None when it says off.
-
-    :raises hal.InvalidArgumentError: a value that is no str (nor None), or asks for what the switch cannot do.
-    """
-    if value is not None and not isinstance(value, str):
-        raise hal.InvalidArgumentError(f"value={value!r} must be the variable's text (a str) or None; give 1, or "
-                                       f"a comma-separated list of kind={'|'.join(POOL_KINDS)}, verify=0|1, "
-                                       "hygiene=0|1, report=SECONDS", call=ENV)
-    text = (value or "").strip().lower()
-    if text in OFF:
-        return None
-    if text in ON:
-        return Options()
-    fields: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        if item in ON:  # "yes,verify=1": the word that turns it on, beside options
-            continue
-        key, _, raw = item.partition("=")
-        key, raw = key.strip(), raw.strip()
-        try:
-            if key in fields:
-                raise ValueError(key)
-            fields[key] = _option(key, raw)
-        except (KeyError, ValueError) as exc:
-            what = ("is given twice" if key in fields else "is not an option" if isinstance(exc, KeyError)
-                    else "has a value the option does not take")
-            raise hal.InvalidArgumentError(
-                f"{item!r} {what} (the value is {value!r}); give 1, or a comma-separated list of "
-                f"kind={'|'.join(POOL_KINDS)}, outputs=kept|replay, verify=0|1, hygiene=0|1, "
-                "report=SECONDS (0: at exit only), executables=lazy|N|off (N >= 1 per topology)",
-                call=ENV) from None
-    return Options(**fields)
-
-
-def _option(key: str, raw: str) -> Any:
-    if key == "kind":
-        if raw not in POOL_KINDS:
-            raise ValueError(raw)
-        return raw
-    if key == "outputs":
-        if raw not in ("kept", "replay"):
-            raise ValueError(raw)
-        return raw
-    if key in ("verify", "hygiene"):
-        if raw not in ON + OFF[1:]:
-            raise ValueError(raw)
-        return raw in ON
-    if key == "report":
-        seconds = float(raw)
-        if not _report_seconds(seconds):
-            raise ValueError(raw)
-        return seconds
-    if key == "executables":
-        if raw in ("off", "none"):
-            return None
-        if raw == "lazy":
-            return raw
-        if not raw.isdigit() or int(raw) < 1:
-            raise ValueError(raw)
-        return int(raw)
-    raise KeyError(key)
 
 
 class ProcessGraphMemory:

@@ -5,6 +5,7 @@ the command line outside the library, in graphkit_bench."""
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 from pathlib import Path
 
 import pytest
@@ -70,11 +71,12 @@ def _owner(module: str) -> str | None:
     return None
 
 
-def _imported(path: Path, module: str) -> list[tuple[int, str]]:
-    """``(line, module)`` of every module of hal or graphkit that ``path`` imports, anywhere in it."""
+def _imported(path: Path, module: str, tree: ast.AST | None = None) -> list[tuple[int, str]]:
+    """``(line, module)`` of every module of hal or graphkit that ``path`` imports, anywhere in it (in ``tree``:
+    a part of it)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree if tree is not None else ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -125,12 +127,44 @@ def _top_level_imports(path: Path) -> set[str]:
 
 def test_the_library_holds_no_bench_and_no_command_line() -> None:
     """graphkit is the library alone: no bench modules, no argument parsing, and ``python -m graphkit`` a short
-    launcher, the one module that imports the bench."""
+    launcher of the command line the bench registers; no module of graphkit imports the bench."""
     assert not list((ROOT / "graphkit" / "bench").glob("*.py"))
     modules = {p.relative_to(ROOT).as_posix(): _top_level_imports(p) for p in sorted((ROOT / "graphkit").rglob("*.py"))}
     assert not [m for m, names in modules.items() if "argparse" in names]
-    assert [m for m, names in modules.items() if BENCH in names] == ["graphkit/__main__.py"]
+    assert not [m for m, names in modules.items() if BENCH in names]
     assert len((ROOT / "graphkit" / "__main__.py").read_text().splitlines()) <= 40
+
+
+def test_python_m_graphkit_runs_the_command_line_registered_for_it() -> None:
+    """The bench registers its command line under ``graphkit.commands`` (pyproject.toml); the launcher takes the
+    one named ``bench``, and the bench's own registration where the installed metadata predates the group."""
+    from graphkit.__main__ import GROUP, REGISTERED, command
+    from graphkit_bench.cli import main
+
+    here = importlib.metadata.EntryPoint(name="bench", value=f"{__name__}:_a_command_line", group=GROUP)
+    other = importlib.metadata.EntryPoint(name="other", value="graphkit_nothing:main", group=GROUP)
+    assert command([other, here]) is _a_command_line
+    assert command([]) is main
+    declared = (ROOT / "pyproject.toml").read_text().partition(f'[project.entry-points."{GROUP}"]')[2]
+    assert declared.strip().splitlines()[0] == f'{REGISTERED.name} = "{REGISTERED.value}"'
+
+
+def _a_command_line(argv: list[str] | None) -> int:
+    return len(argv or ())
+
+
+def test_python_m_graphkit_reads_the_installed_entry_points(monkeypatch: pytest.MonkeyPatch) -> None:
+    import graphkit.__main__ as launcher
+
+    here = importlib.metadata.EntryPoint(name="bench", value=f"{__name__}:_a_command_line", group=launcher.GROUP)
+    asked = []
+
+    def entry_points(group: str) -> list[importlib.metadata.EntryPoint]:
+        asked.append(group)
+        return [here]
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    assert launcher.main(["demo", "--help"]) == 2 and asked == [launcher.GROUP]
 
 
 # -- ownership: private names stay with the module that defines them ----------------------------------------
@@ -220,3 +254,106 @@ def test_every_logger_of_graphkit_is_named_for_its_module() -> None:
                              and node.args[0].id == "__name__")):
                 wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
     assert not wrong, wrong
+
+
+# -- imports: no cycle, and the key table's lock kept by the key table ------------------------------------------
+
+
+def _module_level(tree: ast.Module) -> list[ast.stmt]:
+    """The statements a module runs when imported (``if``/``try`` blocks included, ``TYPE_CHECKING`` ones too;
+    the bodies of functions and classes not)."""
+    found, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        found.append(node)
+        if isinstance(node, (ast.If, ast.Try)):
+            todo += [*node.body, *node.orelse, *getattr(node, "finalbody", []),
+                     *(s for handler in getattr(node, "handlers", []) for s in handler.body)]
+    return found
+
+
+def _import_graph(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports at module level."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        module = _module_name(path)
+        names = set()
+        for node in _module_level(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update(name for _, name in _imported(path, module, node))
+        graph[module] = {name for name in names if name.split(".")[0] == package and _is_module(name)
+                         and name != module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected group of modules that import each other (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in sorted(graph.get(module, ())):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == module:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return groups
+
+
+def test_no_two_modules_of_graphkit_import_each_other() -> None:
+    """The modules of graphkit, with the imports they run when imported (``TYPE_CHECKING`` blocks included),
+    form no cycle: each module can be read knowing only those it imports."""
+    assert not _cycles(_import_graph("graphkit"))
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert not _cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}})
+#: the key table's lock, which only the table takes (its verbs are whole steps)
+KEY_TABLE = "graphkit/graphs/keys.py"
+
+
+def _locks_taken(path: Path) -> list[str]:
+    """``x.lock`` / ``x._lock`` of an object other than the module's own ``self``/``cls``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (isinstance(node, ast.Attribute) and node.attr in ("lock", "_lock")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_the_key_tables_lock_is_taken_in_keys_py_alone() -> None:
+    """GraphPools, the routing, the verifier, the scope, the runner and the switch call the key table's verbs;
+    none of them takes its lock."""
+    users = [*sorted((ROOT / "graphkit" / "graphs").rglob("*.py")), ROOT / "graphkit" / "switch.py"]
+    wrong = [use for path in users if path.relative_to(ROOT).as_posix() != KEY_TABLE for use in _locks_taken(path)]
+    assert not wrong, wrong
+
+
+def test_what_a_capture_left_gets_bytes_of_its_own_in_one_place() -> None:
+    """The key table's promotion (``capture_ended``) has one caller, whatever ended: a routed capture, a group, or
+    an owner's captures."""
+    calls = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in sorted((ROOT / "graphkit").rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text(), str(path)))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+             and node.func.attr == "capture_ended"]
+    assert len(calls) == 1, calls

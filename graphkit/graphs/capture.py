@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten
 import hal
 from graphkit.graphs.strategies import Lease
 from hal.gcguard import gc_disabled
+from hal.transaction import Transaction
 from hal.types import fmt_bytes
 
 log = logging.getLogger(__name__)
@@ -180,22 +181,24 @@ def capture(backend: hal.Backend, fn: Callable[..., Any], inputs: dict[str, Any]
     graph = backend.create_graph(lazy=lazy)
     t0 = time.perf_counter()
     outputs: Any = None
-    try:
-        with gc_disabled(), torch.no_grad():
-            with backend.capture(graph, pool=lease.pool, stream=stream,
-                                 capture_error_mode=capture_error_mode, inspect=verify is not None):
-                outputs = fn(**inputs)
-        backend.synchronize(stream)
-        if verify is not None:
-            verify(graph)
-    except BaseException as exc:
-        # the traceback keeps the finished frames of fn alive, and with them the tensors it made
-        # inside the capture: free them now, while their pool and its memory still exist, rather
-        # than whenever the garbage collector reaches the traceback
-        traceback.clear_frames(exc.__traceback__)
-        outputs = None  # this frame outlives the exception's handlers: its outputs must not
-        backend.release_graph(graph)
-        raise
+    with Transaction() as tx:
+        tx.append(lambda: backend.release_graph(graph))
+        try:
+            with gc_disabled(), torch.no_grad():
+                with backend.capture(graph, pool=lease.pool, stream=stream,
+                                     capture_error_mode=capture_error_mode, inspect=verify is not None):
+                    outputs = fn(**inputs)
+            backend.synchronize(stream)
+            if verify is not None:
+                verify(graph)
+        except BaseException as exc:  # not an undo: frees the outputs before the graph goes (the undo)
+            # the traceback keeps the finished frames of fn alive, and with them the tensors it made
+            # inside the capture: free them now, while their pool and its memory still exist, rather
+            # than whenever the garbage collector reaches the traceback
+            traceback.clear_frames(exc.__traceback__)
+            outputs = None  # this frame outlives the exception's handlers: its outputs must not
+            raise
+        tx.commit()
     seconds = time.perf_counter() - t0
     try:
         leftovers = leftover_blocks(backend, lease, outputs, before)

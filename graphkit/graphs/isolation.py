@@ -520,8 +520,7 @@ class Verifier:
         """What checking a graph of ``entry`` against the other keys needs (read under the lock)."""
         keys, alloc = self.keys, self.keys.allocator
         assert alloc is not None and entry.space_id is not None
-        with keys.lock:
-            owners = {e.space_id: e for e in keys.entries.values() if e.space_id is not None}
+        owners = keys.owners()
 
         def key_of(space_id: int) -> Hashable | None:
             owner = owners.get(space_id)
@@ -543,14 +542,9 @@ class Verifier:
                        capturing=capturing)
 
     def note_live(self, entry: KeyPool) -> bool:
-        """Note what ``entry``'s pool holds now (after its capture, or again before another key's, since
-        outputs die after their capture ends); whether it may hold anything (unknown where it cannot be read)."""
-        try:
-            entry.live = tuple(self.keys.backend.pool_active_blocks(entry.pool))
-        except hal.HalError as exc:
-            log.debug("key %r: its live blocks could not be read (%s): later captures are read", entry.key, exc)
-            entry.live = None
-        return entry.live != ()
+        """Have the table note what ``entry``'s pool holds now (:meth:`PoolKeys.note_live`); whether it may hold
+        anything."""
+        return self.keys.note_live(entry)
 
 
 def readable(backend: hal.Backend, logged: list[bool]) -> bool:

@@ -13,19 +13,22 @@ import itertools
 import logging
 import threading
 from collections import deque
-from collections.abc import Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import hal
 from graphkit.graphs.strategies import Lease, PoolStrategy
 from graphkit.memory.allocator import SharedVMMAllocator
 from graphkit.memory.closing import close_step
+from graphkit.memory.survivors import checked_blocks
+from hal.transaction import Transaction
 
 log = logging.getLogger(__name__)
 
 _serial = itertools.count(1)  # made-up pool ids, unique in the process
+T = TypeVar("T")
 
 
 class CaptureKey(tuple):
@@ -88,15 +91,39 @@ class PoolHandle(tuple):
     @property
     def __hal_pool__(self) -> Any:
         """The backend pool (what :meth:`hal.Backend.capture` uses); raises once released."""
-        return self._keys.live(self._key, self, "capture").pool
+        return self._live("capture").pool
 
     def __getitem__(self, index: Any) -> Any:
-        self._keys.live(self._key, self, "capture", framework=True)
+        self._live("capture", framework=True)
         return tuple.__getitem__(self, index)
 
     def __iter__(self) -> Iterator[int]:
-        self._keys.live(self._key, self, "capture", framework=True)
+        self._live("capture", framework=True)
         return tuple.__iter__(self)
+
+    def _live(self, call: str, framework: bool = False) -> KeyPool:
+        """The entry this handle stands for, for a capture; a released key, closed or paused pools are hal errors.
+
+        :param framework: the framework's capture API reads the handle: a capture starting on another device
+            than the pools' is refused (it would silently take a private pool of that device).
+        """
+        keys, key = self._keys, self._key
+        entry = keys.entries.get(key)
+        if entry is None or entry.handle is not self:
+            why = f"the {keys.name} was closed" if keys.closed else f"key {key!r} was released"
+            raise hal.InvalidStateError(f"pool handle of key {key!r} used after release ({why}): ask "
+                                        "pools.pool(key) for a live one", backend=keys.backend.name, call=call)
+        if framework and entry.lease.space_id is not None:
+            device = keys.backend.current_device()
+            if device != keys.backend.device:
+                raise hal.CaptureError(
+                    f"the pool handle of key {key!r} belongs to graph pools on {keys.backend.name}:"
+                    f"{keys.backend.device}, but the capture starts on device {device}: its memory would not come "
+                    f"from graphkit. Make the pools on the device that captures ({keys.name}() takes the current "
+                    f"device: create it after the device is set), or pass backend=hal.get_backend(device={device})",
+                    backend=keys.backend.name, call=call)
+        keys.check_awake(entry, call)
+        return entry
 
     def __repr__(self) -> str:
         state = " released" if self.released else ""
@@ -228,16 +255,29 @@ class KeptMemory:
         self._waiting.clear()
 
 
+def _ident(pool: Any, entries: Iterable[KeyPool]) -> tuple[int, int]:
+    """The framework's id of ``pool`` (what its capture API takes); else that of a live key over the same
+    pool (the keys of one shared pool), else a made-up one."""
+    ident = getattr(pool, "id", None)
+    if isinstance(ident, tuple) and len(ident) == 2:
+        return tuple(ident)
+    same = next((entry.handle for entry in entries if entry.pool is pool), None)
+    if same is not None:
+        return tuple.__getitem__(same, 0), tuple.__getitem__(same, 1)
+    return 0, next(_serial)
+
+
 class PoolKeys:
     """The keys of one :class:`graphkit.GraphPools`: each key's pool, leased from the pools' strategy.
 
     Its state (the entries, the routed graphs that died, the captures under way, the closed flag) is written by
     its own verbs alone: :meth:`lease`, :meth:`get` and :meth:`new` make keys; :meth:`begin_capture`,
-    :meth:`capture_closed`, :meth:`capture_ended` and :meth:`graph_released` follow a capture and its graph;
-    :meth:`seal` trims a key's space;
-    :meth:`settle` is the safe point; :meth:`drop`, :meth:`closing`, :meth:`forget` and :meth:`close`
-    end keys. Every verb runs under :attr:`lock`, held by a caller that reads several entries or makes
-    several calls one step; :attr:`entries` is a read-only view.
+    :meth:`capture_closed`, :meth:`capture_ended` and :meth:`graph_released` follow a capture and its graph
+    (:class:`Captures` makes them whole steps: a capture's start, check and end); :meth:`note_live` notes what a
+    key holds; :meth:`seal` trims a key's space; :meth:`settle` is the safe point; :meth:`release`,
+    :meth:`drop`, :meth:`closing`, :meth:`forget` and :meth:`close` end keys. Every verb runs under the table's
+    lock, which no other module takes (:meth:`step` runs an owner's several reads as one step);
+    :attr:`entries` is a read-only view.
     """
 
     def __init__(self, backend: hal.Backend, strategy: PoolStrategy, owner: Any, name: str,
@@ -261,12 +301,13 @@ class PoolKeys:
 
     @property
     def lock(self) -> threading.RLock:
-        """The table's lock (reentrant): every verb takes it; a caller holds it to make several calls one step."""
+        """The table's lock (reentrant), read only: its verbs take it, and no other module does (each verb is a
+        whole step; :meth:`step` runs an owner's several reads as one)."""
         return self._lock
 
     @property
     def entries(self) -> Mapping[Hashable, KeyPool]:
-        """The live keys' entries, read only (a view: read it under :attr:`lock`)."""
+        """The live keys' entries, read only (a view: iterate a copy, or inside a verb)."""
         return MappingProxyType(self._entries)
 
     @property
@@ -282,7 +323,8 @@ class PoolKeys:
     def lookup(self, key: Hashable, call: str) -> KeyPool | None:
         """The entry of ``key`` or None; a key that cannot be hashed or compared is a hal error."""
         try:
-            return self._entries.get(key)
+            with self._lock:
+                return self._entries.get(key)
         except Exception as exc:  # noqa: BLE001 - whatever the key's __hash__ or __eq__ raises
             raise hal.InvalidArgumentError(f"key={key!r} must be hashable and comparable ({type(exc).__name__}: "
                                            f"{exc})", backend=self.backend.name, call=f"{self.name}.{call}") from None
@@ -303,43 +345,9 @@ class PoolKeys:
     def new(self, key: Hashable, auto: bool) -> KeyPool:
         """A lease from the strategy for ``key``; ``auto``: made by graph_memory, released with its graph."""
         lease = self.strategy.lease()
-        entry = KeyPool(key, PoolHandle(self._ident(lease.pool), self, key), lease, auto=auto)
+        entry = KeyPool(key, PoolHandle(_ident(lease.pool, list(self._entries.values())), self, key), lease, auto=auto)
         with self._lock:
             self._entries[key] = entry
-        return entry
-
-    def _ident(self, pool: Any) -> tuple[int, int]:
-        """The framework's id of ``pool`` (what its capture API takes); else that of a live key over the same
-        pool (the keys of one shared pool), else a made-up one."""
-        ident = getattr(pool, "id", None)
-        if isinstance(ident, tuple) and len(ident) == 2:
-            return tuple(ident)
-        same = next((entry.handle for entry in list(self._entries.values()) if entry.pool is pool), None)
-        if same is not None:
-            return tuple.__getitem__(same, 0), tuple.__getitem__(same, 1)
-        return 0, next(_serial)
-
-    def live(self, key: Hashable, handle: PoolHandle, call: str, framework: bool = False) -> KeyPool:
-        """The entry ``handle`` stands for, for a capture; a released key, closed or paused pools are hal errors.
-
-        :param framework: the framework's capture API reads the handle: a capture starting on another device
-            than the pools' is refused (it would silently take a private pool of that device).
-        """
-        entry = self._entries.get(key)
-        if entry is None or entry.handle is not handle:
-            why = f"the {self.name} was closed" if self._closed else f"key {key!r} was released"
-            raise hal.InvalidStateError(f"pool handle of key {key!r} used after release ({why}): ask "
-                                        "pools.pool(key) for a live one", backend=self.backend.name, call=call)
-        if framework and entry.lease.space_id is not None:
-            device = self.backend.current_device()
-            if device != self.backend.device:
-                raise hal.CaptureError(
-                    f"the pool handle of key {key!r} belongs to graph pools on {self.backend.name}:"
-                    f"{self.backend.device}, but the capture starts on device {device}: its memory would not come "
-                    f"from graphkit. Make the pools on the device that captures ({self.name}() takes the current "
-                    f"device: create it after the device is set), or pass backend=hal.get_backend(device={device})",
-                    backend=self.backend.name, call=call)
-        self.check_awake(entry, call)
         return entry
 
     def check_awake(self, entry: KeyPool, call: str) -> None:
@@ -364,6 +372,32 @@ class PoolKeys:
         if pool is None or isinstance(pool, tuple):
             return None
         return next((e for e in list(self._entries.values()) if e.pool is pool and e.space_id is not None), None)
+
+    def note_live(self, entry: KeyPool) -> bool:
+        """Note what ``entry``'s pool holds now (after its capture, or again before another key's, since outputs
+        die after their capture ends); whether it may hold anything (unknown where it cannot be read)."""
+        with self._lock:
+            try:
+                entry.live = tuple(self.backend.pool_active_blocks(entry.pool))
+            except hal.HalError as exc:
+                log.debug("key %r: its live blocks could not be read (%s): later captures are read", entry.key, exc)
+                entry.live = None
+            return entry.live != ()
+
+    def owners(self) -> dict[int, KeyPool]:
+        """The live keys with a space of their own, by space id (a snapshot)."""
+        with self._lock:
+            return {e.space_id: e for e in self._entries.values() if e.space_id is not None}
+
+    def owned(self, key: Hashable, call: str) -> KeyPool:
+        """``key``'s entry; closed pools or a key without a pool are hal errors naming ``call``."""
+        with self._lock:
+            self.check_open(call)
+            entry = self.lookup(key, call)
+            if entry is None:
+                raise hal.InvalidStateError(f"key={key!r} has no pool", backend=self.backend.name,
+                                            call=f"{self.name}.{call}")
+            return entry
 
     # -- a capture and its graph ------------------------------------------------------------
 
@@ -437,6 +471,29 @@ class PoolKeys:
                     and entry.space_id in alloc.spaces):
                 alloc.seal(entry.space_id, why)
 
+    def release(self, key: Hashable) -> None:
+        """Give ``key``'s lease back (see :meth:`graphkit.GraphPools.release`), then the safe point."""
+        with self._lock:
+            self.check_open("release")
+            entry = self.lookup(key, "release")
+            if entry is None:
+                raise hal.InvalidStateError(f"key={key!r} has no pool (released twice?)", backend=self.backend.name,
+                                            call="GraphPools.release")
+            self.drop(entry)
+            self.strategy.settle()  # a space that would not go is kept by the strategy, to release again
+            self.settle()
+
+    def collect(self) -> None:
+        """The safe point, where the table is open."""
+        with self._lock:
+            if not self._closed:
+                self.settle()
+
+    def step(self, run: Callable[[], T]) -> T:
+        """``run()`` as one step of the table: no verb of it runs meanwhile (the owner's report and close)."""
+        with self._lock:
+            return run()
+
     # -- the safe point --------------------------------------------------------------------
 
     def settle(self) -> None:
@@ -502,11 +559,183 @@ class PoolKeys:
             self._kept.forget()
 
 
+# -- the captures into the keys ------------------------------------------------------------------------------
 
-def __getattr__(name: str) -> Any:
-    """The isolation verifier's names, at home in :mod:`graphkit.graphs.isolation` (importable from here too)."""
-    if name in ("KeyCheck", "Verifier", "FIX_ROUTED", "FIX_KEYED"):
-        from graphkit.graphs import isolation
 
-        return getattr(isolation, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+class Check(Protocol):
+    """The isolation check of captures into one key (:class:`graphkit.graphs.isolation.KeyCheck`)."""
+
+    read: bool
+
+    def __call__(self, graph: Any) -> None: ...
+
+    def accepted(self, graph: Any) -> None: ...
+
+    def done(self) -> None: ...
+
+
+class Checker(Protocol):
+    """The isolation verifier of a table's keys (:class:`graphkit.graphs.isolation.Verifier`)."""
+
+    def check(self, entry: KeyPool, fix: str | None = None) -> Check | None: ...
+
+
+@dataclass(eq=False)
+class Capture:
+    """One capture under way into a key, begun by :meth:`Captures.routed` or :meth:`Captures.watched` and ended
+    once by :meth:`Captures.end`."""
+
+    entry: KeyPool
+    check: Check | None
+    #: its key is a group's: what it leaves gets bytes of its own, and the space is sealed, when the group ends
+    grouped: bool = False
+    #: why its key's space is sealed when it ends well (None: it is not)
+    seal: str | None = None
+    #: the blocks of its key's pool when it began (where its hygiene is reported)
+    before: frozenset[tuple[int, int]] = frozenset()
+
+    @property
+    def inspect(self) -> bool:
+        """Whether its graph is recorded so that the check can read it."""
+        return self.check is not None and self.check.read
+
+
+class Captures:
+    """The captures into the keys of one table, each a whole step under the table's lock: begun
+    (:meth:`routed`, :meth:`watched`; :meth:`owned_check` for an owner that captures into its keys itself),
+    ended (:meth:`end`, :meth:`group_ended`, :meth:`owned_ended`): verified, what they left given bytes of its
+    own (:meth:`_kept`, the one place that does it) and their space sealed; their graphs released
+    (:meth:`released`)."""
+
+    def __init__(self, table: PoolKeys, verifier: Checker) -> None:
+        self.table, self.verifier = table, verifier
+
+    def routed(self, key: Hashable, *, auto: bool, fresh: bool, grouped: bool, hygiene: bool) -> Capture:
+        """A capture :func:`graph_memory` routes begins into ``key`` (``fresh``: a new automatic key; ``auto``:
+        released with its graphs; ``grouped``: shared with other captures, promoted and sealed with its group);
+        the safe point comes first. Refused captures leave their key as a failed one does."""
+        table = self.table
+        with table._lock:
+            table.check_open("graph_memory")
+            table.settle()
+            entry = table.new(key, auto=True) if fresh else table.get(key, auto=auto)
+            table.begin_capture(entry, "graph_memory")
+            with Transaction() as tx:  # the capture does not start: its key goes as after a failed one
+                tx.append(lambda: self._refused(entry))
+                before = frozenset(table.backend.pool_active_blocks(entry.pool)) if hygiene else frozenset()
+                check = self.verifier.check(entry)
+                tx.commit()
+        return Capture(entry, check, grouped, None if grouped else "when its capture ended", before)
+
+    def watched(self, pool: Any) -> Capture | None:
+        """A capture into a handle of the table begins (None: ``pool`` is none of its keys', or it is closed)."""
+        table = self.table
+        entry = table.entry_of(pool)
+        if entry is None or table.closed:
+            return None
+        with table._lock:
+            table.begin_capture(entry, "capture")  # the key's report counts it until its graph is released
+            with Transaction() as tx:
+                tx.append(lambda: self._refused(entry))
+                check = self.verifier.check(entry)
+                tx.commit()
+        return Capture(entry, check)
+
+    def end(self, capture: Capture, graph: Any, ok: bool,
+            report: Callable[[KeyPool, frozenset[tuple[int, int]]], None] | None = None) -> None:
+        """``capture`` ended (``ok``: well): checked, what it left given bytes of its own and its space sealed
+        (unless its group does it); a failed or refused one is released. ``report``: the hygiene report of
+        what it left, before the check notes what its key holds."""
+        table, entry = self.table, capture.entry
+        with table._lock:
+            table.capture_closed(entry)
+            if not ok:
+                table.graph_released(entry)
+                return
+            with Transaction() as tx:  # refused: the backend releases the graph, never to report it again
+                tx.append(lambda: table.graph_released(entry))
+                if report is not None:
+                    report(entry, capture.before)
+                if capture.check is not None:
+                    capture.check.accepted(graph)
+                if not capture.grouped:
+                    self._kept(entry)
+                tx.commit()
+            if capture.seal is not None:
+                table.seal(entry, capture.seal)
+
+    def released(self, capture: Capture, collected: bool) -> None:
+        """The graph of ``capture`` is gone (see :meth:`PoolKeys.graph_released`)."""
+        self.table.graph_released(capture.entry, collected)
+
+    def group_ended(self, key: Hashable) -> None:
+        """The outermost ``pools.group(key)`` block ended: what its captures left gets bytes of its own (raises
+        the fault where it cannot) and its space is sealed."""
+        table = self.table
+        with table._lock:
+            entry = table.entries.get(key)
+            if entry is not None:
+                try:
+                    self._kept(entry)
+                finally:
+                    table.seal(entry, "when its pools.group() block ended")
+
+    def owned_check(self, key: Hashable, fix: str | None, call: str) -> Check | None:
+        """The isolation check of a capture an owner makes into ``key``'s lease itself (None: nothing to check)."""
+        with self.table._lock:
+            return self.verifier.check(self.table.owned(key, call), fix)
+
+    def owned_ended(self, key: Hashable, shared: Iterable[tuple[int, int]], call: str,
+                    seal: str | None = None) -> None:
+        """An owner's captures into ``key``'s lease ended: what they left gets bytes of its own, except ``shared``
+        blocks; its space is sealed where ``seal`` says why."""
+        table = self.table
+        with table._lock:
+            entry = table.owned(key, call)
+            self._kept(entry, shared)
+            if seal is not None:
+                table.seal(entry, seal)
+
+    def owned_seal(self, key: Hashable, why: str, call: str) -> None:
+        """No more captures go to ``key``'s space (see :meth:`PoolKeys.seal`)."""
+        with self.table._lock:
+            self.table.seal(self.table.owned(key, call), why)
+
+    def _kept(self, entry: KeyPool, shared: Iterable[tuple[int, int]] = ()) -> None:
+        """What the captures into ``entry`` left allocated gets bytes of its own: the one caller of
+        :meth:`PoolKeys.capture_ended`."""
+        self.table.capture_ended(entry, shared)
+
+    def _refused(self, entry: KeyPool) -> None:
+        """A capture counted by :meth:`PoolKeys.begin_capture` does not start: no longer under way, no graph."""
+        self.table.capture_closed(entry)
+        self.table.graph_released(entry)
+
+
+class OwnedKeys:
+    """The keys of pools whose owner captures into them itself (a :class:`graphkit.GraphRunner`), as the pools
+    hand them to it: lease a key, check a capture into it, end its captures, seal it.
+
+    :param call: the owner's name in errors (``GraphRunner``).
+    """
+
+    def __init__(self, table: PoolKeys, captures: Captures, call: str) -> None:
+        self.table, self.captures, self.call = table, captures, call
+
+    def lease(self, key: Hashable) -> Lease:
+        """``key``'s lease, made on first use (after the safe point)."""
+        return self.table.lease(key, "pool").lease
+
+    def check(self, key: Hashable, fix: str | None = None) -> Check | None:
+        """The isolation check of a capture into ``key``'s lease that starts now (None: nothing is checked)."""
+        return self.captures.owned_check(key, fix, "isolation_check")
+
+    def ended(self, key: Hashable, shared: Iterable[tuple[int, int]] = ()) -> None:
+        """The captures into ``key``'s lease ended: what they left gets bytes of its own, but ``shared`` blocks."""
+        self.table.check_open("capture_ended")
+        blocks = checked_blocks(shared, self.table.backend.name, f"{self.call}.capture_ended", "shared")
+        self.captures.owned_ended(key, blocks, "capture_ended")
+
+    def seal(self, key: Hashable, why: str) -> None:
+        """No more captures go to ``key``'s space."""
+        self.captures.owned_seal(key, why, "seal")

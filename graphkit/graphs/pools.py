@@ -27,16 +27,16 @@ from typing import Any, Literal
 import hal
 from graphkit.graphs.capture import CaptureHygieneError, leftover_blocks, report_leftovers, warm_up_checked
 from graphkit.graphs.executables import DEFAULT, Budget, Executables, checked_budget
-from graphkit.graphs.isolation import IsolationError, KeyCheck, Verifier, VerifyStats
-from graphkit.graphs.keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
+from graphkit.graphs.isolation import IsolationError, Verifier, VerifyStats
+from graphkit.graphs.keys import CaptureKey, Captures, Check, KeyPool, OwnedKeys, PoolHandle, PoolKeys
 from graphkit.graphs.report import KeyReport, PoolsReport, pools_report
 from graphkit.graphs.routing import CaptureRouting
 from graphkit.graphs.scope import ScopeRouter, served_children
 from graphkit.graphs.strategies import POOL_KINDS, Lease, PoolStrategy, make_pool_strategy
 from graphkit.memory.allocator import SharedVMMAllocator
 from graphkit.memory.closing import Closable, after_backend, close_step, raise_first_failure
-from graphkit.memory.survivors import checked_blocks
 from graphkit.saver import GRAPHS, MemorySaver
+from hal.transaction import Transaction
 from hal.types import Route
 
 log = logging.getLogger(__name__)
@@ -79,16 +79,15 @@ def _check_flags(caller: str, backend: str | None = None, **flags: object) -> No
 
 def _adopt(saver: MemorySaver, strategy: PoolStrategy, caller: str, be: hal.Backend) -> None:
     """Hand a vmm strategy's allocator to ``saver`` (tag ``graphs``); closes the strategy when that fails."""
-    try:
+    with Transaction() as tx:
+        tx.append(strategy.close)
         allocator = strategy.allocator
         if allocator is None:
             raise hal.UnsupportedError(f"kind={strategy.kind!r} draws from the framework's allocator and cannot "
                                        "sleep with a MemorySaver: use kind='vmm' on a backend with 'custom_pool'",
                                        backend=be.name, call=caller)
         saver.adopt(allocator, GRAPHS)
-    except BaseException:
-        strategy.close()
-        raise
+        tx.commit()
 
 
 _unbudgeted: set[str] = set()  # backends whose missing capabilities were said (once each)
@@ -178,10 +177,8 @@ class GraphPools(Closable):
         :param strategy: a ready :class:`graphkit.graphs.strategies.PoolStrategy` (overrides ``kind`` and
             the allocator options).
         """
-        pools = cls.__new__(cls)
-        pools._open(backend, kind, strategy, hygiene=False, saver=saver, verify=verify, outputs="kept",
-                    executables=executables, allocator_options=allocator_options, runner=True)
-        return pools
+        return runner_pools(backend, kind, strategy=strategy, saver=saver, verify=verify, executables=executables,
+                            **allocator_options)[0]
 
     def _open(self, backend: hal.Backend | None, kind: Kind, strategy: PoolStrategy | None, *, hygiene: bool,
               saver: MemorySaver | None, verify: bool, outputs: Outputs, executables: Budget,
@@ -205,8 +202,10 @@ class GraphPools(Closable):
         self._keys = keys = PoolKeys(be, self.strategy, self, caller, outputs)
         self._close_done = False
         self._verifier = Verifier(keys, verify)
+        captures = Captures(keys, self._verifier)
+        self._owned = OwnedKeys(keys, captures, caller)  # the verbs of an owner that captures itself
         self.per_topology, self.executables = executables, budget(be, executables)  # as asked; the budget
-        self._routing = CaptureRouting(keys, self._verifier, hygiene=hygiene, watch=not runner,
+        self._routing = CaptureRouting(keys, captures, hygiene=hygiene, watch=not runner,
                                        executables=self.executables)
         self._finalizer = weakref.finalize(self, _abandoned, be.name, keys.entries if not runner else {})
 
@@ -230,9 +229,9 @@ class GraphPools(Closable):
         them with :meth:`isolation_check` and :meth:`seal` the key when they
         are done.
         """
-        return self._keys.lease(key, "pool").lease
+        return self._owned.lease(key)
 
-    def isolation_check(self, key: Hashable, fix: str | None = None) -> KeyCheck | None:
+    def isolation_check(self, key: Hashable, fix: str | None = None) -> Check | None:
         """The isolation check of a capture into ``key``'s :meth:`lease` that starts now; None where nothing
         is checked (``verify=False``, no vmm spaces, a backend that cannot read graphs).
 
@@ -241,8 +240,7 @@ class GraphPools(Closable):
 
         :param fix: what the caller should do when a graph reads another key's memory, for the message.
         """
-        with self._keys.lock:
-            return self._verifier.check(self._entry(key, "isolation_check"), fix)
+        return self._owned.check(key, fix)
 
     def seal(self, key: Hashable, why: str = "when pools.seal(key) was called") -> None:
         """No more captures go to ``key``'s space: it keeps the address space its captures used, no more.
@@ -250,17 +248,7 @@ class GraphPools(Closable):
         :meth:`group` does it when its block ends; an owner that captures into :meth:`lease` does it once
         the key's captures are done. ``why`` is logged with the trimmed space.
         """
-        with self._keys.lock:
-            self._keys.seal(self._entry(key, "seal"), why)
-
-    def _entry(self, key: Hashable, call: str) -> KeyPool:
-        """``key``'s entry; closed pools or a key without a pool are hal errors naming ``call``."""
-        self._keys.check_open(call)
-        entry = self._keys.lookup(key, call)
-        if entry is None:
-            raise hal.InvalidStateError(f"key={key!r} has no pool", backend=self.backend.name,
-                                        call=f"{self._caller}.{call}")
-        return entry
+        self._owned.seal(key, why)
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._keys.entries
@@ -273,10 +261,7 @@ class GraphPools(Closable):
         """After captures into :meth:`lease` (routed and handle captures need no call): what they left allocated
         gets memory of its own (see ``outputs``), except ``shared`` blocks, read only right after the key's own
         replay."""
-        with self._keys.lock:
-            self._check_open("capture_ended")
-            blocks = checked_blocks(shared, self.backend.name, f"{self._caller}.capture_ended", "shared")
-            self._keys.capture_ended(self._entry(key, "capture_ended"), blocks)
+        self._owned.ended(key, shared)
 
     def release(self, key: Hashable) -> None:
         """Give the memory of ``key`` back; its handle raises from now on.
@@ -284,21 +269,11 @@ class GraphPools(Closable):
         Release a key after its graphs are reset: the space's addresses stay
         reserved until the framework frees the last block in it.
         """
-        with self._keys.lock:
-            self._check_open("release")
-            entry = self._keys.lookup(key, "release")
-            if entry is None:
-                raise hal.InvalidStateError(f"key={key!r} has no pool (released twice?)", backend=self.backend.name,
-                                            call="GraphPools.release")
-            self._keys.drop(entry)
-            self.strategy.settle()  # a space that would not go is kept by the strategy, to release again
-            self._keys.settle()
+        self._keys.release(key)
 
     def collect(self) -> None:
         """Release now what graphs that were garbage-collected left behind (done at every call anyway)."""
-        with self._keys.lock:
-            if not self.closed:
-                self._keys.settle()
+        self._keys.collect()
 
     # -- routing ----------------------------------------------------------------------
 
@@ -338,12 +313,11 @@ class GraphPools(Closable):
     def leftovers(self, key: Hashable, outputs: Any, strict: bool = False) -> list[tuple[int, int]]:
         """Blocks of ``key``'s pool still allocated that hold none of ``outputs``; logged (raised,
         :class:`CaptureHygieneError`, when ``strict``)."""
-        with self._keys.lock:
-            entry = self._keys.lookup(key, "leftovers")
-            if entry is None:
-                raise hal.InvalidStateError(f"key={key!r} has no pool", backend=self.backend.name,
-                                            call="GraphPools.leftovers")
-            found = leftover_blocks(self.backend, entry.lease, outputs)
+        entry = self._keys.lookup(key, "leftovers")
+        if entry is None:
+            raise hal.InvalidStateError(f"key={key!r} has no pool", backend=self.backend.name,
+                                        call="GraphPools.leftovers")
+        found = leftover_blocks(self.backend, entry.lease, outputs)
         report_leftovers(self.backend, found, f"key {key!r}", strict=strict)
         return found
 
@@ -355,18 +329,21 @@ class GraphPools(Closable):
         :param measure: ``False``: no device call (no synchronisation, no driver query; ``device_bytes`` is
             None), so that it can be asked from any thread while another captures.
         """
-        with self._keys.lock:
-            self._check_open("report")
-            self._keys.settle()
-            keys = [(e.key, e.space_id, e.graphs, _kept(self, e)) for e in self._keys.entries.values()]
-            device_bytes = None
-            if measure:
-                self.backend.synchronize()
-                device_bytes = self.backend.mem_info().used - self._used_at_start
-            return pools_report(self.backend.name, self.kind, keys, self.allocator, device_bytes,
-                                self.verify_stats, self.backend,
-                                self.executables.stats if self.executables is not None else None,
-                                self.backend.stream_state_bytes() - self._workspaces_at_start, self.outputs)
+        return self._keys.step(lambda: self._report(measure))
+
+    def _report(self, measure: bool) -> PoolsReport:
+        """:meth:`report`, as one step of the key table."""
+        self._check_open("report")
+        self._keys.settle()
+        keys = [(e.key, e.space_id, e.graphs, _kept(self, e)) for e in self._keys.entries.values()]
+        device_bytes = None
+        if measure:
+            self.backend.synchronize()
+            device_bytes = self.backend.mem_info().used - self._used_at_start
+        return pools_report(self.backend.name, self.kind, keys, self.allocator, device_bytes,
+                            self.verify_stats, self.backend,
+                            self.executables.stats if self.executables is not None else None,
+                            self.backend.stream_state_bytes() - self._workspaces_at_start, self.outputs)
 
     # -- teardown -------------------------------------------------------------------------
 
@@ -385,29 +362,32 @@ class GraphPools(Closable):
         first; ``close()`` again finishes the job. After the backend's close
         it only forgets its keys (the backend released them), with a warning.
         """
-        with self._keys.lock:
-            if self._close_done:
-                return
-            self._keys.closing()  # from here on every call raises InvalidStateError
-            self._finalizer.detach()
-            self._routing.stop()
-            if self.executables is not None:
-                self.executables.close()  # a replay of a graph of these pools raises from now on
-            errors: list[BaseException] = []
-            if after_backend(self.backend, log, self._caller):  # its close released every pool, space and chunk
-                self._keys.forget()
-            else:
-                close_step(errors, self.backend.synchronize)
-            gc.collect()  # framework tensors of these pools caught in reference cycles go while the pools exist
-            self._keys.close(errors)
-            if self.saver is not None and self.allocator is not None:
-                self.saver.forget(self.allocator)  # a pause must not reach an allocator being closed
-            if not self._keys.entries:  # a key whose pool would not go keeps its space for the retry
-                close_step(errors, self.strategy.close)
-            raise_first_failure(log, errors, f"{self._caller}.close")
-            self._close_done = True
-            if self._owns_backend:
-                self.backend.close()
+        self._keys.step(self._close)
+
+    def _close(self) -> None:
+        """:meth:`close`, as one step of the key table."""
+        if self._close_done:
+            return
+        self._keys.closing()  # from here on every call raises InvalidStateError
+        self._finalizer.detach()
+        self._routing.stop()
+        if self.executables is not None:
+            self.executables.close()  # a replay of a graph of these pools raises from now on
+        errors: list[BaseException] = []
+        if after_backend(self.backend, log, self._caller):  # its close released every pool, space and chunk
+            self._keys.forget()
+        else:
+            close_step(errors, self.backend.synchronize)
+        gc.collect()  # framework tensors of these pools caught in reference cycles go while the pools exist
+        self._keys.close(errors)
+        if self.saver is not None and self.allocator is not None:
+            self.saver.forget(self.allocator)  # a pause must not reach an allocator being closed
+        if not self._keys.entries:  # a key whose pool would not go keeps its space for the retry
+            close_step(errors, self.strategy.close)
+        raise_first_failure(log, errors, f"{self._caller}.close")
+        self._close_done = True
+        if self._owns_backend:
+            self.backend.close()
 
     def own_backend(self, *, for_the_process: bool = False) -> None:
         """Close the backend with the pools: it was made for them alone (by :func:`graph_memory`, the switch).
@@ -421,6 +401,17 @@ class GraphPools(Closable):
     def __repr__(self) -> str:
         return f"<graphkit.GraphPools {self.backend.name} {self.kind} " + (
             "closed>" if self.closed else f"{len(self._keys.entries)} key(s)>")
+
+
+def runner_pools(backend: hal.Backend, kind: Kind = "vmm", *, strategy: PoolStrategy | None = None,
+                 saver: MemorySaver | None = None, verify: bool = False, executables: Budget = DEFAULT,
+                 **allocator_options: Any) -> tuple[GraphPools, OwnedKeys]:
+    """The pools of a :class:`graphkit.GraphRunner` (see :meth:`GraphPools.for_runner`) and the verbs of the keys
+    it captures into itself."""
+    pools = GraphPools.__new__(GraphPools)
+    pools._open(backend, kind, strategy, hygiene=False, saver=saver, verify=verify, outputs="kept",
+                executables=executables, allocator_options=allocator_options, runner=True)
+    return pools, pools._owned
 
 
 @contextlib.contextmanager

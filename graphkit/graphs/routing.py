@@ -3,10 +3,10 @@
 The router gives every capture started inside ``graph_memory()`` a fresh key
 (or the key of the current ``pools.group(key)``) and releases an automatic
 key with its graph. The watcher sees captures into ``pools.pool(key)``
-handles, so that they are verified too. Both work on the key table of one
-:class:`graphkit.GraphPools` (:class:`PoolKeys`, which leases from the pools'
-strategy and holds the safe point), under its lock, and check captures with
-the pools' :class:`Verifier`.
+handles, so that they are verified too. Both decide which key a capture goes
+to and hand the rest -- its start, its check, its end -- to the key table of one
+:class:`graphkit.GraphPools` (:class:`Captures`, whose every verb is a whole step
+under the table's lock).
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from typing import Any
 import hal
 from graphkit.graphs.capture import framework_capturer
 from graphkit.graphs.executables import Executables
-from graphkit.graphs.isolation import KeyCheck, Verifier
-from graphkit.graphs.keys import CaptureKey, KeyPool, PoolHandle, PoolKeys
+from graphkit.graphs.keys import Capture, CaptureKey, Captures, KeyPool, PoolHandle, PoolKeys
 from graphkit.memory.phases import CAPTURE_TIMES
 from hal.types import Route, fmt_bytes
 
@@ -34,30 +33,30 @@ class CaptureRouting:
     """The routing of one :class:`GraphPools`: handles, groups, graph_memory's router, the watcher of handles.
 
     :param keys: the pools' key table (it leases from the pools' strategy).
-    :param verifier: the isolation check of the captures into the keys.
+    :param captures: the captures into the keys (begun, checked and ended by the table).
     :param hygiene: log what a routed capture left allocated.
     :param watch: see the captures into handles from the first handle on (off where the owner captures into
         its keys itself: a :class:`graphkit.GraphRunner`).
     """
 
-    def __init__(self, keys: PoolKeys, verifier: Verifier, *, hygiene: bool, watch: bool,
+    def __init__(self, keys: PoolKeys, captures: Captures, *, hygiene: bool, watch: bool,
                  executables: Executables | None = None) -> None:
-        self.keys, self.verifier = keys, verifier
+        self.keys, self.captures = keys, captures
         self.hygiene, self.watches = hygiene, watch
         self.executables = executables  # owns the executable forms of the graphs routed (None: the framework)
         self._groups = threading.local()
         self._auto = itertools.count(1)
         self._watching: contextlib.ExitStack | None = None
+        self._watch_lock = threading.Lock()  # one watcher, however many threads ask for handles at once
         self._trees_logged = False
 
     def handle(self, key: Hashable) -> PoolHandle:
         """``key``'s handle, its pool made on first use (see :meth:`GraphPools.pool`); from the first one on,
         captures into handles are watched."""
-        with self.keys.lock:
-            handle = self.keys.lease(key, "pool").handle
-            if self.watches:
-                self.watch_handles()
-            return handle
+        handle = self.keys.lease(key, "pool").handle
+        if self.watches:
+            self.watch_handles()
+        return handle
 
     # -- the watcher ---------------------------------------------------------------------
 
@@ -65,50 +64,36 @@ class CaptureRouting:
         """From now on until :meth:`stop`, see the captures into the pools' handles (where captures can be
         routed): the backend prepares their streams, and they are verified."""
         backend = self.keys.backend
-        if self._watching is None and backend.supports("capture_routing"):
-            self._watching = contextlib.ExitStack()
-            self._watching.enter_context(backend.route_captures(_watcher(weakref.WeakMethod(self.watch))))
+        with self._watch_lock:
+            if self._watching is None and not self.keys.closed and backend.supports("capture_routing"):
+                self._watching = contextlib.ExitStack()
+                self._watching.enter_context(backend.route_captures(_watcher(weakref.WeakMethod(self.watch))))
 
     def stop(self) -> None:
-        if self._watching is not None:
+        with self._watch_lock:
             watching, self._watching = self._watching, None
+        if watching is not None:
             watching.close()
 
     def watch(self, graph: Any, requested_pool: Any) -> Route | None:
         """The router of captures outside :func:`graph_memory`: verify those into one of these pools."""
-        keys = self.keys
-        entry = keys.entry_of(requested_pool)
-        if entry is None or keys.closed:
+        capture = self.captures.watched(requested_pool)
+        if capture is None:
             return None
-        with keys.lock:
-            keys.begin_capture(entry, "capture")  # the key's report counts it until it dies (see _on_release)
-            try:
-                check = self.verifier.check(entry)
-            except BaseException:
-                keys.capture_closed(entry)
-                keys.graph_released(entry)
-                raise
 
         def on_end(ok: bool) -> None:
-            with keys.lock:
-                keys.capture_closed(entry)
-                if not ok:
-                    keys.graph_released(entry)
-                    return
-                try:
-                    if check is not None:
-                        check.accepted(graph)
-                    keys.capture_ended(entry)
-                except BaseException:  # refused: the backend releases the graph, never to report it again
-                    keys.graph_released(entry)
-                    raise
+            self.captures.end(capture, graph, ok)
 
-        return self._route(entry.pool, on_end, self._on_release(entry), inspect=check is not None and check.read)
+        return self._route(capture, on_end)
 
-    def _route(self, pool: Any, on_end: Callable[[bool], None], on_release: Callable[[bool], None], *,
-               inspect: bool) -> Route:
+    def _route(self, capture: Capture, on_end: Callable[[bool], None]) -> Route:
         """A capture's route; with an executables budget, its replays go through it (the graph keeps no
         executable of its own until it is replayed)."""
+        captures, pool, inspect = self.captures, capture.entry.pool, capture.inspect
+
+        def on_release(collected: bool) -> None:
+            captures.released(capture, collected)
+
         if self.executables is None:
             return Route(pool, on_end, on_release, inspect=inspect)
         on_replay, forget = self.executables.serving()
@@ -129,7 +114,7 @@ class CaptureRouting:
         stack.append(key)
         try:
             yield handle
-        except BaseException:
+        except BaseException:  # not an undo: the block's end, said after its own error
             stack.pop()
             try:
                 self._group_ended(key, stack)
@@ -142,15 +127,8 @@ class CaptureRouting:
     def _group_ended(self, key: Hashable, stack: list[Hashable]) -> None:
         """The block of ``key`` ended: unless an outer block of the same key keeps its space open, what its
         captures left gets bytes of its own (raises the fault where it cannot) and its space is sealed."""
-        if key in stack:
-            return
-        with self.keys.lock:
-            entry = self.keys.entries.get(key)
-            if entry is not None:
-                try:
-                    self.keys.capture_ended(entry)
-                finally:
-                    self.keys.seal(entry, "when its pools.group() block ended")
+        if key not in stack:
+            self.captures.group_ended(key)
 
     def _group_stack(self) -> list[Hashable]:
         stack = getattr(self._groups, "stack", None)
@@ -170,80 +148,39 @@ class CaptureRouting:
                          "which keeps one pool of its own for them and checks it; graph_memory routes the others")
             return None
         counted = CAPTURE_TIMES.start("routing")
-        with self.keys.lock:
-            self.keys.check_open("graph_memory")
-            self.keys.settle()
-            entry, grouped = self._entry_for(capturer, requested_pool)
-            self.keys.begin_capture(entry, "graph_memory")
-            try:
-                before = self._blocks(entry) if self.hygiene else set()
-                check = self.verifier.check(entry)
-            except BaseException:  # the capture does not start: its key goes as after a failed one
-                self.keys.capture_closed(entry)
-                self._gone(entry)
-                raise
+        key, auto, fresh, grouped = self._key_for(capturer, requested_pool)
+        capture = self.captures.routed(key, auto=auto, fresh=fresh, grouped=grouped, hygiene=self.hygiene)
         CAPTURE_TIMES.stop(counted)
-        return self._route(entry.pool, self._on_end(graph, entry, grouped, before, check), self._on_release(entry),
-                           inspect=check is not None and check.read)
+        return self._route(capture, self._on_end(graph, capture))
 
-    def _entry_for(self, capturer: str | None, requested_pool: Any) -> tuple[KeyPool, bool]:
-        """The key a starting capture goes to, and whether it is shared with other captures."""
-        keys, stack = self.keys, self._group_stack()
+    def _key_for(self, capturer: str | None, requested_pool: Any) -> tuple[Hashable, bool, bool, bool]:
+        """The key a starting capture goes to: ``(key, auto, fresh, grouped)`` -- released with its graphs, a new
+        key, shared with other captures."""
+        stack = self._group_stack()
         if stack:
-            return keys.get(stack[-1], auto=False), True
+            return stack[-1], False, False, True
         if capturer == "graphed_callables":  # one key per call: the pool id it made for its graphs
-            key = ("make_graphed_callables", _pool_ident(requested_pool))
-            return keys.get(key, auto=True), True
-        return keys.new(CaptureKey(next(self._auto)), auto=True), False
+            return ("make_graphed_callables", _pool_ident(requested_pool)), True, False, True
+        return CaptureKey(next(self._auto)), True, True, False
 
-    def _on_end(self, graph: Any, entry: KeyPool, grouped: bool, before: set[tuple[int, int]],
-                check: KeyCheck | None) -> Callable[[bool], None]:
+    def _on_end(self, graph: Any, capture: Capture) -> Callable[[bool], None]:
+        report = self._report_new_blocks if self.hygiene else None
+
         def on_end(ok: bool) -> None:
             counted = CAPTURE_TIMES.start("routing")
             try:
-                _end(ok)
+                self.captures.end(capture, graph, ok, report)
             finally:
                 CAPTURE_TIMES.stop(counted)
 
-        def _end(ok: bool) -> None:
-            with self.keys.lock:
-                self.keys.capture_closed(entry)
-                if not ok:
-                    self._gone(entry)
-                    return
-                try:
-                    if self.hygiene:  # what the capture left, before the check notes what the key holds
-                        self._report_new_blocks(entry, before)
-                    if check is not None:
-                        check.accepted(graph)
-                    if not grouped:
-                        self.keys.capture_ended(entry)
-                except BaseException:  # refused: the backend releases the graph, never to report it again
-                    self._gone(entry)
-                    raise
-                if not grouped:
-                    self.keys.seal(entry, "when its capture ended")
-
         return on_end
-
-    def _gone(self, entry: KeyPool) -> None:
-        """A routed capture into ``entry`` failed or was refused: no graph of it will be released (under the lock)."""
-        self.keys.graph_released(entry)
-
-    def _on_release(self, entry: KeyPool) -> Callable[[bool], None]:
-        keys = self.keys
-
-        def on_release(collected: bool) -> None:
-            keys.graph_released(entry, collected)
-
-        return on_release
 
     # -- hygiene ---------------------------------------------------------------------------
 
     def _blocks(self, entry: KeyPool) -> set[tuple[int, int]]:
         return set(self.keys.backend.pool_active_blocks(entry.pool))
 
-    def _report_new_blocks(self, entry: KeyPool, before: set[tuple[int, int]]) -> None:
+    def _report_new_blocks(self, entry: KeyPool, before: frozenset[tuple[int, int]]) -> None:
         new = sorted(self._blocks(entry) - before)
         if not new:
             return

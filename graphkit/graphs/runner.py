@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import difflib
+import functools
 import gc
 import inspect
 import logging
@@ -35,12 +36,14 @@ from graphkit.graphs import isolation
 from graphkit.graphs.buckets import Bucket, CallPlan, CallPlans, Pieces
 from graphkit.graphs.buffers import StaticInputs
 from graphkit.graphs.executables import DEFAULT, Budget
+from graphkit.graphs.keys import OwnedKeys
 from graphkit.graphs.outputs import Outputs
-from graphkit.graphs.pools import GraphPools, Kind
+from graphkit.graphs.pools import GraphPools, Kind, runner_pools
 from graphkit.graphs.report import Baseline, RunnerReport, SizeReport, driver_memory
 from graphkit.graphs.strategies import PoolStrategy
 from graphkit.memory.closing import Closable, close_step, raise_first_failure
 from graphkit.saver import GRAPHS, MemorySaver
+from hal.transaction import Transaction
 from hal.types import fmt_bytes
 
 log = logging.getLogger(__name__)
@@ -136,16 +139,23 @@ def _merged_options(options: RunnerOptions | None, overrides: dict[str, Any]) ->
     return dataclasses.replace(options or RunnerOptions(), **overrides)
 
 
+#: said once per runner: a batch above the largest size, and a repeated capture() that captures nothing
+_EAGER = ("GraphRunner: batch %d is above the largest size %d: it runs eagerly (so do later ones; oversize='error' "
+          "refuses them, a larger size in sizes= captures it)")
+_NOTHING_TO_CAPTURE = ("GraphRunner.capture(): every size (%s) has its graph already, so nothing is captured; "
+                       "release_size(n) drops one to capture it again, and a new GraphRunner captures other inputs")
+
+
 class _Once:
     """Logs its message the first time it is called (a runner's eager batches above its largest size)."""
 
-    def __init__(self, message: str) -> None:
-        self.message, self.said = message, False
+    def __init__(self, message: str, level: int = logging.INFO) -> None:
+        self.message, self.level, self.said = message, level, False
 
     def __call__(self, *args: Any) -> None:
         if not self.said:
             self.said = True
-            log.info(self.message, *args)
+            log.log(self.level, self.message, *args)
 
 
 def _checked_pieces(fn: Callable[..., Any] | Sequence[Callable[..., Any]], sizes: Sequence[int],
@@ -216,14 +226,13 @@ def _check_examples(static: StaticInputs | None, step: Callable[..., Any], examp
             call="GraphRunner.capture") from None
 
 
-def _say_nothing_to_capture(runner: GraphRunner) -> None:
-    """Say why a repeated ``capture()`` of ``runner`` captures nothing, once per runner."""
-    if getattr(runner, "_nothing_said", False):
-        return
-    runner._nothing_said = True  # type: ignore[attr-defined]
-    log.warning("GraphRunner.capture(): every size (%s) has its graph already, so nothing is captured; "
-                "release_size(n) drops one to capture it again, and a new GraphRunner captures other inputs",
-                ", ".join(map(str, runner.sizes)))
+def _release_or_keep(release: Callable[[Bucket], None], pending: list[Bucket], bucket: Bucket) -> None:
+    """Release the bucket of a failed capture; one that would not go joins ``pending`` (close() finishes it)."""
+    try:
+        release(bucket)
+    except hal.HalError as exc:  # the capture's own error is the one raised
+        log.error("batch %d: cleaning up the failed capture failed (close() finishes it): %s", bucket.size, str(exc))
+        pending.append(bucket)
 
 
 def _positional_refused(count: int, static: StaticInputs | None, be: hal.Backend) -> hal.InvalidArgumentError:
@@ -330,19 +339,20 @@ def _kept_outputs(opts: RunnerOptions, kind: str) -> str:
     return "weak" if kind == "vmm" and opts.outputs != "view" else "strong"
 
 
-def _runner_pools(be: hal.Backend, opts: RunnerOptions, kind: str, saver: MemorySaver | None) -> GraphPools | None:
-    """A runner's pools, keyed by size (None for ``mode="none"``); ``saver`` adopts their allocator."""
+def _runner_pools(be: hal.Backend, opts: RunnerOptions, kind: str, saver: MemorySaver | None
+                  ) -> tuple[GraphPools | None, OwnedKeys | None]:
+    """A runner's pools, keyed by size, and the verbs of the keys it captures into (None for ``mode="none"``);
+    ``saver`` adopts their allocator."""
     if opts.mode != "none":
-        return GraphPools.for_runner(be, cast("Kind", kind), strategy=opts.pool_strategy, saver=saver,
-                                     verify=opts.verify, executables=opts.executables,
-                                     **dict(opts.allocator_options or {}))
+        return runner_pools(be, cast("Kind", kind), strategy=opts.pool_strategy, saver=saver, verify=opts.verify,
+                            executables=opts.executables, **dict(opts.allocator_options or {}))
     if saver is not None and not isinstance(saver, MemorySaver):
         raise hal.InvalidArgumentError(f"saver={saver!r} must be a graphkit.MemorySaver", backend=be.name,
                                        call="GraphRunner")
     if saver is not None:
         raise hal.UnsupportedError("kind='none' cannot sleep with a MemorySaver: use kind='vmm' on a backend "
                                    "with 'custom_pool'", backend=be.name, call="GraphRunner")
-    return None
+    return None, None
 
 
 class GraphRunner(Closable):
@@ -391,11 +401,10 @@ class GraphRunner(Closable):
         self._stream = be.create_stream() if opts.mode != "none" else None
         self._lock = threading.RLock()  # graphs of one pool never run concurrently
         self._baseline = Baseline(be)  # the device before the first capture
-        self._eager_said = _Once("GraphRunner: batch %d is above the largest size %d: it runs eagerly (so do "
-                                 "later ones; oversize='error' refuses them, a larger size in sizes= captures it)")
+        self._eager_said, self._nothing_said = _Once(_EAGER), _Once(_NOTHING_TO_CAPTURE, logging.WARNING)
         self._pending: list[Bucket] = []  # buckets whose release failed: finished by close()
         self._closed = self._close_done = False
-        self.pools = _runner_pools(be, opts, kind, saver)
+        self.pools, self._keys = _runner_pools(be, opts, kind, saver)
         self.keep_outputs = _kept_outputs(opts, self.kind)
         self.step.weak_outputs = self.keep_outputs == "weak"
         self.step.executables = self.pools.executables if self.pools is not None else None
@@ -445,23 +454,26 @@ class GraphRunner(Closable):
                 return self
             todo = [s for s in ordered_sizes(self.sizes, order, seed) if s not in self._buckets]
             if not todo and not fresh:
-                _say_nothing_to_capture(self)
-            try:
+                self._nothing_said(", ".join(map(str, self.sizes)))
+            with Transaction() as tx:
+                tx.append(lambda: self._unsized(fresh))
                 with tqdm(total=len(todo), desc=f"capturing ({self.kind})", unit="size",
                           disable=not self.options.progress, leave=False) as bar:
                     for size in todo:
                         bar.set_postfix(batch=size)
                         self._capture_size(size)
                         bar.update()
-            except BaseException:
-                if fresh and not self._buckets:  # nothing captured: the next capture takes new examples
-                    self.inputs = None
-                raise
+                tx.commit()
             return self
 
+    def _unsized(self, fresh: bool) -> None:
+        """A failed first capture() captured nothing: the next one takes new examples."""
+        if fresh and not self._buckets:
+            self.inputs = None
+
     def _capture_size(self, size: int) -> Bucket:
-        be, inputs, opts, pools = self.backend, self.inputs, self.options, self.pools
-        assert inputs is not None and pools is not None  # sized by capture(); pools exist whenever mode != "none"
+        be, inputs, opts, pools, keys = self.backend, self.inputs, self.options, self.pools, self._keys
+        assert inputs is not None and pools is not None and keys is not None  # pools exist unless mode == "none"
         self._baseline.take()
         views = inputs.views(size)
         if opts.warmup:
@@ -469,31 +481,25 @@ class GraphRunner(Closable):
         if opts.measure_memory:
             cap.release_cached_memory(be)
         used0 = be.mem_info().used
-        bucket = Bucket(size, pools.lease(size))
+        bucket = Bucket(size, keys.lease(size))
         t0 = time.perf_counter()
-        try:
-            check = pools.isolation_check(size, _ISOLATION_FIX)
+        with Transaction() as tx:
+            tx.append(functools.partial(_release_or_keep, self._release_bucket, self._pending, bucket))
+            check = keys.check(size, _ISOLATION_FIX)
             self.step.capture(bucket, views, self._stream, capture_error_mode=opts.capture_error_mode,
                               strict_hygiene=opts.strict_hygiene,
                               verify=check if check is not None and check.read else None)
             if check is not None:
                 check.done()
-            pools.capture_ended(size, _replay_scoped(be, bucket))
+            keys.ended(size, _replay_scoped(be, bucket))
             be.synchronize()
             seconds = time.perf_counter() - t0
             if opts.measure_memory:
                 cap.release_cached_memory(be)
             bucket.report = SizeReport(size, seconds, be.mem_info().used - used0,
                                        pools.strategy.figures().get("chunk_bytes"))
-            pools.seal(size, "when the capture of its size ended")  # a size is captured once
-        except BaseException:
-            try:
-                self._release_bucket(bucket)
-            except hal.HalError as exc:  # kept for close() to finish; the capture's own error is the one raised
-                log.error("batch %d: cleaning up the failed capture failed (close() finishes it): %s", size,
-                          str(exc))
-                self._pending.append(bucket)
-            raise
+            keys.seal(size, "when the capture of its size ended")  # a size is captured once
+            tx.commit()
         self._buckets[size] = bucket
         bisect.insort(self._captured, size)
         self._plans.clear()  # a batch may now be served by this size

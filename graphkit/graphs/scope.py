@@ -9,16 +9,35 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import hal
 from _graphkit_startup import ENV
+from graphkit.graphs.executables import Budget
+from graphkit.graphs.switch_value import written
 from hal.types import Route
 
-if TYPE_CHECKING:
-    from graphkit.graphs.pools import GraphPools
-
 log = logging.getLogger(__name__)
+
+
+class Served(Protocol):
+    """What a block's routing reads of its :class:`graphkit.GraphPools`: its backend, its router and the options
+    its children are served with."""
+
+    @property
+    def backend(self) -> hal.Backend: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def outputs(self) -> str: ...
+    @property
+    def verify(self) -> bool: ...
+    @property
+    def hygiene(self) -> bool: ...
+    @property
+    def per_topology(self) -> Budget: ...
+
+    def route(self, graph: Any, requested_pool: Any) -> Route | None: ...
 
 
 class ScopeRouter:
@@ -35,7 +54,7 @@ class ScopeRouter:
       (:func:`served_children`), which its plugin or start-up hook reads with a backend of its own.
     """
 
-    def __init__(self, pools: GraphPools) -> None:
+    def __init__(self, pools: Served) -> None:
         self.pools = pools
         self.unrouted: set[tuple[str, int]] = set()  # where the captures left alone ran (warned once each)
         self.pid = os.getpid()  # the process whose block it routes for
@@ -146,7 +165,7 @@ _children = _ChildrenVariable()
 
 
 @contextlib.contextmanager
-def served_children(pools: GraphPools) -> Iterator[None]:
+def served_children(pools: Served) -> Iterator[None]:
     """While the block is open, the processes it starts -- an engine's spawned ranks and workers, which never
     run the block's code -- start under ``GRAPHKIT_GRAPH_MEMORY`` with the block's kind, outputs, verify and
     hygiene (:mod:`graphkit.switch`), so each serves its own device's captures as the block serves this one's.
@@ -159,9 +178,7 @@ def served_children(pools: GraphPools) -> Iterator[None]:
     interpreter has no start-up hook installed (:func:`startup_hook_installed`), the children cannot read the
     variable: a warning says so, once per process.
     """
-    budget = pools.per_topology if pools.per_topology is not None else "off"
-    value = (f"kind={pools.kind},outputs={pools.outputs},verify={int(pools.verify)},hygiene={int(pools.hygiene)},"
-             f"executables={budget}")
+    value = written(pools.kind, pools.outputs, pools.verify, pools.hygiene, pools.per_topology)
     if not _children.enter(value):
         yield
         return

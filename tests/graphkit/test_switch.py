@@ -100,6 +100,17 @@ def test_options_made_in_code_are_checked_as_the_variable_is(fields: dict[str, A
         Options(**fields)
 
 
+@pytest.mark.parametrize("options", [Options(), Options(kind="shared", outputs="replay", verify=True, hygiene=True,
+                                                             executables=3),
+                                     Options(kind="private", executables=None)])
+def test_the_value_a_block_writes_for_its_children_reads_back_as_its_options(options: Options) -> None:
+    from graphkit.graphs.switch_value import written
+
+    value = written(options.kind, options.outputs, options.verify, options.hygiene, options.executables)
+    assert switch.parse(value) == options
+    assert switch.parse is graphkit.graphs.switch_value.parse and switch.Options is graphkit.graphs.switch_value.Options
+
+
 def test_graphkit_switch_is_reachable_after_import_graphkit() -> None:
     code = "import graphkit; print(graphkit.switch.parse('kind=shared').kind)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,

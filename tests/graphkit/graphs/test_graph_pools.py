@@ -831,3 +831,9 @@ def test_close_after_the_backends_close_finishes_with_one_warning(be: hal.Backen
                        "released it); close graphkit objects before their backend")]
     pools.close()  # idempotent
     del kept
+
+
+def test_graph_pools_refuse_the_old_capacity_keyword(be: hal.Backend) -> None:
+    with pytest.raises(hal.InvalidArgumentError, match="capacity"):
+        graphkit.GraphPools(be, capacity=2 * G)
+    assert be.live.zero, be.live

@@ -502,3 +502,9 @@ def test_close_after_the_backends_close_finishes(be: hal.Backend) -> None:
     with pytest.raises(hal.InvalidStateError, match="closed"):
         runner(x=torch.zeros(1, 8))
     runner.close()
+
+
+def test_graph_runner_refuses_the_old_pool_keyword(be: hal.Backend) -> None:
+    with pytest.raises(hal.InvalidArgumentError, match="pool"):
+        graphkit.GraphRunner(lambda x: x * 2, sizes=[2, 4], backend=be, progress=False, pool="vmm")
+    assert be.live.zero, be.live
