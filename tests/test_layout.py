@@ -227,16 +227,16 @@ def test_the_private_name_check_finds_a_reach_in_and_lets_a_module_use_its_own()
     assert _foreign_private_uses(sources) == ["user.py:2 pools._owns", "user.py:3 pools._count"]
 
 
-ROOMS = ("graphkit.memory", "graphkit.saver", "graphkit.graphs")
+FLOORS = ("graphkit.memory", "graphkit.saver", "graphkit.graphs")
 
 
-def test_a_room_imports_nothing_from_the_rooms_above_it() -> None:
-    """The memory room knows nothing of savers or graphs, the saver room nothing of graphs, and no room the
+def test_a_floor_imports_nothing_from_the_floors_above_it() -> None:
+    """The memory floor knows nothing of savers or graphs, the saver floor nothing of graphs, and no floor the
     public face (``graphkit``, ``graphkit.switch``)."""
     wrong = []
-    for level, room in enumerate(ROOMS):
-        above = (*ROOMS[level + 1:], "graphkit.switch")
-        for path in sorted((ROOT / "graphkit" / room.split(".")[1]).rglob("*.py")):
+    for level, floor in enumerate(FLOORS):
+        above = (*FLOORS[level + 1:], "graphkit.switch")
+        for path in sorted((ROOT / "graphkit" / floor.split(".")[1]).rglob("*.py")):
             for line, name in _imported(path, _module_name(path)):
                 if name == "graphkit" or any(name == a or name.startswith(f"{a}.") for a in above):
                     wrong.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
@@ -244,7 +244,7 @@ def test_a_room_imports_nothing_from_the_rooms_above_it() -> None:
 
 
 def test_every_logger_of_graphkit_is_named_for_its_module() -> None:
-    """``logging.getLogger(__name__)``: a record's name says which module logged it, and a room's loggers are
+    """``logging.getLogger(__name__)``: a record's name says which module logged it, and a package's loggers are
     one subtree (``graphkit.graphs``) to turn up or down."""
     wrong = []
     for path in sorted((ROOT / "graphkit").rglob("*.py")):

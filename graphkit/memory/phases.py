@@ -7,9 +7,9 @@ seconds of a part leave out those of the parts counted inside it (the maps
 made while a space is set up count as maps, not as the space), so the parts
 add up to graphkit's share without counting anything twice.
 
-It lives in the memory room, though captures are the graphs room's, because
-the room that maps (:mod:`graphkit.memory.backing`) counts its maps here and
-may import nothing from the rooms above it; it knows nothing of graphs: a
+It lives in the memory floor, though captures are the graphs floor's, because
+the module that maps (:mod:`graphkit.memory.backing`) counts its maps here and
+may import nothing from the floors above it; it knows nothing of graphs: a
 part is a name its caller chooses (``"maps"`` here, ``"spaces"`` and
 ``"routing"`` in :mod:`graphkit.graphs`), and a timer a bench reads.
 """

@@ -1,4 +1,4 @@
-"""The single-writer check the memory room's module tests share: a class's private fields are touched by its
+"""The single-writer check the memory package's module tests share: a class's private fields are touched by its
 own module alone (``obj._field`` elsewhere is a reach-in, even where that module has a field of the same name)."""
 
 from __future__ import annotations
