@@ -16,15 +16,23 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import hal
 from graphkit.memory.backing import Backing, Chunk, Place
 from hal.transaction import Transaction
 
 if TYPE_CHECKING:
-    from graphkit.memory.chunks import SharedChunks
     from graphkit.memory.ranges import VirtualSpace
+
+
+class Shared(Protocol):
+    """What survivors need of the shared chunks (:class:`graphkit.memory.chunks.SharedChunks`, which holds
+    them): the chunk at an index, and the verb that puts another one there."""
+
+    def chunk(self, index: int) -> Chunk: ...
+
+    def adopt(self, index: int, chunk: Chunk, tx: Transaction) -> None: ...
 
 def granules_of(space: VirtualSpace, blocks: Iterable[tuple[int, int]], granularity: int) -> set[int]:
     """The indices of the granules of ``space`` that ``(address, nbytes)`` blocks reach, among those it maps.
@@ -79,7 +87,7 @@ class Survivors:
     :meth:`of` and :attr:`held_bytes`.
     """
 
-    def __init__(self, backend: hal.Backend, backing: Backing, shared: SharedChunks) -> None:
+    def __init__(self, backend: hal.Backend, backing: Backing, shared: Shared) -> None:
         self.backend, self.backing, self.shared = backend, backing, shared
         self.granularity = backend.granularity
         self._private: dict[int, dict[int, Chunk]] = {}  # space id -> granule index -> the chunk it alone maps
