@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 from collections.abc import Iterator
 
 # every fake backend of the suite, in this process and in the processes it starts, behaves as a device that runs
 # behind the host: an unmap that did not wait for the work queued over the range fails the test that did it
 os.environ.setdefault("HAL_FAKE_ASYNC", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # several test processes share the machine's cores (-n auto): one intra-op thread each, for them and the
+    # processes they start: the tests' tensors are tiny, and more threads per process only contend
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:  # imported before this file: the variable came too late for it
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import pytest
 

@@ -168,7 +168,7 @@ def test_the_command_line_prints_the_figures(capsys) -> None:
 def test_each_setup_in_a_fresh_process_gives_the_figures_of_one_process(capsys) -> None:
     """On a device the driver keeps released graphs' memory for the next setup of a process, so there each
     setup runs in a process of its own by default; the figures are those of the same setup run here."""
-    argv = ["--backend", "fake", "--setup", "scope", "--setup", "separate", "--order", "draft-first", "--json"]
+    argv = ["--backend", "fake", "--setup", "scope", "--order", "draft-first", "--json"]
     assert spec_decode.main([*argv, "--fresh-processes", "yes"]) == 0
     fresh = json.loads(capsys.readouterr().out)
     assert spec_decode.main([*argv, "--fresh-processes", "no"]) == 0
