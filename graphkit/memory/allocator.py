@@ -41,11 +41,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import hal
+from graphkit.memory.backing import Chunk
 from graphkit.memory.chunks import SharedChunks
 from graphkit.memory.closing import Closable, raise_first_failure
 from graphkit.memory.ranges import SpaceTable, VirtualSpace
@@ -57,6 +59,31 @@ log = logging.getLogger(__name__)
 
 #: how many ``reserve_bytes`` one arena reservation holds by default
 ARENA_SPACES = 8
+
+#: every allocator of this process not closed yet (for :func:`allocator_holding`)
+_open_allocators: weakref.WeakSet[SharedVMMAllocator] = weakref.WeakSet()
+
+
+def allocator_holding(ptr: int) -> SharedVMMAllocator | None:
+    """The open allocator of this process whose live spaces hold address ``ptr``, or None."""
+    for allocator in list(_open_allocators):
+        if allocator.holds(ptr):
+            return allocator
+    return None
+
+
+@dataclass(frozen=True)
+class ChunksBehind:
+    """What lies under a range of a space: where it is in the space, and the chunk of every granule it touches.
+
+    ``shared[k]`` says whether ``chunks[k]`` is the shared chunk of granule ``first + k`` (every space of the
+    allocator maps it at that offset) rather than one of the space's own (memory that outlived its capture).
+    """
+
+    offset: int  # of the range's first byte from its space's base
+    first: int  # granule index of that byte
+    chunks: tuple[Chunk, ...]
+    shared: tuple[bool, ...]
 
 
 def _address_sizes(backend: hal.Backend, reserve_bytes: int | None, arena_bytes: int | None,
@@ -259,6 +286,7 @@ class SharedVMMAllocator(AllocatorFigures, Closable):
         self._closed = False
         self.last_error: str | None = None  # why the last allocation a pool callback asked for failed (logged too)
         self.backup = False  # graph memory needs no backup: every replay writes it afresh
+        _open_allocators.add(self)
 
     def stats(self) -> AllocatorStats:
         with self._lock:
@@ -446,6 +474,26 @@ class SharedVMMAllocator(AllocatorFigures, Closable):
             self._check_open("export", awake=True)
             return self._chunks.export(_exported_space(self._table, ptr, nbytes), ptr, nbytes)
 
+    def holds(self, ptr: int) -> bool:
+        """Whether ``ptr`` lies in one of its live spaces."""
+        with self._lock:
+            return not self._closed and self._table.containing(ptr) is not None
+
+    def chunks_behind(self, ptr: int, nbytes: int) -> ChunksBehind:
+        """The chunks under ``[ptr, ptr + nbytes)`` of a live space, granule by granule (:class:`ChunksBehind`)."""
+        with self._lock:
+            self._check_open("chunks_behind", awake=True)
+            space = _exported_space(self._table, ptr, nbytes)
+            first, chunks = self._chunks.behind(space, ptr, nbytes)
+            return ChunksBehind(ptr - space.base, first, tuple(c for c, _ in chunks), tuple(s for _, s in chunks))
+
+    def export_chunk(self, chunk: Chunk) -> int:
+        """A file descriptor of ``chunk``'s physical memory as it is now (after a resume: the new memory); the
+        caller closes it. Refused while the allocator is paused."""
+        with self._lock:
+            self._check_open("export_chunk", awake=True)
+            return self._chunks.export_chunk(chunk)
+
     @property
     def closed(self) -> bool:
         return self._closed
@@ -475,3 +523,4 @@ class SharedVMMAllocator(AllocatorFigures, Closable):
             self._chunks.forget()
             self.current = None
             self._closed = True
+            _open_allocators.discard(self)

@@ -178,6 +178,28 @@ class SharedChunks:
     def export(self, space: VirtualSpace, ptr: int, nbytes: int) -> ExportedRange:
         """The chunks behind ``[ptr, ptr + nbytes)`` of ``space``, exported (see :mod:`graphkit.memory.sharing`)."""
         g = self.granularity
+        first, end = self._reached(space, ptr, nbytes, "export")
+        return export_handles(self.backend, [space.place(i).chunk.handle for i in range(first, end)], g,
+                              ptr - space.base - first * g, nbytes)
+
+    def behind(self, space: VirtualSpace, ptr: int, nbytes: int) -> tuple[int, list[tuple[Chunk, bool]]]:
+        """The first granule of ``[ptr, ptr + nbytes)`` in ``space`` and, granule by granule, the chunk mapped
+        there and whether it is the shared chunk of that index (every space maps it there) or the space's own."""
+        first, end = self._reached(space, ptr, nbytes, "behind")
+        places = [space.place(i).chunk for i in range(first, end)]
+        return first, [(chunk, i < len(self._chunks) and chunk is self._chunks[i])
+                       for i, chunk in enumerate(places, first)]
+
+    def export_chunk(self, chunk: Chunk) -> int:
+        """A file descriptor of ``chunk``'s physical memory as it is now (the caller's to close)."""
+        if chunk.handle is None:
+            raise hal.InvalidStateError("the chunk is released (paused)", backend=self.backend.name,
+                                        call="export_chunk")
+        return self.backend.export_phy_mem_handle(chunk.handle)
+
+    def _reached(self, space: VirtualSpace, ptr: int, nbytes: int, call: str) -> tuple[int, int]:
+        """The granules ``[first, end)`` of ``[ptr, ptr + nbytes)``, all mapped in ``space``; a hal error otherwise."""
+        g = self.granularity
         first, end = (ptr - space.base) // g, -(-(ptr - space.base + nbytes) // g)
         # past what the space maps first, by arithmetic: only granules it maps are ever looked at one by one
         unmapped = ([i for i in range(first, min(end, space.mapped)) if not space.place(i).mapped]
@@ -186,9 +208,8 @@ class SharedChunks:
             raise hal.InvalidArgumentError(
                 f"[{ptr:#x}, {ptr + nbytes:#x}) reaches granule(s) {unmapped[:4]} of space {space.id}, which are not "
                 f"mapped (it maps {space.mapped}): export memory its allocations reached", backend=self.backend.name,
-                call="export")
-        return export_handles(self.backend, [space.place(i).chunk.handle for i in range(first, end)], g,
-                              ptr - space.base - first * g, nbytes)
+                call=call)
+        return first, end
 
     # -- creating and releasing ---------------------------------------------------
 

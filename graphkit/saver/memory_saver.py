@@ -28,6 +28,7 @@ import functools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -257,6 +258,19 @@ class _AwakeGuard:
             self._cond.notify_all()
 
 
+#: every saver of this process not closed yet (for :func:`saver_holding`)
+_open_savers: weakref.WeakSet[MemorySaver] = weakref.WeakSet()
+
+
+def saver_holding(sleeper: object) -> tuple[MemorySaver, str] | None:
+    """The open saver that holds ``sleeper`` (an allocator, a buffer) and its tag, or None."""
+    for saver in list(_open_savers):
+        tag = saver.tag_of(sleeper)
+        if tag is not None:
+            return saver, tag
+    return None
+
+
 class MemorySaver(Closable):
     """Tags of device memory that pause (release physical memory) and resume (at the same addresses).
 
@@ -285,6 +299,7 @@ class MemorySaver(Closable):
         self._guard = _AwakeGuard(
             lambda call, why: hal.InvalidStateError(why, backend=self.backend.name, call=call))
         self._closed = False
+        _open_savers.add(self)
 
     # -- tags -------------------------------------------------------------------------------
 
@@ -359,6 +374,11 @@ class MemorySaver(Closable):
             sleepers = self._sleepers.setdefault(tag, [])
             if not any(s is sleeper for s in sleepers):
                 sleepers.append(sleeper)
+
+    def tag_of(self, sleeper: object) -> str | None:
+        """The tag that holds ``sleeper``, or None."""
+        with self._lock:
+            return next((tag for tag, members in self._sleepers.items() if any(m is sleeper for m in members)), None)
 
     def forget(self, sleeper: Sleeper) -> None:
         """Stop managing ``sleeper`` (its owner closes it)."""
@@ -553,6 +573,7 @@ class MemorySaver(Closable):
             if not after_backend(self.backend, log, "MemorySaver"):  # else its close released the regions' pools
                 raise_first_failure(log, self._memory.close(), "MemorySaver.close")
             self._closed = True
+            _open_savers.discard(self)
             self._sleepers.clear()
             if self._owns_backend:
                 self.backend.close()
