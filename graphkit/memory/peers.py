@@ -398,6 +398,13 @@ class PeerMemory(Closable):
         handle, held.handle = held.handle, None
         self.backend.release_phy_mem_handle(handle)
 
+    def mapped(self) -> dict[str, int]:
+        """What this process maps of its peers: ``peers``, ``shared`` (chunks in the peers' shared ranges, each
+        once), ``own`` (chunks of a space's own, in ranges of their own)."""
+        with self._lock:
+            return {"peers": len(self._peers), "shared": sum(len(p.shared) for p in self._peers.values()),
+                    "own": sum(len(run) for p in self._peers.values() for _, run in p.runs.values())}
+
     # -- sleep (a member of a MemorySaver tag) -----------------------------------------------------------------
 
     def adopt(self, saver: Any, tag: str | None = None) -> None:
@@ -414,6 +421,7 @@ class PeerMemory(Closable):
     def paused(self) -> bool:
         return self._paused
 
+    @property
     def footprint_bytes(self) -> int:
         """0: the peers' chunks are theirs (this process holds them, the peers' devices count them)."""
         return 0
