@@ -204,8 +204,10 @@ class PeerMemory(Closable):
                                            "(pools.allocator of vmm GraphPools)", call="PeerMemory")
         if not allocator.backend.supports("memory_sharing"):
             raise hal.UnsupportedError(f"backend {allocator.backend.name!r} cannot export chunks to another "
-                                       "process (capability 'memory_sharing')", backend=allocator.backend.name,
-                                       call="PeerMemory")
+                                       "process (capability 'memory_sharing'): make the pools over a backend whose "
+                                       "chunks are shareable (cuda: hal.get_backend('cuda', shareable=True); "
+                                       "docs/engines.md says what it changes for NCCL)",
+                                       backend=allocator.backend.name, call="PeerMemory")
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise hal.InvalidArgumentError(f"timeout={timeout!r} must be a positive number of seconds",
                                            backend=allocator.backend.name, call="PeerMemory")

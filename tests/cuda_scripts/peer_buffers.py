@@ -56,7 +56,7 @@ def rank_main(rank: int, world: int, same_device: bool) -> dict:
         dist.all_gather_object(out, obj)
         return out
 
-    be = hal.get_backend("cuda", device=device)
+    be = hal.get_backend("cuda", device=device, shareable=True)  # chunks with a POSIX file descriptor handle type
     saver = graphkit.MemorySaver(be)
     pools = graphkit.GraphPools(be, "vmm", saver=saver)
     noted: list[tuple[int, int]] = []
