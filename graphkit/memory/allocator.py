@@ -286,6 +286,7 @@ class SharedVMMAllocator(AllocatorFigures, Closable):
         self._closed = False
         self.last_error: str | None = None  # why the last allocation a pool callback asked for failed (logged too)
         self.backup = False  # graph memory needs no backup: every replay writes it afresh
+        self._pauses = 0
         _open_allocators.add(self)
 
     def stats(self) -> AllocatorStats:
@@ -315,7 +316,16 @@ class SharedVMMAllocator(AllocatorFigures, Closable):
         """
         with self._lock:
             self._check_open("release_physical")
-            return self._chunks.pause(list(self._table.places()))
+            awake = not self.paused
+            released = self._chunks.pause(list(self._table.places()))
+            self._pauses += awake
+            return released
+
+    @property
+    def pauses(self) -> int:
+        """How many times its memory was released (a peer that mapped its chunks before a pause needs the new
+        ones after: :mod:`graphkit.memory.peers`)."""
+        return self._pauses
 
     def restore_physical(self, restore: bool = True) -> None:
         """Create the chunks again and map them where they were: every space at the same addresses.

@@ -181,6 +181,7 @@ class _Peer:
 
     listener: bytes
     granularity: int = 0
+    pauses: int = -1  # the peer's pauses when its chunks mapped here were exported
     mirror: int = 0  # base of the range for the peer's shared chunks (0: not reserved yet)
     mirror_bytes: int = 0
     shared: dict[int, _Held] = field(default_factory=dict)  # granule index -> the chunk mapped there
@@ -265,8 +266,14 @@ class PeerMemory(Closable):
             return {"granularity": self.allocator.granularity, "mirror_bytes": self.allocator.reserve_bytes,
                     "buffers": layout}, []
         deadline = time.monotonic() + float(request.get("timeout", self.timeout))
-        while self.allocator.paused and not self.allocator.closed and time.monotonic() < deadline:
-            time.sleep(0.005)  # its resume is on its way: every rank resumes together
+        after = int(request.get("after", -1))  # the asker mapped chunks of that pause: it wants the ones after it
+        while (self.allocator.paused or self.allocator.pauses <= after) and not self.allocator.closed:
+            if time.monotonic() >= deadline:  # every rank pauses, then resumes, together
+                raise hal.InvalidStateError(
+                    f"this rank's graph memory is {'paused' if self.allocator.paused else 'awake'} after "
+                    f"{self.allocator.pauses} pause(s); the asking peer waits for a resume after pause {after + 1}: "
+                    "pause every rank, then resume every rank", backend=self.backend.name, call="PeerMemory")
+            time.sleep(0.005)
         fds: list[int] = []
         with Transaction() as tx:  # the descriptors made so far are closed when one export fails
             for number in request["chunks"]:
@@ -279,7 +286,7 @@ class PeerMemory(Closable):
                 fds.append(self.allocator.export_chunk(chunk))
                 tx.append(functools.partial(os.close, fds[-1]))
             tx.commit()
-        return {"fds": len(fds), "granularity": self.allocator.granularity}, fds
+        return {"fds": len(fds), "granularity": self.allocator.granularity, "pauses": self.allocator.pauses}, fds
 
     # -- the peers' buffers ---------------------------------------------------------------------------------------
 
@@ -369,7 +376,8 @@ class PeerMemory(Closable):
                 self._drop(held)
         fds: list[int] = []
         try:
-            self._ask(peer, {"chunks": [chunk for _, chunk, _ in wanted]}, fds)
+            answer = self._ask(peer, {"chunks": [chunk for _, chunk, _ in wanted]}, fds)
+            peer.pauses = max(peer.pauses, int(answer["pauses"]))
             with Transaction() as tx:
                 for (_, chunk, where), fd in zip(wanted, fds, strict=True):
                     if where[0] == "shared":
@@ -451,8 +459,9 @@ class PeerMemory(Closable):
                 if not wanted:
                     continue
                 fds: list[int] = []
-                try:
-                    self._ask(peer, {"chunks": [h.chunk for h in wanted]}, fds)
+                try:  # the peer's chunks of after its own pause: it answers once it paused and resumed
+                    answer = self._ask(peer, {"chunks": [h.chunk for h in wanted], "after": peer.pauses}, fds)
+                    peer.pauses = int(answer["pauses"])
                     with Transaction() as tx:
                         for h, fd in zip(wanted, fds, strict=True):
                             self._attach(h, fd, peer.granularity, tx)

@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import socket
 import struct
+import time
 import traceback
 from collections.abc import Callable, Iterator
 
@@ -93,8 +94,11 @@ def rank_steps(rank: int, sock: socket.socket) -> None:
     sync()
     assert text(swapped[0]) == b"priv%d..." % peer and text(swapped[1]) == b"shar%d..." % peer
 
-    # 3. sleep: every imported chunk released with the rank's own; on resume, new chunks at the same addresses
+    # 3. sleep: every imported chunk released with the rank's own; on resume, new chunks at the same addresses.
+    # Rank 1 pauses late: rank 0's resume must wait for rank 1's pause and resume, not map the chunks it has now.
     sync()
+    if rank == 1:
+        time.sleep(0.5)
     saver.pause()
     assert peers.paused and be.live.chunks == 0, be.live
     with pytest.raises(hal.InvalidStateError, match="paused"):
