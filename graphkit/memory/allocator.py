@@ -84,6 +84,7 @@ class ChunksBehind:
     first: int  # granule index of that byte
     chunks: tuple[Chunk, ...]
     shared: tuple[bool, ...]
+    space: int = -1  # the space's id
 
 
 def _address_sizes(backend: hal.Backend, reserve_bytes: int | None, arena_bytes: int | None,
@@ -489,13 +490,27 @@ class SharedVMMAllocator(AllocatorFigures, Closable):
         with self._lock:
             return not self._closed and self._table.containing(ptr) is not None
 
-    def chunks_behind(self, ptr: int, nbytes: int) -> ChunksBehind:
-        """The chunks under ``[ptr, ptr + nbytes)`` of a live space, granule by granule (:class:`ChunksBehind`)."""
+    def chunks_behind(self, ptr: int, nbytes: int, *, pin: bool = False) -> ChunksBehind:
+        """The chunks under ``[ptr, ptr + nbytes)`` of a live space, granule by granule (:class:`ChunksBehind`).
+
+        :param pin: keep them there from now on (another process maps them): no survivor of this space or another
+            moves them until :meth:`unpin`; a survivor of another space on the same granule gets a copy instead.
+        """
         with self._lock:
             self._check_open("chunks_behind", awake=True)
             space = _exported_space(self._table, ptr, nbytes)
             first, chunks = self._chunks.behind(space, ptr, nbytes)
-            return ChunksBehind(ptr - space.base, first, tuple(c for c, _ in chunks), tuple(s for _, s in chunks))
+            if pin:
+                self._chunks.pin(space, range(first, first + len(chunks)))
+            return ChunksBehind(ptr - space.base, first, tuple(c for c, _ in chunks), tuple(s for _, s in chunks),
+                                space.id)
+
+    def unpin(self, behind: ChunksBehind) -> None:
+        """One pin fewer on the granules of ``behind`` (from :meth:`chunks_behind` with ``pin``); a gone space is
+        ignored."""
+        with self._lock:
+            if not self._closed:
+                self._chunks.unpin(behind.space, range(behind.first, behind.first + len(behind.chunks)))
 
     def export_chunk(self, chunk: Chunk) -> int:
         """A file descriptor of ``chunk``'s physical memory as it is now (after a resume: the new memory); the

@@ -190,6 +190,14 @@ class SharedChunks:
         return first, [(chunk, i < len(self._chunks) and chunk is self._chunks[i])
                        for i, chunk in enumerate(places, first)]
 
+    def pin(self, space: VirtualSpace, granules: range) -> None:
+        """Keep the chunks ``space`` maps at ``granules`` where they are (see ``Survivors.pin``)."""
+        self._survivors.pin(space, granules)
+
+    def unpin(self, space_id: int, granules: range) -> None:
+        """One pin fewer on ``granules`` of space ``space_id``."""
+        self._survivors.unpin(space_id, granules)
+
     def export_chunk(self, chunk: Chunk) -> int:
         """A file descriptor of ``chunk``'s physical memory as it is now (the caller's to close)."""
         if chunk.handle is None:

@@ -238,7 +238,14 @@ class PeerMemory(Closable):
         self._check_open("publish")
         checked = _checked_buffers(buffers, self.backend.name)
         with self._published:
-            published = [_Buffer(ptr, nbytes, self.allocator.chunks_behind(ptr, nbytes)) for ptr, nbytes in checked]
+            published: list[_Buffer] = []
+            try:  # pinned: what the peers will map stays under the buffers while this lives
+                for ptr, nbytes in checked:
+                    published.append(_Buffer(ptr, nbytes, self.allocator.chunks_behind(ptr, nbytes, pin=True)))
+            except BaseException:  # not an undo step of a driver change: the pins taken so far are given back
+                for buffer in published:
+                    self.allocator.unpin(buffer.behind)
+                raise
             for buffer in published:
                 for chunk in buffer.behind.chunks:
                     self._id(chunk)
@@ -508,6 +515,8 @@ class PeerMemory(Closable):
                 if not peer.mirror and not peer.runs:
                     del self._peers[key]
             with self._published:
+                for buffer in (b for published in self._sets for b in published):
+                    close_step(errors, self.allocator.unpin, buffer.behind)
                 self._sets.clear()
             raise_first_failure(log, errors, "PeerMemory.close")
             self._closed = True

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
 import hal
-from graphkit.memory.backing import Backing, Chunk, Place
+from graphkit.memory.backing import Backing, Chunk, Place, wait_for_device
 from hal.transaction import Transaction
 
 if TYPE_CHECKING:
@@ -91,6 +91,7 @@ class Survivors:
         self.backend, self.backing, self.shared = backend, backing, shared
         self.granularity = backend.granularity
         self._private: dict[int, dict[int, Chunk]] = {}  # space id -> granule index -> the chunk it alone maps
+        self._pinned: dict[int, dict[int, int]] = {}  # space id -> granule index -> pins: its chunk stays
 
     @property
     def held_bytes(self) -> int:
@@ -115,9 +116,10 @@ class Survivors:
         other space maps a newer one; else ``space`` maps that one and its own is released.
         """
         have = self._private.setdefault(space.id, {})
+        pinned = self._pinned.get(space.id, {})  # another process reads these granules: their chunks stay
         add = sorted(i for i in wanted - have.keys() if i < space.mapped and space.place(i).mapped
-                     and space.place(i).chunk is self.shared.chunk(i))
-        back = sorted(have.keys() - wanted)
+                     and space.place(i).chunk is self.shared.chunk(i) and i not in pinned)
+        back = sorted(i for i in have.keys() - wanted if i not in pinned)
         others = [s for s in spaces if s is not space]
         freed: list[Chunk] = []
         if add or back:
@@ -147,8 +149,28 @@ class Survivors:
         if old is not None and old is not chunk and not old.maps:
             self.backing.release(old)
 
+    def pin(self, space: VirtualSpace, granules: Iterable[int]) -> None:
+        """Keep the chunks ``space`` maps at ``granules`` there (a peer process mapped them): neither given to it
+        alone nor shared back, and no other space's survivor takes them from it. Counted: :meth:`unpin` as often."""
+        pins = self._pinned.setdefault(space.id, {})
+        for i in granules:
+            pins[i] = pins.get(i, 0) + 1
+
+    def unpin(self, space_id: int, granules: Iterable[int]) -> None:
+        """One pin fewer on each of ``granules`` of the space ``space_id`` (gone spaces and unpinned granules are
+        ignored)."""
+        pins = self._pinned.get(space_id, {})
+        for i in granules:
+            if pins.get(i, 0) > 1:
+                pins[i] -= 1
+            else:
+                pins.pop(i, None)
+        if not pins:
+            self._pinned.pop(space_id, None)
+
     def drop(self, space: VirtualSpace) -> None:
         """Release the chunks ``space`` alone mapped (unmapped with it)."""
+        self._pinned.pop(space.id, None)
         for chunk in self._private.pop(space.id, {}).values():
             if not chunk.maps:
                 self.backing.release(chunk)
@@ -161,12 +183,36 @@ class Survivors:
         old = self.shared.chunk(index)
         fresh = Chunk(self.granularity)
         mapping = [s for s in others if index < s.mapped and s.place(index).chunk is old]
+        if any(index in self._pinned.get(s.id, {}) for s in mapping):  # a peer maps the shared chunk: it stays
+            self._copy_out(space, index, fresh, have, tx)
+            return
         if mapping:
             self.backing.create(fresh, tx)
             for other in mapping:
                 self._swap(other, index, fresh, tx)
         self.shared.adopt(index, fresh, tx)
         have[index] = old
+        tx.append(functools.partial(_forget, have, index))
+
+    def _copy_out(self, space: VirtualSpace, index: int, fresh: Chunk, have: dict[int, Chunk],
+                  tx: Transaction) -> None:
+        """``space`` gets ``fresh`` at ``index``, with the bytes it shows there now; the shared chunk stays where the
+        other spaces map it (undone by ``tx``). The copy goes through a range of its own, unmapped once done."""
+        g, be = self.granularity, self.backend
+        self.backing.create(fresh, tx)
+        scratch = be.create_vir_ptr(g)
+        try:
+            place = Place(scratch, fresh)
+            self.backing.map(place)
+            try:
+                be.tensor_at(scratch, g).copy_(be.tensor_at(space.place(index).ptr, g))
+                wait_for_device(be)  # the copy is done before either mapping goes
+            finally:
+                self.backing.unmap(place)
+        finally:
+            be.release_vir_ptr(scratch, g)
+        self._swap(space, index, fresh, tx)
+        have[index] = fresh
         tx.append(functools.partial(_forget, have, index))
 
     def _share(self, space: VirtualSpace, index: int, have: dict[int, Chunk], tx: Transaction) -> list[Chunk]:

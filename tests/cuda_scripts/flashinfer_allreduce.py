@@ -87,6 +87,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=50, help="replays per timed repetition")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="bf16 elements per all-reduce")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"a subset of {','.join(KINDS)}")
+    parser.add_argument("--serve", action="store_true",
+                        help="graphkit serves FlashInfer's graph-buffer registration (graphkit.graphs.allreduce."
+                             "serve_flashinfer, over a shareable backend): the registered kind reads in place")
+    parser.add_argument("--same-device", action="store_true",
+                        help="every rank on GPU 0 (where one GPU is lent): a gloo process group, no nccl kind; "
+                             "the ranks' kernels take turns on the GPU, so latency is not judged")
     parser.add_argument("--jit-dir", type=Path, default=Path("/tmp/graphkit-flashinfer"),
                         help="FLASHINFER_WORKSPACE_BASE: where FlashInfer's JIT builds and caches its modules")
     args = parser.parse_args(argv)
@@ -95,6 +101,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     bad = [k for k in args.kinds if k not in KINDS]
     if bad:
         parser.error(f"--kinds: unknown {bad}; choose from {KINDS}")
+    if args.same_device and "nccl" in args.kinds:
+        parser.error("--same-device: NCCL refuses two ranks on one GPU; leave the nccl kind out")
     if args.world < 2 or args.world > 8 or args.world % 2:
         parser.error("--world must be 2, 4, 6 or 8 (FlashInfer's kernel takes an even number of ranks up to 8)")
     if not args.sizes or any(n <= 0 or n % (8 * args.world) or 2 * n > MAX_BYTES for n in args.sizes):
@@ -191,22 +199,30 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     rank, world = args.rank, args.world
-    result: dict[str, Any] = {"rank": rank, "world": world}
-    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
-        raise Skip(f"{world} ranks need {world} GPUs; torch sees {torch.cuda.device_count()}")
-    torch.cuda.set_device(rank)
+    result: dict[str, Any] = {"rank": rank, "world": world, "served": args.serve, "same_device": args.same_device}
+    gpus = 1 if args.same_device else world
+    if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
+        raise Skip(f"{world} ranks need {gpus} GPU(s); torch sees {torch.cuda.device_count()}")
+    index = 0 if args.same_device else rank
+    torch.cuda.set_device(index)
     comm = load_flashinfer(args, result)
 
     import torch.distributed as dist
 
     import graphkit
     import hal
+    from graphkit.graphs import allreduce
 
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    device = torch.device("cuda", index)
+    if args.same_device:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    else:
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
     group = dist.group.WORLD
     result |= {"torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-               "device": torch.cuda.get_device_name(rank)}
+               "device": torch.cuda.get_device_name(index)}
+    # before FlashInfer's all-reduce is made: graphkit follows its books from the first call
+    serving = allreduce.serve_flashinfer(timeout=min(60.0, args.timeout / 2)) if args.serve else None
 
     # FlashInfer's state, made as its documentation says: its own buffers, outside any graph and any scope
     meta_ptrs = comm.create_shared_buffer(comm.vllm_meta_size() + MAX_BYTES, group=group)
@@ -283,7 +299,7 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any]:
     if error:
         raise RuntimeError(f"rank {rank}: FlashInfer's graph registration failed on torch's own pool: {error}")
 
-    be = hal.get_backend("cuda", device=rank)
+    be = hal.get_backend("cuda", device=index, shareable=args.serve)  # chunks a peer can map
     saver = graphkit.MemorySaver(be)
     pools = graphkit.GraphPools(be, saver=saver)
     graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -388,6 +404,8 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any]:
     gc.collect()
     dist.barrier()
     comm.vllm_dispose(fa)  # closes this rank's mappings of the peers' buffers
+    if serving is not None:
+        serving.close()  # and graphkit's of the peers' graph memory (after the device's queued work)
     dist.barrier()  # every peer closed its mappings of this rank's graph memory before the chunks go
     pools.close()
     saver.close()

@@ -123,27 +123,29 @@ def rank_steps(rank: int, sock: socket.socket) -> None:
     sync()
     assert ops.kernel(slot(1), 2) == [30]  # both keys read the same chunks, on every rank
 
-    # a survivor swap gives key one's granule a chunk of its own; the next registration follows it
+    # after the registration key one's survivor is held off (its granule stays shared: the peers map it); a
+    # later key's survivor on the same granule gets a copy of its own, and the next registration maps that
     sync()
     alloc.keep_private(first, [(one.data_ptr(), 4 * COUNT)])
-    alloc.switch_to_new_virtual_space()
+    third = alloc.switch_to_new_virtual_space()
     three = tensor(alloc.allocate(4 * COUNT))
     capture_all_reduce(be, ops, fa, three)  # slot 3
+    alloc.keep_private(third, [(three.data_ptr(), 4 * COUNT)])
     register(ops, fa, sock, rank)
-    one.fill_(100 * (rank + 1))
+    three.fill_(100 * (rank + 1))
     two.fill_(rank + 1)
     sync()
-    assert ops.kernel(slot(1), 2) == [300] and ops.kernel(slot(2), 2) == [3] and ops.kernel(slot(3), 2) == [3]
+    assert ops.kernel(slot(1), 2) == [3] and ops.kernel(slot(2), 2) == [3] and ops.kernel(slot(3), 2) == [300]
 
     # sleep: the peers' chunks go with the rank's own; after the resume, the same slots read the new chunks
     sync()
     saver.pause()
     assert be.live.chunks == 0, be.live
     saver.resume()
-    one.fill_(1000 * (rank + 1))
+    three.fill_(1000 * (rank + 1))
     two.fill_(7 * (rank + 1))
     sync()
-    assert ops.kernel(slot(1), 2) == [3000] and ops.kernel(slot(2), 2) == [21]
+    assert ops.kernel(slot(3), 2) == [3000] and ops.kernel(slot(1), 2) == [21] and ops.kernel(slot(2), 2) == [21]
     sync()
 
     serving.close()

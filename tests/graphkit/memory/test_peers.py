@@ -84,15 +84,25 @@ def rank_steps(rank: int, sock: socket.socket) -> None:
     sync()
     assert text(x2 + 16) == b"from%d..." % peer
 
-    # 2. a survivor swap: key 1's granules get chunks of their own; published again, the peers follow them
+    # 2. what a peer maps stays under the buffers: key 1's survivor is held off (its granules stay shared) ...
     alloc.keep_private(first, [(x1, N)])
-    write(x1, b"priv%d..." % rank)
+    write(x1, b"kept%d..." % rank)
+    assert text(x2) == b"kept%d..." % rank
+    # ... and a third key's survivor on the same granules gets a copy of its own, the shared chunks staying
+    third = alloc.switch_to_new_virtual_space()
+    alloc.allocate(100)
+    x3 = alloc.allocate(N)
+    alloc.keep_private(third, [(x3, N)])
+    assert text(x3) == b"kept%d..." % rank  # the bytes it showed, copied
+    write(x3, b"priv%d..." % rank)
     write(x2, b"shar%d..." % rank)
-    tokens = gather(sock, rank, peers.publish([(x1, N), (x2, N)]))
+    assert text(x1) == b"shar%d..." % rank
+    tokens = gather(sock, rank, peers.publish([(x3, N), (x2, N)]))
     swapped = [peers.resolve(t) for t in tokens][peer]
-    assert swapped[1] == there[1] and swapped[0] != swapped[1]  # the shared ones stay where they were
+    assert swapped[1] == there[1] and swapped[0] != swapped[1]  # a range of its own for the copy
     sync()
     assert text(swapped[0]) == b"priv%d..." % peer and text(swapped[1]) == b"shar%d..." % peer
+    assert peers.mapped() == {"peers": 1, "shared": 2, "own": 2}
 
     # 3. sleep: every imported chunk released with the rank's own; on resume, new chunks at the same addresses.
     # Rank 1 pauses late: rank 0's resume must wait for rank 1's pause and resume, not map the chunks it has now.
@@ -104,7 +114,7 @@ def rank_steps(rank: int, sock: socket.socket) -> None:
     with pytest.raises(hal.InvalidStateError, match="paused"):
         peers.resolve(tokens[peer])
     saver.resume()  # waits for the peer's resume
-    write(x1, b"wok1%d..." % rank)
+    write(x3, b"wok1%d..." % rank)
     write(x2, b"wok2%d..." % rank)
     sync()
     assert text(swapped[0]) == b"wok1%d..." % peer and text(swapped[1]) == b"wok2%d..." % peer

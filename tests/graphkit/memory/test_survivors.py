@@ -232,3 +232,23 @@ def test_keep_private_bounds_a_huge_block_by_arithmetic_and_refuses_bad_blocks(b
             alloc.keep_private(sid, blocks)  # type: ignore[arg-type]
     assert alloc.survivor_bytes == 0
     alloc.close()
+
+
+def test_pinned_granules_keep_their_chunks_and_another_spaces_survivor_gets_a_copy(be: hal.Backend) -> None:
+    chunks, table, a, b = _two(be)
+    shared = chunks.chunk(0)
+    chunks.pin(b, range(0, 1))  # another process maps b's granule 0 (the shared chunk)
+    be.tensor_at(b.base, 8).copy_(be.tensor_at(b.base, 8).new_tensor(list(b"b's data")))
+    chunks.privatize(b, {0}, table.spaces.values())  # b's own survivor: held off, its granule stays shared
+    assert b.place(0).chunk is shared is chunks.chunk(0)
+    chunks.privatize(a, {0}, table.spaces.values())  # a's survivor: a copy of its own, b keeps the shared chunk
+    assert b.place(0).chunk is shared is chunks.chunk(0) and a.place(0).chunk is not shared
+    assert bytes(be.tensor_at(a.base, 8).tolist()) == b"b's data"  # the bytes a showed, copied
+    be.tensor_at(a.base, 1).fill_(0)
+    assert bytes(be.tensor_at(b.base, 8).tolist()) == b"b's data"
+    chunks.unpin(b.id, range(0, 1))
+    chunks.privatize(b, {0}, table.spaces.values())  # unpinned: b takes the shared chunk as its own again
+    assert b.place(0).chunk is shared and chunks.chunk(0) is not shared
+    chunks.privatize(a, set(), table.spaces.values())
+    chunks.privatize(b, set(), table.spaces.values())
+    _close(be, chunks, table)
