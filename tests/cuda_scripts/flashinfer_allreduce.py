@@ -1,10 +1,20 @@
 """FlashInfer's custom all-reduce (its vLLM-style kernel, built on the device by FlashInfer's JIT) in graphs over graphkit memory.
 
-On the device, from the repository root (no network: the wheels travel in .whl-fi/)::
+On the device, from the repository root (no network: FlashInfer travels in .whl-fi/, cut to its all-reduce by
+``python tests/cuda_scripts/flashinfer_site.py FLASHINFER_WHEEL TVM_FFI_WHEEL --out .whl-fi`` here)::
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-fi/*.whl
-    PYTHONPATH=/tmp/site:$PWD timeout 300 python tests/cuda_scripts/flashinfer_allreduce.py --world 2 --out DIR --timeout 280
-    PYTHONPATH=/tmp/site:$PWD timeout 300 python tests/cuda_scripts/flashinfer_allreduce.py --world 4 --out DIR --timeout 280
+    export PYTHONPATH=/tmp/site:$PWD/.whl-fi/site:$PWD
+    timeout 300 python tests/cuda_scripts/flashinfer_allreduce.py --world 2 --out DIR --timeout 280
+    timeout 300 python tests/cuda_scripts/flashinfer_allreduce.py --world 4 --out DIR --timeout 280
+    timeout 300 python tests/cuda_scripts/flashinfer_allreduce.py --world 2 --serve --out DIR --timeout 280
+    timeout 300 python tests/cuda_scripts/flashinfer_allreduce.py --world 2 --same-device --serve --kinds registered,staged --out DIR
+
+``--serve``: graphkit serves FlashInfer's graph-buffer registration (``graphkit.graphs.allreduce.serve_flashinfer``,
+called before the all-reduce is made; the pools over ``hal.get_backend("cuda", shareable=True)``), so the
+``registered`` kind reads the graph's own buffers in place over graphkit memory. ``--same-device``: every rank on
+GPU 0 (where one GPU is lent), a gloo process group for the reference all-reduce and no ``nccl`` kind; the ranks'
+kernels take turns on the one GPU, so its latency figures say nothing of a kernel's speed.
 
 The launcher starts ``--world`` rank processes of this script, each with a hard deadline (``tests/ranks.py``), and
 writes DIR/flashinfer_allreduce.json (every rank's RESULT) and DIR/flashinfer_allreduce.md (one line for the
@@ -39,9 +49,9 @@ Each rank, on its own GPU, with torch.distributed (NCCL) up:
 * measures replay latency of each (kind, size) over graphkit memory against the same graph in torch's own pool,
   interleaved (the order of the two alternates per repetition): median, minimum and maximum over ``--reps``.
 
-Where the registration of a kind's graphkit graphs is refused (``cudaIpcGetMemHandle`` on memory that legacy IPC
-does not serve), the rank records the error under ``refused``, drops that kind's graphkit graphs, goes on with the
-others and fails at the end.
+Where the registration of a kind's graphkit graphs is refused (without ``--serve``: ``cudaIpcGetMemHandle`` on
+memory that legacy IPC does not serve), the rank records the error under ``refused``, drops that kind's graphkit
+graphs, goes on with the others and fails at the end.
 """  # noqa: E501 (the device commands above, one line each)
 
 from __future__ import annotations

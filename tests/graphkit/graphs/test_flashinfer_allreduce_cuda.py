@@ -3,8 +3,10 @@ memory, two GPUs and four: ``tests/cuda_scripts/flashinfer_allreduce.py`` (see i
 
 The graph's input staged into FlashInfer's own registered buffer replays equal to NCCL's all-reduce after other
 keys ran over the same chunks and after a sleep and resume; the path that registers the graph's own buffers by
-legacy IPC is refused on graphkit memory, with FlashInfer's own error naming the call that failed. Skipped
-where ``flashinfer`` is not installed (``flashinfer-python``; its JIT needs ``nvcc``).
+legacy IPC is refused on graphkit memory, with FlashInfer's own error naming the call that failed; with graphkit
+serving that registration (``--serve``), the graph's own buffers are read in place, equal to the reference
+all-reduce through the same checks (on one GPU: both ranks on it). Skipped where ``flashinfer`` is not installed
+(``flashinfer-python``, or the cut of it ``tests/cuda_scripts/flashinfer_site.py`` makes; its JIT needs ``nvcc``).
 """
 
 from __future__ import annotations
@@ -25,20 +27,21 @@ log = logging.getLogger("tests.flashinfer_allreduce")
 SCRIPT = SCRIPTS / "flashinfer_allreduce.py"
 SKIP = 3  # the script's exit code where FlashInfer or its JIT is missing
 
-pytestmark = [pytest.mark.cuda, pytest.mark.multi_gpu, pytest.mark.slow,  # FlashInfer's JIT build, a process per rank
+pytestmark = [pytest.mark.cuda, pytest.mark.slow,  # FlashInfer's JIT build, a process per rank
               pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
                                  reason="needs flashinfer-python (FlashInfer's JIT builds its all-reduce here)")]
 
 
-def run(tmp_path: Path, world: int, kinds: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+def run(tmp_path: Path, world: int, kinds: str, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict]:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--world", str(world), "--kinds", kinds, "--out",
-                           str(tmp_path), "--timeout", "240", "--reps", "5", "--iters", "30"],
+                           str(tmp_path), "--timeout", "240", "--reps", "5", "--iters", "30", *extra],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     if proc.returncode == SKIP:
         pytest.skip(next(x for x in proc.stdout.splitlines() if x.startswith("SKIP ")))
     return proc, json.loads((tmp_path / "flashinfer_allreduce.json").read_text())
 
 
+@pytest.mark.multi_gpu
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.gpus(4))])
 def test_flashinfer_allreduce_staged_in_graphs_over_graphkit_memory(tmp_path: Path, world: int) -> None:
     proc, data = run(tmp_path, world, "staged,nccl")
@@ -50,6 +53,7 @@ def test_flashinfer_allreduce_staged_in_graphs_over_graphkit_memory(tmp_path: Pa
         assert not rank["refused"] and set(rank["checks"].values()) == {6}, rank  # 3 sizes x 2 kinds, 4 phases
 
 
+@pytest.mark.multi_gpu
 def test_flashinfer_graph_registration_by_legacy_ipc_is_refused_on_graphkit_memory(tmp_path: Path) -> None:
     proc, data = run(tmp_path, 2, "registered,nccl")
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-8000:]
@@ -57,3 +61,17 @@ def test_flashinfer_graph_registration_by_legacy_ipc_is_refused_on_graphkit_memo
         assert set(rank["refused"]) == {"registered"} and "invalid argument" in rank["refused"]["registered"]
         assert rank["legacy_ipc_capable_graph_buffers"]["registered"] == [0], rank
         assert rank["legacy_ipc_capable_plain_buffers"] == [1], rank  # torch's own pool: capable
+
+
+def test_flashinfer_reads_graph_buffers_in_place_over_graphkit_memory_when_graphkit_serves_the_registration(
+        tmp_path: Path) -> None:
+    import torch
+
+    same = ["--same-device"] if torch.cuda.device_count() < 2 else []
+    proc, data = run(tmp_path, 2, "registered,staged", "--serve", *same)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-8000:]
+    for rank in data["ranks"]:
+        assert rank["served"] and not rank["refused"], rank
+        assert rank["graph_memory_is_graphkit"] == {"staged": True, "registered": True}, rank
+        assert rank["legacy_ipc_capable_graph_buffers"]["registered"] == [0], rank  # in place all the same
+        assert set(rank["checks"].values()) == {6}, rank  # 3 sizes x 2 kinds, 4 phases
