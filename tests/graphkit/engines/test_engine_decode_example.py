@@ -4,9 +4,7 @@ the scope gives each capture its own space at the cost of the largest, and every
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -14,7 +12,6 @@ import torch
 
 import graphkit
 import hal
-from graphkit_bench.engine_cases import run_engine_case
 from tests.paths import ROOT
 
 ENGINE_PATH = ROOT / "examples" / "engine-decode" / "engine.py"
@@ -157,22 +154,6 @@ def test_the_torch_api_needs_cuda(be: hal.Backend) -> None:
         engine_decode.Engine(be, "tiny", use_torch_api=True)
 
 
-@pytest.mark.parametrize("strategy, order", [("own-kept", "descending"), ("graph_memory", "on-demand")])
-def test_engine_case_of_the_bench(be: hal.Backend, strategy: str, order: str) -> None:
-    result = run_engine_case(strategy, order, [1, 2, 4, 8], be, config="tiny", iters=3)
-    assert result["strategy"] == strategy and result["order"] == order and result["sizes"] == [1, 2, 4, 8]
-    assert result["tokens_equal"] is True and result["max_abs_error"] < 1e-4
-    assert result["graph_memory_bytes"] > 0 and result["capture_seconds"] > 0
-    assert set(result["replay_ms"]) == {"1", "8"} and all(ms > 0 for ms in result["replay_ms"].values())
-    assert (result["replay_ms_1"], result["replay_ms_max"]) == (result["replay_ms"]["1"], result["replay_ms"]["8"])
-    if strategy == "graph_memory":
-        assert result["chunk_bytes"] == result["graph_memory_bytes"]  # on fake, the chunks are all it adds
-        assert result["verified_graphs"] == 0 and result["verify_seconds"] == 0  # the verifier is opt-in
-    else:
-        assert result["chunk_bytes"] is None
-    assert be.live.zero, be.live
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["scope", "pools"])
 @pytest.mark.parametrize("backend_name", [pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)])
@@ -245,26 +226,6 @@ def test_piecewise_pair_on_cuda(backend_name: str, use_torch_api: bool) -> None:
         piecewise_pair(be, use_torch_api=use_torch_api)
 
 
-def test_an_interrupted_bench_keeps_the_cases_it_measured(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from graphkit_bench import engines
-
-    done: list[str] = []
-
-    def one_case(workload: str, strategy: str, *args: object) -> dict:
-        if done:
-            raise KeyboardInterrupt  # the second case never finishes
-        done.append(strategy)
-        return {"strategy": strategy, "order": "descending"}
-
-    monkeypatch.setattr(engines, "run_one", one_case)
-    with pytest.raises(KeyboardInterrupt):
-        engines.run_engine_bench("engine", "tiny", [1, 2], ["own-kept", "graph_memory"], ["descending"], runs=1,
-                                 backend="fake", device=0, seed=0, iters=1, isolate=False, out_dir=tmp_path,
-                                 command="test", progress=False)
-    saved = json.loads((tmp_path / "bench-engine.json").read_text())
-    assert saved["partial"] is True and saved["results"] == [{"strategy": "own-kept", "order": "descending", "run": 0}]
-
-
 # -- a KV cache sized after capture -----------------------------------------------------------------------------
 
 #: a small fake device, so that "the memory left" is a few hundred blocks of the tiny model
@@ -316,32 +277,6 @@ def test_the_elastic_kv_cache_refuses_what_it_cannot_do(be: hal.Backend) -> None
     assert engine.resize_kv(64) == 64 and engine.kv_blocks_for(1 << 40) == 64  # never past the reservation
     engine.close()
     assert be.live.zero, be.live
-
-
-def test_the_kv_sizing_bench_reports_both_approaches_and_an_estimate_that_runs_out(tmp_path: Path) -> None:
-    """After capture: the memory left less the margin, no OOM. Before, from an estimate: less KV when the
-    estimate is high; out of memory at capture when it misses the graphs and the margin cannot take them."""
-    from graphkit_bench import kv_sizing
-
-    rc = kv_sizing.run_kv_sizing_bench("fake", 0, "tiny", [1, 2, 4, 8], 1, 1 << 20, 2 << 20, 0, False, tmp_path,
-                                       "test")
-    out = json.loads((tmp_path / "bench-kv-sizing.json").read_text())
-    assert rc == 0 and out["case_order"] == "alternated"
-    est, after = (next(r for r in out["results"] if r["approach"] == a) for a in ("estimate", "after-capture"))
-    assert est["estimate_bytes"] == 2 << 20 and est["estimate_source"] == "given"
-    assert est["oom"] is None and after["oom"] is None and est["tokens_equal"] and after["tokens_equal"]
-    assert after["graph_memory_bytes"] > 0 and after["kv_bytes"] > est["kv_bytes"] > 0
-    assert after["headroom_kept"] and 1 << 20 <= after["free_after_bytes"] < (1 << 20) + 4 * (1 << 14)
-    assert out["targets"][0]["met"] is True
-
-    with hal.get_backend("fake", **kv_sizing.FAKE_OPTIONS) as be:
-        starved = kv_sizing.run_kv_case("estimate", be, "tiny", [1, 2, 4, 8], margin=1 << 14)
-        assert starved["estimate_source"] == "profile" and starved["estimate_bytes"] == 0  # activations on the host
-        assert starved["oom"] is not None and "DeviceOutOfMemoryError" in starved["oom"]
-        assert starved["tokens_equal"] is None and not starved["headroom_kept"]
-        sized = kv_sizing.run_kv_case("after-capture", be, "tiny", [1, 2, 4, 8], margin=1 << 14)
-        assert sized["oom"] is None and sized["tokens_equal"] and sized["headroom_kept"]
-        assert be.live.zero, be.live
 
 
 @pytest.mark.cuda
