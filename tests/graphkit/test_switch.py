@@ -1,5 +1,6 @@
-"""GRAPHKIT_GRAPH_MEMORY: its value, the start-up hook installed with the package, the engines' plugin entry
-points, and the switch in processes that never call graphkit (spawned and forked ranks, a fresh environment)."""
+"""The switch, GRAPHKIT_GRAPH_MEMORY (``graphkit.switch``): what it refuses to start, the engines' plugin entry
+points, and the switch in processes that never call graphkit (spawned and forked ranks, a fresh environment).
+Its value is checked in ``graphs/test_switch_value.py``, the start-up hook in ``test_startup_hook.py``."""
 
 from __future__ import annotations
 
@@ -8,22 +9,17 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import shutil
 import site
 import subprocess
 import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-import _graphkit_startup
-import graphkit
 import hal
-from _graphkit_startup import StartupHook
 from graphkit import switch
 from graphkit.switch import ENV, Options
 from tests.paths import ROOT, TESTS
@@ -39,41 +35,7 @@ def _env(value: str | None, **extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-# -- the value ------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("value", [None, "", "  ", "0", "off", "No", " false "])
-def test_values_that_leave_the_switch_off(value: str | None) -> None:
-    assert switch.parse(value) is None
-    assert not _graphkit_startup.requested({} if value is None else {ENV: value})
-
-
-@pytest.mark.parametrize(("value", "options"), [
-    ("1", Options()), ("on", Options()), ("TRUE", Options()), ("yes", Options()),
-    ("kind=shared,verify=0", Options(kind="shared", verify=False)),
-    (" report=0 , hygiene=on ", Options(report=0.0, hygiene=True)),
-    ("kind=private,", Options(kind="private")),
-    ("report=2.5", Options(report=2.5)),
-    ("1,kind=shared", Options(kind="shared")), ("yes,verify=1", Options(verify=True)),  # the word beside options
-])
-def test_values_that_turn_it_on(value: str, options: Options) -> None:
-    assert switch.parse(value) == options
-    assert _graphkit_startup.requested({ENV: value})
-
-
-@pytest.mark.parametrize(("value", "named"), [
-    ("2", "'2'"), ("bogus", "'bogus'"), ("kind=bogus", "'kind=bogus'"), ("verify=2", "'verify=2'"),
-    ("hygiene=", "'hygiene='"), ("report=-1", "'report=-1'"), ("report=nan", "'report=nan'"),
-    ("report=inf", "'report=inf'"), ("report=soon", "'report=soon'"), ("2,kind=shared", "'2'"),
-    ("report=1e10", "'report=1e10'"),  # past what threading.Timer waits: every capture's timer thread would die
-    ("=1", "'=1'"), ("kind=vmm,kind=shared", "'kind=shared' is given twice"),
-])
-def test_bad_values_are_refused_naming_the_variable_and_the_option(value: str, named: str) -> None:
-    with pytest.raises(hal.InvalidArgumentError, match=re.escape(named)) as caught:
-        switch.parse(value)
-    assert caught.value.call == ENV
-    assert str(caught.value).startswith(f"{ENV}: ") and str(caught.value).count(ENV) == 1
-    assert _graphkit_startup.requested({ENV: value})  # the hook still waits for torch: the switch reports it
+# -- starting it ----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("call", "arg", "named"), [
@@ -89,26 +51,6 @@ def test_what_is_no_value_or_options_is_refused_and_nothing_starts(call: str, ar
     with pytest.raises(hal.InvalidArgumentError, match=named):
         getattr(switch, call)(arg)
     assert switch.active() is None
-
-
-@pytest.mark.parametrize(("fields", "named"), [
-    ({"report": 1e10}, "report=10000000000.0 must be seconds >= 0"), ({"report": -1}, "report=-1"),
-    ({"kind": "bogus"}, "kind='bogus' must be one of"), ({"verify": "yes"}, "verify='yes' must be a bool"),
-])
-def test_options_made_in_code_are_checked_as_the_variable_is(fields: dict[str, Any], named: str) -> None:
-    with pytest.raises(hal.InvalidArgumentError, match=named):
-        Options(**fields)
-
-
-@pytest.mark.parametrize("options", [Options(), Options(kind="shared", outputs="replay", verify=True, hygiene=True,
-                                                             executables=3),
-                                     Options(kind="private", executables=None)])
-def test_the_value_a_block_writes_for_its_children_reads_back_as_its_options(options: Options) -> None:
-    from graphkit.graphs.switch_value import written
-
-    value = written(options.kind, options.outputs, options.verify, options.hygiene, options.executables)
-    assert switch.parse(value) == options
-    assert switch.parse is graphkit.graphs.switch_value.parse and switch.Options is graphkit.graphs.switch_value.Options
 
 
 def test_graphkit_switch_is_reachable_after_import_graphkit() -> None:
@@ -164,139 +106,6 @@ def test_the_plugin_reports_a_bad_value_once_and_never_raises(monkeypatch, caplo
     assert warnings[0].count(ENV) == 1
 
 
-# -- the start-up hook's import hook (in this process, on modules made for the test) ---------------------------
-
-
-@pytest.fixture
-def modules(tmp_path: Path, monkeypatch) -> Iterator[Path]:
-    """A folder on sys.path for the test's modules; they and any hook the test adds are gone afterwards."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    before, meta = set(sys.modules), list(sys.meta_path)
-    yield tmp_path
-    for name in set(sys.modules) - before:
-        del sys.modules[name]
-    sys.meta_path[:] = meta
-
-
-def _write(folder: Path, name: str, body: str) -> None:
-    (folder / f"{name}.py").write_text(textwrap.dedent(body))
-
-
-def _hook(on_ready: Any, triggers: tuple[str, ...], importers: tuple[str, ...] = ()) -> StartupHook:
-    hook = StartupHook(on_ready, triggers, importers)
-    sys.meta_path.insert(0, hook)
-    return hook
-
-
-def test_the_hook_runs_once_the_trigger_module_has_finished_importing(modules: Path) -> None:
-    _write(modules, "gk_trigger_a", "import time\nDONE = True\n")
-    seen = []
-    _hook(lambda: seen.append(getattr(sys.modules["gk_trigger_a"], "DONE", False)), ("gk_trigger_a",))
-    probed = importlib.util.find_spec("gk_trigger_a")  # probing finds it, and its loader answers as usual
-    assert probed is not None and probed.loader is not None and not probed.loader.is_package("gk_trigger_a")
-    assert seen == []
-    import gk_trigger_a  # type: ignore[import-not-found]
-
-    assert seen == [True]
-    assert type(gk_trigger_a.__loader__).__name__ == "SourceFileLoader"  # the module keeps its own loader
-    assert gk_trigger_a.__spec__.loader is gk_trigger_a.__loader__
-
-
-def test_the_hook_waits_while_an_importer_module_is_half_imported(modules: Path) -> None:
-    _write(modules, "gk_trigger_b", "")
-    _write(modules, "gk_importer_b", "import gk_trigger_b\nDONE = True\n")
-    seen = []
-    _hook(lambda: seen.append(getattr(sys.modules["gk_importer_b"], "DONE", False)), ("gk_trigger_b",),
-          ("gk_importer_b",))
-    import gk_importer_b  # type: ignore[import-not-found]  # noqa: F401
-
-    assert seen == [True]
-
-
-def test_the_hook_is_not_reentered_by_the_imports_of_its_own_callback(modules: Path) -> None:
-    _write(modules, "gk_trigger_c", "")
-    _write(modules, "gk_importer_c", "import gk_trigger_c\n")
-    calls = []
-
-    def on_ready() -> None:
-        calls.append(1)
-        import gk_importer_c  # type: ignore[import-not-found]  # noqa: F401
-
-    _hook(on_ready, ("gk_trigger_c",), ("gk_importer_c",))
-    import gk_trigger_c  # type: ignore[import-not-found]  # noqa: F401
-
-    assert calls == [1]
-
-
-def test_a_failed_import_does_not_trigger_and_a_failing_callback_is_logged_not_raised(modules: Path, caplog,
-                                                                                     monkeypatch) -> None:
-    _write(modules, "gk_trigger_d", "raise ImportError('not here')\n")
-    _write(modules, "gk_trigger_e", "")
-    calls = []
-
-    def on_ready() -> None:
-        calls.append(1)
-        raise RuntimeError("broken")
-
-    _hook(on_ready, ("gk_trigger_d", "gk_trigger_e"))
-    with pytest.raises(ImportError, match="not here"):
-        import gk_trigger_d  # type: ignore[import-not-found]  # noqa: F401
-    assert calls == []
-    monkeypatch.setattr(_graphkit_startup, "_warned", False)
-    with caplog.at_level(logging.WARNING, logger="graphkit.switch"):
-        import gk_trigger_e  # type: ignore[import-not-found]  # noqa: F401
-    assert calls == [1]
-    assert "did not start" in caplog.text and "RuntimeError: broken" in caplog.text
-
-
-def test_install_is_inert_without_the_variable_and_registers_one_hook_with_it(modules: Path, monkeypatch) -> None:
-    calls = []
-    monkeypatch.delenv(ENV, raising=False)
-    assert _graphkit_startup.install(lambda: calls.append(1)) is None
-    monkeypatch.setenv(ENV, "0")
-    assert _graphkit_startup.install(lambda: calls.append(1)) is None
-    assert not any(isinstance(f, StartupHook) for f in sys.meta_path)
-    monkeypatch.setenv(ENV, "1")
-    hook = _graphkit_startup.install(lambda: calls.append(1))
-    assert hook is not None and calls == [1]  # torch is imported already in this process: it runs at once
-    assert _graphkit_startup.install(lambda: calls.append(2)) is hook
-    assert [f for f in sys.meta_path if isinstance(f, StartupHook)] == [hook] and calls == [1]
-
-
-# -- the .pth file in fresh interpreters -----------------------------------------------------------------------
-
-
-_PROBE = """
-import json, site, sys
-before = set(sys.modules)
-for folder in sys.argv[1:]:
-    site.addsitedir(folder)          # the hook processed twice: two site folders that both carry it
-hooks = [type(f).__name__ for f in sys.meta_path if getattr(f, "graphkit_startup_hook", False)]
-new = sorted(set(sys.modules) - before)
-foreign = sorted({name.split(".")[0] for name in new} - set(sys.stdlib_module_names))
-print(json.dumps({"hooks": hooks, "new": new, "foreign": foreign}))
-"""
-
-
-@pytest.mark.parametrize("value", [None, "0", "1", "kind=bogus"])
-def test_the_pth_file_imports_neither_torch_nor_graphkit(tmp_path: Path, value: str | None) -> None:
-    folders = []
-    for name in ("base", "venv"):
-        folder = tmp_path / name
-        folder.mkdir()
-        shutil.copy(HOOK_FILE, folder)
-        folders.append(str(folder))
-    # -S: no site-packages (nothing installed is read); the project's root gives the hook's module only
-    out = subprocess.run([sys.executable, "-S", "-c", _PROBE, *folders], capture_output=True, text=True,
-                         timeout=60, env=_env(value, PYTHONPATH=str(ROOT)), check=True)
-    assert out.stderr == ""
-    seen = json.loads(out.stdout)
-    on = value not in (None, "0")
-    assert seen["hooks"] == (["StartupHook"] if on else [])
-    assert not {"torch", "hal", "graphkit"} & set(seen["new"])
-    assert seen["foreign"] == (["_graphkit_startup"] if value is not None else [])  # and the standard library
-
-
 # -- the switch in processes that never call graphkit ----------------------------------------------------------
 
 
@@ -347,57 +156,6 @@ def test_ranks_an_engine_spawns_inside_graph_memory_are_served_with_the_blocks_o
     assert inside["worst"] == 0.0 and inside["exitcode"] == 0, inside
     assert inside["launcher_switch"] is None, inside  # the plugin called in the block's process started nothing
     assert after["served"] is None and after["worst"] == 0.0, after
-
-
-def test_a_value_set_already_wins_over_the_blocks(monkeypatch) -> None:
-    """A block leaves a variable the user set alone (``0`` included), and puts back what it set."""
-    from graphkit.graphs.scope import FROM_ENV
-
-    be = hal.get_backend("fake")
-    monkeypatch.setenv(ENV, "0")
-    with graphkit.graph_memory(be):
-        assert os.environ[ENV] == "0" and FROM_ENV not in os.environ
-    monkeypatch.delenv(ENV)
-    with graphkit.graph_memory(be, outputs="replay") as pools:
-        assert switch.parse(os.environ[ENV]) == Options(outputs="replay")
-        assert os.environ[FROM_ENV] == str(os.getpid())
-        assert switch.start_from_environment() is None  # this process is the block's
-    assert ENV not in os.environ and FROM_ENV not in os.environ
-    with graphkit.graph_memory(be, children=False):
-        assert ENV not in os.environ
-    with pytest.raises(hal.InvalidArgumentError, match="children="):
-        with graphkit.graph_memory(be, children="yes"):  # type: ignore[arg-type]
-            pass
-    pools.close()
-
-
-def test_a_block_says_once_when_this_python_cannot_serve_the_processes_it_starts(monkeypatch, tmp_path: Path,
-                                                                                  caplog) -> None:
-    """Without the start-up hook in this interpreter's site-packages (``pip`` of another Python installed the
-    package), processes started inside a block never read the variable: the block says so, naming this Python
-    and the fix, once per process; with the hook there it says nothing."""
-    from graphkit.graphs import scope
-
-    be = hal.get_backend("fake")
-    monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.setattr(scope, "_hook_warned", False)
-    monkeypatch.setattr(scope, "hook_folders", lambda: [str(tmp_path)])
-    with caplog.at_level(logging.WARNING, logger="graphkit.graphs.scope"):
-        for _ in range(2):
-            with graphkit.graph_memory(be) as pools:
-                pass
-            pools.close()
-    said = [r.getMessage() for r in caplog.records if "will not be served" in r.getMessage()]
-    assert len(said) == 1 and sys.executable in said[0] and "-m pip install" in said[0], said
-    caplog.clear()
-    monkeypatch.setattr(scope, "_hook_warned", False)
-    (tmp_path / scope.HOOK_FILE).write_text("")
-    with caplog.at_level(logging.WARNING, logger="graphkit.graphs.scope"):
-        with graphkit.graph_memory(be) as pools:
-            pass
-        pools.close()
-    assert not [r for r in caplog.records if "will not be served" in r.getMessage()]
-    assert scope.startup_hook_installed()
 
 
 FORKED_CHILD = """

@@ -1,10 +1,14 @@
 """graph_memory()'s process router on fake: captures through any backend object of its device are served, as
-the switch serves them; a capture it leaves alone is said, once."""
+the switch serves them; a capture it leaves alone is said, once. The processes a block starts are served with its
+options through the variable: a value the user set wins, and a Python without the start-up hook is said, once."""
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +17,7 @@ import torch
 import graphkit
 import hal
 from graphkit import switch
+from graphkit.switch import ENV, Options
 from hal.backends.fake import FakeBackend
 from tests.conftest import G
 
@@ -226,3 +231,54 @@ def test_a_fork_child_inside_the_block_writes_nothing_of_the_parents(be: hal.Bac
     be.release_graph(graph)
     del kept
     pools.close()
+
+
+def test_a_value_set_already_wins_over_the_blocks(monkeypatch) -> None:
+    """A block leaves a variable the user set alone (``0`` included), and puts back what it set."""
+    from graphkit.graphs.scope import FROM_ENV
+
+    be = hal.get_backend("fake")
+    monkeypatch.setenv(ENV, "0")
+    with graphkit.graph_memory(be):
+        assert os.environ[ENV] == "0" and FROM_ENV not in os.environ
+    monkeypatch.delenv(ENV)
+    with graphkit.graph_memory(be, outputs="replay") as pools:
+        assert switch.parse(os.environ[ENV]) == Options(outputs="replay")
+        assert os.environ[FROM_ENV] == str(os.getpid())
+        assert switch.start_from_environment() is None  # this process is the block's
+    assert ENV not in os.environ and FROM_ENV not in os.environ
+    with graphkit.graph_memory(be, children=False):
+        assert ENV not in os.environ
+    with pytest.raises(hal.InvalidArgumentError, match="children="):
+        with graphkit.graph_memory(be, children="yes"):  # type: ignore[arg-type]
+            pass
+    pools.close()
+
+
+def test_a_block_says_once_when_this_python_cannot_serve_the_processes_it_starts(monkeypatch, tmp_path: Path,
+                                                                                  caplog) -> None:
+    """Without the start-up hook in this interpreter's site-packages (``pip`` of another Python installed the
+    package), processes started inside a block never read the variable: the block says so, naming this Python
+    and the fix, once per process; with the hook there it says nothing."""
+    from graphkit.graphs import scope
+
+    be = hal.get_backend("fake")
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(scope, "_hook_warned", False)
+    monkeypatch.setattr(scope, "hook_folders", lambda: [str(tmp_path)])
+    with caplog.at_level(logging.WARNING, logger="graphkit.graphs.scope"):
+        for _ in range(2):
+            with graphkit.graph_memory(be) as pools:
+                pass
+            pools.close()
+    said = [r.getMessage() for r in caplog.records if "will not be served" in r.getMessage()]
+    assert len(said) == 1 and sys.executable in said[0] and "-m pip install" in said[0], said
+    caplog.clear()
+    monkeypatch.setattr(scope, "_hook_warned", False)
+    (tmp_path / scope.HOOK_FILE).write_text("")
+    with caplog.at_level(logging.WARNING, logger="graphkit.graphs.scope"):
+        with graphkit.graph_memory(be) as pools:
+            pass
+        pools.close()
+    assert not [r for r in caplog.records if "will not be served" in r.getMessage()]
+    assert scope.startup_hook_installed()
