@@ -150,42 +150,6 @@ def test_a_ratio_target_is_judged_on_the_rounds_and_a_noisy_machine_gets_not_jud
     assert "[not judged]" in table and "MISSED" not in table
 
 
-def test_graphkits_parts_of_capture_time_are_counted_only_when_asked_and_never_twice(be) -> None:
-    """Off, a capture counts nothing; on, graph_memory's router, the new spaces and the maps are counted apart
-    (the maps made while a space is set up count as maps only), and their sum is within the capture's time."""
-    import time
-
-    import torch
-
-    import graphkit
-    from graphkit.memory.phases import CAPTURE_TIMES
-
-    w = torch.randn(64, 64)
-
-    def capture_all(pools_scope) -> float:
-        start = time.perf_counter()
-        graphs = []
-        with pools_scope as pools:
-            for n in (8, 4, 2):
-                graph = be.create_graph()
-                with torch.no_grad(), be.capture(graph):
-                    torch.tanh(torch.zeros(n, 64) @ w)
-                graphs.append(graph)
-        seconds = time.perf_counter() - start
-        for graph in graphs:
-            be.release_graph(graph)
-        pools.close()
-        return seconds
-
-    capture_all(graphkit.graph_memory(be))
-    assert CAPTURE_TIMES.times.calls == {} and not CAPTURE_TIMES.on
-    with CAPTURE_TIMES.counting() as parts:
-        seconds = capture_all(graphkit.graph_memory(be))
-    assert parts.calls["routing"] == 6  # the start and the end of three captures
-    assert parts.calls["spaces"] == 3 and parts.calls["maps"] >= 3
-    assert all(v >= 0 for v in parts.seconds.values()) and 0 < parts.total <= seconds
-
-
 def test_the_engine_capture_target_pairs_the_runs_and_says_when_noise_cannot_tell() -> None:
     rows = [{"strategy": s, "order": "descending", "capture_seconds": 1.0, "graph_memory_bytes": 1}
             for s in ("own-kept", "own-weakref", "graph_memory")]
