@@ -1,6 +1,8 @@
-"""The library's shape stays readable: no class over 300 lines, no function over 60 (the bench's
-measurements aside), a private module imported only inside the package that holds it, and the bench and
-the command line outside the library, in graphkit_bench."""
+"""The library's shape stays readable, checked by what matters rather than by how long a class is: no function
+over 60 lines (the bench's measurements aside), a private module imported only inside the package that holds it,
+each module's private names its own (no reach-ins), no floor importing from the floors above it, no import cycle
+in graphkit, the key table's lock taken in its module alone, and the bench and the command line outside the
+library, in graphkit_bench. Which module owns which record is checked in ``test_layout_owners.py``."""
 
 from __future__ import annotations
 
@@ -25,27 +27,20 @@ def _exempt(where: str) -> bool:
     return path.parts[0] == BENCH and path.name not in BENCH_CLI
 
 
-def _definitions(package: str) -> list[tuple[str, ast.AST, int]]:
+def _functions(package: str) -> list[tuple[str, int]]:
+    """``(where, lines)`` of every function and method of ``package``."""
     found = []
     for path in sorted((ROOT / package).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
-                found.append((f"{path.relative_to(ROOT)}:{node.lineno} {node.name}", node, lines))
+                found.append((f"{path.relative_to(ROOT)}:{node.lineno} {node.name}", lines))
     return found
-
-
-@pytest.mark.parametrize("package", PACKAGES)
-def test_no_class_is_over_300_lines(package: str) -> None:
-    big = [f"{where} ({n} lines)" for where, node, n in _definitions(package)
-           if isinstance(node, ast.ClassDef) and n > 300]
-    assert not big, big
 
 
 @pytest.mark.parametrize("package", [*PACKAGES, BENCH])
 def test_no_function_is_over_60_lines_outside_the_bench(package: str) -> None:
-    long = [f"{where} ({n} lines)" for where, node, n in _definitions(package)
-            if not isinstance(node, ast.ClassDef) and n > 60 and not _exempt(where)]
+    long = [f"{where} ({n} lines)" for where, n in _functions(package) if n > 60 and not _exempt(where)]
     assert not long, long
 
 
