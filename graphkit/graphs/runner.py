@@ -274,20 +274,6 @@ def _merged_examples(example: Mapping[str, torch.Tensor] | None, example_inputs:
     return {**example, **example_inputs}
 
 
-def _runner_report(runner: GraphRunner, reports: list[SizeReport], figures: dict[str, Any],
-                   workspaces: int) -> RunnerReport:
-    """The runner's report; its driver memory is the device's growth over the captures themselves (warm-ups and
-    what they made are outside), less the pools'."""
-    driver, why = driver_memory(runner.backend, sum(r.memory_delta for r in reports) if reports else None,
-                                figures.get("chunk_bytes"))
-    executables = runner.pools.executables if runner.pools is not None else None
-    savings = runner.pools.report(measure=False).savings if runner.pools is not None else None
-    return RunnerReport(runner.backend.name, runner.kind, runner.mode, reports, runner.graph_bytes(), figures,
-                        sum(len(b.graphs) for b in map(runner.bucket, runner.captured_sizes) if b is not None), driver,
-                        why, executables.stats if executables is not None else None, workspaces,
-                        savings)
-
-
 def _replay_scoped(be: hal.Backend, bucket: Bucket) -> list[tuple[int, int]]:
     """The blocks of ``bucket``'s pool that hold its outputs and the inputs of its later pieces: the runner reads
     them only right after the size's own replay, so they stay on the shared chunks."""
@@ -570,11 +556,23 @@ class GraphRunner(Closable):
         return self._baseline.device_bytes()
 
     def report(self) -> RunnerReport:
-        """Capture seconds and memory per size (in capture order), and totals (take it before :meth:`close`)."""
+        """Capture seconds and memory per size (in capture order), and totals (take it before :meth:`close`).
+
+        Its driver memory is the device's growth over the captures themselves (warm-ups and what they made are
+        outside), less the pools'.
+        """
         self._check_open()
         reports = [r for r in (self._buckets[s].report for s in self._capture_order if s in self._buckets) if r]
-        return _runner_report(self, reports, self.pools.strategy.figures() if self.pools else {},
-                              self._baseline.workspace_bytes())
+        figures = self.pools.strategy.figures() if self.pools else {}
+        workspaces = self._baseline.workspace_bytes()
+        driver, why = driver_memory(self.backend, sum(r.memory_delta for r in reports) if reports else None,
+                                    figures.get("chunk_bytes"))
+        executables = self.pools.executables if self.pools is not None else None
+        savings = self.pools.report(measure=False).savings if self.pools is not None else None
+        return RunnerReport(self.backend.name, self.kind, self.mode, reports, self.graph_bytes(), figures,
+                            sum(len(b.graphs) for b in map(self.bucket, self.captured_sizes) if b is not None),
+                            driver, why, executables.stats if executables is not None else None,
+                            workspaces, savings)
 
     def _release_bucket(self, bucket: Bucket) -> None:
         """Release every graph of a bucket, then its size's key; goes on past failures and raises the first.
