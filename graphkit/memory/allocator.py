@@ -115,27 +115,6 @@ def _check_allocation(backend: hal.Backend, nbytes: int, alignment: int) -> None
                                        backend=backend.name, call="allocate")
 
 
-def _pool_callbacks(allocator: SharedVMMAllocator,
-                    space_id: int) -> tuple[Callable[[int], int], Callable[[int, int], None]]:
-    """See :meth:`SharedVMMAllocator.pool_callbacks`."""
-
-    def alloc(nbytes: int) -> int:
-        try:
-            return allocator.allocate(nbytes, hal.ALLOCATION_ALIGNMENT, space_id)
-        except Exception as exc:
-            allocator.last_error = str(exc)
-            log.error("graph pool allocation of %s failed: %s", fmt_bytes(nbytes), str(exc))
-            raise
-
-    def free(ptr: int, nbytes: int) -> None:
-        try:
-            allocator.deallocate(ptr)
-        except Exception as exc:  # noqa: BLE001  # pragma: no cover - deallocate does not raise; a free must not raise into torch
-            log.error("graph pool free failed: %s", str(exc))
-
-    return alloc, free
-
-
 def _exported_space(table: SpaceTable, ptr: int, nbytes: int) -> VirtualSpace:
     """``export()``'s arguments checked: the live space of ``table`` that holds ``ptr``."""
     name = table.backend.name
@@ -476,7 +455,22 @@ class SharedVMMAllocator(AllocatorFigures, Closable):
         """``(alloc, free)`` for :meth:`hal.Backend.create_pool`, bound to one space. ``free`` never raises;
         ``alloc`` raises the allocator's error after keeping it in :attr:`last_error` (the backend's glue turns
         it into the framework's out-of-memory error, this reason attached, never letting it reach native code)."""
-        return _pool_callbacks(self, space_id)
+
+        def alloc(nbytes: int) -> int:
+            try:
+                return self.allocate(nbytes, hal.ALLOCATION_ALIGNMENT, space_id)
+            except Exception as exc:
+                self.last_error = str(exc)
+                log.error("graph pool allocation of %s failed: %s", fmt_bytes(nbytes), str(exc))
+                raise
+
+        def free(ptr: int, nbytes: int) -> None:
+            try:
+                self.deallocate(ptr)
+            except Exception as exc:  # noqa: BLE001  # pragma: no cover - deallocate does not raise; a free must not raise into torch
+                log.error("graph pool free failed: %s", str(exc))
+
+        return alloc, free
 
     def export(self, ptr: int, nbytes: int) -> ExportedRange:
         """The chunks behind ``[ptr, ptr + nbytes)`` of a live space, for another process
