@@ -146,12 +146,54 @@ class AllocatorStats:
     arena_bytes: int = 0
 
 
+class SharedVMMAllocator(Closable):
+    """Bump allocator over virtual spaces that all map the same physical chunks.
 
-class AllocatorFigures:
-    """The figures of a :class:`SharedVMMAllocator`, read from what its chunks and its spaces show (read only)."""
+    It owns its spaces (a :class:`~graphkit.memory.ranges.SpaceTable`) and its
+    chunks (:class:`~graphkit.memory.chunks.SharedChunks`), and bump-allocates
+    in the spaces for itself and for the pools of a backend (:meth:`pool_callbacks`).
 
-    _chunks: SharedChunks
-    _table: SpaceTable
+    :param backend: a :class:`hal.Backend` (any vendor); the allocator only uses its vmm methods.
+    :param reserve_bytes: how far one space can grow while it is open;
+        defaults to the device's total memory (a graph can never need more),
+        rounded to the granularity.
+    :param max_physical_bytes: optional cap on physical bytes (beyond it,
+        allocations fail with :class:`hal.DeviceOutOfMemoryError`), e.g. to
+        leave room for the KV cache.
+    :param arena_bytes: size of each address reservation spaces are carved
+        from (default ``8 * reserve_bytes``).
+    """
+
+    def __init__(self, backend: hal.Backend, reserve_bytes: int | None = None,
+                 max_physical_bytes: int | None = None, arena_bytes: int | None = None) -> None:
+        if not isinstance(backend, hal.Backend):
+            raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend (hal.get_backend(...))",
+                                           call="SharedVMMAllocator")
+        self.backend = backend
+        self.granularity = backend.granularity
+        self.reserve_bytes, self.arena_bytes = _address_sizes(backend, reserve_bytes, arena_bytes, max_physical_bytes)
+        self.max_physical_bytes = max_physical_bytes
+        self._lock = threading.RLock()
+        self._table = SpaceTable(backend, self.arena_bytes)
+        self._chunks = SharedChunks(backend)
+        self.current: int | None = None
+        self._closed = False
+        self.last_error: str | None = None  # why the last allocation a pool callback asked for failed (logged too)
+        self.backup = False  # graph memory needs no backup: every replay writes it afresh
+        self._pauses = 0
+        _open_allocators.add(self)
+
+    def stats(self) -> AllocatorStats:
+        with self._lock:
+            return AllocatorStats(self.physical_bytes, self.reserved_bytes, self.num_virtual_spaces,
+                                  self.map_calls, self.map_seconds,
+                                  {i: s.offset for i, s in self._table.spaces.items()}, self.arena_reserved_bytes)
+
+    def __repr__(self) -> str:
+        return (f"<SharedVMMAllocator {self.backend.name} spaces={self.num_virtual_spaces} "
+                f"physical={fmt_bytes(self.physical_bytes)} reserved={fmt_bytes(self.reserved_bytes)}>")
+
+    # -- figures, read from what its chunks and its spaces show (read only) ----------------------------------
 
     @property
     def physical_bytes(self) -> int:
@@ -230,54 +272,6 @@ class AllocatorFigures:
         """Whether any of its memory is released or unmapped (or a failed pause left a hole): nothing may run
         on it."""
         return self._chunks.paused
-
-
-class SharedVMMAllocator(AllocatorFigures, Closable):
-    """Bump allocator over virtual spaces that all map the same physical chunks.
-
-    It owns its spaces (a :class:`~graphkit.memory.ranges.SpaceTable`) and its
-    chunks (:class:`~graphkit.memory.chunks.SharedChunks`), and bump-allocates
-    in the spaces for itself and for the pools of a backend (:meth:`pool_callbacks`).
-
-    :param backend: a :class:`hal.Backend` (any vendor); the allocator only uses its vmm methods.
-    :param reserve_bytes: how far one space can grow while it is open;
-        defaults to the device's total memory (a graph can never need more),
-        rounded to the granularity.
-    :param max_physical_bytes: optional cap on physical bytes (beyond it,
-        allocations fail with :class:`hal.DeviceOutOfMemoryError`), e.g. to
-        leave room for the KV cache.
-    :param arena_bytes: size of each address reservation spaces are carved
-        from (default ``8 * reserve_bytes``).
-    """
-
-    def __init__(self, backend: hal.Backend, reserve_bytes: int | None = None,
-                 max_physical_bytes: int | None = None, arena_bytes: int | None = None) -> None:
-        if not isinstance(backend, hal.Backend):
-            raise hal.InvalidArgumentError(f"backend={backend!r} must be a hal.Backend (hal.get_backend(...))",
-                                           call="SharedVMMAllocator")
-        self.backend = backend
-        self.granularity = backend.granularity
-        self.reserve_bytes, self.arena_bytes = _address_sizes(backend, reserve_bytes, arena_bytes, max_physical_bytes)
-        self.max_physical_bytes = max_physical_bytes
-        self._lock = threading.RLock()
-        self._table = SpaceTable(backend, self.arena_bytes)
-        self._chunks = SharedChunks(backend)
-        self.current: int | None = None
-        self._closed = False
-        self.last_error: str | None = None  # why the last allocation a pool callback asked for failed (logged too)
-        self.backup = False  # graph memory needs no backup: every replay writes it afresh
-        self._pauses = 0
-        _open_allocators.add(self)
-
-    def stats(self) -> AllocatorStats:
-        with self._lock:
-            return AllocatorStats(self.physical_bytes, self.reserved_bytes, self.num_virtual_spaces,
-                                  self.map_calls, self.map_seconds,
-                                  {i: s.offset for i, s in self._table.spaces.items()}, self.arena_reserved_bytes)
-
-    def __repr__(self) -> str:
-        return (f"<SharedVMMAllocator {self.backend.name} spaces={self.num_virtual_spaces} "
-                f"physical={fmt_bytes(self.physical_bytes)} reserved={fmt_bytes(self.reserved_bytes)}>")
 
     def _check_open(self, call: str, awake: bool = False) -> None:
         if self._closed:
