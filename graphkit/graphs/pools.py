@@ -392,7 +392,8 @@ class GraphPools(Closable):
     def own_backend(self, *, for_the_process: bool = False) -> None:
         """Close the backend with the pools: it was made for them alone (by :func:`graph_memory`, the switch).
 
-        :param for_the_process: the pools live as long as the process (the switch's): no warning at its exit.
+        :param for_the_process: the pools live as long as the process (the switch's): no warning when it
+            exits with them open.
         """
         self._owns_backend = True
         if for_the_process:
