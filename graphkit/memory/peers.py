@@ -239,13 +239,11 @@ class PeerMemory(Closable):
         checked = _checked_buffers(buffers, self.backend.name)
         with self._published:
             published: list[_Buffer] = []
-            try:  # pinned: what the peers will map stays under the buffers while this lives
+            with Transaction() as tx:  # pinned: what the peers will map stays under the buffers while this lives
                 for ptr, nbytes in checked:
                     published.append(_Buffer(ptr, nbytes, self.allocator.chunks_behind(ptr, nbytes, pin=True)))
-            except BaseException:  # not an undo step of a driver change: the pins taken so far are given back
-                for buffer in published:
-                    self.allocator.unpin(buffer.behind)
-                raise
+                    tx.append(functools.partial(self.allocator.unpin, published[-1].behind))
+                tx.commit()
             for buffer in published:
                 for chunk in buffer.behind.chunks:
                     self._id(chunk)

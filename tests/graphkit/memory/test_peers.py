@@ -209,3 +209,19 @@ def test_close_stops_answering_and_refuses_later_calls(alloc: graphkit.SharedVMM
     with pytest.raises(hal.InvalidStateError, match="closed"):
         one.publish([(ptr, 100)])
     other.close()
+
+
+def test_a_refused_publish_pins_nothing_and_close_unpins(alloc: graphkit.SharedVMMAllocator) -> None:
+    first = alloc.switch_to_new_virtual_space()
+    x = alloc.allocate(100)
+    alloc.switch_to_new_virtual_space()
+    alloc.allocate(100)  # a second space over the same chunk
+    peers = PeerMemory(alloc, timeout=2)
+    with pytest.raises(hal.InvalidArgumentError, match="no live space"):
+        peers.publish([(x, 100), (x + (1 << 40), 8)])
+    peers.publish([(x, 100)])
+    alloc.keep_private(first, [(x, 100)])
+    assert alloc.chunks_behind(x, 100).shared == (True,)  # pinned: the survivor is held off
+    peers.close()
+    alloc.keep_private(first, [(x, 100)])
+    assert alloc.chunks_behind(x, 100).shared == (False,)  # unpinned: the survivor took its granule
