@@ -22,7 +22,9 @@ options, which also turns it on: ``kind=vmm|shared|private``,
 engine reads its graphs' outputs only right after their own replay),
 ``verify=0|1`` (the optional isolation verifier), ``hygiene=0|1``,
 ``report=SECONDS`` (0: at exit only), ``executables=lazy|N|off`` (the executables
-budget of :class:`graphkit.GraphPools`). ``0``, ``false``,
+budget of :class:`graphkit.GraphPools`), ``allreduce=flashinfer|MODULE|off`` (graphkit serves the graph-buffer
+registration of that vLLM-style custom all-reduce -- FlashInfer's, or the binding module's, e.g.
+``vllm._custom_ops`` -- from its import on, over shareable chunks: :mod:`graphkit.graphs.allreduce`). ``0``, ``false``,
 ``off``, ``no`` or empty: off. A bad value raises
 :class:`hal.InvalidArgumentError` naming the variable from :func:`parse` and
 :func:`start_from_environment`; the start-up hook and :func:`plugin` log it
@@ -53,6 +55,7 @@ from typing import Any
 
 import hal
 from _graphkit_startup import ENV
+from graphkit.graphs import allreduce
 from graphkit.graphs.pools import GraphPools
 from graphkit.graphs.scope import set_by_own_block
 from graphkit.graphs.switch_value import Options, parse
@@ -90,6 +93,8 @@ class ProcessGraphMemory:
         self._timer: threading.Timer | None = None
         self._unreported: set[tuple[str, int]] = set()
         self._exit_logged: int | None = None  # the process that logged this scope's lines at exit
+        if self.options.allreduce:  # before the engine makes its all-reduce: its first call is followed
+            allreduce.serve_on_import(self.options.allreduce)
 
     def route(self, backend: str, device: int, graph: Any, requested_pool: Any) -> Route | None:
         """hal's process router: the route of a capture of ``backend`` on ``device`` (None where unserved)."""
@@ -116,7 +121,8 @@ class ProcessGraphMemory:
                 return pools
             opts = self.options
             try:
-                be = hal.get_backend(backend, device=device, requires=("graphs", "capture_routing"))
+                sharing = allreduce.sharing_options(backend) if opts.allreduce else {}  # peers map the chunks
+                be = hal.get_backend(backend, device=device, requires=("graphs", "capture_routing"), **sharing)
                 pools = GraphPools(be, opts.kind, hygiene=opts.hygiene, verify=opts.verify,  # type: ignore[arg-type]
                                    outputs=opts.outputs, executables=opts.executables)  # type: ignore[arg-type]
             except hal.HalError as exc:

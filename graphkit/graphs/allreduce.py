@@ -30,13 +30,19 @@ cannot register it any more): capture every graph that uses the all-reduce insid
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import logging
 import struct
+import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import hal
@@ -286,4 +292,84 @@ def serve_flashinfer(*, timeout: float = DEFAULT_TIMEOUT) -> ServedAllReduce:
     return serve(vllm_ar.get_vllm_comm_module(), timeout=timeout)
 
 
-__all__ = ["CALLS", "HANDLE_BYTES", "SLOT_BYTES", "ServedAllReduce", "serve", "serve_flashinfer"]
+# -- served from the switch: as soon as the binding is imported ------------------------------------------------
+
+#: the module whose import a target names; FlashInfer's binding is a namespace its module builds on first use
+_FLASHINFER = "flashinfer.comm.vllm_ar"
+
+
+def serve_on_import(target: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Serve ``target``'s registration as soon as its binding is imported (now, where it is): ``"flashinfer"``
+    (FlashInfer's ``flashinfer.comm.vllm_*``: its namespace, once built) or a binding module with the calls of
+    :data:`CALLS` (``"vllm._custom_ops"``). What the switch's ``allreduce=`` option does in every process.
+
+    A binding that lacks a call is not served and logs why (an engine's start must not fail over it).
+    """
+    name = _FLASHINFER if target == "flashinfer" else target
+    module = sys.modules.get(name)
+    if module is not None:
+        _serve_module(module, target, timeout)
+    elif not any(isinstance(f, _ServeOnImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _ServeOnImport(name, lambda m: _serve_module(m, target, timeout)))
+
+
+def _serve_module(module: ModuleType, target: str, timeout: float) -> None:
+    if target != "flashinfer":
+        try:
+            serve(module, timeout=timeout)
+        except hal.HalError as exc:
+            log.warning("allreduce=%s: not served: %s", target, exc)
+        return
+    build = module.get_vllm_comm_module  # cached: the namespace the module's calls go through
+    served: list[ServedAllReduce] = []
+    lock = threading.Lock()
+
+    def get_vllm_comm_module() -> Any:
+        namespace = build()
+        with lock:
+            if not served:
+                served.append(serve(namespace, timeout=timeout))
+        return namespace
+
+    module.get_vllm_comm_module = get_vllm_comm_module  # type: ignore[attr-defined]
+
+
+class _ServeOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: once the module ``name`` is imported by the other finders, hands it to ``then``."""
+
+    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)  # once: the other finders find the module itself
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ThenLoader(spec.loader, self.then)
+        return spec
+
+
+class _ThenLoader(importlib.abc.Loader):
+    """A loader that runs ``loader``'s module, then ``then`` on it."""
+
+    def __init__(self, loader: Any, then: Callable[[ModuleType], None]) -> None:
+        self.loader, self.then = loader, then
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        self.then(module)
+
+
+def sharing_options(backend: str) -> dict[str, Any]:
+    """The options that make ``backend``'s chunks shareable with another process, for :func:`hal.get_backend`
+    (cuda's are not by default: shareable chunks change what NCCL does with graph memory; docs/engines.md)."""
+    return {"shareable": True} if backend == "cuda" else {}
+
+
+__all__ = ["CALLS", "HANDLE_BYTES", "SLOT_BYTES", "ServedAllReduce", "serve", "serve_flashinfer", "serve_on_import",
+           "sharing_options"]

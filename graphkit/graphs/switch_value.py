@@ -27,6 +27,10 @@ class Options:
     report: float = 2.0
     #: the pools' executables budget (``"lazy"``, executable graphs kept per topology, or None: see GraphPools)
     executables: Budget = DEFAULT
+    #: a vLLM-style custom all-reduce whose graph-buffer registration graphkit serves, as soon as its binding is
+    #: imported (``"flashinfer"``, or the binding's module: ``"vllm._custom_ops"``); the pools' chunks are then
+    #: shareable (:mod:`graphkit.graphs.allreduce`). None: off
+    allreduce: str | None = None
 
     def __post_init__(self) -> None:
         bad = []
@@ -39,6 +43,8 @@ class Options:
         for name in ("verify", "hygiene"):
             if not isinstance(getattr(self, name), bool):
                 bad.append(f"{name}={getattr(self, name)!r} must be a bool")
+        if self.allreduce is not None and not _module_path(self.allreduce):
+            bad.append(f"allreduce={self.allreduce!r} must be 'flashinfer' or a module path (vllm._custom_ops)")
         if not _report_seconds(self.report):
             bad.append(f"report={self.report!r} must be seconds >= 0 that a timer can wait (0: at exit only)")
         if bad:
@@ -47,6 +53,10 @@ class Options:
 
 #: the longest quiet time before a report line: what threading.Timer can wait (a longer one kills its thread)
 _MAX_REPORT = float(threading.TIMEOUT_MAX)
+
+
+def _module_path(value: Any) -> bool:
+    return isinstance(value, str) and all(part.isidentifier() for part in value.split("."))
 
 
 def _report_seconds(value: Any) -> bool:
@@ -84,7 +94,8 @@ def parse(value: str | None) -> Options | None:
             raise hal.InvalidArgumentError(
                 f"{item!r} {what} (the value is {value!r}); give 1, or a comma-separated list of "
                 f"kind={'|'.join(POOL_KINDS)}, outputs=kept|replay, verify=0|1, hygiene=0|1, "
-                "report=SECONDS (0: at exit only), executables=lazy|N|off (N >= 1 per topology)",
+                "report=SECONDS (0: at exit only), executables=lazy|N|off (N >= 1 per topology), "
+                "allreduce=flashinfer|MODULE|off",
                 call=ENV) from None
     return Options(**fields)
 
@@ -107,6 +118,12 @@ def _option(key: str, raw: str) -> Any:
         if not _report_seconds(seconds):
             raise ValueError(raw)
         return seconds
+    if key == "allreduce":
+        if raw in ("off", "none", "0"):
+            return None
+        if not _module_path(raw):
+            raise ValueError(raw)
+        return raw
     if key == "executables":
         if raw in ("off", "none"):
             return None

@@ -11,11 +11,14 @@ its virtual memory API -- here: on graphkit memory; :meth:`VllmStyleOps.kernel` 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
+import logging
 import multiprocessing
 import os
 import socket
 import struct
+import sys
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -25,7 +28,8 @@ import torch
 
 import graphkit
 import hal
-from graphkit.graphs.allreduce import CALLS, SLOT_BYTES, serve
+from graphkit import switch
+from graphkit.graphs.allreduce import CALLS, SLOT_BYTES, ServedAllReduce, serve, serve_on_import
 from graphkit.memory.allocator import allocator_holding
 from tests.conftest import G
 from tests.graphkit.memory.test_peers import gather
@@ -229,3 +233,81 @@ def test_memory_outside_graphkit_goes_to_the_library_and_is_refused_after_a_grap
 def test_a_binding_without_the_calls_is_refused_by_name() -> None:
     with pytest.raises(hal.InvalidArgumentError, match="lacks register_graph_buffers"):
         serve(type("Ops", (), {n: staticmethod(lambda *a: None) for n in CALLS if n != "register_graph_buffers"})())
+
+
+# -- served from its import on (the switch's allreduce= option) -------------------------------------------------
+
+BINDING = "\n".join(f"def {name}(*args):\n    return ('library', {name!r})\n" for name in CALLS)
+
+FLASHINFER_VLLM_AR = """
+import functools
+from types import SimpleNamespace
+
+@functools.cache
+def get_vllm_comm_module():
+    return SimpleNamespace(**{name: (lambda *args, _n=name: ("library", _n)) for name in NAMES})
+
+def dispose(fa):
+    return get_vllm_comm_module().dispose(fa)
+""".replace("NAMES", repr(CALLS))
+
+
+@pytest.fixture
+def fresh_modules(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
+    """``tmp_path`` on the import path; what a test imports from it is forgotten after, and so is a finder."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    before = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
+def test_a_binding_module_is_served_once_it_is_imported(fresh_modules: Any) -> None:
+    (fresh_modules / "gk_vllm_style_ops.py").write_text(BINDING)
+    serve_on_import("gk_vllm_style_ops")
+    serve_on_import("gk_vllm_style_ops")  # once: one finder
+    assert sum(type(f).__name__ == "_ServeOnImport" for f in sys.meta_path) == 1
+    ops = importlib.import_module("gk_vllm_style_ops")
+    assert isinstance(ops.all_reduce.__self__, ServedAllReduce)
+    ops.all_reduce.__self__.close()
+    assert ops.all_reduce(0, None, None) == ("library", "all_reduce")  # the library's own again
+
+
+def test_flashinfers_namespace_is_served_once_built(fresh_modules: Any) -> None:
+    package = fresh_modules / "flashinfer" / "comm"
+    package.mkdir(parents=True)
+    (fresh_modules / "flashinfer" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "vllm_ar.py").write_text(FLASHINFER_VLLM_AR)
+    serve_on_import("flashinfer")
+    vllm_ar = importlib.import_module("flashinfer.comm.vllm_ar")
+    namespace = vllm_ar.get_vllm_comm_module()
+    assert namespace is vllm_ar.get_vllm_comm_module()  # built once, served once
+    assert isinstance(namespace.register_graph_buffers.__self__, ServedAllReduce)
+    assert vllm_ar.dispose(7) == ("library", "dispose")  # the module's calls go through the served namespace
+    namespace.dispose.__self__.close()
+
+
+def test_a_binding_without_the_calls_is_left_alone_with_a_warning(fresh_modules: Any,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    (fresh_modules / "gk_other_ops.py").write_text("def all_reduce(*args):\n    return None\n")
+    importlib.import_module("gk_other_ops")
+    with caplog.at_level(logging.WARNING, logger="graphkit.graphs.allreduce"):
+        serve_on_import("gk_other_ops")  # imported already: served now, or refused
+    assert "not served" in caplog.text and "lacks" in caplog.text
+
+
+def test_the_switchs_allreduce_option_serves_the_binding_in_every_process_it_starts(fresh_modules: Any) -> None:
+    options = switch.parse("1,allreduce=gk_switch_ops")
+    assert options is not None and options.allreduce == "gk_switch_ops"
+    (fresh_modules / "gk_switch_ops.py").write_text(BINDING)
+    scope = switch.ProcessGraphMemory(options)
+    try:
+        ops = importlib.import_module("gk_switch_ops")
+        assert isinstance(ops.init_custom_ar.__self__, ServedAllReduce)
+        ops.init_custom_ar.__self__.close()
+    finally:
+        scope.stop()
+    with pytest.raises(hal.InvalidArgumentError, match="allreduce="):
+        switch.parse("allreduce=not-a-module")
