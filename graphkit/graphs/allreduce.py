@@ -85,7 +85,7 @@ class _AllReduce:
     noted: list[_Noted] = field(default_factory=list)  # buffers waiting for a registration
     registered: list[_Noted] = field(default_factory=list)  # served by graphkit so far (published again each time)
     served: bool = False  # graphkit registered buffers of it: the library's own registration cannot run any more
-    meta: tuple[list[_Noted], PeerMemory] | None = None  # what get_graph_buffer_ipc_meta answered last
+    meta: tuple[list[_Noted], list[PeerMemory]] | None = None  # what get_graph_buffer_ipc_meta answered last
 
 
 class ServedAllReduce:
@@ -178,21 +178,25 @@ class ServedAllReduce:
             owners = [allocator_holding(n.ptr) for n in state.noted]
             if not state.served and not any(owners):
                 return self._original["get_graph_buffer_ipc_meta"](fa, *args, **kwargs)
-            outside = [n for n, owner in zip(state.noted, owners, strict=True) if owner is None]
-            if outside or len({id(o) for o in owners}) > 1:
-                raise hal.InvalidStateError(
-                    f"{len(outside)} buffer(s) the all-reduce reads are outside graphkit memory, or in several "
-                    "allocators, next to graphkit's: capture every graph that uses this all-reduce inside one "
-                    "graph_memory()", call="get_graph_buffer_ipc_meta")
             every = state.registered + state.noted  # published again: a survivor swap moves what lies under one
-            allocator = owners[0] if owners else allocator_holding(every[0].ptr) if every else None
-            if allocator is None:
-                return [], []
-            peers = self._peer_memory(allocator)
-            token = peers.publish([(n.ptr, n.nbytes) for n in every])
-            state.meta = (every, peers)
-            handles = b"".join((token + _ENTRY.pack(i)).ljust(HANDLE_BYTES, b"\0") for i in range(len(every)))
-            return list(handles), [0] * len(every)
+            owners = [allocator_holding(n.ptr) for n in every]
+            outside = sum(owner is None for owner in owners)
+            if outside:
+                raise hal.InvalidStateError(
+                    f"{outside} buffer(s) the all-reduce reads are outside graphkit memory, next to graphkit's: "
+                    "capture every graph that uses this all-reduce inside graph_memory() (or under the switch)",
+                    call="get_graph_buffer_ipc_meta")
+            entries: list[bytes] = [b""] * len(every)
+            used: list[PeerMemory] = []
+            for allocator in {id(o): o for o in owners if o is not None}.values():
+                mine = [i for i, owner in enumerate(owners) if owner is allocator]
+                peers = self._peer_memory(allocator)
+                token = peers.publish([(every[i].ptr, every[i].nbytes) for i in mine])
+                for j, i in enumerate(mine):
+                    entries[i] = (token + _ENTRY.pack(j)).ljust(HANDLE_BYTES, b"\0")
+                used.append(peers)
+            state.meta = (every, used)
+            return list(b"".join(entries)), [0] * len(every)
 
     def _register_graph_buffers(self, fa: int, handles: Sequence[Sequence[int]], offsets: Sequence[Sequence[int]],
                                 *args: Any, **kwargs: Any) -> Any:
@@ -211,9 +215,10 @@ class ServedAllReduce:
                     f"handles for {len(handles)} rank(s), {sum(map(is_token, ours))} of graphkit: pass every rank's "
                     "answer of get_graph_buffer_ipc_meta, called on every rank after the same captures",
                     call="register_graph_buffers")
-            every, peers = state.meta
-            addresses = [self._addresses(peers, h, len(every), rank) for rank, h in enumerate(handles)]
-            self._write_slots(state, every, addresses, peers)
+            every, used = state.meta
+            addresses = [[n.ptr for n in every] if rank == state.rank else
+                         self._addresses(used[0], h, len(every), rank) for rank, h in enumerate(handles)]
+            self._write_slots(state, every, addresses, used[0])
             state.registered, state.noted, state.meta, state.served = every, [], None, True
             log.info("all-reduce %#x: %d graph buffer(s) registered over graphkit memory on %d rank(s)", int(fa),
                      len(every), state.world)
@@ -239,10 +244,15 @@ class ServedAllReduce:
             raise hal.InvalidArgumentError(f"rank {rank} registered {len(data) // HANDLE_BYTES} buffer(s), this rank "
                                            f"{count}: every rank must capture the same graphs",
                                            call="register_graph_buffers")
-        entries = [data[i * HANDLE_BYTES:(i + 1) * HANDLE_BYTES] for i in range(count)]
-        resolved = peers.resolve(entries[0][:TOKEN_BYTES])
-        order = [_ENTRY.unpack_from(e, TOKEN_BYTES)[0] for e in entries]
-        return [resolved[i] for i in order]
+        resolved: dict[bytes, list[int]] = {}  # a set per allocator of the rank's, resolved once each
+        addresses = []
+        for i in range(count):
+            entry = data[i * HANDLE_BYTES:(i + 1) * HANDLE_BYTES]
+            token = entry[:TOKEN_BYTES]
+            if token not in resolved:
+                resolved[token] = peers.resolve(token)
+            addresses.append(resolved[token][_ENTRY.unpack_from(entry, TOKEN_BYTES)[0]])
+        return addresses
 
     def _write_slots(self, state: _AllReduce, every: list[_Noted], addresses: list[list[int]],
                      peers: PeerMemory) -> None:

@@ -226,7 +226,7 @@ def test_memory_outside_graphkit_goes_to_the_library_and_is_refused_after_a_grap
         inside.fill_(5)
         assert ops.kernel(rank_data.data_ptr() + SLOT_BYTES, 1) == [5]
         capture_all_reduce(be, ops, fa, outside)
-        with pytest.raises(hal.InvalidStateError, match="inside one graph_memory"):
+        with pytest.raises(hal.InvalidStateError, match="outside graphkit memory"):
             ops.get_graph_buffer_ipc_meta(fa)
 
 
