@@ -100,6 +100,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--serve", action="store_true",
                         help="graphkit serves FlashInfer's graph-buffer registration (graphkit.graphs.allreduce."
                              "serve_flashinfer, over a shareable backend): the registered kind reads in place")
+    parser.add_argument("--switch-serves", action="store_true",
+                        help="the ranks start with GRAPHKIT_GRAPH_MEMORY=allreduce=flashinfer and make no call of "
+                             "their own: the switch serves FlashInfer's registration from its import on (and the "
+                             "captures outside the script's block: give --kinds registered)")
     parser.add_argument("--same-device", action="store_true",
                         help="every rank on GPU 0 (where one GPU is lent): a gloo process group, no nccl kind; "
                              "the ranks' kernels take turns on the GPU, so latency is not judged")
@@ -111,6 +115,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     bad = [k for k in args.kinds if k not in KINDS]
     if bad:
         parser.error(f"--kinds: unknown {bad}; choose from {KINDS}")
+    if args.switch_serves and (args.serve or args.kinds != ["registered"]):
+        parser.error("--switch-serves: the switch serves instead of --serve, and its pools take the captures outside "
+                     "the script's block too, where a staged or nccl kind would mix memories: give --kinds registered")
     if args.same_device and "nccl" in args.kinds:
         parser.error("--same-device: NCCL refuses two ranks on one GPU; leave the nccl kind out")
     if args.world < 2 or args.world > 8 or args.world % 2:
@@ -209,7 +216,9 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     rank, world = args.rank, args.world
-    result: dict[str, Any] = {"rank": rank, "world": world, "served": args.serve, "same_device": args.same_device}
+    result: dict[str, Any] = {"rank": rank, "world": world, "served": args.serve or args.switch_serves,
+                              "served_by": "switch" if args.switch_serves else "call" if args.serve else None,
+                              "same_device": args.same_device}
     gpus = 1 if args.same_device else world
     if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
         raise Skip(f"{world} ranks need {gpus} GPU(s); torch sees {torch.cuda.device_count()}")
@@ -309,7 +318,11 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any]:
     if error:
         raise RuntimeError(f"rank {rank}: FlashInfer's graph registration failed on torch's own pool: {error}")
 
-    be = hal.get_backend("cuda", device=index, shareable=args.serve)  # chunks a peer can map
+    if args.switch_serves:  # what the switch did in this process, from its start
+        namespace = importlib.import_module("flashinfer.comm.vllm_ar").get_vllm_comm_module()
+        result["namespace_served"] = isinstance(getattr(namespace.all_reduce, "__self__", None),
+                                                allreduce.ServedAllReduce)
+    be = hal.get_backend("cuda", device=index, shareable=args.serve or args.switch_serves)  # chunks a peer can map
     saver = graphkit.MemorySaver(be)
     pools = graphkit.GraphPools(be, saver=saver)
     graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -448,6 +461,8 @@ def launch(args: argparse.Namespace, argv: Sequence[str], runner: Callable[..., 
 
     runner = runner or run_ranks
     env = jit_env(args.jit_dir, rank_env())
+    if args.switch_serves:
+        env["GRAPHKIT_GRAPH_MEMORY"] = "allreduce=flashinfer"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # graphkit from this tree
     started = time.monotonic()
     results = runner(Path(__file__), args.world, timeout=args.timeout, env=env,
