@@ -85,7 +85,8 @@ class _AllReduce:
     noted: list[_Noted] = field(default_factory=list)  # buffers waiting for a registration
     registered: list[_Noted] = field(default_factory=list)  # served by graphkit so far (published again each time)
     served: bool = False  # graphkit registered buffers of it: the library's own registration cannot run any more
-    meta: tuple[list[_Noted], list[PeerMemory]] | None = None  # what get_graph_buffer_ipc_meta answered last
+    meta: tuple[list[_Noted], list[PeerMemory]] | None = None  # the buffers last published, and per buffer the
+    # peer memory of its allocator
 
 
 class ServedAllReduce:
@@ -187,15 +188,15 @@ class ServedAllReduce:
                     "capture every graph that uses this all-reduce inside graph_memory() (or under the switch)",
                     call="get_graph_buffer_ipc_meta")
             entries: list[bytes] = [b""] * len(every)
-            used: list[PeerMemory] = []
+            by_buffer: list[PeerMemory] = [None] * len(every)  # type: ignore[list-item]
             for allocator in {id(o): o for o in owners if o is not None}.values():
                 mine = [i for i, owner in enumerate(owners) if owner is allocator]
                 peers = self._peer_memory(allocator)
                 token = peers.publish([(every[i].ptr, every[i].nbytes) for i in mine])
                 for j, i in enumerate(mine):
                     entries[i] = (token + _ENTRY.pack(j)).ljust(HANDLE_BYTES, b"\0")
-                used.append(peers)
-            state.meta = (every, used)
+                    by_buffer[i] = peers
+            state.meta = (every, by_buffer)
             return list(b"".join(entries)), [0] * len(every)
 
     def _register_graph_buffers(self, fa: int, handles: Sequence[Sequence[int]], offsets: Sequence[Sequence[int]],
@@ -215,10 +216,10 @@ class ServedAllReduce:
                     f"handles for {len(handles)} rank(s), {sum(map(is_token, ours))} of graphkit: pass every rank's "
                     "answer of get_graph_buffer_ipc_meta, called on every rank after the same captures",
                     call="register_graph_buffers")
-            every, used = state.meta
+            every, by_buffer = state.meta
             addresses = [[n.ptr for n in every] if rank == state.rank else
-                         self._addresses(used[0], h, len(every), rank) for rank, h in enumerate(handles)]
-            self._write_slots(state, every, addresses, used[0])
+                         self._addresses(by_buffer, h, len(every), rank) for rank, h in enumerate(handles)]
+            self._write_slots(state, every, addresses, by_buffer[0])
             state.registered, state.noted, state.meta, state.served = every, [], None, True
             log.info("all-reduce %#x: %d graph buffer(s) registered over graphkit memory on %d rank(s)", int(fa),
                      len(every), state.world)
@@ -237,21 +238,22 @@ class ServedAllReduce:
         return peers
 
     @staticmethod
-    def _addresses(peers: PeerMemory, handle: Sequence[int], count: int, rank: int) -> list[int]:
-        """One rank's ``count`` buffers, at their addresses in this process."""
+    def _addresses(by_buffer: list[PeerMemory], handle: Sequence[int], count: int, rank: int) -> list[int]:
+        """One rank's ``count`` buffers, at their addresses in this process: each mapped by the peer memory of
+        this rank's buffer at the same place (so that it sleeps and wakes with the memory of that buffer)."""
         data = bytes(v & 0xFF for v in handle)
         if len(data) != count * HANDLE_BYTES:
             raise hal.InvalidArgumentError(f"rank {rank} registered {len(data) // HANDLE_BYTES} buffer(s), this rank "
                                            f"{count}: every rank must capture the same graphs",
                                            call="register_graph_buffers")
-        resolved: dict[bytes, list[int]] = {}  # a set per allocator of the rank's, resolved once each
+        resolved: dict[tuple[int, bytes], list[int]] = {}  # a set per allocator of the rank's, resolved once each
         addresses = []
         for i in range(count):
             entry = data[i * HANDLE_BYTES:(i + 1) * HANDLE_BYTES]
-            token = entry[:TOKEN_BYTES]
-            if token not in resolved:
-                resolved[token] = peers.resolve(token)
-            addresses.append(resolved[token][_ENTRY.unpack_from(entry, TOKEN_BYTES)[0]])
+            key = (id(by_buffer[i]), entry[:TOKEN_BYTES])
+            if key not in resolved:
+                resolved[key] = by_buffer[i].resolve(key[1])
+            addresses.append(resolved[key][_ENTRY.unpack_from(entry, TOKEN_BYTES)[0]])
         return addresses
 
     def _write_slots(self, state: _AllReduce, every: list[_Noted], addresses: list[list[int]],

@@ -161,10 +161,44 @@ def rank_steps(rank: int, sock: socket.socket) -> None:
     assert be.live.zero, be.live
 
 
-def _run_rank(rank: int, sock: socket.socket) -> None:
+def two_allocators_steps(rank: int, sock: socket.socket) -> None:
+    """Buffers of one all-reduce in two allocators, one asleep with a saver (a block's), one not (the switch's):
+    each peer buffer is mapped by the peer memory of the allocator of this rank's buffer at the same place, so
+    the sleeping one's follow the sleep."""
+    sync = lambda: gather(sock, rank, b".")  # noqa: E731 - a barrier
+    be = hal.get_backend("fake", granularity=G)
+    awake, sleeper = (graphkit.SharedVMMAllocator(be, reserve_bytes=16 * G) for _ in range(2))
+    saver = graphkit.MemorySaver(be)
+    saver.adopt(sleeper)
+    ops = VllmStyleOps(be)
+    serving = serve(ops, backend=be, timeout=30)
+    rank_data = torch.zeros(4 * SLOT_BYTES, dtype=torch.uint8)
+    fa = ops.init_custom_ar([0, 0], rank_data, rank, True)
+    buffers = []
+    for allocator in (awake, sleeper):
+        allocator.switch_to_new_virtual_space()
+        buffers.append(be.tensor_at(allocator.allocate(4 * COUNT), 4 * COUNT).view(torch.int32))
+        capture_all_reduce(be, ops, fa, buffers[-1])
+        register(ops, fa, sock, rank)  # the second registration publishes both, one set per allocator
+    sync()
+    saver.pause()
+    saver.resume()
+    for i, buffer in enumerate(buffers):
+        buffer.fill_((10 * i + 1) * (rank + 1))
+    sync()
+    assert ops.kernel(rank_data.data_ptr(), 2) == [3] and ops.kernel(rank_data.data_ptr() + SLOT_BYTES, 2) == [33]
+    sync()
+    serving.close()
+    saver.close()
+    for allocator in (awake, sleeper):
+        allocator.close()
+    be.close()
+
+
+def _run_rank(rank: int, sock: socket.socket, steps: Any = None) -> None:
     try:
         sock.settimeout(60)
-        rank_steps(rank, sock)
+        (steps or rank_steps)(rank, sock)
     except BaseException:  # noqa: BLE001 - reported through stderr and the exit code
         traceback.print_exc()
         os._exit(1)
@@ -311,3 +345,20 @@ def test_the_switchs_allreduce_option_serves_the_binding_in_every_process_it_sta
         scope.stop()
     with pytest.raises(hal.InvalidArgumentError, match="allreduce="):
         switch.parse("allreduce=not-a-module")
+
+
+def test_buffers_in_two_allocators_follow_the_one_that_sleeps() -> None:
+    ctx = multiprocessing.get_context("fork")
+    a, b = socket.socketpair(socket.AF_UNIX)
+    ranks = [ctx.Process(target=_run_rank, args=(rank, s, two_allocators_steps)) for rank, s in enumerate((a, b))]
+    for p in ranks:
+        p.start()
+    try:
+        for p in ranks:
+            p.join(120)
+    finally:
+        for p in ranks:
+            p.kill()
+        a.close()
+        b.close()
+    assert [p.exitcode for p in ranks] == [0, 0]
