@@ -63,15 +63,20 @@ def test_flashinfer_graph_registration_by_legacy_ipc_is_refused_on_graphkit_memo
         assert rank["legacy_ipc_capable_plain_buffers"] == [1], rank  # torch's own pool: capable
 
 
+@pytest.mark.parametrize("by", ["call", "switch"])
 def test_flashinfer_reads_graph_buffers_in_place_over_graphkit_memory_when_graphkit_serves_the_registration(
-        tmp_path: Path) -> None:
+        tmp_path: Path, by: str) -> None:
+    """``call``: the rank calls serve_flashinfer(); ``switch``: it starts with GRAPHKIT_GRAPH_MEMORY=allreduce=
+    flashinfer and calls nothing (the switch's pools then take the plain graphs too: the registered kind alone)."""
     import torch
 
     same = ["--same-device"] if torch.cuda.device_count() < 2 else []
-    proc, data = run(tmp_path, 2, "registered,staged", "--serve", *same)
+    kinds, flag = ("registered,staged", "--serve") if by == "call" else ("registered", "--switch-serves")
+    proc, data = run(tmp_path, 2, kinds, flag, *same)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-8000:]
     for rank in data["ranks"]:
-        assert rank["served"] and not rank["refused"], rank
-        assert rank["graph_memory_is_graphkit"] == {"staged": True, "registered": True}, rank
+        assert rank["served_by"] == by and not rank["refused"], rank
+        assert rank.get("namespace_served", True), rank
+        assert all(rank["graph_memory_is_graphkit"].values()), rank
         assert rank["legacy_ipc_capable_graph_buffers"]["registered"] == [0], rank  # in place all the same
-        assert set(rank["checks"].values()) == {6}, rank  # 3 sizes x 2 kinds, 4 phases
+        assert set(rank["checks"].values()) == {6 if by == "call" else 3}, rank  # 3 sizes x the kinds, 4 phases
