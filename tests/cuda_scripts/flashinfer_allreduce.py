@@ -104,6 +104,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="the ranks start with GRAPHKIT_GRAPH_MEMORY=allreduce=flashinfer and make no call of "
                              "their own: the switch serves FlashInfer's registration from its import on (and the "
                              "captures outside the script's block: give --kinds registered)")
+    parser.add_argument("--executables", choices=("lazy", "off"), default="lazy",
+                        help="the graphkit pools' executables budget: lazy (the default: graphkit launches each "
+                             "replay) or off (the framework instantiates and replays its graphs itself)")
     parser.add_argument("--same-device", action="store_true",
                         help="every rank on GPU 0 (where one GPU is lent): a gloo process group, no nccl kind; "
                              "the ranks' kernels take turns on the GPU, so latency is not judged")
@@ -324,7 +327,8 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any]:
                                                 allreduce.ServedAllReduce)
     be = hal.get_backend("cuda", device=index, shareable=args.serve or args.switch_serves)  # chunks a peer can map
     saver = graphkit.MemorySaver(be)
-    pools = graphkit.GraphPools(be, saver=saver)
+    pools = graphkit.GraphPools(be, saver=saver, executables=None if args.executables == "off" else "lazy")
+    result["executables"] = args.executables
     graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
     in_graph: dict[str, list[int]] = {kind: [] for kind in kinds}
     graphkit_held: dict[str, bool] = {}  # per kind: every ``h`` of its captures lies in a graphkit space
